@@ -1,0 +1,538 @@
+"""The model: a Mixture-of-Experts transformer with Multi-head Latent Attention.
+
+Read bottom-up: RMSNorm and RoPE, then MLA attention (with its latent KV cache), the
+dense FFN, the router and experts that make an MoE layer, the Block, and last the
+Transformer that stacks Blocks.
+
+Every layer is written for the *local* shard of its weights: the number of heads,
+hidden units or experts is read off the weight shapes, so the same code runs on one
+device (full weights) and inside `jax.shard_map` (a tensor-parallel slice). The only
+collectives here are the tensor-parallel ones, named by `tp_axis` (None = one device,
+no collectives); FSDP, pipeline and data parallelism live in parallel.py.
+
+Shape legend (suffixes of names):
+  B batch          T time (queries)    S time (keys) or tokens in a routing group
+  D model width    H heads             K head dim (content part)   R head dim (RoPE part)
+  Q query latent   A key/value latent (the only thing the KV cache stores, with R)
+  F hidden units   E experts           C expert capacity   G routing groups
+  V vocabulary     N blocks            X top-k choices
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Softmax and norms run in float32 whatever the compute dtype: they are cheap and
+# bfloat16 would lose the small differences between large logits.
+ACC_DTYPE = jnp.float32
+
+
+def init_normal(rngs, shape, fan_in, scale=1.0):
+    """Weights ~ N(0, scale^2 / fan_in): keeps activations at unit scale at any width."""
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * (scale / math.sqrt(fan_in)))
+
+
+def residual_scale(cfg):
+    """Output projections of residual branches start small, 1/sqrt(2 x layers) (GPT-2),
+    so the residual stream does not grow with depth. (Not zero: a zero projection
+    would give every weight before it a zero gradient at step 0.)"""
+    return 1.0 / math.sqrt(2 * cfg.n_blocks * len(cfg.block_pattern))
+
+
+def psum_if(x, axis):
+    """Sum over a mesh axis inside shard_map; on one device (axis None) a no-op."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+# ----------------------------------------------------------------------------
+# Small pieces
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim, eps=1e-6):
+        self.scale_D = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x_BTD):
+        x = x_BTD.astype(ACC_DTYPE)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale_D[...].astype(ACC_DTYPE)).astype(x_BTD.dtype)
+
+
+def rope_angles(positions_BT, rope_dim, theta):
+    """Rotation angles [B, T, R/2] for rotary embeddings (Su et al. 2021).
+
+    Computed once per forward and applied to queries *and* keys, so the two can never
+    use different frequencies; the score then depends only on relative position.
+    """
+    inv_freq = theta ** (-jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim)
+    return positions_BT.astype(jnp.float32)[..., None] * inv_freq
+
+
+def apply_rope(x_BTxR, angles_BTR2):
+    """Rotate pairs (x[2i], x[2i+1]) by angle[i]; x may have a head axis before R."""
+    if x_BTxR.ndim == 4:  # [B, T, H, R]: the same angle for every head
+        angles_BTR2 = angles_BTR2[:, :, None, :]
+    cos, sin = jnp.cos(angles_BTR2), jnp.sin(angles_BTR2)
+    x = x_BTxR.astype(jnp.float32)
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]
+    rotated = jnp.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], axis=-1)
+    return rotated.reshape(x.shape).astype(x_BTxR.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434, section 2.1)
+#
+# Keys and values are up-projected from a small latent c_kv [A]; a separate RoPE key
+# [R] is shared by all heads ("decoupled RoPE"), because a rotation cannot be folded
+# into the latent's up-projection. The KV cache therefore holds only A + R numbers per
+# token instead of 2 * H * K.
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, cfg, rngs):
+        D, H, K, R, Q, A = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.q_latent, cfg.kv_latent
+        self.wq_down_DQ = init_normal(rngs, (D, Q), D)
+        self.q_norm = RMSNorm(Q)
+        self.wq_up_QHK = init_normal(rngs, (Q, H, K), Q)
+        self.wq_rope_QHR = init_normal(rngs, (Q, H, R), Q)
+        self.wkv_down_DA = init_normal(rngs, (D, A), D)
+        self.kv_norm = RMSNorm(A)
+        self.wk_rope_DR = init_normal(rngs, (D, R), D)
+        self.wk_up_AHK = init_normal(rngs, (A, H, K), A)
+        self.wv_up_AHK = init_normal(rngs, (A, H, K), A)
+        self.wo_HKD = init_normal(rngs, (H, K, D), H * K, residual_scale(cfg))
+        self.softmax_scale = 1.0 / math.sqrt(K + R)
+
+    def queries(self, x_BTD, angles):
+        q_BTQ = self.q_norm(x_BTD @ self.wq_down_DQ[...])
+        q_nope_BTHK = jnp.einsum("btq,qhk->bthk", q_BTQ, self.wq_up_QHK[...])
+        q_rope_BTHR = apply_rope(jnp.einsum("btq,qhr->bthr", q_BTQ, self.wq_rope_QHR[...]), angles)
+        return q_nope_BTHK, q_rope_BTHR
+
+    def latents(self, x_BTD, angles):
+        """What the cache stores: the normalised KV latent and the shared RoPE key."""
+        kv_BTA = self.kv_norm(x_BTD @ self.wkv_down_DA[...])
+        k_rope_BTR = apply_rope(x_BTD @ self.wk_rope_DR[...], angles)
+        return kv_BTA, k_rope_BTR
+
+    def __call__(self, x_BTD, angles, tp_axis=None):
+        """Causal self-attention over a whole sequence (training and eval)."""
+        T = x_BTD.shape[1]
+        q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles)
+        kv_BSA, k_rope_BSR = self.latents(x_BTD, angles)
+        k_nope_BSHK = jnp.einsum("bsa,ahk->bshk", kv_BSA, self.wk_up_AHK[...])
+        v_BSHK = jnp.einsum("bsa,ahk->bshk", kv_BSA, self.wv_up_AHK[...])
+        scores_BHTS = jnp.einsum("bthk,bshk->bhts", q_nope_BTHK, k_nope_BSHK, preferred_element_type=ACC_DTYPE)
+        scores_BHTS += jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR, preferred_element_type=ACC_DTYPE)
+        causal_TS = jnp.tril(jnp.ones((T, T), bool))
+        scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
+        probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
+        out_BTHK = jnp.einsum("bhts,bshk->bthk", probs_BHTS, v_BSHK)
+        # Tensor parallel: each device holds H/tp heads, so this is a partial sum over
+        # heads; the psum (an all-reduce over `tp`) completes it (Megatron, row-parallel).
+        return psum_if(jnp.einsum("bthk,hkd->btd", out_BTHK, self.wo_HKD[...]), tp_axis)
+
+    def decode(self, x_BTD, angles, cache, start):
+        """Attend T new tokens at positions start..start+T-1 to the latent cache.
+
+        The key up-projection is absorbed into the query (q . W_uk c = (W_uk^T q) . c),
+        so keys are never materialised: scores are taken against the cached latent.
+        cache = (kv_BSA, k_rope_BSR) with S the fixed maximum length, so one compiled
+        step serves every position.
+        """
+        kv_cache_BSA, rope_cache_BSR = cache
+        q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles)
+        kv_BTA, k_rope_BTR = self.latents(x_BTD, angles)
+        kv_cache_BSA = jax.lax.dynamic_update_slice_in_dim(kv_cache_BSA, kv_BTA.astype(kv_cache_BSA.dtype), start, 1)
+        rope_cache_BSR = jax.lax.dynamic_update_slice_in_dim(rope_cache_BSR, k_rope_BTR.astype(rope_cache_BSR.dtype), start, 1)
+        q_latent_BTHA = jnp.einsum("bthk,ahk->btha", q_nope_BTHK, self.wk_up_AHK[...])
+        scores_BHTS = jnp.einsum("btha,bsa->bhts", q_latent_BTHA, kv_cache_BSA, preferred_element_type=ACC_DTYPE)
+        scores_BHTS += jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, rope_cache_BSR, preferred_element_type=ACC_DTYPE)
+        T, S = x_BTD.shape[1], kv_cache_BSA.shape[1]
+        visible_TS = jnp.arange(S)[None, :] <= start + jnp.arange(T)[:, None]
+        scores_BHTS = jnp.where(visible_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
+        probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
+        context_BTHA = jnp.einsum("bhts,bsa->btha", probs_BHTS, kv_cache_BSA)
+        out_BTHK = jnp.einsum("btha,ahk->bthk", context_BTHA, self.wv_up_AHK[...])
+        y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK, self.wo_HKD[...])
+        return y_BTD, (kv_cache_BSA, rope_cache_BSR)
+
+
+# ----------------------------------------------------------------------------
+# Feed-forward: dense (SwiGLU or GELU), and the experts of an MoE layer
+
+
+class DenseFFN(nnx.Module):
+    """SwiGLU (Shazeer 2020) or GELU MLP. Under tensor parallelism F is split: the up
+    projections are column-parallel and the down projection row-parallel, so one psum
+    at the end completes the output."""
+
+    def __init__(self, d_model, d_hidden, activation, rngs, out_scale):
+        self.activation = activation
+        if activation == "swiglu":
+            self.w_gate_DF = init_normal(rngs, (d_model, d_hidden), d_model)
+        self.w_up_DF = init_normal(rngs, (d_model, d_hidden), d_model)
+        self.w_down_FD = init_normal(rngs, (d_hidden, d_model), d_hidden, out_scale)
+
+    def __call__(self, x_BTD):  # partial sum over F when F is split: caller psums
+        up_BTF = x_BTD @ self.w_up_DF[...]
+        if self.activation == "swiglu":
+            hidden_BTF = jax.nn.silu(x_BTD @ self.w_gate_DF[...]) * up_BTF
+        else:
+            hidden_BTF = jax.nn.gelu(up_BTF)
+        return hidden_BTF @ self.w_down_FD[...]
+
+
+def top_k_routing(x_SD, router_DE, top_k, score):
+    """Router: each token picks its top_k experts; gates are normalised to sum to 1.
+
+    Returns gates_SX, experts_SX (int) and probs_SE (normalised scores, for the
+    load-balance loss). Routing runs in float32: a tie broken differently in bfloat16
+    would send a token elsewhere.
+    """
+    logits_SE = jnp.dot(x_SD.astype(ACC_DTYPE), router_DE.astype(ACC_DTYPE))
+    if score == "softmax":
+        scores_SE = jax.nn.softmax(logits_SE, axis=-1)
+    else:  # sigmoid (DeepSeek-V3): independent affinities, normalised afterwards
+        scores_SE = jax.nn.sigmoid(logits_SE)
+    probs_SE = scores_SE / jnp.sum(scores_SE, axis=-1, keepdims=True)
+    top_scores_SX, experts_SX = jax.lax.top_k(scores_SE, top_k)
+    gates_SX = top_scores_SX / jnp.sum(top_scores_SX, axis=-1, keepdims=True)
+    return gates_SX, experts_SX, probs_SE
+
+
+def expert_capacity(group_size, top_k, n_experts, capacity_factor):
+    """Slots per expert per routing group: factor x tokens x k / experts (GShard).
+
+    The k matters: a group makes tokens x k assignments, so without it the expected
+    load of an expert would exceed its capacity whenever k > 1.
+    """
+    return max(1, math.ceil(capacity_factor * group_size * top_k / n_experts))
+
+
+def assign_slots(experts_SX, n_experts, capacity):
+    """Give every (token, choice) a slot in its expert's buffer, or drop it.
+
+    Priority is choice-major (all first choices before any second choice), then token
+    order, so a token's first choice is dropped only when its expert is already full
+    of first choices. Done by a stable sort: O(S*X log(S*X)), no [S, E, C] one-hot.
+    Returns slot_SX (e * capacity + position; n_experts * capacity when dropped),
+    kept_SX and tokens_per_expert_E (demand before dropping).
+    """
+    S, X = experts_SX.shape
+    experts_XS = experts_SX.T.reshape(-1)  # choice-major order
+    order = jnp.argsort(experts_XS, stable=True)
+    tokens_per_expert_E = jnp.zeros((n_experts,), jnp.int32).at[experts_XS].add(1)
+    first_index_E = jnp.cumsum(tokens_per_expert_E) - tokens_per_expert_E
+    position_sorted = jnp.arange(S * X) - first_index_E[experts_XS[order]]
+    position_XS = jnp.zeros((S * X,), jnp.int32).at[order].set(position_sorted)
+    position_SX = position_XS.reshape(X, S).T
+    kept_SX = position_SX < capacity
+    slot_SX = jnp.where(kept_SX, experts_SX * capacity + position_SX, n_experts * capacity)
+    return slot_SX, kept_SX, tokens_per_expert_E
+
+
+def load_balance_loss(probs_SE, tokens_per_expert_E, top_k):
+    """Switch Transformer auxiliary loss, E * sum_e f_e * P_e (arXiv:2101.03961 eq. 4).
+
+    f_e is the fraction of the group's top-k assignments that chose expert e, P_e the
+    mean router probability. Both are 1/E under perfectly uniform routing, where the
+    loss takes its minimum value of 1.
+    """
+    S, E = probs_SE.shape
+    fraction_E = tokens_per_expert_E.astype(ACC_DTYPE) / (S * top_k)
+    return E * jnp.sum(fraction_E * jnp.mean(probs_SE, axis=0))
+
+
+class MoE(nnx.Module):
+    """Shared experts (see every token) + top-k routed experts (DeepSeekMoE).
+
+    Tokens are routed in groups of `group_size` consecutive tokens of one sequence.
+    Capacity and dropping are decided per group, and groups never straddle sequences,
+    so which tokens are dropped does not depend on how the batch is split over
+    devices.
+    """
+
+    def __init__(self, cfg, rngs):
+        D, E, F = cfg.d_model, cfg.n_experts, cfg.d_expert
+        self.top_k, self.score = cfg.top_k, cfg.router_score
+        self.capacity_factor = cfg.capacity_factor
+        self.group_size = cfg.routing_group or cfg.seq_len
+        self.router_DE = init_normal(rngs, (D, E), D)
+        self.w_gate_EDF = init_normal(rngs, (E, D, F), D)
+        self.w_up_EDF = init_normal(rngs, (E, D, F), D)
+        self.w_down_EFD = init_normal(rngs, (E, F, D), F, residual_scale(cfg))
+        self.shared = DenseFFN(D, cfg.n_shared * F, "swiglu", rngs, residual_scale(cfg)) if cfg.n_shared else None
+
+    def expert_ffn(self, x_GECD):
+        """SwiGLU of each local expert on its buffer of tokens."""
+        gate_GECF = jnp.einsum("gecd,edf->gecf", x_GECD, self.w_gate_EDF[...])
+        up_GECF = jnp.einsum("gecd,edf->gecf", x_GECD, self.w_up_EDF[...])
+        return jnp.einsum("gecf,efd->gecd", jax.nn.silu(gate_GECF) * up_GECF, self.w_down_EFD[...])
+
+    def routed_with_capacity(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis):
+        G, S, D = x_GSD.shape
+        capacity = expert_capacity(S, self.top_k, n_experts, self.capacity_factor)
+        slot_GSX, kept_GSX, tokens_per_expert_GE = jax.vmap(assign_slots, (0, None, None))(experts_GSX, n_experts, capacity)
+
+        def fill_slots(x_SD, slot_SX):  # gather tokens into [E*C] slots; empty slots read a zero row
+            token_for_slot = jnp.full((n_experts * capacity,), S, jnp.int32)
+            token_for_slot = token_for_slot.at[slot_SX].set(jnp.broadcast_to(jnp.arange(S)[:, None], slot_SX.shape), mode="drop")
+            return jnp.concatenate([x_SD, jnp.zeros((1, D), x_SD.dtype)])[token_for_slot]
+
+        x_GECD = jax.vmap(fill_slots)(x_GSD, slot_GSX).reshape(G, n_experts, capacity, D)
+        if ep_axis is None:
+            y_GECD = self.expert_ffn(x_GECD)
+        else:
+            # Expert parallelism: this device holds E/dp experts. all_to_all sends each
+            # expert's slots to the device that owns it (split E, stack groups), the
+            # experts run, and the inverse all_to_all brings the results home.
+            x_GECD = jax.lax.all_to_all(x_GECD, ep_axis, split_axis=1, concat_axis=0, tiled=True)
+            y_GECD = self.expert_ffn(x_GECD)
+            y_GECD = jax.lax.all_to_all(y_GECD, ep_axis, split_axis=0, concat_axis=1, tiled=True)
+
+        def combine(y_ECD, slot_SX, gates_SX, kept_SX):  # each token sums its k expert outputs
+            y_slots = jnp.concatenate([y_ECD.reshape(-1, D), jnp.zeros((1, D), y_ECD.dtype)])
+            weights_SX = jnp.where(kept_SX, gates_SX, 0.0).astype(y_ECD.dtype)
+            return jnp.einsum("sxd,sx->sd", y_slots[slot_SX], weights_SX)
+
+        y_GSD = jax.vmap(combine)(y_GECD, slot_GSX, gates_GSX, kept_GSX)
+        dropped = jnp.sum(~kept_GSX)
+        return y_GSD, tokens_per_expert_GE, dropped
+
+    def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts):
+        """No capacity: sort all (token, choice) pairs by expert and run a grouped
+        matmul (jax.lax.ragged_dot) over the contiguous runs of each expert."""
+        G, S, D = x_GSD.shape
+        X = self.top_k
+        experts_N = experts_GSX.reshape(-1)
+        order = jnp.argsort(experts_N, stable=True)
+        token_of_pair = jnp.arange(G * S * X) // X
+        x_ND = x_GSD.reshape(G * S, D)[token_of_pair[order]]
+        tokens_per_expert_E = jnp.zeros((n_experts,), jnp.int32).at[experts_N].add(1)
+        gate = jax.lax.ragged_dot(x_ND, self.w_gate_EDF[...], tokens_per_expert_E)
+        up = jax.lax.ragged_dot(x_ND, self.w_up_EDF[...], tokens_per_expert_E)
+        y_ND = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.w_down_EFD[...], tokens_per_expert_E)
+        y_pairs = jnp.zeros_like(y_ND).at[order].set(y_ND).reshape(G, S, X, D)
+        y_GSD = jnp.einsum("gsxd,gsx->gsd", y_pairs, gates_GSX.astype(y_pairs.dtype))
+        tokens_per_expert_GE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_GSX)
+        return y_GSD, tokens_per_expert_GE, jnp.zeros((), jnp.int32)
+
+    def __call__(self, x_BTD, tp_axis=None, ep_axis=None):
+        """Returns y_BTD (a partial sum over tp) and routing statistics summed over
+        this call's groups: aux_loss_sum, tokens_per_expert_E, dropped, groups."""
+        B, T, D = x_BTD.shape
+        n_experts = self.router_DE[...].shape[1]
+        group = min(self.group_size, T)
+        x_GSD = x_BTD.reshape(B * T // group, group, D)
+        gates_GSX, experts_GSX, probs_GSE = jax.vmap(top_k_routing, (0, None, None, None))(x_GSD, self.router_DE[...], self.top_k, self.score)
+        if self.capacity_factor > 0:
+            y_GSD, tokens_per_expert_GE, dropped = self.routed_with_capacity(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis)
+        else:
+            y_GSD, tokens_per_expert_GE, dropped = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, n_experts)
+        y_BTD = y_GSD.reshape(B, T, D)
+        if self.shared is not None:
+            y_BTD = y_BTD + self.shared(x_BTD)
+        aux_G = jax.vmap(load_balance_loss, (0, 0, None))(probs_GSE, tokens_per_expert_GE, self.top_k)
+        stats = dict(aux_loss_sum=jnp.sum(aux_G), tokens_per_expert=jnp.sum(tokens_per_expert_GE, 0),
+                     dropped=dropped, groups=jnp.asarray(x_GSD.shape[0], jnp.int32))
+        return y_BTD, stats
+
+    def decode(self, x_BTD):
+        """Inference: every token gets all of its top-k experts (no capacity)."""
+        B, T, D = x_BTD.shape
+        x_GSD = x_BTD.reshape(B * T, 1, D)
+        gates_GSX, experts_GSX, _ = jax.vmap(top_k_routing, (0, None, None, None))(x_GSD, self.router_DE[...], self.top_k, self.score)
+        y_GSD, _, _ = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, self.router_DE[...].shape[1])
+        y_BTD = y_GSD.reshape(B, T, D)
+        return y_BTD + self.shared(x_BTD) if self.shared is not None else y_BTD
+
+
+# ----------------------------------------------------------------------------
+# Block: a short pattern of layers, e.g. "DDDDDM" = five dense layers, then one MoE.
+
+
+def empty_moe_stats(n_experts):
+    z = jnp.zeros((), jnp.float32)
+    return dict(aux_loss_sum=z, tokens_per_expert=jnp.zeros((n_experts,), jnp.int32),
+                dropped=jnp.zeros((), jnp.int32), groups=jnp.zeros((), jnp.int32))
+
+
+class Layer(nnx.Module):
+    """Pre-norm residual layer: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, cfg, kind, rngs):
+        self.kind = kind
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = MLAttention(cfg, rngs)
+        self.ffn_norm = RMSNorm(cfg.d_model)
+        self.ffn = MoE(cfg, rngs) if kind == "M" else DenseFFN(cfg.d_model, cfg.d_ff, cfg.ffn_activation, rngs, residual_scale(cfg))
+        self.dropout = cfg.dropout
+
+    def drop(self, x, rng):
+        if self.dropout == 0 or rng is None:
+            return x
+        keep = jax.random.bernoulli(rng, 1 - self.dropout, x.shape)
+        return jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
+
+    def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None):
+        rngs = jax.random.split(rng) if rng is not None else (None, None)
+        x_BTD = x_BTD + self.drop(self.attn(self.attn_norm(x_BTD), angles, tp_axis), rngs[0])
+        h_BTD = self.ffn_norm(x_BTD)
+        if self.kind == "M":
+            y_BTD, stats = self.ffn(h_BTD, tp_axis, ep_axis)
+        else:
+            y_BTD, stats = self.ffn(h_BTD), None
+        return x_BTD + self.drop(psum_if(y_BTD, tp_axis), rngs[1]), stats
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg, rngs):
+        self.layers = nnx.List([Layer(cfg, kind, rngs) for kind in cfg.block_pattern])
+        self.n_experts = cfg.n_experts
+
+    def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None):
+        """Returns x_BTD and the MoE statistics of this block's MoE layers, summed."""
+        stats = empty_moe_stats(self.n_experts)
+        for i, layer in enumerate(self.layers):
+            x_BTD, layer_stats = layer(x_BTD, angles, tp_axis, ep_axis, None if rng is None else jax.random.fold_in(rng, i))
+            if layer_stats is not None:
+                stats = jax.tree.map(jnp.add, stats, layer_stats)
+        return x_BTD, stats
+
+    def decode(self, x_BTD, angles, caches, start):
+        new_caches = []
+        for layer, cache in zip(self.layers, caches):
+            y_BTD, cache = layer.attn.decode(layer.attn_norm(x_BTD), angles, cache, start)
+            x_BTD = x_BTD + y_BTD
+            h_BTD = layer.ffn_norm(x_BTD)
+            x_BTD = x_BTD + (layer.ffn.decode(h_BTD) if layer.kind == "M" else layer.ffn(h_BTD))
+            new_caches.append(cache)
+        return x_BTD, new_caches
+
+
+# ----------------------------------------------------------------------------
+# The Transformer: embedding, N stacked Blocks, final norm, tied output layer.
+
+
+def padded_vocab(vocab_size, multiple):
+    """The embedding is split over `tp` by vocabulary rows, so it is padded to a fixed
+    multiple (the same on every mesh, so that every mesh trains the same model)."""
+    return multiple * math.ceil(vocab_size / multiple)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg, rngs):
+        self.cfg = cfg
+        V = padded_vocab(cfg.vocab_size, cfg.vocab_multiple)
+        # Tied embedding: rows are token vectors in, and the output layer out.
+        self.embed_VD = nnx.Param(jax.random.normal(rngs.params(), (V, cfg.d_model), jnp.float32))
+
+        @nnx.split_rngs(splits=cfg.n_blocks)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)  # every weight has a leading axis N (blocks)
+        self.final_norm = RMSNorm(cfg.d_model)
+
+    def embed(self, tokens_BT, tp_axis=None):
+        """Vocab-parallel lookup: each tp device holds rows [offset, offset + V/tp) and
+        contributes the rows it has (zeros elsewhere); a psum assembles the vectors."""
+        table_VD = self.embed_VD[...]
+        offset = 0 if tp_axis is None else jax.lax.axis_index(tp_axis) * table_VD.shape[0]
+        local_BT = tokens_BT - offset
+        mine_BT = (local_BT >= 0) & (local_BT < table_VD.shape[0])
+        x_BTD = jnp.where(mine_BT[..., None], table_VD[jnp.clip(local_BT, 0, table_VD.shape[0] - 1)], 0)
+        return psum_if(x_BTD, tp_axis)
+
+    def logits(self, x_BTD):
+        """Output layer of the tied embedding (the local vocabulary rows under tp)."""
+        # Scaled by 1/sqrt(D): the table has unit-variance rows, logits start near 0.
+        x_BTD = self.final_norm(x_BTD) / math.sqrt(x_BTD.shape[-1])
+        return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...], preferred_element_type=ACC_DTYPE)
+
+    def loss_sum(self, x_BTD, targets_BT, tp_axis=None):
+        """Summed token cross-entropy with vocab-parallel logits [B, T, V/tp].
+
+        The full-vocabulary logits are never gathered: the max and the sum of exps are
+        reduced over `tp` (pmax, psum), and the target logit is read by the one device
+        whose vocabulary slice holds it (psum of a masked value).
+        """
+        logits_BTV = self.logits(x_BTD)
+        V_local = logits_BTV.shape[-1]
+        offset = 0 if tp_axis is None else jax.lax.axis_index(tp_axis) * V_local
+        max_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
+        if tp_axis is not None:
+            max_BT = jax.lax.pmax(max_BT, tp_axis)
+        sum_exp_BT = psum_if(jnp.sum(jnp.exp(logits_BTV - max_BT[..., None]), axis=-1), tp_axis)
+        local_BT = targets_BT - offset
+        mine_BT = (local_BT >= 0) & (local_BT < V_local)
+        picked_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, V_local - 1)[..., None], -1)[..., 0]
+        target_logit_BT = psum_if(jnp.where(mine_BT, picked_BT, 0.0), tp_axis)
+        return jnp.sum(jnp.log(sum_exp_BT) + max_BT - target_logit_BT)
+
+    def __call__(self, tokens_BT, start=0):
+        """Plain single-device forward: logits [B, T, V] and MoE statistics per block.
+
+        The reference that every sharded and pipelined layout is tested against.
+        """
+        x_BTD = self.embed(tokens_BT)
+        angles = rope_angles(start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape), self.cfg.rope_dim, self.cfg.rope_theta)
+        x_BTD, stats_N = apply_blocks(self.blocks, x_BTD, angles)
+        return self.logits(x_BTD), stats_N
+
+
+def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat=False, prepare=None):
+    """Run stacked blocks in order with lax.scan (one compiled body whatever N is).
+
+    `blocks` is a Block whose weights carry a leading axis N. `prepare` maps one
+    block's weights just before use (cast to the compute dtype; under FSDP, all-gather).
+    Returns x and the MoE statistics of each block, stacked on a leading axis N.
+    """
+    block_def, block_state = nnx.split(blocks)
+
+    def body(x_BTD, state_and_index):
+        state, index = state_and_index
+        if prepare is not None:
+            state = prepare(state)
+        block_rng = None if rng is None else jax.random.fold_in(rng, index)
+        return nnx.merge(block_def, state)(x_BTD, angles, tp_axis, ep_axis, block_rng)
+
+    if remat:  # keep only each block's input; recompute its insides in the backward pass
+        body = jax.checkpoint(body)
+    n_blocks = jax.tree.leaves(block_state)[0].shape[0]
+    return jax.lax.scan(body, x_BTD, (block_state, jnp.arange(n_blocks)))
+
+
+# ----------------------------------------------------------------------------
+# Decoding with the latent KV cache
+
+
+def init_cache(cfg, batch, max_len, dtype=jnp.float32):
+    """Per block and layer: (kv latent [N, B, S, A], RoPE key [N, B, S, R])."""
+    shape = (cfg.n_blocks, batch, max_len)
+    return [(jnp.zeros(shape + (cfg.kv_latent,), dtype), jnp.zeros(shape + (cfg.rope_dim,), dtype)) for _ in cfg.block_pattern]
+
+
+def decode_step(model, tokens_BT, cache, start):
+    """Logits for tokens at positions start..start+T-1 given the cache of earlier ones.
+
+    Used with T = prompt length once (prefill), then T = 1 per new token.
+    """
+    cfg = model.cfg
+    x_BTD = model.embed(tokens_BT)
+    positions_BT = start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    angles = rope_angles(positions_BT, cfg.rope_dim, cfg.rope_theta)
+    block_def, block_state = nnx.split(model.blocks)
+
+    def body(x_BTD, state_and_cache):
+        state, block_cache = state_and_cache
+        x_BTD, block_cache = nnx.merge(block_def, state).decode(x_BTD, angles, block_cache, start)
+        return x_BTD, block_cache
+
+    x_BTD, cache = jax.lax.scan(body, x_BTD, (block_state, cache))
+    return model.logits(x_BTD), cache

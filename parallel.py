@@ -1,0 +1,400 @@
+"""The 3-D mesh and everything that talks across it: sharding table, FSDP gathers,
+the GPipe pipeline, and the train / eval steps.
+
+Mesh axes:
+  dp  data parallel + FSDP (ZeRO-3): the batch is split over dp, and so is (almost)
+      every weight and its optimizer state; a block's weights are all-gathered just
+      before use, and autodiff turns that all-gather into a reduce-scatter of the
+      gradient.
+  pp  pipeline: stage i holds blocks [i*N/pp, (i+1)*N/pp); microbatches flow stage to
+      stage with ppermute (GPipe), gradients flow back by autodiff.
+  tp  tensor parallel (Megatron): heads, FFN hidden units, expert hidden units and the
+      vocabulary are split; model.py psums the partial outputs over tp.
+  Experts may also be split over dp (expert parallelism, all-to-all in model.MoE).
+
+The whole train step is one `jax.shard_map` over the mesh, so every collective is
+written out. Gradients of weights that are replicated over an axis (norm scales
+over dp, the router over tp, the embedding over pp, ...) come out summed over that
+axis without any code here: shard_map tracks which values vary over which axes
+(check_vma), and the transpose of "use a replicated value with varying data" is a
+psum. tests/test_parallel.py proves each layout equals one device.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model import Transformer, apply_blocks, rope_angles
+from utils import ConfigError
+
+DP, PP, TP = "dp", "pp", "tp"
+AXES = (DP, PP, TP)
+
+# ----------------------------------------------------------------------------
+# Mesh
+
+
+def resolve_mesh_shape(mesh_cfg, n_devices):
+    """(dp, pp, tp) with dp = -1 resolved to the devices left by pp and tp."""
+    pp, tp = mesh_cfg.pp, mesh_cfg.tp
+    if pp < 1 or tp < 1:
+        raise ConfigError(f"--mesh.pp ({pp}) and --mesh.tp ({tp}) must be >= 1")
+    dp = mesh_cfg.dp
+    if dp == -1:
+        if n_devices % (pp * tp):
+            raise ConfigError(f"{n_devices} devices cannot be split into pp={pp} x tp={tp}; choose pp x tp dividing {n_devices}")
+        dp = n_devices // (pp * tp)
+    if dp * pp * tp != n_devices:
+        raise ConfigError(f"mesh dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} devices, but there are {n_devices}; "
+                          f"set --mesh.dp -1 to use the rest, or change --mesh.* (or --run.cpu_devices)")
+    return dp, pp, tp
+
+
+def make_mesh(mesh_cfg, devices=None):
+    devices = jax.devices() if devices is None else devices
+    shape = resolve_mesh_shape(mesh_cfg, len(devices))
+    # dp is the outermost axis, so a process's devices share dp coordinates: each
+    # process then loads only its own rows of the batch.
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * 3, devices=devices)
+
+
+# ----------------------------------------------------------------------------
+# The sharding table: weight name -> how each of its dims is split.
+# Names end in their shape letters (model.py legend), so e.g. wq_up_QHK splits its
+# Q dim over dp (FSDP) and its H dim over tp. Weights inside the stacked blocks get
+# a leading N dim split over pp.
+
+WEIGHT_SPECS = {
+    "embed_VD": (TP, DP),            # vocab rows over tp (vocab-parallel), width over dp
+    "scale_D": (None,),              # RMSNorm scales: small, replicated everywhere
+    "wq_down_DQ": (DP, None),        # latent down-projections: replicated over tp
+    "wkv_down_DA": (DP, None),
+    "wk_rope_DR": (DP, None),        # the shared RoPE key
+    "wq_up_QHK": (DP, TP, None),     # heads over tp
+    "wq_rope_QHR": (DP, TP, None),
+    "wk_up_AHK": (DP, TP, None),
+    "wv_up_AHK": (DP, TP, None),
+    "wo_HKD": (TP, None, DP),        # row-parallel output: psum over tp in model.py
+    "w_gate_DF": (DP, TP),           # FFN (and shared experts): hidden units over tp
+    "w_up_DF": (DP, TP),
+    "w_down_FD": (TP, DP),
+    "router_DE": (DP, None),         # every tp device routes identically
+    "w_gate_EDF": (None, DP, TP),    # routed experts: expert hidden units over tp
+    "w_up_EDF": (None, DP, TP),
+    "w_down_EFD": (None, TP, DP),
+}
+# With expert parallelism the expert dim takes the dp axis instead: each device keeps
+# whole experts (E/dp of them) and tokens travel to them (all_to_all) - no gather.
+EXPERT_PARALLEL_SPECS = {
+    "w_gate_EDF": (DP, None, TP),
+    "w_up_EDF": (DP, None, TP),
+    "w_down_EFD": (DP, TP, None),
+}
+SHAPE_LETTER_FLAGS = {"V": "vocab (padded; --model.vocab_multiple)", "D": "--model.d_model", "Q": "--model.q_latent",
+                      "A": "--model.kv_latent", "R": "--model.rope_dim", "H": "--model.n_heads", "K": "--model.head_dim",
+                      "F": "--model.d_ff / --model.d_expert", "E": "--model.n_experts", "N": "--model.n_blocks"}
+
+
+def weight_name(path):
+    return next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
+
+
+def is_stacked(path):
+    return any(getattr(k, "key", None) == "blocks" for k in path)
+
+
+def weight_spec(name, expert_parallel):
+    """The split of one (unstacked) weight; a weight not in the table is an error."""
+    if expert_parallel and name in EXPERT_PARALLEL_SPECS:
+        return EXPERT_PARALLEL_SPECS[name]
+    if name not in WEIGHT_SPECS:
+        raise KeyError(f"no sharding rule for weight {name!r}: add it to WEIGHT_SPECS in parallel.py")
+    return WEIGHT_SPECS[name]
+
+
+def param_specs(params, expert_parallel):
+    """PartitionSpec for every weight of a params tree (pure dict of arrays)."""
+    def spec(path, leaf):
+        dims = weight_spec(weight_name(path), expert_parallel)
+        return P(PP, *dims) if is_stacked(path) else P(*dims)
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def check_divisible(params, specs, mesh):
+    """Every split dim must divide evenly; say which config field to change."""
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        name = weight_name(path)
+        letters = ("N" if is_stacked(path) else "") + name.rsplit("_", 1)[1]
+        for size, axis, letter in zip(leaf.shape, spec, letters):
+            if axis is not None and size % mesh.shape[axis]:
+                raise ConfigError(f"{SHAPE_LETTER_FLAGS.get(letter, letter)} = {size} is not divisible by "
+                                  f"--mesh.{axis} = {mesh.shape[axis]} (weight {name} splits its {letter} dim over {axis}); "
+                                  f"change one of them")
+
+
+def check_config_fits_mesh(cfg, mesh):
+    """Config x mesh checks that need no arrays, before anything compiles."""
+    dp, pp, tp = (mesh.shape[a] for a in AXES)
+    m, t = cfg.model, cfg.train
+    if m.n_blocks % pp:
+        raise ConfigError(f"--model.n_blocks ({m.n_blocks}) must be divisible by --mesh.pp ({pp}): each stage holds whole blocks")
+    if t.microbatches < pp:
+        raise ConfigError(f"--train.microbatches ({t.microbatches}) must be >= --mesh.pp ({pp}) to keep every stage busy")
+    if t.batch_size % (dp * t.microbatches):
+        raise ConfigError(f"--train.batch_size ({t.batch_size}) must be divisible by --mesh.dp x --train.microbatches "
+                          f"({dp} x {t.microbatches} = {dp * t.microbatches})")
+    if cfg.mesh.expert_parallel:
+        if m.n_experts % dp:
+            raise ConfigError(f"--model.n_experts ({m.n_experts}) must be divisible by --mesh.dp ({dp}) with --mesh.expert_parallel")
+        if m.capacity_factor == 0:
+            raise ConfigError("--mesh.expert_parallel needs fixed-size expert buffers: set --model.capacity_factor > 0")
+    if "M" in m.block_pattern and m.d_expert % tp:
+        raise ConfigError(f"--model.d_expert ({m.d_expert}) must be divisible by --mesh.tp ({tp})")
+
+
+def named(mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+# ----------------------------------------------------------------------------
+# Init: same values on every mesh
+
+
+def init_params(model_cfg, mesh, expert_parallel, seed):
+    """(graphdef, params) with params created directly in their shards.
+
+    jit with out_shardings lets each device compute only its own shard; JAX's
+    partitionable threefry makes every value depend on (seed, position) alone, so
+    every mesh starts from exactly the same weights.
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    shapes = abstract_state.to_pure_dict()
+    specs = param_specs(shapes, expert_parallel)
+    check_divisible(shapes, specs, mesh)
+
+    @jax.jit
+    def create():
+        return nnx.split(Transformer(model_cfg, nnx.Rngs(seed)))[1].to_pure_dict()
+
+    params = jax.jit(create, out_shardings=named(mesh, specs))()
+    return graphdef, params
+
+
+def param_bytes_on_device(tree, device):
+    """Bytes of a tree's shards that live on one device."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            if shard.device == device:
+                total += shard.data.nbytes
+    return total
+
+
+# ----------------------------------------------------------------------------
+# Inside shard_map: FSDP gather, the pipeline, the loss
+
+
+def gather_for_use(params, expert_parallel, dtype):
+    """FSDP: cast a (block's) local weights to the compute dtype and all-gather their
+    dp-split dim. Casting first halves the bytes sent in bfloat16. In the backward pass
+    the all_gather becomes a reduce-scatter: each device gets its shard of the summed
+    gradient (ZeRO-3)."""
+    def gather(path, w):
+        w = w.astype(dtype)
+        dims = weight_spec(weight_name(path), expert_parallel)
+        if DP in dims and not (expert_parallel and weight_name(path) in EXPERT_PARALLEL_SPECS):
+            w = jax.lax.all_gather(w, DP, axis=dims.index(DP) + (w.ndim - len(dims)), tiled=True)
+        return w
+    return jax.tree_util.tree_map_with_path(gather, params)
+
+
+def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
+    """GPipe over pp: returns (summed cross-entropy of this device's rows, MoE stats of
+    this stage's blocks [N/pp, ...]). Runs inside shard_map.
+
+    At tick t stage s works on microbatch m = t - s: stage 0 embeds microbatch t,
+    every other stage takes what its left neighbour produced at tick t-1 (ppermute).
+    After M + pp - 1 ticks the last stage has produced every microbatch; the bubble
+    (idle share) is (pp - 1) / (M + pp - 1).
+    """
+    m_cfg = cfg.model
+    n_stages, stage = jax.lax.axis_size(PP), jax.lax.axis_index(PP)
+    M, b, T1 = tokens_MbT1.shape
+    inputs_MbT, targets_MbT = tokens_MbT1[..., :-1], tokens_MbT1[..., 1:]
+    angles = rope_angles(jnp.arange(T1 - 1)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
+    x0_MbTD = jax.vmap(lambda t: model.embed(t, TP))(inputs_MbT)
+    ep_axis = DP if cfg.mesh.expert_parallel else None
+
+    def tick(carry, t):
+        received_bTD = carry
+        x_bTD = jnp.where(stage == 0, x0_MbTD[jnp.minimum(t, M - 1)], received_bTD)
+        tick_rng = None if rng is None else jax.random.fold_in(rng, t)
+        y_bTD, stats_N = apply_blocks(model.blocks, x_bTD, angles, TP, ep_axis, tick_rng,
+                                      remat=m_cfg.remat == "block", prepare=params_fn)
+        valid = (t - stage >= 0) & (t - stage < M)  # is this stage working on a real microbatch?
+        stats_N = jax.tree.map(lambda s: jnp.where(valid, s, jnp.zeros_like(s)), stats_N)
+        # Hand the activation to the next stage; the last stage's output is kept as ys.
+        sent_bTD = jax.lax.ppermute(y_bTD, PP, [(i, i + 1) for i in range(n_stages - 1)])
+        return sent_bTD, (y_bTD, stats_N)
+
+    ticks = jnp.arange(M + n_stages - 1)
+    first_received = jax.lax.pcast(jnp.zeros_like(x0_MbTD[0]), PP, to="varying")  # differs per stage from tick 1 on
+    _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
+    outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
+    ce_sum = model.loss_sum(outputs_MbTD.reshape(M * b, T1 - 1, -1), targets_MbT.reshape(M * b, T1 - 1), TP)
+    ce_sum = jnp.where(stage == n_stages - 1, ce_sum, 0.0)  # other stages hold no finished outputs
+    return ce_sum, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN)
+
+
+def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
+    """Global mean loss (cross-entropy + weighted load-balance loss) and metrics, from
+    inside shard_map. Every device returns the same (mesh-invariant) numbers."""
+    m_cfg, t_cfg = cfg.model, cfg.train
+    dtype = jnp.dtype(m_cfg.dtype)
+    ep = cfg.mesh.expert_parallel
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    top = gather_for_use(top, ep, dtype)  # embedding + final norm: gathered once per step
+    model = nnx.merge(graphdef, {**top, "blocks": params["blocks"]})
+    blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype)  # noqa: E731 - gathered per block
+    M = t_cfg.microbatches
+    tokens_MbT1 = tokens_bT1.reshape(M, tokens_bT1.shape[0] // M, tokens_bT1.shape[1])
+    ce_sum, stats_N = pipeline_loss(model, blocks_fn, tokens_MbT1, cfg, rng)
+
+    n_tokens = t_cfg.batch_size * m_cfg.seq_len
+    ce = jax.lax.psum(ce_sum, (DP, PP)) / n_tokens
+    stats_N = jax.tree.map(lambda s: jax.lax.psum(s, DP), stats_N)  # per block, over the whole batch
+    n_moe_layers = m_cfg.n_blocks * m_cfg.block_pattern.count("M")
+    if n_moe_layers:
+        groups_per_layer = n_tokens // (m_cfg.routing_group or m_cfg.seq_len)
+        aux = jax.lax.psum(jnp.sum(stats_N["aux_loss_sum"]), PP) / (groups_per_layer * n_moe_layers)
+    else:
+        aux = jnp.zeros((), jnp.float32)
+    loss = ce + m_cfg.aux_loss_weight * aux
+    return loss, dict(loss=ce, aux_loss=aux, stats_N=stats_N)
+
+
+def global_grad_norm(grads, specs):
+    """sqrt(sum of squares) over the whole mesh. Each shard's sum is psummed over the
+    axes that split that weight only: a replicated weight's gradient is identical on
+    every replica (shard_map already summed it), so it is counted once."""
+    total = jnp.zeros((), jnp.float32)
+    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        axes = tuple(a for a in spec if a is not None)
+        sq = jnp.sum(jnp.square(g.astype(jnp.float32)))
+        total += jax.lax.psum(sq, axes) if axes else sq
+    return jnp.sqrt(total)
+
+
+# ----------------------------------------------------------------------------
+# Optimizer and steps
+
+
+def lr_schedule(train_cfg):
+    decay = train_cfg.decay_steps or train_cfg.steps
+    # Warmup starts at lr / warmup_steps rather than 0, so that step 0 already learns.
+    return optax.warmup_cosine_decay_schedule(
+        train_cfg.lr / max(train_cfg.warmup_steps, 1), train_cfg.lr, max(train_cfg.warmup_steps, 1), max(decay, train_cfg.warmup_steps + 1),
+        end_value=train_cfg.lr * train_cfg.min_lr_ratio)
+
+
+def make_optimizer(train_cfg):
+    """AdamW on float32 master weights. No weight decay on norm scales. Clipping is done
+    by hand in train_step (it needs a mesh-wide norm)."""
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: weight_name(p) != "scale_D", params)  # noqa: E731
+    return optax.adamw(lr_schedule(train_cfg), b1=train_cfg.beta1, b2=train_cfg.beta2,
+                       weight_decay=train_cfg.weight_decay, mask=decay_mask)
+
+
+def init_opt_state(optimizer, params, mesh):
+    """Optimizer state born with the params' shardings (zeros_like keeps them)."""
+    with jax.set_mesh(mesh):
+        return jax.jit(optimizer.init)(params)
+
+
+def specs_of(tree):
+    return jax.tree.map(lambda a: a.sharding.spec, tree)
+
+
+def batch_spec():
+    return P(DP, None)  # rows over dp; pp and tp devices see the same rows
+
+
+def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
+    """One jitted function over the mesh: loss, grads, clip, AdamW. Donates the old
+    params and optimizer state (updated in place)."""
+    param_spec_tree, opt_spec_tree = specs_of(params), specs_of(opt_state)
+    clip = cfg.train.grad_clip
+
+    def step_fn(params, opt_state, tokens_bT1, step):
+        rng = dropout_rng(cfg, step)
+        (_, metrics), grads = jax.value_and_grad(sharded_loss, has_aux=True)(params, tokens_bT1, graphdef, cfg, rng)
+        grad_norm = global_grad_norm(grads, param_spec_tree)
+        if clip > 0:
+            scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * scale, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, grad_norm=grad_norm)
+        return params, opt_state, metrics
+
+    metric_specs = dict(loss=P(), aux_loss=P(), grad_norm=P(), stats_N=P(PP))
+    sharded = jax.shard_map(step_fn, mesh=mesh,
+                            in_specs=(param_spec_tree, opt_spec_tree, batch_spec(), P()),
+                            out_specs=(param_spec_tree, opt_spec_tree, metric_specs))
+    return jax.jit(sharded, donate_argnums=(0, 1))
+
+
+def make_eval_step(graphdef, cfg, mesh, params):
+    """Summed validation cross-entropy of one batch (dropout off)."""
+    def eval_fn(params, tokens_bT1):
+        _, metrics = sharded_loss(params, tokens_bT1, graphdef, cfg, None)
+        return metrics["loss"]
+
+    return jax.jit(jax.shard_map(eval_fn, mesh=mesh, in_specs=(specs_of(params), batch_spec()), out_specs=P()))
+
+
+def dropout_rng(cfg, step):
+    """Dropout masks differ per device and step (they depend on the mesh: runs with
+    dropout are not mesh-invariant, which is why the invariance tests use dropout 0)."""
+    if cfg.model.dropout == 0:
+        return None
+    key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
+    for axis in AXES:
+        key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+    return key
+
+
+def global_batch(mesh, rows_for_process, batch_size):
+    """Assemble this process's rows into a global array split over dp."""
+    sharding = NamedSharding(mesh, batch_spec())
+    return jax.make_array_from_process_local_data(sharding, rows_for_process, (batch_size, rows_for_process.shape[1]))
+
+
+def process_rows(mesh, batch_size):
+    """The global batch rows this process's devices own (a contiguous range)."""
+    sharding = NamedSharding(mesh, batch_spec())
+    indices = sharding.addressable_devices_indices_map((batch_size, 1))
+    starts = sorted({idx[0].start or 0 for idx in indices.values()})
+    stops = sorted({idx[0].stop or batch_size for idx in indices.values()})
+    return range(starts[0], stops[-1])
+
+
+def bubble_fraction(pp, microbatches):
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+def memory_summary(params, opt_state, compiled, device):
+    out = dict(params_bytes=param_bytes_on_device(params, device), opt_bytes=param_bytes_on_device(opt_state, device))
+    try:
+        mem = compiled.memory_analysis()
+        out["temp_bytes"] = int(mem.temp_size_in_bytes)
+    except Exception:  # not every backend reports it
+        out["temp_bytes"] = -1
+    return out

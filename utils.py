@@ -1,0 +1,429 @@
+"""Config dataclasses, presets and the command line; logging; FLOP/MFU accounting; plots.
+
+Every default lives in exactly one place: the dataclasses below. The defaults ARE the
+`shakespeare` preset; other presets override some fields; the command line overrides
+any field as `--section.field=value` (or `--section.field value`).
+"""
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def option(default, help):
+    """A config field with its one-line explanation (shown by --help)."""
+    return field(default=default, metadata={"help": help})
+
+
+# ----------------------------------------------------------------------------
+# Config sections
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = option("", "run directory name under out_dir; empty = the preset name")
+    out_dir: str = option("runs", "where run directories live")
+    seed: int = option(0, "seeds init, data order and dropout; same seed = same run on any mesh")
+    cpu_devices: int = option(0, "expose N fake CPU devices (try a mesh on a laptop); 0 = as JAX finds them")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = option(0, "vocabulary size; 0 = take it from the data's manifest")
+    vocab_multiple: int = option(128, "pad the vocabulary to a multiple of this (tp splits it)")
+    seq_len: int = option(256, "tokens per training sequence (T)")
+    d_model: int = option(256, "model width (D)")
+    n_heads: int = option(4, "attention heads (H)")
+    head_dim: int = option(64, "per-head dim of queries/keys/values, content part (K)")
+    rope_dim: int = option(32, "per-head dim of the decoupled RoPE query/key part (R)")
+    q_latent: int = option(128, "MLA query latent width (Q)")
+    kv_latent: int = option(64, "MLA key/value latent width (A); with R, all the KV cache stores")
+    rope_theta: float = option(10000.0, "RoPE base")
+    n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
+    block_pattern: str = option("DM", "layers of one block: D = dense FFN, M = MoE FFN")
+    d_ff: int = option(768, "hidden units of dense FFN layers (F)")
+    ffn_activation: str = option("swiglu", "dense FFN activation: swiglu | gelu")
+    n_experts: int = option(8, "routed experts per MoE layer (E)")
+    n_shared: int = option(1, "shared experts per MoE layer (see every token)")
+    top_k: int = option(2, "routed experts per token")
+    d_expert: int = option(256, "hidden units per expert")
+    capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
+    router_score: str = option("softmax", "router scores: softmax | sigmoid")
+    routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
+    aux_loss_weight: float = option(0.01, "weight of the load-balance loss")
+    dropout: float = option(0.0, "dropout on residual branches")
+    dtype: str = option("float32", "compute dtype: float32 | bfloat16 (weights stay float32)")
+    remat: str = option("block", "rematerialisation: block (recompute each block in backward) | none")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    dp: int = option(-1, "data parallel (FSDP) degree; -1 = all devices not used by pp and tp")
+    pp: int = option(1, "pipeline stages")
+    tp: int = option(1, "tensor parallel degree")
+    expert_parallel: bool = option(False, "shard routed experts over dp (all-to-all dispatch)")
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    coordinator: str = option("", "HOST:PORT of process 0; empty = single process (auto on TPU/SLURM)")
+    num_processes: int = option(0, "number of processes (with --dist.coordinator)")
+    process_id: int = option(0, "this process's id (with --dist.coordinator)")
+    timeout_s: int = option(120, "how long to wait for a missing process before stopping")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = option(1200, "optimizer steps")
+    batch_size: int = option(32, "global sequences per step")
+    microbatches: int = option(1, "split each step's batch (pipeline microbatches; accumulation when pp=1)")
+    lr: float = option(3e-3, "peak learning rate")
+    min_lr_ratio: float = option(0.1, "final lr as a fraction of the peak")
+    warmup_steps: int = option(100, "linear warmup steps")
+    decay_steps: int = option(0, "cosine decay ends here; 0 = train.steps")
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices only)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off")
+    eval_every: int = option(200, "evaluate every N steps (and at the end)")
+    eval_batches: int = option(8, "validation batches per evaluation")
+    checkpoint_every: int = option(400, "checkpoint every N steps (and at the end)")
+    keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
+    resume_step: int = option(-1, "resume from this checkpoint step; -1 = the latest")
+    init_from: str = option("", "start from these params (export or checkpoint dir) with a fresh optimizer")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = option("shakespeare", "embedded name, local directory, or gs://bucket/prefix")
+    cache_dir: str = option("data_cache", "where embedded data is prepared and gs:// shards are cached")
+    cache_max_gb: float = option(20.0, "size bound of the gs:// shard cache")
+    tokenizer: str = option("bytes", "bytes | a tiktoken encoding name; must match the data's manifest")
+    encoding_file: str = option("", "local .tiktoken file for the tokenizer (when it cannot be downloaded)")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every: int = option(10, "log train metrics every N steps")
+    wandb: bool = option(False, "log to Weights & Biases (WANDB_MODE=offline works without a key)")
+    wandb_project: str = option("meshformer", "wandb project")
+    progress: bool = option(True, "show a progress bar")
+    show_sharding: bool = option(False, "draw the sharding of the batch and of one weight per kind")
+    plots: bool = option(True, "write plots into the run directory at the end")
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    prompt: str = option("ROMEO:", "text to continue")
+    max_tokens: int = option(300, "tokens to generate")
+    temperature: float = option(0.8, "0 = greedy")
+    top_k: int = option(40, "sample among the k most likely tokens; 0 = all")
+    seed: int = option(0, "sampling seed")
+    num_samples: int = option(2, "samples written to samples.txt at the end of training")
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    dist: DistConfig = DistConfig()
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    log: LogConfig = LogConfig()
+    sample: SampleConfig = SampleConfig()
+    preset: str = "shakespeare"
+    mode: str = "train"
+
+
+MODES = ("train", "sample", "export")
+
+# ----------------------------------------------------------------------------
+# Presets: overrides of the defaults above (which are `shakespeare`).
+
+PRESETS = {
+    "shakespeare": {},
+    # Small enough that one train step compiles and runs in well under a second:
+    # for tests. 8 blocks so that pp can be 8; 8 experts so that dp can be 8 with
+    # expert parallelism; widths divisible by 8 for tp and FSDP.
+    "tiny": {
+        "model": dict(vocab_size=256, vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
+                      rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
+                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5),
+        "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10,
+                      eval_every=50, eval_batches=2, checkpoint_every=50),
+        "log": dict(every=10),
+    },
+    # The reference MoE: ~1B parameters in total, about a third active per token.
+    "moe1b": {
+        "model": dict(vocab_size=100277, seq_len=1024, d_model=768, n_heads=12, head_dim=64, rope_dim=64,
+                      q_latent=384, kv_latent=128, n_blocks=8, block_pattern="DDDDDM", d_ff=2048,
+                      n_experts=16, n_shared=2, top_k=2, d_expert=2048, capacity_factor=1.5,
+                      dtype="bfloat16"),
+        "mesh": dict(dp=8, pp=2, tp=2),
+        "train": dict(steps=75000, batch_size=256, microbatches=4, lr=6e-4, warmup_steps=5000,
+                      eval_every=1000, eval_batches=32, checkpoint_every=1000, weight_decay=0.1),
+        "data": dict(tokenizer="cl100k_base", source="gs://YOUR_BUCKET/fineweb-edu-cl100k"),
+    },
+}
+
+
+def apply_overrides(cfg, overrides):
+    """Return cfg with {section: {field: value}} applied."""
+    sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in overrides.items()}
+    return dataclasses.replace(cfg, **sections)
+
+
+# ----------------------------------------------------------------------------
+# Command line, generated from the dataclasses
+
+
+class ConfigError(ValueError):
+    """A config the user can fix; the message says how."""
+
+
+def config_fields():
+    """{"section.field": (section, Field, type)} for every config field."""
+    out = {}
+    for section in dataclasses.fields(Config):
+        if not dataclasses.is_dataclass(section.default):
+            continue
+        hints = typing.get_type_hints(type(section.default))
+        for f in dataclasses.fields(section.default):
+            out[f"{section.name}.{f.name}"] = (section.name, f, hints[f.name])
+    return out
+
+
+def parse_value(flag, text, kind):
+    if kind is bool:
+        lowered = str(text).lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--{flag} expects true or false, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"--{flag} expects {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}, got {text!r}") from None
+
+
+def help_text():
+    lines = ["usage: python main.py [--preset NAME] [--mode train|sample|export] [--section.field=value ...]", "",
+             f"  --preset NAME   one of {', '.join(PRESETS)} (default shakespeare)",
+             f"  --mode MODE     {' | '.join(MODES)} (default train)", ""]
+    section = None
+    for flag, (name, f, kind) in config_fields().items():
+        if name != section:
+            section = name
+            lines.append(f"{name}:")
+        lines.append(f"  --{flag:<24} {f.metadata['help']} (default {f.default!r})")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    """argv -> Config. Unknown flags and bad values raise ConfigError with a hint."""
+    fields = config_fields()
+    preset, mode, overrides = "shakespeare", "train", {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(help_text())
+            sys.exit(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: flags look like --section.field=value (see --help)")
+        name, has_value, value = arg[2:].partition("=")
+        known = name in fields or name in ("preset", "mode")
+        if not known:
+            close = difflib.get_close_matches(name, list(fields) + ["preset", "mode"], n=3)
+            hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else "; see --help"
+            raise ConfigError(f"unknown flag --{name}{hint}")
+        kind = fields[name][2] if name in fields else str
+        if not has_value:
+            next_is_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            if kind is bool and not (next_is_value and argv[i + 1].lower() in ("true", "false", "1", "0", "yes", "no", "on", "off")):
+                value = "true"  # a boolean flag given alone means true
+            elif next_is_value:
+                value, i = argv[i + 1], i + 1
+            else:
+                raise ConfigError(f"--{name} needs a value")
+        if name == "preset":
+            if value not in PRESETS:
+                raise ConfigError(f"unknown preset {value!r}; choose one of {', '.join(PRESETS)}")
+            preset = value
+        elif name == "mode":
+            if value not in MODES:
+                raise ConfigError(f"unknown mode {value!r}; choose one of {', '.join(MODES)}")
+            mode = value
+        else:
+            section, f, kind = fields[name]
+            overrides.setdefault(section, {})[f.name] = parse_value(name, value, kind)
+        i += 1
+    cfg = apply_overrides(Config(preset=preset, mode=mode), PRESETS[preset])
+    cfg = apply_overrides(cfg, overrides)
+    if not cfg.run.name:
+        cfg = apply_overrides(cfg, {"run": {"name": preset}})
+    validate_model(cfg)
+    return cfg
+
+
+def validate_model(cfg):
+    """Checks that need no devices; mesh checks are in parallel.py."""
+    m, t = cfg.model, cfg.train
+    checks = [
+        (set(m.block_pattern) <= {"D", "M"} and m.block_pattern, f"--model.block_pattern must be a string of D and M, got {m.block_pattern!r}"),
+        (m.ffn_activation in ("swiglu", "gelu"), f"--model.ffn_activation must be swiglu or gelu, got {m.ffn_activation!r}"),
+        (m.router_score in ("softmax", "sigmoid"), f"--model.router_score must be softmax or sigmoid, got {m.router_score!r}"),
+        (m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
+        (m.remat in ("block", "none"), f"--model.remat must be block or none, got {m.remat!r}"),
+        (m.rope_dim % 2 == 0, f"--model.rope_dim must be even (RoPE rotates pairs), got {m.rope_dim}"),
+        (1 <= m.top_k <= m.n_experts, f"--model.top_k ({m.top_k}) must be between 1 and --model.n_experts ({m.n_experts})"),
+        (m.capacity_factor >= 0, "--model.capacity_factor must be >= 0 (0 = dropless)"),
+        (m.seq_len % (m.routing_group or m.seq_len) == 0, f"--model.routing_group ({m.routing_group}) must divide --model.seq_len ({m.seq_len})"),
+        (0 <= m.dropout < 1, "--model.dropout must be in [0, 1)"),
+        (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
+        (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def config_to_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d):
+    sections = {f.name: type(f.default)(**d[f.name]) for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default) and f.name in d}
+    return Config(**sections, preset=d.get("preset", "shakespeare"), mode=d.get("mode", "train"))
+
+
+# ----------------------------------------------------------------------------
+# Parameter and FLOP accounting (no allocation: shapes only)
+
+
+def count_params(model_cfg):
+    """(total, active per token) parameter counts, from shapes alone (nnx.eval_shape)."""
+    import jax
+    from flax import nnx
+
+    from model import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    total, routed = 0, 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        size = math.prod(leaf.shape)
+        total += size
+        if any(getattr(k, "key", None) in ("w_gate_EDF", "w_up_EDF", "w_down_EFD") for k in path):
+            routed += size
+    inactive = routed * (model_cfg.n_experts - model_cfg.top_k) / model_cfg.n_experts
+    return total, int(total - inactive)
+
+
+def flops_per_token(model_cfg):
+    """Model FLOPs to train on one token (forward + backward = 3 x forward).
+
+    forward = 2 x (active matmul params) + attention scores and values:
+      matmul params: every active weight except the embedding lookup (a gather), but the
+      tied output layer is a real matmul of V x D, so it counts once;
+      attention: per layer 2 x T x H x (K + R) for q.k and 2 x T x H x K for p.v
+      (full T x T, as in the PaLM paper's MFU accounting).
+    Remat recomputation is not counted: MFU measures useful work.
+    """
+    from model import padded_vocab
+
+    m = model_cfg
+    total, active = count_params(m)
+    embed = padded_vocab(m.vocab_size, m.vocab_multiple) * m.d_model
+    norms = m.d_model * (2 * m.n_blocks * len(m.block_pattern) + 1) + m.n_blocks * len(m.block_pattern) * (m.q_latent + m.kv_latent)
+    matmul_params = active - norms  # the embedding counts once, as the output layer
+    n_layers = m.n_blocks * len(m.block_pattern)
+    attention = n_layers * 2 * m.seq_len * m.n_heads * (2 * m.head_dim + m.rope_dim)
+    return 3 * (2 * matmul_params + attention)
+
+
+# ----------------------------------------------------------------------------
+# Logging: stdout, metrics.jsonl, wandb
+
+
+class MetricsLog:
+    """Appends one JSON object per line to <run_dir>/metrics.jsonl (and wandb)."""
+
+    def __init__(self, run_dir, cfg, enabled=True, wandb_id=None):
+        self.enabled, self.wandb = enabled, None
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if enabled and cfg.log.wandb:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.run.name, dir=run_dir,
+                                    config=config_to_dict(cfg), id=wandb_id, resume="allow")
+
+    @property
+    def wandb_id(self):
+        return self.wandb.id if self.wandb else None
+
+    def write(self, row):
+        if not self.enabled:
+            return
+        row = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb:
+            flat = {k: v for k, v in row.items() if not isinstance(v, list)}
+            for k, v in row.items():
+                if isinstance(v, list) and v and not isinstance(v[0], list):
+                    flat.update({f"{k}/{i}": x for i, x in enumerate(v)})
+            self.wandb.log(flat, step=row["step"])
+
+    def log_samples(self, step, samples):
+        if self.wandb:
+            import wandb
+
+            self.wandb.log({"samples": wandb.Table(columns=["step", "text"], data=[[step, s] for s in samples])}, step=step)
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(run_dir, after_step):
+    """On resume, drop rows logged after the checkpoint so no step appears twice."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    rows = read_metrics(run_dir)
+    with open(path, "w") as f:
+        for row in rows:
+            if row["step"] <= after_step:
+                f.write(json.dumps(row) + "\n")
+
+
+def human(n):
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}P"
+
+
+class Timer:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self):
+        return time.perf_counter() - self.start
