@@ -1,0 +1,655 @@
+"""Tokenizers and the token-shard reader (local directory or gs://bucket/prefix).
+
+A data directory holds `manifest.json` and `.npy` token shards (see DESIGN.md):
+
+    {"format": 1, "tokenizer": "bytes", "vocab_size": 257, "eot_id": 256, "dtype": "uint16",
+     "splits": {"train": [{"file": "train_000000.npy", "tokens": 1000000, "sha256": "..."}, ...],
+                "val":   [{"file": "val_000000.npy", ...}]}}
+
+Shards are uint16 when the vocabulary fits, else uint32, and are read as memory maps.
+
+Batch order. Each shard is cut into non-overlapping windows of seq_len + 1 tokens (a
+shard's last partial window is never used). The global sample index of row r at step s
+is g = s * batch_size + r. Epoch e = g // windows_per_epoch visits the shards in a seeded
+permutation and, inside each shard, the windows in a seeded permutation; the next epoch
+draws fresh permutations. So row r of step s depends only on (seed, step, batch_size,
+seq_len, the data) - never on the mesh or on which process asks - and the state to
+resume is just `step`. Reading is sequential over shards, which lets the gs:// reader
+download the next shard while the current one is read.
+
+The eval set is fixed: windows spread evenly over the val split, in shard order.
+"""
+
+import collections
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import numpy as np
+import tiktoken
+from tiktoken_ext import openai_public
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+EOT_TEXT = "<|endoftext|>"
+EMBEDDED_SOURCES = ("shakespeare",)
+
+# Downloads from GCS: retry transient errors this many times, waiting
+# GCS_BACKOFF_S * 2**attempt between tries (0.5 s, 1 s, 2 s, ... about 30 s in all).
+GCS_RETRIES = 6
+GCS_BACKOFF_S = 0.5
+
+# Memory maps kept open per TokenData; older ones are closed so that evicted cache files
+# can really leave the disk.
+MAX_OPEN_SHARDS = 8
+
+
+# -----------------------------------------------------------------------------
+# Tokenizers
+
+BYTE_EOT_ID = 256  # after the 256 byte values
+
+
+class Tokenizer:
+    """Text <-> token ids: raw UTF-8 bytes (+ end-of-text id 256) or a tiktoken encoding."""
+
+    def __init__(self, name: str, encoding: tiktoken.Encoding | None = None):
+        self.name = name
+        self._encoding = encoding
+        if encoding is None:
+            self.vocab_size, self.eot_id = BYTE_EOT_ID + 1, BYTE_EOT_ID
+        else:
+            if EOT_TEXT not in encoding.special_tokens_set:
+                raise ValueError(f"tiktoken encoding {encoding.name!r} has no {EOT_TEXT} token "
+                                 "to separate documents; add it to its special_tokens")
+            self.vocab_size, self.eot_id = encoding.n_vocab, encoding.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        # Ordinary encoding: text that happens to spell "<|endoftext|>" stays text. Document
+        # boundaries are marked by the caller appending eot_id.
+        if self._encoding is None:
+            return list(text.encode("utf-8"))
+        return self._encoding.encode_ordinary(text)
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self._encoding is None:
+            return _decode_bytes(ids)
+        return self._encoding.decode(ids)
+
+
+def _decode_bytes(ids: list[int]) -> str:
+    """Byte ids -> text; end-of-text ids become "<|endoftext|>" so boundaries stay visible."""
+    pieces, current = [], []
+    for i in ids:
+        if i == BYTE_EOT_ID:
+            pieces.append(bytes(current).decode("utf-8", errors="replace"))
+            current = []
+        else:
+            current.append(i)
+    pieces.append(bytes(current).decode("utf-8", errors="replace"))
+    return EOT_TEXT.join(pieces)
+
+
+# The split pattern and special tokens of tiktoken's own encodings, so that one can be
+# rebuilt from a local .tiktoken rank file on a machine that cannot download it. Copied
+# from tiktoken_ext/openai_public.py (tiktoken 0.14), which only builds them after a download.
+_CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+_O200K_PATTERN = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+_TIKTOKEN_LAYOUTS = {
+    "gpt2": (openai_public.r50k_pat_str, {EOT_TEXT: 50256}),
+    "r50k_base": (openai_public.r50k_pat_str, {EOT_TEXT: 50256}),
+    "p50k_base": (openai_public.r50k_pat_str, {EOT_TEXT: 50256}),
+    "cl100k_base": (_CL100K_PATTERN, {EOT_TEXT: 100257, "<|fim_prefix|>": 100258,
+                                      "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260,
+                                      "<|endofprompt|>": 100276}),
+    "o200k_base": (_O200K_PATTERN, {EOT_TEXT: 199999, "<|endofprompt|>": 200018}),
+}
+
+
+def get_tokenizer(name: str | tiktoken.Encoding, encoding_file: str = "") -> Tokenizer:
+    """"bytes", a tiktoken encoding name, or a tiktoken.Encoding object built by the caller.
+
+    encoding_file: a .tiktoken rank file (base64 token, rank per line) to use instead of
+    downloading. For tiktoken's own names it must be that encoding's file; any other name
+    gets cl100k_base's split pattern and <|endoftext|> = the id after the last rank.
+    """
+    if isinstance(name, tiktoken.Encoding):
+        return Tokenizer(name.name, name)
+    if name == "bytes":
+        return Tokenizer("bytes")
+    if encoding_file:
+        return Tokenizer(name, _encoding_from_file(name, encoding_file))
+    if name not in tiktoken.list_encoding_names():
+        raise ValueError(f"unknown tokenizer {name!r}: use 'bytes', one of tiktoken's "
+                         f"{tiktoken.list_encoding_names()}, or pass encoding_file=<.tiktoken file>")
+    try:
+        return Tokenizer(name, tiktoken.get_encoding(name))
+    except OSError as e:  # requests' errors are OSErrors: no network, DNS, HTTP failure
+        raise RuntimeError(
+            f"tiktoken could not download the {name!r} encoding file ({type(e).__name__}). "
+            f"Either pass encoding_file=PATH to a copy of {name}.tiktoken (tiktoken caches it "
+            "in $TIKTOKEN_CACHE_DIR, default /tmp/data-gym-cache, on a machine with network), "
+            "or set TIKTOKEN_CACHE_DIR to a directory holding that cache.") from e
+
+
+def _encoding_from_file(name: str, path: str) -> tiktoken.Encoding:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"encoding_file {path} does not exist")
+    ranks = tiktoken.load.load_tiktoken_bpe(path)
+    pattern, specials = _TIKTOKEN_LAYOUTS.get(name, (_CL100K_PATTERN, {EOT_TEXT: max(ranks.values()) + 1}))
+    if max(ranks.values()) >= min(specials.values()):
+        raise ValueError(f"{path} has ranks up to {max(ranks.values())}, which collide with "
+                         f"{name}'s special tokens: is it really the {name} rank file?")
+    return tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+
+
+# -----------------------------------------------------------------------------
+# Writing shards and the manifest (used by the scripts in data/)
+
+def shard_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """Raise unless every id is in [0, vocab_size): a narrower shard dtype would wrap it."""
+    if tokens.size == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size}). "
+                         "The tokenizer and the vocab_size disagree; re-tokenize with the "
+                         "tokenizer named in the manifest.")
+
+
+def write_shard(out_dir: str, file_name: str, tokens, vocab_size: int) -> dict:
+    """Write one .npy shard atomically (temp file + rename); return its manifest entry."""
+    tokens = np.asarray(tokens)
+    check_token_range(tokens, vocab_size, where=file_name)
+    path = os.path.join(out_dir, file_name)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        np.save(f, tokens.astype(shard_dtype(vocab_size)))
+    os.replace(tmp, path)
+    return {"file": file_name, "tokens": int(tokens.size), "sha256": file_sha256(path)}
+
+
+def write_manifest(out_dir: str, tokenizer: Tokenizer, splits: dict, **extra) -> dict:
+    """Write manifest.json atomically, last, once every shard it lists is in place."""
+    manifest = {"format": FORMAT_VERSION, "tokenizer": tokenizer.name,
+                "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+                "dtype": shard_dtype(tokenizer.vocab_size).name, "splits": splits, **extra}
+    validate_manifest(manifest, where=out_dir)
+    path = os.path.join(out_dir, MANIFEST)
+    with open(f"{path}.tmp{os.getpid()}", "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(f"{path}.tmp{os.getpid()}", path)
+    return manifest
+
+
+def validate_manifest(manifest: dict, where: str) -> None:
+    for key in ("tokenizer", "vocab_size", "dtype", "splits"):
+        if key not in manifest:
+            raise ValueError(f"{where}/{MANIFEST} has no {key!r} field; rebuild the data "
+                             "directory with the scripts in data/")
+    for split in ("train", "val"):
+        if not manifest["splits"].get(split):
+            raise ValueError(f"{where}/{MANIFEST} has no {split!r} split (or it lists no "
+                             "shards). Training needs both train and val; re-run "
+                             "data/tokenize.py (it holds out --val_tokens for val).")
+    expected = shard_dtype(manifest["vocab_size"]).name
+    if manifest["dtype"] != expected:
+        raise ValueError(f"{where}/{MANIFEST}: dtype {manifest['dtype']} does not suit "
+                         f"vocab_size {manifest['vocab_size']} (expected {expected})")
+
+
+# -----------------------------------------------------------------------------
+# Shard stores: where a shard's bytes come from. Both hand back a verified local file.
+
+class ShardError(RuntimeError):
+    """A shard is missing, truncated or corrupt."""
+
+
+def verify_shard_file(path: str, entry: dict, where: str) -> None:
+    if file_sha256(path) != entry["sha256"]:
+        raise ShardError(
+            f"checksum mismatch for {where}: the file is truncated or corrupt (sha256 differs "
+            "from the manifest). Delete it and copy or re-create the data directory.")
+
+
+def open_shard_file(path: str, entry: dict, dtype: str, where: str) -> np.ndarray:
+    """Memory-map a verified shard and check it holds what the manifest says."""
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as e:
+        raise ShardError(f"cannot read shard {where}: {e}. Re-create the data directory.") from e
+    if tokens.dtype != np.dtype(dtype) or tokens.shape != (entry["tokens"],):
+        raise ShardError(f"shard {where} holds {tokens.dtype}{list(tokens.shape)}, the manifest "
+                         f"says {dtype}[{entry['tokens']}]. Re-create the data directory.")
+    return tokens
+
+
+class LocalShards:
+    """Shards in a local directory, each verified against its checksum when first opened."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self._verified = set()
+
+    def read_manifest(self) -> str:
+        path = os.path.join(self.root, MANIFEST)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} is missing: {self.root} is not a prepared data directory. Build one "
+                "with data/tokenize.py (or data/shakespeare.py), or use --data.source=shakespeare.")
+        with open(path) as f:
+            return f.read()
+
+    def open(self, entry: dict, dtype: str) -> np.ndarray:
+        path = os.path.join(self.root, entry["file"])
+        if not os.path.isfile(path):
+            raise ShardError(f"shard {path} listed in {MANIFEST} is missing. Copy it back "
+                             "or re-create the data directory.")
+        if path not in self._verified:
+            verify_shard_file(path, entry, where=path)
+            self._verified.add(path)
+        return open_shard_file(path, entry, dtype, where=path)
+
+    def prefetch(self, entry: dict) -> None:
+        pass  # local files are already at hand
+
+    def close(self) -> None:
+        pass
+
+
+def with_retries(action, what: str, transient: tuple, retries: int, backoff_s: float):
+    """Run action(); on a transient error wait backoff_s * 2**attempt and try again."""
+    for attempt in range(retries + 1):
+        try:
+            return action()
+        except transient as e:
+            if attempt == retries:
+                raise RuntimeError(f"{what} failed after {retries + 1} tries: {e!r}") from e
+            delay = backoff_s * 2**attempt
+            log.warning("%s: %r; retrying in %.2fs", what, e, delay)
+            time.sleep(delay)
+
+
+def gcs_transient_errors() -> tuple:
+    """Errors worth retrying: overload/5xx answers, dropped or cut-off connections, bad bytes."""
+    import requests
+    import urllib3
+    from google.api_core import exceptions as api
+    from google.resumable_media import DataCorruption
+    return (api.TooManyRequests, api.InternalServerError, api.BadGateway,
+            api.ServiceUnavailable, api.GatewayTimeout, requests.ConnectionError,
+            requests.Timeout, requests.exceptions.ChunkedEncodingError, urllib3.exceptions.HTTPError,
+            ConnectionError, TimeoutError, DataCorruption, ShardError)
+
+
+def split_gcs_url(url: str) -> tuple[str, str]:
+    """gs://bucket/some/prefix -> ("bucket", "some/prefix")."""
+    bucket, _, prefix = url.removeprefix("gs://").partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r} is not of the form gs://bucket/prefix")
+    return bucket, prefix.strip("/")
+
+
+class GcsShards:
+    """Shards in gs://bucket/prefix, copied on first use into a size-bounded local cache.
+
+    Every download runs on one background thread, so the next shard can arrive while the
+    current one is read (prefetch), and the client is only ever used from that thread.
+    Files enter the cache only after their sha256 matches the manifest (temp file +
+    rename, so processes sharing the cache never see half a file); the least recently
+    opened files are evicted once the cache outgrows its bound. Honours
+    STORAGE_EMULATOR_HOST, as google-cloud-storage does.
+    """
+
+    def __init__(self, url: str, cache_dir: str, cache_max_bytes: float):
+        from google.api_core.exceptions import NotFound
+        from google.cloud import storage  # imported here: only gs:// sources need it
+        self.url = url.rstrip("/")
+        bucket, self.prefix = split_gcs_url(url)
+        self.cache_root = os.path.join(cache_dir, "gcs")
+        self.local_dir = os.path.join(self.cache_root, bucket, self.prefix)
+        self.cache_max_bytes = cache_max_bytes
+        self._bucket = storage.Client().bucket(bucket)
+        self._not_found = NotFound
+        self._transient = gcs_transient_errors()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcs-download")
+        self._fetches = {}  # file name -> Future of its verified local path
+
+    def _object(self, file_name: str):
+        return self._bucket.blob(f"{self.prefix}/{file_name}" if self.prefix else file_name)
+
+    def _download(self, file_name: str, fetch_to_bytes: bool = False, dest: str = ""):
+        """One try at a download, with the client's own retries off (ours are clearer)."""
+        blob = self._object(file_name)
+        try:
+            if fetch_to_bytes:
+                return blob.download_as_bytes(retry=None)
+            blob.download_to_filename(dest, retry=None)
+        except self._not_found as e:
+            raise FileNotFoundError(
+                f"{self.url}/{file_name} does not exist. Upload the data directory with "
+                f"data/upload_gcs.py DIR {self.url}") from e
+
+    def read_manifest(self) -> str:
+        action = functools.partial(self._download, MANIFEST, fetch_to_bytes=True)
+        data = self._pool.submit(with_retries, action, f"download {self.url}/{MANIFEST}",
+                                 self._transient, GCS_RETRIES, GCS_BACKOFF_S).result()
+        return data.decode("utf-8")
+
+    def _fetch_verified(self, entry: dict) -> str:
+        """(background thread) A cached, checksum-verified copy of the shard: its path."""
+        path = os.path.join(self.local_dir, entry["file"])
+        if os.path.isfile(path):
+            try:
+                verify_shard_file(path, entry, where=path)
+                return path
+            except ShardError:
+                log.warning("cached %s is corrupt; downloading it again", path)
+        os.makedirs(self.local_dir, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+
+        def download_and_verify():
+            self._download(entry["file"], dest=tmp)
+            verify_shard_file(tmp, entry, where=f"{self.url}/{entry['file']} (downloaded)")
+
+        try:
+            with_retries(download_and_verify, f"download {self.url}/{entry['file']}",
+                         self._transient, GCS_RETRIES, GCS_BACKOFF_S)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        os.replace(tmp, path)
+        evict_least_recently_used(self.cache_root, self.cache_max_bytes, keep=path)
+        return path
+
+    def _fetch(self, entry: dict):
+        if entry["file"] not in self._fetches:
+            self._fetches[entry["file"]] = self._pool.submit(self._fetch_verified, entry)
+        return self._fetches[entry["file"]]
+
+    def prefetch(self, entry: dict) -> None:
+        self._fetch(entry)
+
+    def open(self, entry: dict, dtype: str) -> np.ndarray:
+        path = self._fetch(entry).result()
+        if not os.path.isfile(path):  # evicted since, by us or another process: fetch again
+            del self._fetches[entry["file"]]
+            path = self._fetch(entry).result()
+        os.utime(path)  # mark as recently used for eviction
+        return open_shard_file(path, entry, dtype, where=path)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def evict_least_recently_used(cache_root: str, max_bytes: float, keep: str) -> None:
+    """Delete the oldest files under cache_root until it fits in max_bytes (never `keep`).
+
+    Files another process has memory-mapped stay readable by it after deletion (POSIX).
+    """
+    files = []
+    for folder, _, names in os.walk(cache_root):
+        for name in names:
+            if ".tmp" in name:
+                continue  # a download in progress, maybe another process's
+            path = os.path.join(folder, name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue  # removed meanwhile by another process
+            files.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files):
+        if total <= max_bytes:
+            break
+        if path == keep:
+            continue
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        total -= size
+
+
+# -----------------------------------------------------------------------------
+# Batch order: pure functions of the seed, the epoch and the windows in each shard
+
+@functools.lru_cache(maxsize=16)
+def _epoch_layout(seed: int, epoch: int, windows_per_shard: tuple[int, ...]):
+    """The order shards are visited in during one epoch, and where each one ends in it."""
+    order = np.random.default_rng([seed, epoch, 0]).permutation(len(windows_per_shard))
+    ends = np.cumsum(np.asarray(windows_per_shard)[order])
+    return order, ends
+
+
+@functools.lru_cache(maxsize=16)
+def _window_order(seed: int, epoch: int, shard: int, n_windows: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch, 1, shard]).permutation(n_windows)
+
+
+def locate_window(seed: int, windows_per_shard: tuple[int, ...], sample: int) -> tuple[int, int]:
+    """Global sample index (step * batch_size + row) -> (shard, window inside that shard)."""
+    epoch, position = divmod(sample, sum(windows_per_shard))
+    order, ends = _epoch_layout(seed, epoch, windows_per_shard)
+    k = int(np.searchsorted(ends, position, side="right"))  # skips shards with no window
+    shard = int(order[k])
+    within = position - (int(ends[k]) - windows_per_shard[shard])
+    return shard, int(_window_order(seed, epoch, shard, windows_per_shard[shard])[within])
+
+
+def next_shard(seed: int, windows_per_shard: tuple[int, ...], sample: int) -> int:
+    """The shard read right after the one holding `sample` (maybe in the next epoch)."""
+    total = sum(windows_per_shard)
+    epoch, position = divmod(sample, total)
+    _, ends = _epoch_layout(seed, epoch, windows_per_shard)
+    end_of_shard = int(ends[np.searchsorted(ends, position, side="right")])
+    return locate_window(seed, windows_per_shard, epoch * total + end_of_shard)[0]
+
+
+# -----------------------------------------------------------------------------
+# TokenData: deterministic global batches, read a row subset at a time
+
+class TokenData:
+    """The token shards of one data directory, read as deterministic global batches."""
+
+    def __init__(self, manifest: dict, store, where: str):
+        validate_manifest(manifest, where)
+        self.manifest = manifest
+        self.vocab_size = int(manifest["vocab_size"])
+        self.tokenizer_name = manifest["tokenizer"]
+        self.rows_loaded = 0  # rows materialised so far, whatever the split
+        self._store = store
+        self._open = collections.OrderedDict()  # (split, shard) -> memmap, most recent last
+
+    def windows_per_shard(self, split: str, seq_len: int) -> tuple[int, ...]:
+        """Windows of seq_len + 1 tokens in each shard of `split`; their sum is one epoch."""
+        if split not in self.manifest["splits"]:
+            raise ValueError(f"no split {split!r}; the manifest has {list(self.manifest['splits'])}")
+        shards = self.manifest["splits"][split]
+        counts = tuple(entry["tokens"] // (seq_len + 1) for entry in shards)
+        if sum(counts) == 0:
+            raise ValueError(f"the {split} split has no window of seq_len + 1 = {seq_len + 1} "
+                             f"tokens (its largest shard holds {max(e['tokens'] for e in shards)}): "
+                             "lower seq_len or add data")
+        return counts
+
+    def batch(self, split: str, step: int, batch_size: int, seq_len: int, seed: int,
+              rows: range | None = None) -> np.ndarray:
+        """Rows `rows` (default: all) of the global batch for `step`: int32 [len(rows), seq_len + 1]."""
+        if step < 0 or seed < 0:
+            raise ValueError(f"step ({step}) and seed ({seed}) must be >= 0")
+        rows = _check_rows(rows, batch_size)
+        counts = self.windows_per_shard(split, seq_len)
+        first = step * batch_size
+        windows = [locate_window(seed, counts, first + row) for row in rows]
+        out = self._read_windows(split, windows, seq_len + 1)
+        if len(rows):
+            upcoming = next_shard(seed, counts, first + max(rows))
+            self._store.prefetch(self.manifest["splits"][split][upcoming])
+        return out
+
+    def eval_batches(self, n_batches: int, batch_size: int, seq_len: int,
+                     rows: range | None = None) -> Iterator[np.ndarray]:
+        """The fixed eval set: n_batches batches of windows spread evenly over the val split."""
+        rows = _check_rows(rows, batch_size)
+        counts = self.windows_per_shard("val", seq_len)
+        needed = n_batches * batch_size
+        if needed > sum(counts):
+            raise ValueError(f"the val split holds {sum(counts)} windows of {seq_len + 1} tokens, "
+                             f"but {n_batches} eval batches x {batch_size} rows need {needed}: "
+                             "evaluate fewer batches or hold out more val data")
+        stride = sum(counts) // needed
+        shard_starts = np.cumsum((0,) + counts)  # index of each shard's first window
+
+        def locate(index: int) -> tuple[int, int]:
+            shard = int(np.searchsorted(shard_starts, index, side="right")) - 1
+            return shard, index - int(shard_starts[shard])
+
+        def batches():
+            for b in range(n_batches):
+                windows = [locate((b * batch_size + row) * stride) for row in rows]
+                yield self._read_windows("val", windows, seq_len + 1)
+
+        return batches()
+
+    def _read_windows(self, split: str, windows: list[tuple[int, int]], length: int) -> np.ndarray:
+        out = np.empty((len(windows), length), np.int32)
+        for i, (shard, window) in enumerate(windows):
+            out[i] = self._shard(split, shard)[window * length:(window + 1) * length]
+            self.rows_loaded += 1
+            if out[i].max() >= self.vocab_size:
+                file = self.manifest["splits"][split][shard]["file"]
+                check_token_range(out[i], self.vocab_size, where=f"shard {file}")
+        return out
+
+    def _shard(self, split: str, index: int) -> np.ndarray:
+        key = (split, index)
+        if key in self._open:
+            self._open.move_to_end(key)
+        else:
+            entry = self.manifest["splits"][split][index]
+            self._open[key] = self._store.open(entry, self.manifest["dtype"])
+            if len(self._open) > MAX_OPEN_SHARDS:
+                self._open.popitem(last=False)
+        return self._open[key]
+
+    def close(self) -> None:
+        self._open.clear()
+        self._store.close()
+
+
+def _check_rows(rows: range | None, batch_size: int) -> range:
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if rows is None:
+        return range(batch_size)
+    if len(rows) and (min(rows) < 0 or max(rows) >= batch_size):
+        raise ValueError(f"rows {rows} fall outside the global batch range(0, {batch_size})")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Entry points for main.py
+
+def open_data(source: str, cache_dir: str, cache_max_gb: float = 20.0,
+              process_index: int = 0) -> TokenData:
+    """source: an embedded name ("shakespeare"), a local data directory, or gs://bucket/prefix.
+
+    cache_dir holds prepared embedded data and the gs:// shard cache (at most
+    cache_max_gb); process_index only keeps one-off messages from repeating per process.
+    """
+    if source in EMBEDDED_SOURCES:
+        source = prepare_embedded(source, cache_dir, process_index)
+    if source.startswith("gs://"):
+        store = GcsShards(source, cache_dir, cache_max_bytes=cache_max_gb * 1e9)
+    elif os.path.isdir(source):
+        store = LocalShards(source)
+    else:
+        raise FileNotFoundError(f"data source {source!r} is neither an embedded dataset "
+                                f"{EMBEDDED_SOURCES}, an existing directory, nor gs://bucket/prefix")
+    try:
+        manifest = json.loads(store.read_manifest())
+        return TokenData(manifest, store, where=source)
+    except BaseException:
+        store.close()
+        raise
+
+
+def prepare_embedded(name: str, cache_dir: str, process_index: int = 0) -> str:
+    """Prepare an embedded dataset once into <cache_dir>/<name>/ and return that directory.
+
+    Several processes on one machine may call this at once: one of them prepares into a
+    temp directory and renames it into place while holding a lock; the others wait on the
+    lock and then reuse the result.
+    """
+    out = os.path.join(cache_dir, name)
+    if os.path.isfile(os.path.join(out, MANIFEST)):
+        return out
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if os.path.isfile(os.path.join(out, MANIFEST)):
+            return out  # another process prepared it while we waited
+        if os.path.exists(out):
+            raise RuntimeError(f"{out} exists but has no {MANIFEST}; delete it so that "
+                               f"{name} can be prepared again")
+        for folder in os.listdir(cache_dir):  # left behind by a run that crashed mid-way
+            if folder.startswith(f"{name}.tmp"):
+                shutil.rmtree(os.path.join(cache_dir, folder))
+        tmp = tempfile.mkdtemp(prefix=f"{name}.tmp", dir=cache_dir)
+        from data import shakespeare  # the only embedded source so far
+        counts = shakespeare.prepare(tmp)
+        os.rename(tmp, out)
+        if process_index == 0:
+            log.info("prepared %s into %s: %s tokens", name, out, counts)
+    return out
+
+
+def check_tokenizer(data: TokenData, model_vocab_size: int, tokenizer_name: str) -> None:
+    """Raise unless the data was tokenized with `tokenizer_name` and every id fits the model.
+
+    The model's vocabulary may be larger than the data's (padded, e.g. so that it divides
+    evenly over tensor-parallel shards), never smaller.
+    """
+    if data.tokenizer_name != tokenizer_name:
+        raise ValueError(
+            f"the data was tokenized with {data.tokenizer_name!r} but the model is configured "
+            f"for {tokenizer_name!r}: set the tokenizer to {data.tokenizer_name!r} or point the "
+            f"data source at shards made with {tokenizer_name!r} (data/tokenize.py --encoding).")
+    if model_vocab_size < data.vocab_size:
+        raise ValueError(
+            f"the data's vocabulary has {data.vocab_size} ids but the model only "
+            f"{model_vocab_size}: set the model's vocab size to at least {data.vocab_size}.")
