@@ -155,7 +155,7 @@ PRESETS = {
     # for tests. 8 blocks so that pp can be 8; 8 experts so that dp can be 8 with
     # expert parallelism; widths divisible by 8 for tp and FSDP.
     "tiny": {
-        "model": dict(vocab_size=256, vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
+        "model": dict(vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
                       rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
                       n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5),
         "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10,
@@ -427,3 +427,87 @@ class Timer:
 
     def __call__(self):
         return time.perf_counter() - self.start
+
+
+# ----------------------------------------------------------------------------
+# Plots: python utils.py plot RUN_DIR (also run at the end of training)
+
+
+def plot_series(rows, key):
+    """(steps, values) of the rows that carry `key`."""
+    picked = [(r["step"], r[key]) for r in rows if key in r]
+    return [s for s, _ in picked], [v for _, v in picked]
+
+
+def plot_run(run_dir):
+    """Write PNGs from metrics.jsonl: losses, load-balance loss, expert load, speed.
+    Returns {file name: {series name: (x, y)}} so tests can check what was drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        cfg = json.load(f)
+    tokens_per_step = cfg["train"]["batch_size"] * cfg["model"]["seq_len"]
+    drawn = {}
+
+    def save(fig, name, series):
+        fig.tight_layout()
+        fig.savefig(os.path.join(run_dir, name), dpi=110)
+        plt.close(fig)
+        drawn[name] = series
+
+    steps, train_loss = plot_series(rows, "loss")
+    val_steps, val_loss = plot_series(rows, "val_loss")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([s * tokens_per_step for s in steps], train_loss, label="train")
+    ax.plot([s * tokens_per_step for s in val_steps], val_loss, "o-", label="validation")
+    ax.set(xlabel="tokens seen", ylabel="cross-entropy (nats/token)", title=f"{cfg['run']['name']}: loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "loss.png", {"train": (steps, train_loss), "val": (val_steps, val_loss)})
+
+    aux_steps, aux = plot_series(rows, "aux_loss")
+    if any(aux):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(aux_steps, aux)
+        ax.axhline(1.0, color="gray", ls="--", lw=1, label="uniform routing (minimum)")
+        ax.set(xlabel="step", ylabel="load-balance loss", title="load-balance loss (Switch)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        save(fig, "load_balance.png", {"aux_loss": (aux_steps, aux)})
+
+    load_steps, loads = plot_series(rows, "expert_load")
+    moe_blocks = [n for n in range(len(loads[0])) if sum(loads[0][n])] if loads else []
+    if moe_blocks:
+        load_SNE = np.asarray(loads)
+        fig, axes = plt.subplots(len(moe_blocks), 1, figsize=(6, 1.0 + 1.6 * len(moe_blocks)), squeeze=False)
+        for ax, n in zip(axes[:, 0], moe_blocks):
+            image = ax.imshow(load_SNE[:, n, :].T, aspect="auto", cmap="viridis", interpolation="nearest",
+                              extent=(load_steps[0], load_steps[-1], load_SNE.shape[2] - 0.5, -0.5))
+            ax.set(ylabel=f"block {n}\nexpert", title="fraction of routed tokens per expert" if n == moe_blocks[0] else None)
+            fig.colorbar(image, ax=ax)
+        axes[-1, 0].set_xlabel("step")
+        save(fig, "expert_load.png", {f"block{n}": (load_steps, load_SNE[:, n, :].tolist()) for n in moe_blocks})
+
+    speed_steps, tokens_per_sec = plot_series(rows, "tokens_per_sec")
+    _, mfu = plot_series(rows, "mfu")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(speed_steps, tokens_per_sec, color="tab:blue")
+    ax.set(xlabel="step", ylabel="tokens/s", title="throughput and MFU")
+    ax2 = ax.twinx()
+    ax2.plot(speed_steps, [100 * m for m in mfu], color="tab:orange")
+    ax2.set_ylabel("MFU (% of measured peak)", color="tab:orange")
+    ax.grid(alpha=0.3)
+    save(fig, "speed.png", {"tokens_per_sec": (speed_steps, tokens_per_sec), "mfu": (speed_steps, mfu)})
+    return drawn
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "plot":
+        for name in plot_run(sys.argv[2]):
+            print(os.path.join(sys.argv[2], name))
+    else:
+        sys.exit("usage: python utils.py plot RUN_DIR")

@@ -1,0 +1,365 @@
+"""Train (or sample from, or export) the MoE transformer over a 3-D device mesh.
+
+    python main.py                                  # Shakespeare, bytes, small MoE, CPU
+    python main.py --run.cpu_devices 8 --mesh.dp 2 --mesh.pp 2 --mesh.tp 2 --train.microbatches 2
+    python main.py --mode sample --sample.prompt "JULIET:"
+    python main.py --mode export                   # slim bfloat16 params in <run_dir>/export
+
+Reads top to bottom: config, devices, mesh, data, init or resume, compile, the loop
+(eval, checkpoints, logs), samples.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+# ----------------------------------------------------------------------------
+# Config and devices (before JAX starts: fake CPU devices and collectives are set then)
+
+
+def setup_devices(cfg):
+    """Fake CPU devices and multi-process init; must run before JAX touches a device."""
+    import jax
+
+    if cfg.run.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
+    d = cfg.dist
+    if d.coordinator:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=d.coordinator, num_processes=d.num_processes,
+                                   process_id=d.process_id, initialization_timeout=d.timeout_s,
+                                   heartbeat_timeout_seconds=d.timeout_s)
+    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        jax.distributed.initialize()  # TPU pods and SLURM: JAX finds the cluster itself
+
+
+def main(argv):
+    from utils import ConfigError, parse_args
+
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    setup_devices(cfg)
+    try:
+        if cfg.mode == "train":
+            train(cfg)
+        elif cfg.mode == "sample":
+            print(sample_from_run(cfg))
+        elif cfg.mode == "export":
+            export_run(cfg)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+
+
+# ----------------------------------------------------------------------------
+# Everything below imports JAX lazily, after setup_devices.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import checkpoint  # noqa: E402
+import parallel as par  # noqa: E402
+from dataset import get_tokenizer, open_data, check_tokenizer  # noqa: E402
+from model import Transformer, decode_step, init_cache  # noqa: E402
+from utils import (ConfigError, MetricsLog, apply_overrides, config_from_dict, config_to_dict, count_params,  # noqa: E402
+                   flops_per_token, human, truncate_metrics)
+
+
+def is_main_process():
+    return jax.process_index() == 0
+
+
+def say(*args):
+    if is_main_process():
+        print(*args, flush=True)
+
+
+def run_dir_of(cfg):
+    return os.path.join(cfg.run.out_dir, cfg.run.name)
+
+
+def resolve_vocab(cfg, data):
+    """The model's vocabulary comes from the data's manifest unless set explicitly."""
+    check_tokenizer(data, cfg.model.vocab_size or data.vocab_size, cfg.data.tokenizer)
+    if cfg.model.vocab_size == 0:
+        cfg = apply_overrides(cfg, {"model": {"vocab_size": data.vocab_size}})
+    return cfg
+
+
+def measure_peak_flops(dtype, size=1024, repeats=5):
+    """FLOP/s of a large square matmul on one device: the denominator of MFU, measured
+    on this machine in this run so that MFU is a ratio, not a guess."""
+    a = jnp.ones((size, size), dtype)
+    matmul = jax.jit(lambda a, b: a @ b)
+    matmul(a, a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = matmul(a, a)
+    out.block_until_ready()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def describe_mesh(mesh):
+    """Which device holds which (dp, pp, tp) coordinate, and which process owns it."""
+    lines = [f"mesh {dict(mesh.shape)} over {mesh.devices.size} devices, {jax.process_count()} process(es)"]
+    for coords in np.ndindex(mesh.devices.shape):
+        device = mesh.devices[coords]
+        lines.append(f"  device {device.id:>3} (process {device.process_index}): dp={coords[0]} pp={coords[1]} tp={coords[2]}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# Named steps
+
+
+def build_state(cfg, mesh):
+    """Fresh params (same values on every mesh) and optimizer state, in their shards."""
+    graphdef, params = par.init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
+    optimizer = par.make_optimizer(cfg.train)
+    opt_state = par.init_opt_state(optimizer, params, mesh)
+    return graphdef, params, optimizer, opt_state
+
+
+def evaluate(eval_step, params, data, cfg, mesh, rows):
+    """Mean validation cross-entropy over a fixed set of batches."""
+    losses = [eval_step(params, par.global_batch(mesh, batch, cfg.train.batch_size))
+              for batch in data.eval_batches(cfg.train.eval_batches, cfg.train.batch_size, cfg.model.seq_len, rows=rows)]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def host_params(params):
+    """All weights on every process as plain arrays (for sampling on one device)."""
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(params, tiled=True))
+
+
+def generate(model, tokenizer, prompt, max_tokens, temperature, top_k, seed):
+    """Continue `prompt` with the latent KV cache: one prefill, then one token per step.
+    The cache has a fixed length (prompt + max_tokens), so each step compiles once."""
+    prompt_ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    max_len = len(prompt_ids) + max_tokens
+    cache = init_cache(model.cfg, 1, max_len)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda state, tokens, cache, start: decode_step(nnx.merge(graphdef, state), tokens, cache, start))
+    logits, cache = step(state, jnp.asarray([prompt_ids]), cache, 0)
+    key, out = jax.random.key(seed), []
+    vocab = model.cfg.vocab_size
+    for i in range(max_tokens):
+        last_V = logits[0, -1, :vocab]  # padded vocabulary entries are never sampled
+        if temperature == 0:
+            token = int(jnp.argmax(last_V))
+        else:
+            key, sub = jax.random.split(key)
+            scaled = last_V / temperature
+            if top_k:
+                kth = jnp.sort(scaled)[-min(top_k, vocab)]
+                scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+            token = int(jax.random.categorical(sub, scaled))
+        out.append(token)
+        logits, cache = step(state, jnp.asarray([[token]]), cache, len(prompt_ids) + i)
+    return prompt + tokenizer.decode(out)
+
+
+def samples_from_params(cfg, params, graphdef, n):
+    tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
+    model = nnx.merge(graphdef, host_params(params))
+    s = cfg.sample
+    return [generate(model, tokenizer, s.prompt, s.max_tokens, s.temperature, s.top_k, s.seed + i) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------
+# Training
+
+
+def train(cfg):
+    run_dir = run_dir_of(cfg)
+    os.makedirs(run_dir, exist_ok=True)
+    mesh = par.make_mesh(cfg.mesh)
+    data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
+    cfg = resolve_vocab(cfg, data)
+    par.check_config_fits_mesh(cfg, mesh)
+    say(describe_mesh(mesh))
+    total, active = count_params(cfg.model)
+    say(f"model: {human(total)} params, {human(active)} active per token; "
+        f"pipeline bubble {par.bubble_fraction(mesh.shape['pp'], cfg.train.microbatches):.0%}")
+
+    # --- init or resume -----------------------------------------------------
+    graphdef, params, optimizer, opt_state = build_state(cfg, mesh)
+    manager = checkpoint.checkpoint_manager(run_dir, cfg.train.keep_checkpoints)
+    start_step, wandb_id = 0, None
+    resume_step = None if cfg.train.resume_step < 0 else cfg.train.resume_step
+    restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, log=say)
+    if restored is not None:
+        params, opt_state, meta = restored
+        start_step, wandb_id = meta["step"], meta.get("wandb_id")
+        say(f"resumed from {run_dir}/checkpoints/{start_step}")
+    elif cfg.train.init_from:
+        params = checkpoint.restore_params(cfg.train.init_from, params, cfg.model)
+        say(f"initialised params from {cfg.train.init_from} (fresh optimizer)")
+    if is_main_process():
+        truncate_metrics(run_dir, start_step)  # steps after the checkpoint will be redone
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config_to_dict(cfg), f, indent=2)
+    log = MetricsLog(run_dir, cfg, enabled=is_main_process(), wandb_id=wandb_id)
+
+    # --- compile ------------------------------------------------------------
+    rows = par.process_rows(mesh, cfg.train.batch_size)
+    train_step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    eval_step = par.make_eval_step(graphdef, cfg, mesh, params)
+    first_batch = par.global_batch(mesh, data.batch("train", start_step, cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, rows), cfg.train.batch_size)
+    t0 = time.perf_counter()
+    compiled = train_step.lower(params, opt_state, first_batch, jnp.asarray(start_step)).compile()
+    memory = par.memory_summary(params, opt_state, compiled, mesh.devices.flat[0])
+    say(f"compiled train step in {time.perf_counter() - t0:.1f}s; device 0 holds params {human(memory['params_bytes'])}B, "
+        f"optimizer {human(memory['opt_bytes'])}B, step temporaries {human(memory['temp_bytes'])}B")
+    if cfg.log.show_sharding and is_main_process():
+        show_sharding(first_batch, params)
+
+    reporter = Reporter(cfg, log, make_progress(cfg, start_step), manager, mesh)
+
+    # --- the loop -----------------------------------------------------------
+    # Metrics of step s are read after step s+1 is dispatched, so the host never
+    # makes the devices wait. Before an eval or a checkpoint the pending step is read
+    # first: a checkpoint is only written for a step whose loss was finite.
+    for step in range(start_step, cfg.train.steps):
+        batch = first_batch if step == start_step else par.global_batch(
+            mesh, data.batch("train", step, cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, rows), cfg.train.batch_size)
+        params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(step))
+        reporter.flush()  # the previous step's metrics
+        done = step + 1  # steps completed; what metrics.jsonl and checkpoints call "step"
+        reporter.pending = (done, metrics)
+        if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+            reporter.flush()
+            val = evaluate(eval_step, params, data, cfg, mesh, rows)
+            log.write(dict(step=done, val_loss=val))
+            reporter.progress.write(f"step {done}: val_loss {val:.4f}")
+            reporter.restart_clock()
+        if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
+            reporter.flush()
+            meta = dict(seed=cfg.run.seed, data_position=done, config=config_to_dict(cfg), wandb_id=log.wandb_id)
+            checkpoint.save_checkpoint(manager, done, params, opt_state, meta)
+    reporter.flush()
+    manager.wait_until_finished()
+    reporter.progress.close()
+
+    # --- samples ------------------------------------------------------------
+    if cfg.sample.num_samples and cfg.train.steps > start_step:
+        samples = samples_from_params(cfg, params, graphdef, cfg.sample.num_samples)
+        if is_main_process():
+            with open(os.path.join(run_dir, "samples.txt"), "a") as f:
+                for s in samples:
+                    f.write(f"--- step {cfg.train.steps}, prompt {cfg.sample.prompt!r}\n{s}\n")
+            log.log_samples(cfg.train.steps, samples)
+            say("sample:\n" + samples[0])
+    log.close()
+    if cfg.log.plots and is_main_process():
+        from utils import plot_run
+
+        plot_run(run_dir)
+    return run_dir
+
+
+class Reporter:
+    """Reads finished steps' metrics on the host: progress bar, metrics.jsonl, wandb;
+    stops the run loudly on a non-finite loss."""
+
+    def __init__(self, cfg, log, progress, manager, mesh):
+        self.cfg, self.log, self.progress, self.manager = cfg, log, progress, manager
+        self.schedule = par.lr_schedule(cfg.train)
+        self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+        self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
+        self.peak_flops = measure_peak_flops(jnp.dtype(cfg.model.dtype)) * mesh.devices.size
+        self.pending = None  # (step, device metrics) not yet read
+        self.restart_clock()
+
+    def restart_clock(self):
+        """Time spent outside training steps (eval, compile) is not charged to a step."""
+        self.last_time = time.perf_counter()
+
+    def flush(self):
+        if self.pending is None:
+            return
+        step, metrics = self.pending
+        self.pending = None
+        metrics = jax.device_get(metrics)
+        loss = float(metrics["loss"])
+        if not math.isfinite(loss):
+            self.manager.wait_until_finished()
+            self.progress.close()
+            raise SystemExit(f"error: non-finite loss {loss} at step {step}; stopping. The last good checkpoint is kept in "
+                             f"{self.manager.directory}: lower --train.lr or --train.grad_clip, then rerun to resume")
+        now = time.perf_counter()
+        elapsed = max(now - self.last_time, 1e-9)
+        self.last_time = now
+        tokens_per_sec = self.tokens_per_step / elapsed
+        mfu = self.flops_per_step / elapsed / self.peak_flops
+        self.progress.update(1)
+        self.progress.set_postfix(loss=f"{loss:.3f}", tok_s=human(tokens_per_sec), mfu=f"{mfu:.1%}", refresh=False)
+        if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:
+            stats = metrics["stats_N"]
+            load_NE = stats["tokens_per_expert"] / np.maximum(stats["tokens_per_expert"].sum(-1, keepdims=True), 1)
+            assigned = max(int(np.sum(stats["tokens_per_expert"])), 1)
+            self.log.write(dict(step=step, loss=loss, lr=float(self.schedule(step - 1)), grad_norm=float(metrics["grad_norm"]),
+                                tokens_per_sec=tokens_per_sec, mfu=mfu, aux_loss=float(metrics["aux_loss"]),
+                                dropped_frac=float(np.sum(stats["dropped"])) / assigned, expert_load=load_NE.round(4)))
+
+
+def make_progress(cfg, start_step):
+    from tqdm import tqdm
+
+    disable = not (cfg.log.progress and is_main_process())
+    return tqdm(total=cfg.train.steps, initial=start_step, disable=disable, dynamic_ncols=True, desc="train")
+
+
+def show_sharding(batch, params):
+    print("batch [B, T+1] over the mesh:")
+    jax.debug.visualize_array_sharding(batch)
+    seen = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = par.weight_name(path)
+        if name in seen or leaf.ndim > 2 + par.is_stacked(path) or leaf.ndim < 1:
+            continue
+        seen.add(name)
+        print(f"{jax.tree_util.keystr(path)} {leaf.shape} spec {leaf.sharding.spec}")
+        if leaf.ndim <= 2:
+            jax.debug.visualize_array_sharding(leaf)
+
+
+# ----------------------------------------------------------------------------
+# Sampling and export from a finished (or running) run
+
+
+def load_run_params(cfg):
+    """The run's saved config and latest params, on the current mesh."""
+    run_dir = run_dir_of(cfg)
+    config_path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(config_path):
+        raise ConfigError(f"no run at {run_dir} (missing config.json): train first, or pass --run.name/--run.out_dir")
+    with open(config_path) as f:
+        saved = config_from_dict(json.load(f))
+    cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
+    mesh = par.make_mesh(cfg.mesh)
+    graphdef, params = par.init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
+    source = cfg.train.init_from or run_dir
+    return cfg, graphdef, checkpoint.restore_params(source, params, cfg.model)
+
+
+def sample_from_run(cfg):
+    cfg, graphdef, params = load_run_params(cfg)
+    return samples_from_params(cfg, params, graphdef, 1)[0]
+
+
+def export_run(cfg):
+    cfg, graphdef, params = load_run_params(cfg)
+    out = checkpoint.export_slim(params, config_to_dict(cfg), os.path.join(run_dir_of(cfg), "export"))
+    say(f"slim export (bfloat16 params + config.json): {out}, {human(checkpoint.directory_bytes(out))}B")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
