@@ -104,7 +104,7 @@ def _decode_bytes(ids: list[int]) -> str:
 # The split pattern and special tokens of tiktoken's own encodings, so that one can be
 # rebuilt from a local .tiktoken rank file on a machine that cannot download it. Copied
 # from tiktoken_ext/openai_public.py (tiktoken 0.14), which only builds them after a download.
-_CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 _O200K_PATTERN = "|".join([
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
@@ -118,11 +118,12 @@ _TIKTOKEN_LAYOUTS = {
     "gpt2": (openai_public.r50k_pat_str, {EOT_TEXT: 50256}),
     "r50k_base": (openai_public.r50k_pat_str, {EOT_TEXT: 50256}),
     "p50k_base": (openai_public.r50k_pat_str, {EOT_TEXT: 50256}),
-    "cl100k_base": (_CL100K_PATTERN, {EOT_TEXT: 100257, "<|fim_prefix|>": 100258,
+    "cl100k_base": (CL100K_PATTERN, {EOT_TEXT: 100257, "<|fim_prefix|>": 100258,
                                       "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260,
                                       "<|endofprompt|>": 100276}),
     "o200k_base": (_O200K_PATTERN, {EOT_TEXT: 199999, "<|endofprompt|>": 200018}),
 }
+CUSTOM_SPLIT_PATTERN = CL100K_PATTERN  # for rank files of names tiktoken does not know
 
 
 def get_tokenizer(name: str | tiktoken.Encoding, encoding_file: str = "") -> Tokenizer:
@@ -155,7 +156,7 @@ def _encoding_from_file(name: str, path: str) -> tiktoken.Encoding:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"encoding_file {path} does not exist")
     ranks = tiktoken.load.load_tiktoken_bpe(path)
-    pattern, specials = _TIKTOKEN_LAYOUTS.get(name, (_CL100K_PATTERN, {EOT_TEXT: max(ranks.values()) + 1}))
+    pattern, specials = _TIKTOKEN_LAYOUTS.get(name, (CUSTOM_SPLIT_PATTERN, {EOT_TEXT: max(ranks.values()) + 1}))
     if max(ranks.values()) >= min(specials.values()):
         raise ValueError(f"{path} has ranks up to {max(ranks.values())}, which collide with "
                          f"{name}'s special tokens: is it really the {name} rank file?")
@@ -201,11 +202,11 @@ def write_shard(out_dir: str, file_name: str, tokens, vocab_size: int) -> dict:
     return {"file": file_name, "tokens": int(tokens.size), "sha256": file_sha256(path)}
 
 
-def write_manifest(out_dir: str, tokenizer: Tokenizer, splits: dict, **extra) -> dict:
+def write_manifest(out_dir: str, splits: dict, tokenizer_name: str, vocab_size: int,
+                   eot_id: int, **extra) -> dict:
     """Write manifest.json atomically, last, once every shard it lists is in place."""
-    manifest = {"format": FORMAT_VERSION, "tokenizer": tokenizer.name,
-                "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
-                "dtype": shard_dtype(tokenizer.vocab_size).name, "splits": splits, **extra}
+    manifest = {"format": FORMAT_VERSION, "tokenizer": tokenizer_name, "vocab_size": vocab_size,
+                "eot_id": eot_id, "dtype": shard_dtype(vocab_size).name, "splits": splits, **extra}
     validate_manifest(manifest, where=out_dir)
     path = os.path.join(out_dir, MANIFEST)
     with open(f"{path}.tmp{os.getpid()}", "w") as f:

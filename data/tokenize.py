@@ -1,0 +1,276 @@
+"""Tokenize a text corpus into token shards + manifest.json (the format dataset.py reads).
+
+    python data/tokenize.py --input 'corpus/*.jsonl' --out DIR [--encoding cl100k_base]
+    python data/tokenize.py --hf_dataset NAME --out DIR       (needs `datasets` + network)
+
+Documents: a .jsonl file holds one per line (its --text_field); any other file is one
+document; .gz files are read decompressed; directories are searched for files. Every
+document is followed by the end-of-text token. The first documents, until they hold
+--val_tokens tokens, form the val split; the rest is train. Each split is cut into shards
+of --shard_tokens tokens (its last shard shorter). Worker processes do the encoding.
+
+Resumable: shards are written atomically, and after each one progress.json records where
+the token stream stands (document index, offset into that document) and which documents
+every finished shard holds. Rerunning the same command after an interruption continues
+from there and writes exactly what an uninterrupted run would have. manifest.json is
+written last.
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+if __name__ == "__main__":
+    # Run as a script: import from the repo root instead of data/, where this very file
+    # would shadow the standard library's `tokenize` module.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+import dataset  # noqa: E402
+
+PROGRESS = "progress.json"
+DOCS_PER_TASK = 64        # documents per message to a worker: amortizes the pickling
+TASKS_IN_FLIGHT_PER_WORKER = 2  # bounds memory on any corpus size
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+
+
+# -----------------------------------------------------------------------------
+# Documents
+
+def expand_inputs(patterns: list[str]) -> list[str]:
+    """Globs and directories -> a sorted list of files (the document order)."""
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True))
+        if not matches:
+            raise FileNotFoundError(f"--input {pattern!r} matches no file")
+        for match in matches:
+            if os.path.isdir(match):
+                files += sorted(str(p) for p in Path(match).rglob("*") if p.is_file())
+            else:
+                files.append(match)
+    return files
+
+
+def iter_file_documents(files: list[str], text_field: str) -> Iterator[str]:
+    for path in files:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            if not path.endswith(JSONL_SUFFIXES):
+                yield f.read()
+                continue
+            for line_number, line in enumerate(f, 1):
+                if line.strip():
+                    yield _text_of(json.loads(line), text_field, where=f"{path}:{line_number}")
+
+
+def iter_hf_documents(name: str, config: str | None, split: str, text_field: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise SystemExit("--hf_dataset needs the Hugging Face `datasets` package "
+                         "(pip install datasets) and network access to huggingface.co") from None
+    try:
+        stream = datasets.load_dataset(name, config, split=split, streaming=True)
+        for i, record in enumerate(stream):
+            yield _text_of(record, text_field, where=f"{name} record {i}")
+    except (OSError, ConnectionError, ValueError) as e:
+        raise SystemExit(f"could not stream {name!r} from the Hugging Face hub: {e}. Without "
+                         "network access, export it to JSONL elsewhere and pass --input.") from e
+
+
+def _text_of(record: dict, text_field: str, where: str) -> str:
+    if not isinstance(record.get(text_field), str):
+        raise ValueError(f"{where}: no string field {text_field!r} (fields: {list(record)}); "
+                         "choose the field with --text_field")
+    return record[text_field]
+
+
+# -----------------------------------------------------------------------------
+# Encoding in worker processes
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer: dataset.Tokenizer) -> None:
+    global _worker_tokenizer  # one tokenizer per worker process, sent once
+    _worker_tokenizer = tokenizer
+
+
+def _encode_documents(texts: list[str]) -> list[np.ndarray]:
+    eot = _worker_tokenizer.eot_id
+    return [np.array(_worker_tokenizer.encode(text) + [eot], dtype=np.uint32) for text in texts]
+
+
+def encode_in_workers(documents: Iterable[str], tokenizer: dataset.Tokenizer,
+                      workers: int) -> Iterator[np.ndarray]:
+    """Each document's tokens + end-of-text, in document order, encoded by `workers` processes."""
+    chunks = iter(lambda: list(itertools.islice(documents, DOCS_PER_TASK)), [])
+    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        in_flight = collections.deque()
+        for texts in chunks:
+            in_flight.append(pool.apply_async(_encode_documents, (texts,)))
+            if len(in_flight) >= TASKS_IN_FLIGHT_PER_WORKER * workers:
+                yield from in_flight.popleft().get()
+        while in_flight:
+            yield from in_flight.popleft().get()
+
+
+# -----------------------------------------------------------------------------
+# Progress record and shard cutting
+
+def load_progress(out_dir: str, settings: dict) -> dict:
+    path = os.path.join(out_dir, PROGRESS)
+    if not os.path.exists(path):
+        if os.path.exists(os.path.join(out_dir, dataset.MANIFEST)):
+            raise SystemExit(f"{out_dir} already holds a data directory made elsewhere "
+                             f"(no {PROGRESS}); choose another --out")
+        return {"settings": settings, "split": "val", "next_doc": 0, "next_offset": 0,
+                "splits": {"val": [], "train": []}, "done": False}
+    with open(path) as f:
+        progress = json.load(f)
+    if progress["settings"] != settings:
+        raise SystemExit(f"{out_dir} holds a run with other settings:\n  {progress['settings']}\n"
+                         f"this run:\n  {settings}\nRerun with the same flags, or use a new --out.")
+    return progress
+
+
+def save_progress(out_dir: str, progress: dict) -> None:
+    path = os.path.join(out_dir, PROGRESS)
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(progress, f, indent=1)
+    os.replace(f"{path}.tmp", path)  # atomic: a kill leaves the old record or the new one
+
+
+class ShardCutter:
+    """Cuts the token stream into fixed-size shards; after each shard, records the restart point.
+
+    The restart point (document, offset) is where the next shard's first token comes from.
+    Tokens after it are only in memory, so an interrupted run loses nothing by redoing them.
+    """
+
+    def __init__(self, out_dir: str, tokenizer: dataset.Tokenizer, shard_tokens: int, progress: dict):
+        self.out_dir, self.tokenizer, self.shard_tokens = out_dir, tokenizer, shard_tokens
+        self.progress = progress
+        self.pieces, self.buffered = [], 0
+
+    def add(self, doc: int, tokens: np.ndarray, offset: int) -> None:
+        """Append document `doc`'s tokens from `offset` on, writing every shard that fills."""
+        while offset < len(tokens):
+            take = min(self.shard_tokens - self.buffered, len(tokens) - offset)
+            self.pieces.append(tokens[offset:offset + take])
+            self.buffered += take
+            offset += take
+            if self.buffered == self.shard_tokens:
+                self.flush(end=(doc, offset) if offset < len(tokens) else (doc + 1, 0))
+
+    def split_tokens(self) -> int:
+        """Tokens of the current split so far, written or buffered."""
+        split = self.progress["split"]
+        return sum(entry["tokens"] for entry in self.progress["splits"][split]) + self.buffered
+
+    def flush(self, end: tuple[int, int], next_split: str | None = None) -> None:
+        """Write the buffered tokens as a shard (if any) and record progress in one step."""
+        split = self.progress["split"]
+        shards = self.progress["splits"][split]
+        if self.buffered:
+            entry = dataset.write_shard(self.out_dir, f"{split}_{len(shards):06d}.npy",
+                                        np.concatenate(self.pieces), self.tokenizer.vocab_size)
+            entry["start"] = [self.progress["next_doc"], self.progress["next_offset"]]
+            entry["end"] = list(end)
+            shards.append(entry)
+        self.progress["next_doc"], self.progress["next_offset"] = end
+        self.progress["split"] = next_split or split
+        save_progress(self.out_dir, self.progress)
+        self.pieces, self.buffered = [], 0
+
+
+def tokenize_corpus(documents: Iterable[str], out_dir: str, tokenizer: dataset.Tokenizer,
+                    settings: dict, shard_tokens: int, val_tokens: int, workers: int) -> dict:
+    """Tokenize `documents` into out_dir, resuming a previous run there; return the manifest.
+
+    `documents` must yield the same documents in the same order on every run; `settings`
+    (flags, input files) must match the interrupted run's.
+    """
+    if shard_tokens <= 0 or val_tokens <= 0:
+        raise ValueError("--shard_tokens and --val_tokens must be positive")
+    os.makedirs(out_dir, exist_ok=True)
+    progress = load_progress(out_dir, settings)
+    if progress["done"]:
+        print(f"{out_dir} is already complete")
+        with open(os.path.join(out_dir, dataset.MANIFEST)) as f:
+            return json.load(f)
+    cutter = ShardCutter(out_dir, tokenizer, shard_tokens, progress)
+    start_doc, start_offset = progress["next_doc"], progress["next_offset"]
+    done_tokens = sum(e["tokens"] for shards in progress["splits"].values() for e in shards)
+    remaining = itertools.islice(iter(documents), start_doc, None)
+    bar = tqdm(unit="tok", unit_scale=True, initial=done_tokens, desc="tokenizing")
+    end_doc = start_doc  # one past the last document read
+    for doc, tokens in enumerate(encode_in_workers(remaining, tokenizer, workers), start=start_doc):
+        offset = start_offset if doc == start_doc else 0
+        cutter.add(doc, tokens, offset)
+        bar.update(len(tokens) - offset)
+        end_doc = doc + 1
+        if progress["split"] == "val" and cutter.split_tokens() >= val_tokens:
+            cutter.flush(end=(end_doc, 0), next_split="train")
+    bar.close()
+    if progress["split"] == "val":
+        raise SystemExit(f"the corpus has only {cutter.split_tokens()} tokens, all of them taken "
+                         f"for val (--val_tokens={val_tokens}); lower --val_tokens or add text")
+    cutter.flush(end=(end_doc, 0))
+    if not progress["splits"]["train"]:
+        raise SystemExit("no documents left for train after val; lower --val_tokens or add text")
+    manifest = dataset.write_manifest(out_dir, progress["splits"], tokenizer.name, tokenizer.vocab_size,
+                                      tokenizer.eot_id, source=settings)
+    progress["done"] = True
+    save_progress(out_dir, progress)
+    return manifest
+
+
+# -----------------------------------------------------------------------------
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", default=[], help="files, globs or directories")
+    parser.add_argument("--hf_dataset", default="", help="Hugging Face dataset name (streamed)")
+    parser.add_argument("--hf_config", default=None)
+    parser.add_argument("--hf_split", default="train")
+    parser.add_argument("--text_field", default="text", help="JSON field holding the text")
+    parser.add_argument("--out", required=True, help="output data directory")
+    parser.add_argument("--encoding", default="cl100k_base", help="tiktoken encoding name, or 'bytes'")
+    parser.add_argument("--encoding_file", default="", help="local .tiktoken rank file (offline)")
+    parser.add_argument("--shard_tokens", type=int, default=100_000_000)
+    parser.add_argument("--val_tokens", type=int, default=10_000_000)
+    parser.add_argument("--workers", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    if bool(args.input) == bool(args.hf_dataset):
+        parser.error("give exactly one of --input and --hf_dataset")
+
+    tokenizer = dataset.get_tokenizer(args.encoding, args.encoding_file)
+    if args.hf_dataset:
+        documents = iter_hf_documents(args.hf_dataset, args.hf_config, args.hf_split, args.text_field)
+        source = {"hf_dataset": args.hf_dataset, "hf_config": args.hf_config, "hf_split": args.hf_split}
+    else:
+        files = expand_inputs(args.input)
+        documents = iter_file_documents(files, args.text_field)
+        source = {"inputs": files}
+    settings = {**source, "text_field": args.text_field, "tokenizer": tokenizer.name,
+                "vocab_size": tokenizer.vocab_size, "shard_tokens": args.shard_tokens,
+                "val_tokens": args.val_tokens}
+    manifest = tokenize_corpus(documents, args.out, tokenizer, settings,
+                               args.shard_tokens, args.val_tokens, max(1, args.workers))
+    for split, shards in manifest["splits"].items():
+        print(f"{split}: {sum(e['tokens'] for e in shards):,} tokens in {len(shards)} shards")
+
+
+if __name__ == "__main__":
+    main()
