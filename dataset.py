@@ -315,6 +315,19 @@ def gcs_transient_errors() -> tuple:
             ConnectionError, TimeoutError, DataCorruption, ShardError)
 
 
+def gcs_client():
+    """A google-cloud-storage client (it honours STORAGE_EMULATOR_HOST)."""
+    from google.auth.exceptions import DefaultCredentialsError
+    from google.cloud import storage
+    try:
+        return storage.Client()
+    except DefaultCredentialsError as e:
+        raise RuntimeError(
+            "no Google Cloud credentials for gs:// data: run `gcloud auth application-default "
+            "login` (or run on a VM with a service account), or set STORAGE_EMULATOR_HOST to "
+            "use an emulator") from e
+
+
 def split_gcs_url(url: str) -> tuple[str, str]:
     """gs://bucket/some/prefix -> ("bucket", "some/prefix")."""
     bucket, _, prefix = url.removeprefix("gs://").partition("/")
@@ -335,36 +348,30 @@ class GcsShards:
     """
 
     def __init__(self, url: str, cache_dir: str, cache_max_bytes: float):
-        from google.api_core.exceptions import NotFound
-        from google.cloud import storage  # imported here: only gs:// sources need it
+        from google.api_core.exceptions import NotFound  # imported here: only gs:// needs it
         self.url = url.rstrip("/")
         bucket, self.prefix = split_gcs_url(url)
         self.cache_root = os.path.join(cache_dir, "gcs")
         self.local_dir = os.path.join(self.cache_root, bucket, self.prefix)
         self.cache_max_bytes = cache_max_bytes
-        self._bucket = storage.Client().bucket(bucket)
+        self._bucket = gcs_client().bucket(bucket)
         self._not_found = NotFound
         self._transient = gcs_transient_errors()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcs-download")
         self._fetches = {}  # file name -> Future of its verified local path
 
-    def _object(self, file_name: str):
-        return self._bucket.blob(f"{self.prefix}/{file_name}" if self.prefix else file_name)
-
-    def _download(self, file_name: str, fetch_to_bytes: bool = False, dest: str = ""):
-        """One try at a download, with the client's own retries off (ours are clearer)."""
-        blob = self._object(file_name)
+    def _download(self, file_name: str, read):
+        """One try at read(blob), with the client's own retries off (ours are clearer)."""
+        blob = self._bucket.blob(f"{self.prefix}/{file_name}" if self.prefix else file_name)
         try:
-            if fetch_to_bytes:
-                return blob.download_as_bytes(retry=None)
-            blob.download_to_filename(dest, retry=None)
+            return read(blob)
         except self._not_found as e:
             raise FileNotFoundError(
                 f"{self.url}/{file_name} does not exist. Upload the data directory with "
                 f"data/upload_gcs.py DIR {self.url}") from e
 
     def read_manifest(self) -> str:
-        action = functools.partial(self._download, MANIFEST, fetch_to_bytes=True)
+        action = functools.partial(self._download, MANIFEST, lambda blob: blob.download_as_bytes(retry=None))
         data = self._pool.submit(with_retries, action, f"download {self.url}/{MANIFEST}",
                                  self._transient, GCS_RETRIES, GCS_BACKOFF_S).result()
         return data.decode("utf-8")
@@ -382,7 +389,7 @@ class GcsShards:
         tmp = f"{path}.tmp{os.getpid()}"
 
         def download_and_verify():
-            self._download(entry["file"], dest=tmp)
+            self._download(entry["file"], lambda blob: blob.download_to_filename(tmp, retry=None))
             verify_shard_file(tmp, entry, where=f"{self.url}/{entry['file']} (downloaded)")
 
         try:
@@ -397,9 +404,11 @@ class GcsShards:
         return path
 
     def _fetch(self, entry: dict):
-        if entry["file"] not in self._fetches:
-            self._fetches[entry["file"]] = self._pool.submit(self._fetch_verified, entry)
-        return self._fetches[entry["file"]]
+        """The download of this shard: in flight, done, or (if none, or it failed) started now."""
+        fetch = self._fetches.get(entry["file"])
+        if fetch is None or (fetch.done() and fetch.exception()):
+            fetch = self._fetches[entry["file"]] = self._pool.submit(self._fetch_verified, entry)
+        return fetch
 
     def prefetch(self, entry: dict) -> None:
         self._fetch(entry)
@@ -635,7 +644,7 @@ def prepare_embedded(name: str, cache_dir: str, process_index: int = 0) -> str:
         counts = shakespeare.prepare(tmp)
         os.rename(tmp, out)
         if process_index == 0:
-            log.info("prepared %s into %s: %s tokens", name, out, counts)
+            print(f"prepared {name} into {out}: {counts} tokens")
     return out
 
 
