@@ -147,9 +147,10 @@ def get_tokenizer(name: str | tiktoken.Encoding, encoding_file: str = "") -> Tok
     except OSError as e:  # requests' errors are OSErrors: no network, DNS, HTTP failure
         raise RuntimeError(
             f"tiktoken could not download the {name!r} encoding file ({type(e).__name__}). "
-            f"Either pass encoding_file=PATH to a copy of {name}.tiktoken (tiktoken caches it "
-            "in $TIKTOKEN_CACHE_DIR, default /tmp/data-gym-cache, on a machine with network), "
-            "or set TIKTOKEN_CACHE_DIR to a directory holding that cache.") from e
+            f"Either give the path of a copy of {name}.tiktoken as encoding_file (flags "
+            "--data.encoding_file in main.py, --encoding_file in data/tokenize.py), or set "
+            "TIKTOKEN_CACHE_DIR to a directory holding tiktoken's cache from a machine with "
+            "network (by default it caches in /tmp/data-gym-cache).") from e
 
 
 def _encoding_from_file(name: str, path: str) -> tiktoken.Encoding:
@@ -308,7 +309,7 @@ def gcs_transient_errors() -> tuple:
     import requests
     import urllib3
     from google.api_core import exceptions as api
-    from google.resumable_media import DataCorruption
+    from google.cloud.storage.exceptions import DataCorruption
     return (api.TooManyRequests, api.InternalServerError, api.BadGateway,
             api.ServiceUnavailable, api.GatewayTimeout, requests.ConnectionError,
             requests.Timeout, requests.exceptions.ChunkedEncodingError, urllib3.exceptions.HTTPError,

@@ -38,8 +38,13 @@ if __name__ == "__main__":
 import dataset  # noqa: E402
 
 PROGRESS = "progress.json"
-DOCS_PER_TASK = 64        # documents per message to a worker: amortizes the pickling
-TASKS_IN_FLIGHT_PER_WORKER = 2  # bounds memory on any corpus size
+DOCS_PER_TASK = 64              # documents per message to a worker: amortizes the pickling
+TASKS_IN_FLIGHT_PER_WORKER = 2  # keeps workers busy while bounding memory on any corpus size
+# 100M tokens = 200 MB (uint16) or 400 MB (uint32) per shard: few files, each download large
+# enough to run at full speed yet small enough to prefetch while the previous one is read.
+SHARD_TOKENS = 100_000_000
+# 10M held-out tokens: plenty for a low-noise validation loss.
+VAL_TOKENS = 10_000_000
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 
 
@@ -73,7 +78,8 @@ def iter_file_documents(files: list[str], text_field: str) -> Iterator[str]:
                     yield _text_of(json.loads(line), text_field, where=f"{path}:{line_number}")
 
 
-def iter_hf_documents(name: str, config: str | None, split: str, text_field: str) -> Iterator[str]:
+def hf_documents(name: str, config: str | None, split: str, text_field: str) -> Iterator[str]:
+    """Stream a Hugging Face dataset; opened here, so that a failure comes before any output."""
     try:
         import datasets
     except ImportError:
@@ -81,11 +87,10 @@ def iter_hf_documents(name: str, config: str | None, split: str, text_field: str
                          "(pip install datasets) and network access to huggingface.co") from None
     try:
         stream = datasets.load_dataset(name, config, split=split, streaming=True)
-        for i, record in enumerate(stream):
-            yield _text_of(record, text_field, where=f"{name} record {i}")
     except (OSError, ConnectionError, ValueError) as e:
         raise SystemExit(f"could not stream {name!r} from the Hugging Face hub: {e}. Without "
                          "network access, export it to JSONL elsewhere and pass --input.") from e
+    return (_text_of(record, text_field, where=f"{name} record {i}") for i, record in enumerate(stream))
 
 
 def _text_of(record: dict, text_field: str, where: str) -> str:
@@ -248,8 +253,9 @@ def main():
     parser.add_argument("--out", required=True, help="output data directory")
     parser.add_argument("--encoding", default="cl100k_base", help="tiktoken encoding name, or 'bytes'")
     parser.add_argument("--encoding_file", default="", help="local .tiktoken rank file (offline)")
-    parser.add_argument("--shard_tokens", type=int, default=100_000_000)
-    parser.add_argument("--val_tokens", type=int, default=10_000_000)
+    parser.add_argument("--shard_tokens", type=int, default=SHARD_TOKENS)
+    parser.add_argument("--val_tokens", type=int, default=VAL_TOKENS,
+                        help="the first documents, until they hold this many tokens, form val")
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     args = parser.parse_args()
     if bool(args.input) == bool(args.hf_dataset):
@@ -257,7 +263,7 @@ def main():
 
     tokenizer = dataset.get_tokenizer(args.encoding, args.encoding_file)
     if args.hf_dataset:
-        documents = iter_hf_documents(args.hf_dataset, args.hf_config, args.hf_split, args.text_field)
+        documents = hf_documents(args.hf_dataset, args.hf_config, args.hf_split, args.text_field)
         source = {"hf_dataset": args.hf_dataset, "hf_config": args.hf_config, "hf_split": args.hf_split}
     else:
         files = expand_inputs(args.input)

@@ -227,7 +227,8 @@ def test_markdown_to_text_drops_markup():
 
 
 def test_processes_preparing_at_once_share_one_copy(tmp_path):
-    script = f"import sys; sys.path.insert(0, {str(REPO)!r}); import dataset; dataset.open_data('shakespeare', {str(tmp_path)!r})"
+    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import dataset; "
+              f"dataset.open_data('shakespeare', {str(tmp_path)!r})")
     procs = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(3)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
     assert sorted(os.listdir(tmp_path)) == ["shakespeare", "shakespeare.lock"]
@@ -239,19 +240,22 @@ def test_processes_preparing_at_once_share_one_copy(tmp_path):
 MERGES = [b"th", b"he", b"the", b" the", b"in", b"an", b"er", b"on", b" a", b"nd", b" and", b"ou"]
 
 
-def tiny_encoding() -> tiktoken.Encoding:
-    """A real BPE: the 256 byte tokens plus a few merges, and an end-of-text token."""
+def tiny_ranks() -> dict[bytes, int]:
     ranks = {bytes([i]): i for i in range(256)}
     for merge in MERGES:
         ranks[merge] = len(ranks)
-    return tiktoken.Encoding("tiny_bpe", pat_str=dataset.CUSTOM_SPLIT_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": len(ranks)})
+    return ranks
 
 
-def write_rank_file(encoding: tiktoken.Encoding, path: Path) -> Path:
-    lines = [base64.b64encode(token).decode() + f" {rank}" for token, rank in
-             sorted(encoding._mergeable_ranks.items(), key=lambda item: item[1])]
-    path.write_text("\n".join(lines) + "\n")
+def tiny_encoding() -> tiktoken.Encoding:
+    """A real BPE: the 256 byte tokens plus a few merges, and an end-of-text token."""
+    return tiktoken.Encoding("tiny_bpe", pat_str=dataset.CUSTOM_SPLIT_PATTERN, mergeable_ranks=tiny_ranks(),
+                             special_tokens={"<|endoftext|>": len(tiny_ranks())})
+
+
+def write_rank_file(path: Path) -> Path:
+    """tiny_ranks() as a .tiktoken file: base64 token, rank per line."""
+    path.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in tiny_ranks().items()))
     return path
 
 
@@ -265,7 +269,7 @@ def test_tokenizers_round_trip(tmp_path):
     assert (tiny.name, tiny.vocab_size, tiny.eot_id) == ("tiny_bpe", 269, 268)
     ids = tiny.encode(text)
     assert tiny.decode(ids) == text and len(ids) < len(text.encode()) and max(ids) < 268
-    from_file = dataset.get_tokenizer("tiny_bpe", str(write_rank_file(tiny_encoding(), tmp_path / "t.tiktoken")))
+    from_file = dataset.get_tokenizer("tiny_bpe", str(write_rank_file(tmp_path / "t.tiktoken")))
     assert from_file.encode(text) == ids and from_file.eot_id == 268
 
 
@@ -317,6 +321,22 @@ def test_tokenize_to_shards_to_batches(tmp_path):
     text = tokenizer.decode(data.batch("train", 2, 4, 64, seed=0)[1])
     assert text in tokenizer.decode(expected)
 
+    def rerun(settings):
+        return tokenize_script.tokenize_corpus(
+            tokenize_script.iter_file_documents(files, "text"), str(tmp_path / "out"), tokenizer,
+            settings, shard_tokens=5000, val_tokens=3000, workers=2)
+    assert rerun(settings) == manifest  # a finished directory is left as it is
+    with pytest.raises(SystemExit, match="holds a run with other settings"):
+        rerun({**settings, "test": False})
+
+
+def test_hf_dataset_without_the_datasets_package_or_network_fails_clearly(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "data" / "tokenize.py"), "--hf_dataset",
+                             "roneneldan/TinyStories", "--encoding", "bytes", "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "pip install datasets" in result.stderr or "Without network access" in result.stderr
+
 
 def run_tokenize_script(corpus: Path, out: Path, rank_file: Path, **popen):
     return subprocess.Popen(
@@ -334,14 +354,16 @@ def shard_digests(out: Path) -> dict:
 
 def test_killed_tokenization_resumes_to_the_same_shards(tmp_path):
     write_corpus(tmp_path / "corpus", 6000)
-    rank_file = write_rank_file(tiny_encoding(), tmp_path / "tiny.tiktoken")
+    rank_file = write_rank_file(tmp_path / "tiny.tiktoken")
     assert run_tokenize_script(tmp_path / "corpus", tmp_path / "whole", rank_file).wait(timeout=120) == 0
 
     # SIGKILL the script (and its workers) once a few train shards are on disk
     out = tmp_path / "resumed"
     proc = run_tokenize_script(tmp_path / "corpus", out, rank_file, start_new_session=True)
     progress = out / "progress.json"
-    while proc.poll() is None and not (progress.exists() and len(json.loads(progress.read_text())["splits"]["train"]) >= 3):
+    def train_shards_done():
+        return len(json.loads(progress.read_text())["splits"]["train"]) if progress.exists() else 0
+    while proc.poll() is None and train_shards_done() < 3:
         time.sleep(0.002)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

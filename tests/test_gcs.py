@@ -4,7 +4,6 @@ when the server fails requests, and with a cache too small to hold the data set.
 
 import http.client
 import http.server
-import json
 import os
 import socket
 import sys
@@ -81,6 +80,18 @@ def test_second_upload_skips_what_is_there(uploaded, local_dir):
     assert upload_gcs.upload_data_dir(str(local_dir), uploaded) == {"uploaded": 0, "skipped": 6}
 
 
+def test_corrupt_local_shard_is_not_uploaded(local_dir, emulator, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for path in local_dir.iterdir():
+        (corrupt / path.name).write_bytes(path.read_bytes())
+    (corrupt / "val_000000.npy").write_bytes((local_dir / "val_000000.npy").read_bytes()[:-10])
+    with pytest.raises(dataset.ShardError, match="checksum mismatch for .*val_000000.npy"):
+        upload_gcs.upload_data_dir(str(corrupt), f"gs://{BUCKET}/not-uploaded")
+    from google.cloud import storage
+    assert storage.Client().bucket(BUCKET).get_blob("not-uploaded/manifest.json") is None
+
+
 def test_next_shard_is_downloaded_in_the_background(uploaded, tmp_path):
     data = dataset.open_data(uploaded, str(tmp_path))
     data.batch("train", 0, BATCH, SEQ, SEED)
@@ -122,9 +133,10 @@ def test_missing_data_in_the_bucket_is_reported(uploaded, local_dir, emulator, t
 
 # -----------------------------------------------------------------------------
 # A flaky server: a proxy in front of the emulator that fails downloads in turn with a
-# 503, a dropped connection, and a body cut off half way, then lets one through.
+# 503, a dropped connection, a body cut off half way and a body with one byte flipped,
+# then lets one through.
 
-FAULTS = ("503", "drop", "truncate", None)
+FAULTS = ("503", "drop", "truncate", "flip", None)
 
 
 class FlakyProxy(http.server.ThreadingHTTPServer):
@@ -164,7 +176,11 @@ class FlakyHandler(http.server.BaseHTTPRequestHandler):
                 self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body[:len(body) // 2] if fault == "truncate" else body)
+        if fault == "truncate":
+            body = body[:len(body) // 2]
+        elif fault == "flip":
+            body = body[:-1] + bytes([body[-1] ^ 1])
+        self.wfile.write(body)
 
     def forward(self):
         upstream = http.client.HTTPConnection(self.server.upstream, timeout=30)
@@ -193,4 +209,5 @@ def test_reads_survive_a_flaky_server(uploaded, local_dir, flaky_host, tmp_path)
     local = dataset.open_data(str(local_dir), str(tmp_path))
     assert_same(read_all(remote), read_all(local))
     remote.close()
-    assert flaky_host.injected == {"503": 7, "drop": 7, "truncate": 7}  # manifest + 6 shards, 3 faults each
+    # the manifest and 6 shards: each download met every fault once before it went through
+    assert flaky_host.injected == {"503": 7, "drop": 7, "truncate": 7, "flip": 7}
