@@ -82,7 +82,19 @@ class Tokenizer:
         return self._encoding.encode_ordinary(text)
 
     def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
+        """Ids outside the vocabulary (a model with a padded vocabulary can sample them)
+        show as U+FFFD, the replacement character."""
+        pieces, run = [], []
+        for i in map(int, ids):
+            if 0 <= i < self.vocab_size:
+                run.append(i)
+            else:
+                pieces += [self._decode_known(run), "\ufffd"]
+                run = []
+        pieces.append(self._decode_known(run))
+        return "".join(pieces)
+
+    def _decode_known(self, ids: list[int]) -> str:
         if self._encoding is None:
             return _decode_bytes(ids)
         return self._encoding.decode(ids)

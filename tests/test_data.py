@@ -264,6 +264,7 @@ def test_tokenizers_round_trip(tmp_path):
     bytes_tokenizer = dataset.get_tokenizer("bytes")
     assert (bytes_tokenizer.vocab_size, bytes_tokenizer.eot_id) == (257, 256)
     assert bytes_tokenizer.decode(bytes_tokenizer.encode(text) + [256]) == text + "<|endoftext|>"
+    assert bytes_tokenizer.decode([72, 300, 105]) == "H\ufffdi"  # 300: only a padded model has it
 
     tiny = dataset.get_tokenizer(tiny_encoding())
     assert (tiny.name, tiny.vocab_size, tiny.eot_id) == ("tiny_bpe", 269, 268)
