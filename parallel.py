@@ -66,35 +66,35 @@ def make_mesh(mesh_cfg, devices=None):
 
 # ----------------------------------------------------------------------------
 # The sharding table: weight name -> how each of its dims is split.
-# Names end in their shape letters (model.py legend), so e.g. wq_up_QHK splits its
-# Q dim over dp (FSDP) and its H dim over tp. Weights inside the stacked blocks get
-# a leading N dim split over pp.
+#
+# Names end in their shape letters (model.py legend). Per dim:
+#   TP     split over tp for compute (Megatron): each device uses its slice
+#   EXPERT split over dp when expert parallelism is on (each device owns E/dp experts)
+#   FSDP   split for storage only (ZeRO-3) over every mesh axis that does not split
+#          the weight for compute; all-gathered just before use
+# Weights inside the stacked blocks get a leading N dim split over pp. So a weight
+# that every tp device needs whole (wq_down_DQ) is stored over dp x tp, the
+# embedding (needed by every stage) over dp x pp, and each weight is held once.
 
+FSDP, EXPERT = "fsdp", "expert"
 WEIGHT_SPECS = {
-    "embed_VD": (TP, DP),            # vocab rows over tp (vocab-parallel), width over dp
+    "embed_VD": (TP, FSDP),          # vocab rows over tp (vocab-parallel)
     "scale_D": (None,),              # RMSNorm scales: small, replicated everywhere
-    "wq_down_DQ": (DP, None),        # latent down-projections: replicated over tp
-    "wkv_down_DA": (DP, None),
-    "wk_rope_DR": (DP, None),        # the shared RoPE key
-    "wq_up_QHK": (DP, TP, None),     # heads over tp
-    "wq_rope_QHR": (DP, TP, None),
-    "wk_up_AHK": (DP, TP, None),
-    "wv_up_AHK": (DP, TP, None),
-    "wo_HKD": (TP, None, DP),        # row-parallel output: psum over tp in model.py
-    "w_gate_DF": (DP, TP),           # FFN (and shared experts): hidden units over tp
-    "w_up_DF": (DP, TP),
-    "w_down_FD": (TP, DP),
-    "router_DE": (DP, None),         # every tp device routes identically
-    "w_gate_EDF": (None, DP, TP),    # routed experts: expert hidden units over tp
-    "w_up_EDF": (None, DP, TP),
-    "w_down_EFD": (None, TP, DP),
-}
-# With expert parallelism the expert dim takes the dp axis instead: each device keeps
-# whole experts (E/dp of them) and tokens travel to them (all_to_all) - no gather.
-EXPERT_PARALLEL_SPECS = {
-    "w_gate_EDF": (DP, None, TP),
-    "w_up_EDF": (DP, None, TP),
-    "w_down_EFD": (DP, TP, None),
+    "wq_down_DQ": (FSDP, None),      # latent down-projections: every tp device needs them whole
+    "wkv_down_DA": (FSDP, None),
+    "wk_rope_DR": (FSDP, None),      # the shared RoPE key
+    "wq_up_QHK": (FSDP, TP, None),   # heads over tp
+    "wq_rope_QHR": (FSDP, TP, None),
+    "wk_up_AHK": (FSDP, TP, None),
+    "wv_up_AHK": (FSDP, TP, None),
+    "wo_HKD": (TP, None, FSDP),      # row-parallel output: psum over tp in model.py
+    "w_gate_DF": (FSDP, TP),         # FFN and shared experts: hidden units over tp
+    "w_up_DF": (FSDP, TP),
+    "w_down_FD": (TP, FSDP),
+    "router_DE": (FSDP, None),       # every tp device routes identically
+    "w_gate_EDF": (EXPERT, FSDP, TP),  # routed experts: expert hidden units over tp
+    "w_up_EDF": (EXPERT, FSDP, TP),
+    "w_down_EFD": (EXPERT, TP, FSDP),
 }
 SHAPE_LETTER_FLAGS = {"V": "vocab (padded; --model.vocab_multiple)", "D": "--model.d_model", "Q": "--model.q_latent",
                       "A": "--model.kv_latent", "R": "--model.rope_dim", "H": "--model.n_heads", "K": "--model.head_dim",
@@ -109,21 +109,29 @@ def is_stacked(path):
     return any(getattr(k, "key", None) == "blocks" for k in path)
 
 
-def weight_spec(name, expert_parallel):
-    """The split of one (unstacked) weight; a weight not in the table is an error."""
-    if expert_parallel and name in EXPERT_PARALLEL_SPECS:
-        return EXPERT_PARALLEL_SPECS[name]
+def weight_layout(name, stacked, expert_parallel):
+    """(dims, fsdp_axes, fsdp_dim): each dim's mesh axes (None, an axis, or a tuple of
+    axes), the axes that split the FSDP dim for storage only, and that dim's index.
+    Unknown weights are an error."""
     if name not in WEIGHT_SPECS:
         raise KeyError(f"no sharding rule for weight {name!r}: add it to WEIGHT_SPECS in parallel.py")
-    return WEIGHT_SPECS[name]
+    dims = tuple({EXPERT: DP if expert_parallel else None}.get(d, d) for d in WEIGHT_SPECS[name])
+    if stacked:
+        dims = (PP,) + dims
+    compute_axes = {d for d in dims if d not in (None, FSDP)}
+    fsdp_axes = tuple(a for a in AXES if a not in compute_axes) if FSDP in dims else ()
+    dims = tuple((fsdp_axes or None) if d == FSDP else d for d in dims)
+    return dims, fsdp_axes, fsdp_axes and dims.index(fsdp_axes)
 
 
 def param_specs(params, expert_parallel):
-    """PartitionSpec for every weight of a params tree (pure dict of arrays)."""
-    def spec(path, leaf):
-        dims = weight_spec(weight_name(path), expert_parallel)
-        return P(PP, *dims) if is_stacked(path) else P(*dims)
-    return jax.tree_util.tree_map_with_path(spec, params)
+    """PartitionSpec (storage layout) for every weight of a params tree."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: P(*weight_layout(weight_name(path), is_stacked(path), expert_parallel)[0]), params)
+
+
+def axes_of(entry):
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def check_divisible(params, specs, mesh):
@@ -131,11 +139,12 @@ def check_divisible(params, specs, mesh):
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
         name = weight_name(path)
         letters = ("N" if is_stacked(path) else "") + name.rsplit("_", 1)[1]
-        for size, axis, letter in zip(leaf.shape, spec, letters):
-            if axis is not None and size % mesh.shape[axis]:
-                raise ConfigError(f"{SHAPE_LETTER_FLAGS.get(letter, letter)} = {size} is not divisible by "
-                                  f"--mesh.{axis} = {mesh.shape[axis]} (weight {name} splits its {letter} dim over {axis}); "
-                                  f"change one of them")
+        for size, entry, letter in zip(leaf.shape, spec, letters):
+            ways = math.prod(mesh.shape[a] for a in axes_of(entry))
+            if size % ways:
+                split = " x ".join(f"--mesh.{a} = {mesh.shape[a]}" for a in axes_of(entry))
+                raise ConfigError(f"{SHAPE_LETTER_FLAGS.get(letter, letter)} = {size} is not divisible by {split} "
+                                  f"(weight {name} splits its {letter} dim {ways} ways); change one of them")
 
 
 def check_config_fits_mesh(cfg, mesh):
@@ -179,7 +188,6 @@ def init_params(model_cfg, mesh, expert_parallel, seed):
     specs = param_specs(shapes, expert_parallel)
     check_divisible(shapes, specs, mesh)
 
-    @jax.jit
     def create():
         return nnx.split(Transformer(model_cfg, nnx.Rngs(seed)))[1].to_pure_dict()
 
@@ -201,18 +209,24 @@ def param_bytes_on_device(tree, device):
 # Inside shard_map: FSDP gather, the pipeline, the loss
 
 
-def gather_for_use(params, expert_parallel, dtype):
-    """FSDP: cast a (block's) local weights to the compute dtype and all-gather their
-    dp-split dim. Casting first halves the bytes sent in bfloat16. In the backward pass
-    the all_gather becomes a reduce-scatter: each device gets its shard of the summed
-    gradient (ZeRO-3)."""
+def gather_for_use(params, expert_parallel, dtype, one_block=False):
+    """FSDP: cast local weights to the compute dtype and all-gather their storage-only
+    split (the FSDP dim). Casting first halves the bytes sent in bfloat16. In the
+    backward pass each all_gather becomes a reduce-scatter (psum_scatter): every device
+    gets its shard of the gradient summed over all devices that used the weight.
+    one_block: the weights of one block, sliced out of the stack (no N dim)."""
     def gather(path, w):
         w = w.astype(dtype)
-        dims = weight_spec(weight_name(path), expert_parallel)
-        if DP in dims and not (expert_parallel and weight_name(path) in EXPERT_PARALLEL_SPECS):
-            w = jax.lax.all_gather(w, DP, axis=dims.index(DP) + (w.ndim - len(dims)), tiled=True)
+        _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
+        if fsdp_axes:  # inside a block the stacked N dim is already sliced away
+            w = jax.lax.all_gather(w, fsdp_axes, axis=fsdp_dim - one_block, tiled=True)
         return w
     return jax.tree_util.tree_map_with_path(gather, params)
+
+
+def varying_over(x, axis):
+    """Type x as varying over `axis` (a scan carry must keep one type)."""
+    return x if axis in jax.typeof(x).manual_axis_type.varying else jax.lax.pcast(x, axis, to="varying")
 
 
 def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
@@ -245,7 +259,7 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
         return sent_bTD, (y_bTD, stats_N)
 
     ticks = jnp.arange(M + n_stages - 1)
-    first_received = jax.lax.pcast(jnp.zeros_like(x0_MbTD[0]), PP, to="varying")  # differs per stage from tick 1 on
+    first_received = varying_over(jnp.zeros_like(x0_MbTD[0]), PP)  # the carry differs per stage from tick 1 on
     _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
     outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
     ce_sum = model.loss_sum(outputs_MbTD.reshape(M * b, T1 - 1, -1), targets_MbT.reshape(M * b, T1 - 1), TP)
@@ -262,20 +276,25 @@ def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
     top = {k: v for k, v in params.items() if k != "blocks"}
     top = gather_for_use(top, ep, dtype)  # embedding + final norm: gathered once per step
     model = nnx.merge(graphdef, {**top, "blocks": params["blocks"]})
-    blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype)  # noqa: E731 - gathered per block
+    blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype, one_block=True)  # noqa: E731
     M = t_cfg.microbatches
     tokens_MbT1 = tokens_bT1.reshape(M, tokens_bT1.shape[0] // M, tokens_bT1.shape[1])
     ce_sum, stats_N = pipeline_loss(model, blocks_fn, tokens_MbT1, cfg, rng)
 
     n_tokens = t_cfg.batch_size * m_cfg.seq_len
     ce = jax.lax.psum(ce_sum, (DP, PP)) / n_tokens
-    stats_N = jax.tree.map(lambda s: jax.lax.psum(s, DP), stats_N)  # per block, over the whole batch
+    # Routing statistics, per block, summed over the batch. Every tp device routed the
+    # same tokens the same way (the router is gathered whole), but the router came out
+    # of an all_gather over tp, so shard_map types the statistics as varying over tp:
+    # pmean/pmax state that they agree. pmean also gives each tp device 1/tp of the
+    # aux loss gradient, which the router's reduce-scatter sums back to one.
+    aux_sum_N = stats_N.pop("aux_loss_sum")
     n_moe_layers = m_cfg.n_blocks * m_cfg.block_pattern.count("M")
-    if n_moe_layers:
+    aux = jnp.zeros((), jnp.float32)
+    if n_moe_layers:  # (a dense model's all-zero statistics are not reduced: XLA:CPU aborts on that all-reduce)
+        stats_N = jax.tree.map(lambda s: jax.lax.pmax(jax.lax.psum(s, DP), TP), stats_N)
         groups_per_layer = n_tokens // (m_cfg.routing_group or m_cfg.seq_len)
-        aux = jax.lax.psum(jnp.sum(stats_N["aux_loss_sum"]), PP) / (groups_per_layer * n_moe_layers)
-    else:
-        aux = jnp.zeros((), jnp.float32)
+        aux = jax.lax.pmean(jax.lax.psum(jnp.sum(aux_sum_N), (DP, PP)), TP) / (groups_per_layer * n_moe_layers)
     loss = ce + m_cfg.aux_loss_weight * aux
     return loss, dict(loss=ce, aux_loss=aux, stats_N=stats_N)
 
@@ -286,7 +305,7 @@ def global_grad_norm(grads, specs):
     every replica (shard_map already summed it), so it is counted once."""
     total = jnp.zeros((), jnp.float32)
     for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
-        axes = tuple(a for a in spec if a is not None)
+        axes = tuple(a for entry in spec for a in axes_of(entry))
         sq = jnp.sum(jnp.square(g.astype(jnp.float32)))
         total += jax.lax.psum(sq, axes) if axes else sq
     return jnp.sqrt(total)

@@ -1,0 +1,218 @@
+"""Every parallel layout computes what one device computes (8 fake CPU devices, fp32).
+
+One train step of the tiny config from the same initial params and batch must give the
+same loss, gradient norm and updated params on every mesh. This is what catches, at
+once: gradients not reduced across replicas, a model that changes with tp, a pipeline
+that drops or repeats a microbatch, a grad norm that double-counts replicated weights.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import parallel as par
+from utils import PRESETS, Config, ConfigError, apply_overrides
+
+MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 2, 1), (2, 1, 4), (1, 2, 4), (1, 4, 2)]
+RTOL = 1e-5
+
+
+def tiny_config(mesh_shape=(1, 1, 1), expert_parallel=False, **model):
+    dp, pp, tp = mesh_shape
+    cfg = apply_overrides(Config(), PRESETS["tiny"])
+    return apply_overrides(cfg, {"model": dict(dict(vocab_size=256), **model),
+                                 "mesh": dict(dp=dp, pp=pp, tp=tp, expert_parallel=expert_parallel),
+                                 "train": dict(microbatches=pp)})
+
+
+def mesh_for(cfg):
+    n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
+    return par.make_mesh(cfg.mesh, jax.devices()[:n])
+
+
+def token_batch(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.seq_len + 1)).astype(np.int32)
+
+
+@functools.cache
+def initial_params(model_cfg):
+    """Host copy of the initial weights. Init is mesh-invariant (test_init_is_mesh_invariant),
+    so the step tests place one host copy on each mesh instead of re-compiling init."""
+    cfg = tiny_config()
+    graphdef, params = par.init_params(model_cfg, mesh_for(cfg), False, cfg.run.seed)
+    return graphdef, jax.device_get(params)
+
+
+def one_step(cfg):
+    """Place the initial params on cfg's mesh, take one train step; return (metrics,
+    params) on the host."""
+    mesh = mesh_for(cfg)
+    par.check_config_fits_mesh(cfg, mesh)
+    graphdef, host_params = initial_params(cfg.model)
+    specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
+    par.check_divisible(host_params, specs, mesh)
+    params = jax.device_put(host_params, par.named(mesh, specs))
+    optimizer = par.make_optimizer(cfg.train)
+    opt_state = par.init_opt_state(optimizer, params, mesh)
+    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    batch = par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size)
+    params, opt_state, metrics = step(params, opt_state, batch, jnp.asarray(0))
+    return jax.device_get(metrics), jax.tree.map(np.asarray, params)
+
+
+def assert_params_close(params, reference):
+    """Relative error of every weight (as a whole gathered array) within RTOL."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, got), want in zip(flat, jax.tree.leaves(reference)):
+        rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert rel < RTOL, f"{jax.tree_util.keystr(path)}: relative difference {rel:.2e}"
+
+
+def assert_same_step(metrics, params, ref_metrics, ref_params):
+    for key in ("loss", "aux_loss", "grad_norm"):
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=RTOL, err_msg=key)
+    np.testing.assert_array_equal(metrics["stats_N"]["tokens_per_expert"], ref_metrics["stats_N"]["tokens_per_expert"])
+    assert_params_close(params, ref_params)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One-device results, per model variant."""
+    return {variant: one_step(tiny_config(**kwargs)) for variant, kwargs in VARIANTS.items()}
+
+
+VARIANTS = {
+    "moe": {},
+    "dense": dict(block_pattern="D", ffn_activation="gelu"),
+}
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES[1:], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_one_step_equals_one_device(reference, variant, mesh_shape):
+    metrics, params = one_step(tiny_config(mesh_shape, **VARIANTS[variant]))
+    assert_same_step(metrics, params, *reference[variant])
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (4, 2, 1), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_expert_parallel_equals_one_device(reference, mesh_shape):
+    metrics, params = one_step(tiny_config(mesh_shape, expert_parallel=True))
+    assert_same_step(metrics, params, *reference["moe"])
+
+
+def test_reference_step_changes_params(reference):
+    """Guards the tests above against comparing two untouched inits: the step moved
+    every weight, and the loss is that of an untrained model."""
+    metrics, params = reference["moe"]
+    cfg = tiny_config()
+    _, init = par.init_params(cfg.model, mesh_for(cfg), False, cfg.run.seed)
+    for got, before in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(init))):
+        assert not np.allclose(got, before)
+    assert abs(metrics["loss"] - np.log(256)) < 1.0
+
+
+def test_init_is_mesh_invariant():
+    cfg = tiny_config()
+    _, single = par.init_params(cfg.model, mesh_for(cfg), False, 0)
+    cfg8 = tiny_config((2, 2, 2), expert_parallel=True)
+    _, sharded = par.init_params(cfg8.model, mesh_for(cfg8), True, 0)
+    for a, b in zip(jax.tree.leaves(jax.device_get(single)), jax.tree.leaves(jax.device_get(sharded))):
+        np.testing.assert_array_equal(a, b)
+    _, other_seed = par.init_params(cfg.model, mesh_for(cfg), False, 1)
+    assert not np.array_equal(jax.device_get(other_seed)["embed_VD"], jax.device_get(single)["embed_VD"])
+
+
+# ----------------------------------------------------------------------------
+# The pipelined, sharded loss against a plain sequential forward
+
+
+def plain_loss(model, tokens_BT1, cfg):
+    """Reference: the single-device forward (model.__call__), no shard_map at all."""
+    logits_BTV, stats_N = model(tokens_BT1[:, :-1])
+    logp = jax.nn.log_softmax(logits_BTV, axis=-1)
+    ce = -jnp.mean(jnp.take_along_axis(logp, tokens_BT1[:, 1:, None], -1))
+    groups_per_layer = tokens_BT1.shape[0] * cfg.model.seq_len // cfg.model.seq_len
+    n_moe = cfg.model.n_blocks * cfg.model.block_pattern.count("M")
+    aux = jnp.sum(stats_N["aux_loss_sum"]) / (groups_per_layer * n_moe)
+    return ce + cfg.model.aux_loss_weight * aux
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)], ids=lambda s: "x".join(map(str, s)))
+def test_pipeline_equals_sequential_forward_and_gradient(mesh_shape):
+    cfg = tiny_config(mesh_shape)
+    mesh = mesh_for(cfg)
+    graphdef, params = par.init_params(cfg.model, mesh, False, 0)
+    tokens = token_batch(cfg, seed=3)
+    specs = par.specs_of(params)
+
+    def sharded(params, tokens_bT1):
+        (loss, _), grads = jax.value_and_grad(par.sharded_loss, has_aux=True)(params, tokens_bT1, graphdef, cfg, None)
+        return loss, grads
+
+    loss, grads = jax.jit(jax.shard_map(sharded, mesh=mesh, in_specs=(specs, par.batch_spec()), out_specs=(jax.P(), specs)))(
+        params, par.global_batch(mesh, tokens, cfg.train.batch_size))
+
+    host = jax.tree.map(np.asarray, jax.device_get(params))
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: plain_loss(nnx.merge(graphdef, p), jnp.asarray(tokens), cfg)))(host)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    assert_params_close(jax.device_get(grads), ref_grads)
+    # the gradient reaches every stage's blocks, not just the last one
+    assert all(np.abs(g).sum(axis=tuple(range(1, g.ndim))).min() > 0 for g in jax.tree.leaves(jax.device_get(grads)["blocks"]))
+
+
+# ----------------------------------------------------------------------------
+# Memory: FSDP x pp x tp really divides the state
+
+
+def test_state_bytes_per_device_fall_as_one_over_devices():
+    cfg = tiny_config((2, 2, 2))
+    mesh = mesh_for(cfg)
+    _, params = par.init_params(cfg.model, mesh, False, 0)
+    opt_state = par.init_opt_state(par.make_optimizer(cfg.train), params, mesh)
+    device0 = mesh.devices.flat[0]
+    held = par.param_bytes_on_device(params, device0) + par.param_bytes_on_device(opt_state, device0)
+    total = sum(x.nbytes for x in jax.tree.leaves(params) + jax.tree.leaves(opt_state))
+    replicated = sum(x.nbytes for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if par.weight_name(p) == "scale_D") * 3
+    assert held <= total / 8 + replicated, (held, total)
+    assert held >= total / 8  # and nothing is missing
+
+
+# ----------------------------------------------------------------------------
+# Bad config/mesh combinations fail before compiling, saying what to change
+
+
+@pytest.mark.parametrize("mesh_shape, model, train, expert_parallel, message", [
+    ((3, 1, 1), {}, {}, False, "devices"),
+    ((1, 3, 1), {}, {}, False, "--model.n_blocks"),
+    ((1, 1, 8), dict(n_heads=4), {}, False, "--model.n_heads"),
+    ((1, 1, 8), dict(d_ff=36, block_pattern="D"), {}, False, "--model.d_ff"),
+    ((1, 1, 8), dict(vocab_multiple=4, vocab_size=260), {}, False, "vocab"),
+    ((4, 1, 1), dict(n_experts=6), {}, True, "--model.n_experts"),
+    ((8, 1, 1), {}, dict(batch_size=12), False, "--train.batch_size"),
+    ((1, 4, 1), {}, dict(microbatches=2), False, "--train.microbatches"),
+    ((2, 1, 1), dict(capacity_factor=0.0), {}, True, "--model.capacity_factor"),
+])
+def test_bad_mesh_config_raises_clear_error(mesh_shape, model, train, expert_parallel, message):
+    cfg = tiny_config(mesh_shape, expert_parallel, **model)
+    if train:
+        cfg = apply_overrides(cfg, {"train": train})
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        devices = jax.devices()[:min(8, np.prod(mesh_shape))] if mesh_shape != (3, 1, 1) else jax.devices()[:8]
+        mesh = par.make_mesh(cfg.mesh, devices)
+        par.check_config_fits_mesh(cfg, mesh)
+        par.init_params(cfg.model, mesh, expert_parallel, 0)
+
+
+def test_dp_minus_one_takes_the_rest():
+    cfg = apply_overrides(Config(), {"mesh": dict(dp=-1, pp=2, tp=2)})
+    assert dict(par.make_mesh(cfg.mesh, jax.devices()[:8]).shape) == {"dp": 2, "pp": 2, "tp": 2}
+
+
+def test_process_rows_cover_the_batch():
+    cfg = tiny_config((2, 2, 2))
+    assert par.process_rows(mesh_for(cfg), 16) == range(0, 16)  # one process owns every row
