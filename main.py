@@ -13,26 +13,59 @@ import json
 import math
 import os
 import sys
+import threading
 import time
+import traceback
 
 # ----------------------------------------------------------------------------
 # Config and devices (before JAX starts: fake CPU devices and collectives are set then)
 
 
 def setup_devices(cfg):
-    """Fake CPU devices and multi-process init; must run before JAX touches a device."""
+    """Fake CPU devices and multi-process init; must run before JAX touches a device.
+    Returns whether this is one process of several."""
     import jax
 
     if cfg.run.cpu_devices:
         jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
     d = cfg.dist
     if d.coordinator:
+        if not 0 <= d.process_id < d.num_processes:
+            sys.exit(f"error: --dist.process_id {d.process_id} must be in 0..{d.num_processes - 1} "
+                     f"(--dist.num_processes {d.num_processes}); give every process the same count and its own id")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=d.coordinator, num_processes=d.num_processes,
-                                   process_id=d.process_id, initialization_timeout=d.timeout_s,
-                                   heartbeat_timeout_seconds=d.timeout_s)
+        where = dict(coordinator_address=d.coordinator, num_processes=d.num_processes, process_id=d.process_id)
     elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize()  # TPU pods and SLURM: JAX finds the cluster itself
+        where = {}  # TPU pods and SLURM: JAX finds the cluster itself
+    else:
+        return False
+    # A process that dies is noticed by JAX's coordination service: after
+    # heartbeat_timeout_seconds without news it stops every other process (a C++
+    # abort naming the silent task). A peer that never shows up at all gets our own,
+    # plainer message, shortly before JAX's connect timeout would fire.
+    never_met = threading.Timer(d.timeout_s, stop_now, [
+        f"error: not all processes reached the coordinator {d.coordinator or '(auto-detected)'} within {d.timeout_s}s "
+        "(--dist.timeout_s). Start every process with the same --dist.coordinator and --dist.num_processes and its "
+        "own --dist.process_id, and check that the coordinator's host and port can be reached from every host."])
+    never_met.daemon = True
+    never_met.start()
+    try:
+        jax.distributed.initialize(**where, initialization_timeout=d.timeout_s + CONNECT_GRACE_S,
+                                   heartbeat_timeout_seconds=d.timeout_s)
+    finally:
+        never_met.cancel()
+    return True
+
+
+CONNECT_GRACE_S = 10  # JAX's own connect timeout fires this long after ours, so ours is the one seen
+
+
+def stop_now(message):
+    """Exit at once, from any thread, skipping exit handlers: JAX's would first wait
+    (up to the heartbeat timeout) for processes that are gone."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def main(argv):
@@ -42,7 +75,7 @@ def main(argv):
         cfg = parse_args(argv)
     except ConfigError as e:
         sys.exit(f"error: {e}")
-    setup_devices(cfg)
+    several_processes = setup_devices(cfg)
     try:
         if cfg.mode == "train":
             train(cfg)
@@ -52,6 +85,16 @@ def main(argv):
             export_run(cfg)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    except Exception as e:
+        if not several_processes:
+            raise
+        # An error in one process leaves the others stuck in a collective: stop now, so
+        # that they in turn see the connection close and stop too (gloo on CPU raises
+        # "Connection closed by peer"; elsewhere JAX's heartbeat timeout stops them).
+        traceback.print_exc()
+        stop_now(f"error: process {jax.process_index()} of {jax.process_count()} stopped on {type(e).__name__} above. "
+                 "If it reports a closed or reset connection, another process died or its host became unreachable: "
+                 "see that process's log. Start all processes again to resume from the last checkpoint.")
 
 
 # ----------------------------------------------------------------------------
@@ -238,7 +281,8 @@ def train(cfg):
             reporter.flush()
             val = evaluate(eval_step, params, data, cfg, mesh, rows)
             log.write(dict(step=done, val_loss=val))
-            reporter.progress.write(f"step {done}: val_loss {val:.4f}")
+            if is_main_process():
+                reporter.progress.write(f"step {done}: val_loss {val:.4f}")
             reporter.restart_clock()
         if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
             reporter.flush()
@@ -247,6 +291,8 @@ def train(cfg):
     reporter.flush()
     manager.wait_until_finished()
     reporter.progress.close()
+    # Every process, not only 0: each one should have read only its own rows.
+    print(f"process {jax.process_index()} loaded rows: {data.rows_loaded}", flush=True)
 
     # --- samples ------------------------------------------------------------
     if cfg.sample.num_samples and cfg.train.steps > start_step:
