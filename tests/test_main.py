@@ -1,0 +1,165 @@
+"""main.py end to end, as a user runs it: the command line, training, resume after a
+kill, sampling, and the same losses on a 2x2x2 mesh as on one device."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from utils import ConfigError, parse_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUIET = ["--log.progress", "false", "--log.plots", "false", "--sample.num_samples", "0", "--log.every", "1"]
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """One prepared copy of the embedded Shakespeare data for every run in the session."""
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+def main_py(args, out_dir, data_cache, check=True, **kwargs):
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), "--preset", "tiny", "--run.out_dir", str(out_dir),
+           "--data.cache_dir", data_cache, *QUIET, *args]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, **kwargs)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def train_losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}, [r["step"] for r in rows if "loss" in r]
+
+
+# ----------------------------------------------------------------------------
+# The command line
+
+
+def test_cli_both_flag_forms_and_bare_boolean():
+    cfg = parse_args(["--train.steps=7", "--train.lr", "0.5", "--log.wandb", "--mesh.tp", "2", "--mesh.expert_parallel", "false"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.log.wandb, cfg.mesh.tp, cfg.mesh.expert_parallel) == (7, 0.5, True, 2, False)
+    assert cfg.run.name == "shakespeare"  # defaults to the preset name
+
+
+def test_cli_preset_then_overrides():
+    cfg = parse_args(["--preset", "moe1b", "--model.d_model", "512"])
+    assert (cfg.model.d_model, cfg.model.n_experts, cfg.model.block_pattern) == (512, 16, "DDDDDM")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--train.stepz", "3"], "did you mean --train.steps"),
+    (["--nonsense"], "unknown flag --nonsense"),
+    (["--train.steps", "many"], "--train.steps expects an integer, got 'many'"),
+    (["--train.lr=fast"], "--train.lr expects a number"),
+    (["--log.wandb=maybe"], "expects true or false"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--mode", "dance"], "unknown mode 'dance'"),
+    (["--model.dtype", "float16"], "--model.dtype must be float32 or bfloat16"),
+    (["--model.top_k", "9"], "--model.top_k"),
+    (["--train.batch_size", "10", "--train.microbatches", "4"], "divisible by --train.microbatches"),
+    (["stray"], "unexpected argument 'stray'"),
+    (["--train.steps"], "--train.steps needs a value"),
+])
+def test_cli_rejects_bad_input_with_a_clear_message(argv, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        parse_args(argv)
+
+
+def test_cli_errors_exit_cleanly_and_help_lists_every_field():
+    bad = subprocess.run([sys.executable, "main.py", "--train.stepz", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "error: unknown flag --train.stepz; did you mean --train.steps" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    helped = subprocess.run([sys.executable, "main.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0
+    for flag in ("--run.cpu_devices", "--mesh.dp", "--dist.coordinator", "--train.microbatches", "--model.dtype",
+                 "--data.source", "--log.wandb", "--sample.top_k", "--preset", "--mode"):
+        assert flag in helped.stdout
+
+
+# ----------------------------------------------------------------------------
+# Training, resume, sampling
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_repeats_and_skips_no_step(tmp_path, data_cache):
+    """Kill -9 mid-run, start again: per-step losses equal an uninterrupted run's, bit
+    for bit, and every step appears exactly once in metrics.jsonl."""
+    steps = ["--train.steps", "120", "--train.checkpoint_every", "10", "--train.eval_every", "1000"]
+    main_py([*steps, "--run.name", "straight"], tmp_path, data_cache)
+    straight, _ = train_losses(tmp_path / "straight")
+
+    cmd = [sys.executable, "main.py", "--preset", "tiny", "--run.out_dir", str(tmp_path), "--data.cache_dir", data_cache,
+           *QUIET, *steps, "--run.name", "killed"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 35:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed; raise --train.steps"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(metrics.read_text().splitlines())
+    assert killed_at < 120
+
+    result = main_py([*steps, "--run.name", "killed"], tmp_path, data_cache)
+    assert "resumed from" in result.stdout
+    resumed, order = train_losses(tmp_path / "killed")
+    assert order == list(range(1, 121))  # no step repeated, none skipped
+    assert resumed == straight  # bit for bit
+
+
+@pytest.mark.slow
+def test_2x2x2_mesh_trains_like_one_device(tmp_path, data_cache):
+    """The command-line check of mesh invariance: same seed, same config, 8 fake
+    devices as dp2 x pp2 x tp2 against one device: the same losses."""
+    common = ["--train.steps", "12", "--train.eval_every", "6", "--train.microbatches", "2", "--train.checkpoint_every", "1000"]
+    main_py([*common, "--run.name", "one"], tmp_path, data_cache)
+    main_py([*common, "--run.name", "mesh", "--run.cpu_devices", "8", "--mesh.dp", "2", "--mesh.pp", "2", "--mesh.tp", "2"],
+            tmp_path, data_cache)
+    one, _ = train_losses(tmp_path / "one")
+    mesh, _ = train_losses(tmp_path / "mesh")
+    assert sorted(one) == sorted(mesh) == list(range(1, 13))
+    np.testing.assert_allclose([mesh[s] for s in sorted(mesh)], [one[s] for s in sorted(one)], rtol=1e-5)
+    assert one[12] < one[1] - 0.5  # it learned something: these are not two untouched inits
+    val = lambda d: [json.loads(x)["val_loss"] for x in open(d / "metrics.jsonl") if "val_loss" in x]  # noqa: E731
+    np.testing.assert_allclose(val(tmp_path / "mesh"), val(tmp_path / "one"), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_run_writes_contract_files_and_samples(tmp_path, data_cache):
+    """A short run leaves config.json, metrics.jsonl (the DESIGN.md schema),
+    checkpoints/ and samples.txt; --mode sample with a fixed seed repeats itself."""
+    main_py(["--train.steps", "30", "--train.eval_every", "15", "--run.name", "r", "--sample.num_samples", "1",
+             "--sample.max_tokens", "40"], tmp_path, data_cache)
+    run = tmp_path / "r"
+    config = json.loads((run / "config.json").read_text())
+    assert config["model"]["vocab_size"] == 257 and config["train"]["steps"] == 30
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "aux_loss", "dropped_frac", "expert_load"):
+        assert key in train_rows[-1], key
+    assert [r["step"] for r in rows if "val_loss" in r] == [15, 30]
+    assert sorted(os.listdir(run / "checkpoints")) == ["30"]
+    assert (run / "samples.txt").read_text().count("--- step 30") == 1
+
+    sample = ["--mode", "sample", "--run.name", "r", "--sample.max_tokens", "30", "--sample.seed", "3"]
+    first = main_py(sample, tmp_path, data_cache).stdout
+    second = main_py(sample, tmp_path, data_cache).stdout
+    assert first == second and first.startswith("ROMEO:") and len(first) > len("ROMEO:") + 10
+    greedy = main_py(["--mode", "sample", "--run.name", "r", "--sample.temperature", "0", "--sample.max_tokens", "30"],
+                     tmp_path, data_cache).stdout
+    assert greedy != first
+
+
+def test_sample_without_a_run_says_what_to_do(tmp_path, data_cache):
+    result = main_py(["--mode", "sample", "--run.name", "nope"], tmp_path, data_cache, check=False)
+    assert result.returncode != 0 and "no run at" in result.stderr and "train first" in result.stderr
