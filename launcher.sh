@@ -1,0 +1,348 @@
+#!/usr/bin/env bash
+# Start run.sh on every host of a run, headless: one detached tmux session per host,
+# so that a dropped ssh connection does not stop training.
+#
+#   ./launcher.sh --hosts hosts.txt [--name RUN] [options] [-- main.py flags...]
+#   ./launcher.sh --tpu NAME --zone ZONE [--project P] [--name RUN] [-- main.py flags...]
+#   ./launcher.sh ... --status        which hosts are running RUN
+#   ./launcher.sh ... --stop          end RUN's tmux sessions (the processes with them)
+#   ./launcher.sh ... --setup         run setup_tpu.sh on every host (in the foreground)
+#
+# Hosts: a file with one host per line, "SSH_TARGET [ADDRESS]" ('#' starts a comment):
+# line i runs process i and the first line is the coordinator; ADDRESS is how the other
+# hosts reach that host (default: SSH_TARGET without "user@"). With --tpu the hosts are
+# the TPU VM's workers, in worker order (gcloud compute tpus tpu-vm describe), reached
+# by their external IPs (internal ones with --internal-ips).
+#
+# On every host, under --remote-dir (default "meshformer" in the home directory):
+#   code/<commit>/      this repo at the launcher's HEAD (git archive; uncommitted changes
+#                       are not sent), unpacked once and never modified afterwards
+#   logs/RUN-pI.log     the output of process I; logs/RUN-pI.status: running | exit N | stopped
+#   .env                a copy of the local .env (secrets for run.sh), if there is one
+# Runs start in that directory, so relative paths (runs/, data_cache/) live there.
+# Attach to a host's session: ssh HOST -t tmux attach -t RUN-pI
+#
+# Options:
+#   --name RUN            run name: tmux sessions RUN-p0, RUN-p1, ... and --run.name RUN
+#                         (default: the --run.name among the flags, else "meshformer")
+#   --port P              coordinator port on the first host (default 8476)
+#   --remote-dir DIR      see above (relative to the remote home unless absolute)
+#   --python PATH         interpreter on the hosts (default: run.sh chooses)
+#   --ssh-user U, --ssh-port P, --ssh-key FILE, --ssh-option OPT (repeatable, "-o OPT")
+#                         defaults from $LAUNCHER_SSH_USER, $LAUNCHER_SSH_PORT, $LAUNCHER_SSH_KEY
+#   --connect-timeout S   give up on a host after S seconds (default 10)
+# Exits non-zero, naming the host, when a host cannot be reached; then nothing is started.
+set -euo pipefail
+
+LAUNCHER_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+DEFAULT_PORT=8476  # the port JAX itself uses for TPU pods
+
+die() { echo "launcher: error: $*" >&2; exit 2; }
+say() { echo "launcher: $*" >&2; }
+
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+
+# ----------------------------------------------------------------------------
+# Options shared with debug_tpu.sh (which sources this file)
+
+hosts_file="" tpu="" zone="" project="" internal_ips=0
+name="" port=$DEFAULT_PORT remote_dir=meshformer python=""
+ssh_user=${LAUNCHER_SSH_USER:-} ssh_port=${LAUNCHER_SSH_PORT:-} ssh_key=${LAUNCHER_SSH_KEY:-}
+ssh_options=() connect_timeout=10
+action=start
+flags=()
+
+# parse_option "$@": consumes one option; sets `shifted` to how many words it used (0 = not ours).
+parse_option() {
+  shifted=2
+  case $1 in
+    --hosts) hosts_file=${2:?--hosts needs a file} ;;
+    --tpu) tpu=${2:?--tpu needs a TPU name} ;;
+    --zone) zone=${2:?--zone needs a zone} ;;
+    --project) project=${2:?--project needs a project} ;;
+    --name) name=${2:?--name needs a run name} ;;
+    --port) port=${2:?--port needs a number} ;;
+    --remote-dir) remote_dir=${2:?--remote-dir needs a directory} ;;
+    --python) python=${2:?--python needs a path} ;;
+    --ssh-user) ssh_user=${2:?--ssh-user needs a user} ;;
+    --ssh-port) ssh_port=${2:?--ssh-port needs a port} ;;
+    --ssh-key) ssh_key=${2:?--ssh-key needs a file} ;;
+    --ssh-option) ssh_options+=(-o "${2:?--ssh-option needs OPTION=VALUE}") ;;
+    --connect-timeout) connect_timeout=${2:?--connect-timeout needs seconds} ;;
+    --internal-ips) internal_ips=1; shifted=1 ;;
+    *) shifted=0 ;;
+  esac
+}
+
+check_options() {
+  [[ -n $hosts_file || -n $tpu ]] || die "say where to run: --hosts FILE or --tpu NAME --zone ZONE (see --help)"
+  [[ -z $hosts_file || -z $tpu ]] || die "give --hosts or --tpu, not both"
+  [[ -z $tpu || -n $zone ]] || die "--tpu $tpu needs --zone"
+  [[ $port =~ ^[0-9]+$ ]] || die "--port must be a number, got '$port'"
+  [[ $connect_timeout =~ ^[0-9]+$ ]] || die "--connect-timeout must be a number of seconds, got '$connect_timeout'"
+  [[ $remote_dir =~ ^[A-Za-z0-9_./-]+$ ]] || die "--remote-dir may only hold letters, digits and _ . / - (got '$remote_dir')"
+  if [[ -z $name ]]; then
+    local i
+    for ((i = 0; i < ${#flags[@]}; i++)); do
+      case ${flags[i]} in
+        --run.name=*) name=${flags[i]#*=} ;;
+        --run.name) name=${flags[i + 1]:-} ;;
+      esac
+    done
+    name=${name:-meshformer}
+  elif ! printf '%s\n' "${flags[@]}" | grep -q '^--run\.name'; then
+    flags+=(--run.name "$name")
+  fi
+  [[ $name =~ ^[A-Za-z0-9_-]+$ ]] || die "the run name may only hold letters, digits, _ and - (got '$name'): it names tmux sessions"
+  if [[ -n $tpu && -z $ssh_key && -f $HOME/.ssh/google_compute_engine ]]; then
+    ssh_key=$HOME/.ssh/google_compute_engine  # the key `gcloud compute tpus tpu-vm ssh` installs
+  fi
+}
+
+# ----------------------------------------------------------------------------
+# Hosts: ssh_targets[i] is how to ssh to process i's host, addresses[i] how peers reach it
+
+ssh_targets=() addresses=()
+
+resolve_hosts() {
+  local line target address rest
+  if [[ -n $hosts_file ]]; then
+    [[ -f $hosts_file ]] || die "no hosts file $hosts_file"
+    while IFS= read -r line || [[ -n $line ]]; do
+      line=${line%%#*}
+      read -r target address rest <<<"$line" || true
+      [[ -n $target ]] || continue
+      [[ -z $rest ]] || die "$hosts_file: '$line': expected 'SSH_TARGET [ADDRESS]'"
+      ssh_targets+=("$target")
+      addresses+=("${address:-${target#*@}}")
+    done <"$hosts_file"
+    ((${#ssh_targets[@]})) || die "$hosts_file lists no hosts"
+  else
+    command -v gcloud >/dev/null || die "--tpu needs the gcloud CLI (or list the hosts in a file for --hosts)"
+    local describe=(gcloud compute tpus tpu-vm describe "$tpu" --zone "$zone")
+    [[ -z $project ]] || describe+=(--project "$project")
+    local internal external
+    internal=$("${describe[@]}" --format='value(networkEndpoints[].ipAddress)') \
+      || die "could not describe TPU $tpu in zone $zone (is the name right, and gcloud logged in?)"
+    external=$("${describe[@]}" --format='value(networkEndpoints[].accessConfig.externalIp)' 2>/dev/null || true)
+    IFS=';' read -r -a addresses <<<"$internal"
+    if ((internal_ips)) || [[ -z ${external//[;[:space:]]/} ]]; then
+      ssh_targets=("${addresses[@]}")
+    else
+      IFS=';' read -r -a ssh_targets <<<"$external"
+    fi
+    ((${#addresses[@]})) || die "TPU $tpu has no network endpoints (is it READY?)"
+    ((${#ssh_targets[@]} == ${#addresses[@]})) || die "TPU $tpu: some workers have no external IP; use --internal-ips from inside its network"
+    ssh_user=${ssh_user:-$(id -un)}  # gcloud's default user for TPU VMs
+  fi
+}
+
+# ----------------------------------------------------------------------------
+# ssh
+
+ssh_base() {
+  ssh_cmd=(ssh -o BatchMode=yes -o ConnectTimeout="$connect_timeout" -o ServerAliveInterval=15 -o ServerAliveCountMax=4)
+  [[ -z $ssh_user ]] || ssh_cmd+=(-l "$ssh_user")
+  [[ -z $ssh_port ]] || ssh_cmd+=(-p "$ssh_port")
+  [[ -z $ssh_key ]] || ssh_cmd+=(-i "$ssh_key" -o IdentitiesOnly=yes)
+  ssh_cmd+=("${ssh_options[@]}")
+}
+
+# on_host I ARGS...: ssh to process I's host and run ARGS there.
+on_host() {
+  local i=$1; shift
+  "${ssh_cmd[@]}" "${ssh_targets[i]}" "$@"
+}
+
+# for_all_hosts FN [I...]: runs `FN I` for every process (or the ones given) in parallel,
+# output in a per-host file; prints each host's output prefixed by its name, and returns
+# 1, naming the hosts, if any failed (their ids are left in failed_ids).
+failed_ids=()
+for_all_hosts() {
+  local fn=$1 i status=0 failed=() ids=("${@:2}")
+  local outdir pids=()
+  ((${#ids[@]})) || ids=("${!ssh_targets[@]}")
+  outdir=$(mktemp -d)
+  for i in "${ids[@]}"; do
+    "$fn" "$i" >"$outdir/$i" 2>&1 </dev/null &
+    pids[i]=$!
+  done
+  failed_ids=()
+  for i in "${ids[@]}"; do
+    wait "${pids[i]}" && continue
+    (($? != 255)) || echo "ssh could not reach this host" >>"$outdir/$i"
+    status=1; failed+=("${ssh_targets[i]}"); failed_ids+=("$i")
+  done
+  for i in "${ids[@]}"; do
+    sed "s|^|${ssh_targets[i]} (process $i): |" "$outdir/$i"
+  done
+  rm -rf "$outdir"
+  if ((status)); then
+    say "failed on: ${failed[*]}"
+  fi
+  return "$status"
+}
+
+# Prints nothing when host I answers, has tmux and does not run this run already
+# (the last two only matter for starting).
+reach_host() {
+  local out session
+  session=$(session_of "$1")
+  if ! out=$(on_host "$1" "if ! command -v tmux >/dev/null; then echo tmux-missing;
+    elif tmux has-session -t =$session 2>/dev/null; then echo already-running; else echo tmux-ok; fi" 2>&1); then
+    echo "cannot reach it over ssh: $(tail -n 1 <<<"${out:-no answer}")"
+    return 1
+  fi
+  [[ $action == start ]] || return 0
+  case $out in
+    *tmux-ok) ;;
+    *tmux-missing) echo "tmux is not installed there (launcher.sh --setup, or apt-get install tmux)"; return 1 ;;
+    *already-running) echo "run $name is already running there (tmux session $session): --stop it first, or pick another --name"; return 1 ;;
+    *) echo "unexpected answer over ssh: $out"; return 1 ;;
+  esac
+}
+
+# ----------------------------------------------------------------------------
+# Code: this repo at HEAD, unpacked once per commit on every host
+
+commit=""
+
+resolve_commit() {
+  commit=$(git -C "$LAUNCHER_DIR" rev-parse HEAD 2>/dev/null) || die "$LAUNCHER_DIR is not a git checkout"
+  if [[ -n $(git -C "$LAUNCHER_DIR" status --porcelain --untracked-files=no) ]]; then
+    say "warning: uncommitted changes are not launched; the hosts run commit ${commit:0:12}"
+  fi
+}
+
+# A fresh directory is filled and then renamed into place, so a half-copied tree is never
+# run and two launches of the same commit (or two processes on one host) never collide.
+sync_code() {
+  # shellcheck disable=SC2016  # expanded by the remote shell, with $0 = remote dir, $1 = commit
+  local unpack='set -e; cd; mkdir -p "$0/code"; d="$0/code/$1"
+if [ -e "$d/.complete" ]; then cat >/dev/null; exit 0; fi
+t=$(mktemp -d "$0/code/.incoming.XXXXXX"); tar -x -C "$t"; touch "$t/.complete"
+chmod 755 "$t"; mv -T "$t" "$d" 2>/dev/null || rm -rf "$t"'
+  git -C "$LAUNCHER_DIR" archive --format=tar "$commit" | on_host "$1" "bash -c '$unpack' $remote_dir $commit"
+  if [[ -f $LAUNCHER_DIR/.env ]]; then
+    on_host "$1" "umask 077; cd && mkdir -p $remote_dir && cat > $remote_dir/.env" <"$LAUNCHER_DIR/.env"
+  fi
+}
+
+# ----------------------------------------------------------------------------
+# Remote scripts, run with `bash -s` on the host; values are quoted here with %q
+
+session_of() { echo "$name-p$1"; }
+
+remote_prelude() {
+  printf 'set -euo pipefail; cd; cd %q\nsession=%q\n' "$remote_dir" "$(session_of "$1")"
+  # shellcheck disable=SC2016  # the remote shell expands these
+  printf '%s\n' 'log=logs/$session.log; status_file=logs/$session.status' \
+    'running() { tmux has-session -t "=$session" 2>/dev/null; }'
+}
+
+# The job that runs inside tmux on host I: run.sh, its output to the log (and the pane),
+# then its exit status to the status file.
+# shellcheck disable=SC2016  # $(...) and ${PIPESTATUS} are for the job's shell
+job_script() {
+  local i=$1 n=${#ssh_targets[@]} env=()
+  [[ -z $python ]] || env+=("PYTHON=$python")
+  [[ ! -f $LAUNCHER_DIR/.env ]] || env+=("MESHFORMER_ENV_FILE=.env")
+  printf '#!/usr/bin/env bash\n# written by launcher.sh: run %s, process %s of %s, commit %s\n' "$name" "$i" "$n" "$commit"
+  printf 'cd; cd %q\n' "$remote_dir"
+  printf 'echo "=== $(date -u +%%Y-%%m-%%dT%%H:%%M:%%SZ) $(hostname): run %s, process %s of %s, commit %s" >> %q\n' \
+    "$name" "$i" "$n" "$commit" "logs/$(session_of "$i").log"
+  printf '%q ' env "${env[@]}" "code/$commit/run.sh" --coordinator "${addresses[0]}:$port" \
+    --num-processes "$n" --process-id "$i" -- "${flags[@]}"
+  printf '2>&1 | tee -a %q\n' "logs/$(session_of "$i").log"
+  printf 'echo "exit ${PIPESTATUS[0]}" > %q\n' "logs/$(session_of "$i").status"
+}
+
+start_host() {
+  local i=$1
+  {
+    remote_prelude "$i"
+    # shellcheck disable=SC2016
+    printf '%s\n' 'if running; then echo "run already running here (tmux session $session): --stop it first"; exit 3; fi' \
+      'mkdir -p logs jobs'
+    # shellcheck disable=SC2016
+    printf 'cat > jobs/$session.sh <<'\''MESHFORMER_JOB'\''\n%s\nMESHFORMER_JOB\n' "$(job_script "$i")"
+    # shellcheck disable=SC2016
+    printf '%s\n' 'echo running > "$status_file"' \
+      'tmux new-session -d -s "$session" -c "$PWD" "bash $PWD/jobs/$session.sh"' \
+      'echo "started tmux session $session; log: $PWD/$log"'
+  } | on_host "$i" bash -s
+}
+
+status_host() {
+  {
+    remote_prelude "$1"
+    # shellcheck disable=SC2016
+    printf '%s\n' 'if running; then state=running' \
+      'elif [ -f "$status_file" ] && [ "$(cat "$status_file")" != running ]; then state=$(cat "$status_file")' \
+      'elif [ -f "$status_file" ]; then state="gone (its tmux session ended without an exit status)"' \
+      'else state="not started"; fi' \
+      'echo "$state; log: $PWD/$log"'
+  } | on_host "$1" bash -s
+}
+
+stop_host() {
+  {
+    remote_prelude "$1"
+    # shellcheck disable=SC2016
+    printf '%s\n' 'if running; then tmux kill-session -t "=$session"; echo stopped > "$status_file"; echo stopped' \
+      'else echo "not running"; fi'
+  } | on_host "$1" bash -s
+}
+
+setup_host() {
+  on_host "$1" "cd && cd $remote_dir/code/$commit && ./setup_tpu.sh"
+}
+
+# ----------------------------------------------------------------------------
+
+main() {
+  while (($#)); do
+    parse_option "$@"
+    if ((shifted)); then shift "$shifted"; continue; fi
+    case $1 in
+      --status) action=status; shift ;;
+      --stop) action=stop; shift ;;
+      --setup) action=setup; shift ;;
+      -h|--help) usage; exit 0 ;;
+      --) shift; flags+=("$@"); break ;;
+      *) die "unknown option '$1' (main.py flags go after --; see --help)" ;;
+    esac
+  done
+  check_options
+  resolve_hosts
+  ssh_base
+
+  case $action in
+    status) for_all_hosts status_host; return ;;
+    stop) for_all_hosts stop_host; return ;;
+  esac
+  resolve_commit
+  say "run $name: ${#ssh_targets[@]} process(es), coordinator ${addresses[0]}:$port, commit ${commit:0:12}"
+  for_all_hosts reach_host >&2 || die "some hosts cannot be used (see above); nothing was started"
+  for_all_hosts sync_code || die "could not copy the code to every host; nothing was started"
+  if [[ $action == setup ]]; then
+    for_all_hosts setup_host
+    return
+  fi
+  if ! for_all_hosts start_host; then
+    local started=() i
+    for i in "${!ssh_targets[@]}"; do
+      [[ " ${failed_ids[*]} " == *" $i "* ]] || started+=("$i")
+    done
+    if ((${#started[@]})); then
+      say "not every host started: stopping the ones that did"
+      for_all_hosts stop_host "${started[@]}" >/dev/null || true
+    fi
+    exit 1
+  fi
+  say "started; follow with: $0 ${hosts_file:+--hosts $hosts_file}${tpu:+--tpu $tpu --zone $zone} --name $name --status"
+}
+
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+  main "$@"
+fi
