@@ -190,7 +190,7 @@ def top_k_routing(x_SD, router_DE, top_k, score):
     """Router: each token picks its top_k experts; gates are normalised to sum to 1.
 
     Returns gates_SX, experts_SX (int) and probs_SE (normalised scores, for the
-    load-balance loss). Routing runs in float32: a tie broken differently in bfloat16
+    load-balance loss). With top_k = 1 the gate is the raw score (Switch Transformer). Routing runs in float32: a tie broken differently in bfloat16
     would send a token elsewhere.
     """
     logits_SE = jnp.dot(x_SD.astype(ACC_DTYPE), router_DE.astype(ACC_DTYPE))
@@ -200,6 +200,8 @@ def top_k_routing(x_SD, router_DE, top_k, score):
         scores_SE = jax.nn.sigmoid(logits_SE)
     probs_SE = scores_SE / jnp.sum(scores_SE, axis=-1, keepdims=True)
     top_scores_SX, experts_SX = jax.lax.top_k(scores_SE, top_k)
+    if top_k == 1:  # (normalising one score would make every gate 1: no gradient for the router)
+        return top_scores_SX, experts_SX, probs_SE
     gates_SX = top_scores_SX / jnp.sum(top_scores_SX, axis=-1, keepdims=True)
     return gates_SX, experts_SX, probs_SE
 
@@ -216,20 +218,22 @@ def expert_capacity(group_size, top_k, n_experts, capacity_factor):
 def assign_slots(experts_SX, n_experts, capacity):
     """Give every (token, choice) a slot in its expert's buffer, or drop it.
 
-    Priority is choice-major (all first choices before any second choice), then token
-    order, so a token's first choice is dropped only when its expert is already full
-    of first choices. Done by a stable sort: O(S*X log(S*X)), no [S, E, C] one-hot.
+    Priority is token order (then choice order within a token): a token competes for a
+    slot only with the tokens before it, so what is dropped at position t never depends
+    on later tokens and the model stays causal. (Choice-major priority, all first
+    choices before any second choice, would let a later token's first choice evict an
+    earlier token's second choice: the future would leak into the past.)
+    Done by a stable sort: O(S*X log(S*X)), no [S, E, C] one-hot.
     Returns slot_SX (e * capacity + position; n_experts * capacity when dropped),
     kept_SX and tokens_per_expert_E (demand before dropping).
     """
     S, X = experts_SX.shape
-    experts_XS = experts_SX.T.reshape(-1)  # choice-major order
-    order = jnp.argsort(experts_XS, stable=True)
-    tokens_per_expert_E = jnp.zeros((n_experts,), jnp.int32).at[experts_XS].add(1)
+    experts_N = experts_SX.reshape(-1)  # token-major order
+    order = jnp.argsort(experts_N, stable=True)
+    tokens_per_expert_E = jnp.zeros((n_experts,), jnp.int32).at[experts_N].add(1)
     first_index_E = jnp.cumsum(tokens_per_expert_E) - tokens_per_expert_E
-    position_sorted = jnp.arange(S * X) - first_index_E[experts_XS[order]]
-    position_XS = jnp.zeros((S * X,), jnp.int32).at[order].set(position_sorted)
-    position_SX = position_XS.reshape(X, S).T
+    position_sorted = jnp.arange(S * X) - first_index_E[experts_N[order]]
+    position_SX = jnp.zeros((S * X,), jnp.int32).at[order].set(position_sorted).reshape(S, X)
     kept_SX = position_SX < capacity
     slot_SX = jnp.where(kept_SX, experts_SX * capacity + position_SX, n_experts * capacity)
     return slot_SX, kept_SX, tokens_per_expert_E
@@ -327,6 +331,9 @@ class MoE(nnx.Module):
         B, T, D = x_BTD.shape
         n_experts = self.router_DE[...].shape[1]
         group = min(self.group_size, T)
+        if T % group:
+            raise ValueError(f"routing groups of {group} tokens must divide the sequence length {T}: "
+                             f"a group must never straddle two sequences (set --model.routing_group)")
         x_GSD = x_BTD.reshape(B * T // group, group, D)
         gates_GSX, experts_GSX, probs_GSE = jax.vmap(top_k_routing, (0, None, None, None))(x_GSD, self.router_DE[...], self.top_k, self.score)
         if self.capacity_factor > 0:
