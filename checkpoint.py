@@ -3,10 +3,16 @@
 A checkpoint (<run_dir>/checkpoints/<step>/) holds three items:
   params     float32 weights            (restored straight into the new mesh's shardings)
   opt_state  AdamW moments and count
-  meta       JSON: step, data position, seed, resolved config, wandb run id
+  meta       JSON: step, data position, seed, resolved config, wandb run id, and a
+             fingerprint of every array (see `fingerprint`)
 Orbax writes each checkpoint into a temporary directory and renames it when complete,
-so a crash mid-write leaves nothing that restore would pick up. Saving is
-asynchronous: training continues while the arrays are written.
+so a crash mid-write leaves nothing that restore would pick up (the training run
+deletes such leftovers when it starts). Saving is asynchronous: training continues
+while the arrays are written.
+
+A checkpoint that cannot be read, or whose arrays do not match their fingerprint (a
+truncated or flipped file), is reported and the previous one is used instead. Orbax
+itself does not notice a flipped byte in an array file: it restores the wrong value.
 
 A slim export (<dir>/params + <dir>/config.json) is params only, in bfloat16: about a
 sixth of a full checkpoint (2 bytes per weight instead of 4 + 4 + 4), for sampling and
@@ -16,101 +22,233 @@ fine-tuning (GPT-J's "slim" weights).
 import json
 import os
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from utils import ConfigError
 
+ITEMS = ("params", "opt_state", "meta")
 
-def checkpoint_manager(run_dir, keep, primary_host=0):
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")), options=options,
-                                 item_names=("params", "opt_state", "meta"))
+
+def warn(message):
+    """Default report of a damaged checkpoint: stderr, so that sampled text on stdout stays clean."""
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+# ----------------------------------------------------------------------------
+# Saving
+
+
+def checkpoint_manager(run_dir, keep):
+    """The training run's manager: writes asynchronously, keeps the `keep` latest, and
+    deletes temporary directories left by a write that was interrupted."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True,
+                                           cleanup_tmp_directories=True)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")), options=options, item_names=ITEMS)
+
+
+def reader(run_dir):
+    """A read-only manager (sampling, export, fine-tuning): it creates and deletes
+    nothing, so it is safe to use on a run that is still training."""
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")), options=options, item_names=ITEMS)
+
+
+def _leaf_fingerprint(x):
+    """sum over elements of (bits of the element) x (2 x flat index + 1), modulo 2^32.
+    Any single flipped bit changes it (the multiplier is odd), and an integer sum does
+    not depend on the order of addition, so every mesh gets the same value."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) if x.dtype.itemsize == 4 else x.astype(jnp.uint32)
+    index, stride = jnp.zeros(x.shape, jnp.uint32), 1
+    for dim in reversed(range(x.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim) * jnp.uint32(stride % 2**32)
+        stride *= x.shape[dim]
+    return jnp.sum(bits * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+_fingerprints = jax.jit(lambda tree: jax.tree.map(_leaf_fingerprint, tree))
+
+
+def fingerprint(tree):
+    """{leaf path: uint32} of a (sharded) tree, computed where the shards live."""
+    values = jax.device_get(_fingerprints(tree))
+    return {jax.tree_util.keystr(path): int(v) for path, v in jax.tree_util.tree_flatten_with_path(values)[0]}
 
 
 def save_checkpoint(manager, step, params, opt_state, meta):
-    """Start an asynchronous save of `step` (the number of completed optimizer steps)."""
+    """Start an asynchronous save of `step` (the number of completed optimizer steps).
+    Returns once the arrays are copied off the devices (they may be donated next)."""
+    meta = dict(meta, step=step, fingerprint=fingerprint(dict(params=params, opt_state=opt_state)))
     manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-        meta=ocp.args.JsonSave(dict(meta, step=step))))
+        params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta)))
 
 
-def abstract_like(tree):
+# ----------------------------------------------------------------------------
+# Restoring
+
+
+def abstract_like(tree, dtype=None):
     """Shapes, dtypes and target shardings: restore writes each shard where it belongs,
     whatever mesh the checkpoint was written on."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=a.sharding), tree)
 
 
 def check_model_config(saved_model_cfg, model_cfg, where):
     """A checkpoint only fits the model it was written for; name what differs."""
     current = {k: v for k, v in vars(model_cfg).items()}
     # Fields that change the computation but not the weights may differ.
-    free = {"dropout", "dtype", "remat", "capacity_factor", "aux_loss_weight", "routing_group"}
-    diffs = [f"{k}: checkpoint {saved_model_cfg.get(k)!r} vs now {v!r}" for k, v in current.items()
+    free = {"dropout", "dtype", "remat", "unroll_blocks", "capacity_factor", "aux_loss_weight", "routing_group"}
+    diffs = [f"--model.{k}: checkpoint {saved_model_cfg.get(k)!r} vs now {v!r}" for k, v in current.items()
              if k not in free and k in saved_model_cfg and saved_model_cfg[k] != v]
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was written for another model ({'; '.join(diffs)}); "
                           f"use the same --model.* flags, or another --run.name")
 
 
-def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, log=print):
-    """Restore (params, opt_state, meta) into the shardings of the given trees.
+def check_fingerprint(expected, tree, what):
+    """Raise if restored arrays differ from what was saved (a damaged file)."""
+    if expected is None:  # written before fingerprints existed
+        return
+    got = fingerprint(tree)
+    bad = [k for k in expected if got.get(k) != expected[k]]
+    if bad or set(got) != set(expected):
+        raise ValueError(f"{what}: {len(bad)} array(s) do not match the fingerprint saved with them, e.g. {bad[:3]}")
 
-    `step` None = the latest. A checkpoint that fails to read (truncated, corrupt) is
-    reported and the previous complete one is tried instead.
+
+def all_processes_agree(ok):
+    """Every process must pick the same checkpoint: one that failed anywhere fails everywhere."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def set_aside(manager, steps, suffix, log):
+    """Rename checkpoint dirs out of Orbax's sight (<step>.<suffix>), keeping their
+    files: later saves of those step numbers must not be skipped or collide."""
+    if not steps:
+        return
+    if jax.process_index() == 0:
+        for s in steps:
+            source = os.path.join(str(manager.directory), str(s))
+            target, n = f"{source}.{suffix}", 1
+            while os.path.exists(target):
+                target, n = f"{source}.{suffix}{n}", n + 1
+            os.rename(source, target)
+            log(f"moved checkpoint step {s} aside to {target} (delete it when no longer wanted)")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("checkpoints set aside")
+    manager.reload()
+
+
+def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=None, log=warn):
+    """Restore (params, opt_state, meta) into the shardings of the given trees, or None
+    when there is no checkpoint.
+
+    `step` None = the latest. A checkpoint that fails to read or to match its
+    fingerprint is reported, moved aside (<step>.unreadable) and the previous one is
+    tried. Checkpoints after the one restored are moved aside too (<step>.superseded):
+    the run redoes those steps and saves them again.
     """
     steps = sorted(manager.all_steps(), reverse=True)
     if step is not None:
         if step not in steps:
             raise ConfigError(f"no checkpoint at step {step} in {manager.directory}; available: {sorted(steps)}")
-        steps = [s for s in steps if s <= step]
-    for s in steps:
-        meta = manager.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        check_model_config(meta["config"]["model"], model_cfg, manager.directory)
+    later = [s for s in steps if step is not None and s > step]
+    unreadable = []
+    for s in [s for s in steps if step is None or s <= step]:
+        error = RuntimeError("it failed on another process")
         try:
-            restored = manager.restore(s, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_like(params)),
-                opt_state=ocp.args.StandardRestore(abstract_like(opt_state))))
-        except Exception as e:  # a damaged checkpoint: fall back, loudly
-            log(f"WARNING: checkpoint step {s} in {manager.directory} could not be read ({type(e).__name__}: {e}); "
-                f"trying the previous one")
-            continue
-        return restored["params"], restored["opt_state"], meta
+            meta = manager.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            saved_model = meta["config"]["model"]
+        except Exception as e:
+            meta, error = None, e
+        if meta is not None:  # a readable checkpoint for another model or seed is the user's mistake: stop
+            check_model_config(saved_model, model_cfg, manager.directory)
+            if seed is not None and meta.get("seed", seed) != seed:
+                raise ConfigError(f"the checkpoint in {manager.directory} was written with --run.seed {meta['seed']}, "
+                                  f"not {seed}: the seed fixes the data order, so resume with --run.seed {meta['seed']} "
+                                  f"or start another --run.name")
+            try:
+                restored = manager.restore(s, args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(abstract_like(params)),
+                    opt_state=ocp.args.StandardRestore(abstract_like(opt_state))))
+                check_fingerprint(meta.get("fingerprint"), dict(params=restored["params"], opt_state=restored["opt_state"]),
+                                  f"checkpoint step {s}")
+            except Exception as e:
+                meta, error = None, e
+        if all_processes_agree(meta is not None):
+            set_aside(manager, unreadable, "unreadable", log)
+            set_aside(manager, later, "superseded", log)
+            return restored["params"], restored["opt_state"], meta
+        log(f"WARNING: checkpoint step {s} in {manager.directory} could not be restored "
+            f"({type(error).__name__}: {str(error)[:500]}); falling back to the previous checkpoint")
+        unreadable.append(s)
     if steps:
-        raise ConfigError(f"no readable checkpoint in {manager.directory}; delete it or use another --run.name")
+        raise ConfigError(f"no readable checkpoint in {manager.directory} (tried steps {unreadable}); "
+                          f"move that directory away or use another --run.name")
     return None
 
 
-def read_meta(run_dir, step=None):
-    """The meta item of a run's latest (or given) checkpoint, without a manager."""
-    manager = checkpoint_manager(run_dir, keep=None)
-    steps = manager.all_steps()
-    if not steps:
-        return None
-    return manager.restore(step if step is not None else max(steps), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-
-
-def restore_params(path, params, model_cfg):
-    """Params only, from a slim export dir, a run dir, or its checkpoints/ dir, into
-    the shardings of `params` (float32). For sampling and fine-tuning."""
+def find_params_source(path):
+    """('export', dir) or ('run', run_dir) for --train.init_from / sampling; a clear
+    error for a path that is neither (checked before anything compiles)."""
     path = os.path.abspath(path)
     if not os.path.exists(path):
-        raise ConfigError(f"{path} does not exist: give a run directory, its checkpoints/ directory, or a slim export")
-    if os.path.exists(os.path.join(path, "params")) and os.path.exists(os.path.join(path, "config.json")) and not os.path.isdir(os.path.join(path, "checkpoints")):
+        raise ConfigError(f"{path} does not exist: give a run directory, its checkpoints/ directory, "
+                          f"or a slim export (<run_dir>/export, from --mode export)")
+    if os.path.isdir(os.path.join(path, "params")) and os.path.isfile(os.path.join(path, "config.json")):
+        return "export", path
+    run_dir = os.path.dirname(path) if os.path.basename(path) == "checkpoints" else path
+    if not os.path.isdir(os.path.join(run_dir, "checkpoints")) or not reader(run_dir).all_steps():
+        raise ConfigError(f"no checkpoint found in {path}: give a run directory that has checkpoints/<step>/, "
+                          f"or a slim export (a directory with params/ and config.json)")
+    return "run", run_dir
+
+
+def restore_params(path, params, model_cfg, log=warn):
+    """Params only, from a slim export dir, a run dir, or its checkpoints/ dir, into
+    the shardings of `params` (float32). For sampling and fine-tuning. Reads only: a
+    damaged checkpoint is reported and the previous one used, but nothing is moved."""
+    kind, path = find_params_source(path)
+    if kind == "export":
         with open(os.path.join(path, "config.json")) as f:
             check_model_config(json.load(f)["model"], model_cfg, path)
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=a.sharding), params)
-        restored = ocp.StandardCheckpointer().restore(os.path.join(path, "params"), target)
+        restored = ocp.StandardCheckpointer().restore(os.path.join(path, "params"), abstract_like(params, jnp.bfloat16))
         return jax.tree.map(lambda a: a.astype(jnp.float32), restored)
-    run_dir = os.path.dirname(path) if os.path.basename(path) == "checkpoints" else path
-    manager = checkpoint_manager(run_dir, keep=None)
+    manager = reader(path)
     for s in sorted(manager.all_steps(), reverse=True):
-        meta = manager.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        check_model_config(meta["config"]["model"], model_cfg, path)
-        return manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_like(params))))["params"]
-    raise ConfigError(f"no checkpoint found in {path}")
+        ok, error = False, RuntimeError("it failed on another process")
+        try:
+            meta = manager.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:
+            ok, error = False, e
+        else:
+            check_model_config(meta["config"]["model"], model_cfg, path)
+            try:
+                restored = manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_like(params))))["params"]
+                expected = meta.get("fingerprint")
+                check_fingerprint(expected and {k: v for k, v in expected.items() if k.startswith("['params']")},
+                                  dict(params=restored), f"checkpoint step {s}")
+                ok = True
+            except Exception as e:
+                ok, error = False, e
+        if all_processes_agree(ok):
+            return restored
+        log(f"WARNING: checkpoint step {s} in {path} could not be restored ({type(error).__name__}: {str(error)[:500]}); "
+            f"trying the previous one")
+    raise ConfigError(f"no readable checkpoint in {path}")
+
+
+# ----------------------------------------------------------------------------
+# Slim export
 
 
 def export_slim(params, config_dict, out_dir):

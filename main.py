@@ -4,6 +4,7 @@
     python main.py --run.cpu_devices 8 --mesh.dp 2 --mesh.pp 2 --mesh.tp 2 --train.microbatches 2
     python main.py --mode sample --sample.prompt "JULIET:"
     python main.py --mode export                   # slim bfloat16 params in <run_dir>/export
+    python main.py --mode eval                     # restore, print val_loss=... (any mesh)
 
 Reads top to bottom: config, devices, mesh, data, init or resume, compile, the loop
 (eval, checkpoints, logs), samples.
@@ -83,6 +84,8 @@ def main(argv):
             print(sample_from_run(cfg))
         elif cfg.mode == "export":
             export_run(cfg)
+        elif cfg.mode == "eval":
+            eval_run(cfg)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     except Exception as e:
@@ -233,17 +236,20 @@ def train(cfg):
         f"pipeline bubble {par.bubble_fraction(mesh.shape['pp'], cfg.train.microbatches):.0%}")
 
     # --- init or resume -----------------------------------------------------
+    if cfg.train.init_from:
+        checkpoint.find_params_source(cfg.train.init_from)  # a wrong path fails before anything compiles
     graphdef, params, optimizer, opt_state = build_state(cfg, mesh)
     manager = checkpoint.checkpoint_manager(run_dir, cfg.train.keep_checkpoints)
     start_step, wandb_id = 0, None
     resume_step = None if cfg.train.resume_step < 0 else cfg.train.resume_step
-    restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, log=say)
+    restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, cfg.run.seed, log=say)
     if restored is not None:
         params, opt_state, meta = restored
         start_step, wandb_id = meta["step"], meta.get("wandb_id")
-        say(f"resumed from {run_dir}/checkpoints/{start_step}")
+        say(f"resumed from {run_dir}/checkpoints/{start_step}"
+            + (" (--train.init_from ignored: this run already has checkpoints)" if cfg.train.init_from else ""))
     elif cfg.train.init_from:
-        params = checkpoint.restore_params(cfg.train.init_from, params, cfg.model)
+        params = checkpoint.restore_params(cfg.train.init_from, params, cfg.model, log=say)
         say(f"initialised params from {cfg.train.init_from} (fresh optimizer)")
     if is_main_process():
         truncate_metrics(run_dir, start_step)  # steps after the checkpoint will be redone
@@ -405,6 +411,18 @@ def export_run(cfg):
     cfg, graphdef, params = load_run_params(cfg)
     out = checkpoint.export_slim(params, config_to_dict(cfg), os.path.join(run_dir_of(cfg), "export"))
     say(f"slim export (bfloat16 params + config.json): {out}, {human(checkpoint.directory_bytes(out))}B")
+
+
+def eval_run(cfg):
+    """Validation loss of the run's latest params on the current mesh: what training's
+    eval would print, on any mesh (the reshard check)."""
+    cfg, graphdef, params = load_run_params(cfg)
+    mesh = par.make_mesh(cfg.mesh)
+    par.check_config_fits_mesh(cfg, mesh)
+    data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
+    eval_step = par.make_eval_step(graphdef, cfg, mesh, params)
+    val = evaluate(eval_step, params, data, cfg, mesh, par.process_rows(mesh, cfg.train.batch_size))
+    say(f"val_loss={val!r}")
 
 
 if __name__ == "__main__":

@@ -144,7 +144,7 @@ class Config:
     mode: str = "train"
 
 
-MODES = ("train", "sample", "export")
+MODES = ("train", "sample", "export", "eval")
 
 # ----------------------------------------------------------------------------
 # Presets: overrides of the defaults above (which are `shakespeare`).
@@ -217,7 +217,7 @@ def parse_value(flag, text, kind):
 
 
 def help_text():
-    lines = ["usage: python main.py [--preset NAME] [--mode train|sample|export] [--section.field=value ...]", "",
+    lines = ["usage: python main.py [--preset NAME] [--mode train|sample|export|eval] [--section.field=value ...]", "",
              f"  --preset NAME   one of {', '.join(PRESETS)} (default shakespeare)",
              f"  --mode MODE     {' | '.join(MODES)} (default train)", ""]
     section = None
