@@ -250,8 +250,8 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
         received_bTD = carry
         x_bTD = jnp.where(stage == 0, x0_MbTD[jnp.minimum(t, M - 1)], received_bTD)
         tick_rng = None if rng is None else jax.random.fold_in(rng, t)
-        y_bTD, stats_N = apply_blocks(model.blocks, x_bTD, angles, TP, ep_axis, tick_rng,
-                                      remat=m_cfg.remat == "block", prepare=params_fn)
+        y_bTD, stats_N = apply_blocks(model.blocks, x_bTD, angles, TP, ep_axis, tick_rng, remat=m_cfg.remat == "block",
+                                      prepare=params_fn, unroll=m_cfg.unroll_blocks)
         valid = (t - stage >= 0) & (t - stage < M)  # is this stage working on a real microbatch?
         stats_N = jax.tree.map(lambda s: jnp.where(valid, s, jnp.zeros_like(s)), stats_N)
         # Hand the activation to the next stage; the last stage's output is kept as ys.

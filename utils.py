@@ -62,6 +62,7 @@ class ModelConfig:
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("float32", "compute dtype: float32 | bfloat16 (weights stay float32)")
     remat: str = option("block", "rematerialisation: block (recompute each block in backward) | none")
+    unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ PRESETS = {
     "tiny": {
         "model": dict(vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
                       rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
-                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5),
+                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, unroll_blocks=False),
         "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10,
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
@@ -167,7 +168,7 @@ PRESETS = {
         "model": dict(vocab_size=100277, seq_len=1024, d_model=768, n_heads=12, head_dim=64, rope_dim=64,
                       q_latent=384, kv_latent=128, n_blocks=8, block_pattern="DDDDDM", d_ff=2048,
                       n_experts=16, n_shared=2, top_k=2, d_expert=2048, capacity_factor=1.5,
-                      dtype="bfloat16"),
+                      dtype="bfloat16", unroll_blocks=False),
         "mesh": dict(dp=8, pp=2, tp=2),
         "train": dict(steps=75000, batch_size=256, microbatches=4, lr=6e-4, warmup_steps=5000,
                       eval_every=1000, eval_batches=32, checkpoint_every=1000, weight_decay=0.1),

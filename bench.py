@@ -1,0 +1,108 @@
+"""Benchmark one preset on one mesh: compile time, step time, tokens/s, memory, MFU.
+
+    python bench.py --preset shakespeare
+    python bench.py --preset tiny --run.cpu_devices 8 --mesh.dp 2 --mesh.pp 2 --mesh.tp 2 --train.microbatches 2
+    python bench.py --preset moe1b --json moe1b.json      # last line: tokens_per_sec=... mfu=...
+
+MFU = model FLOPs per step / (step time x devices x peak), where model FLOPs are
+utils.flops_per_token (matmuls of the active parameters, forward + backward, plus
+attention scores) and peak is a large matmul in the compute dtype timed on this
+device in this run, so the figure is a ratio that survives a noisy machine. With fake
+CPU devices all "devices" share the same cores, so there MFU is only comparable
+between runs on the same mesh.
+
+Takes every main.py flag, plus --json PATH, --steps N (timed steps, default 10) and
+--warmup N (untimed steps after compile, default 2). Tokens are random: this measures
+the step, not the data loader (see bench_data.py for that).
+"""
+
+import json
+import sys
+import time
+
+
+def split_bench_flags(argv):
+    """Pull out bench.py's own flags; the rest are main.py's config flags."""
+    own, rest, i = {"json": "", "steps": "10", "warmup": "2"}, [], 0
+    while i < len(argv):
+        name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
+        if name in own:
+            if "=" in argv[i]:
+                own[name] = argv[i].split("=", 1)[1]
+            else:
+                own[name], i = argv[i + 1], i + 1
+        else:
+            rest.append(argv[i])
+        i += 1
+    return own["json"], int(own["steps"]), int(own["warmup"]), rest
+
+
+def bench(cfg, steps, warmup):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import parallel as par
+    from main import build_state, measure_peak_flops
+    from utils import apply_overrides, count_params, flops_per_token
+
+    if cfg.model.vocab_size == 0:  # the byte tokenizer of the embedded default
+        cfg = apply_overrides(cfg, {"model": {"vocab_size": 257}})
+    mesh = par.make_mesh(cfg.mesh)
+    par.check_config_fits_mesh(cfg, mesh)
+    graphdef, params, optimizer, opt_state = build_state(cfg, mesh)
+    train_step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    rows = par.process_rows(mesh, cfg.train.batch_size)
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (len(rows), cfg.model.seq_len + 1)).astype(np.int32)
+    batch = par.global_batch(mesh, tokens, cfg.train.batch_size)
+
+    start = time.perf_counter()
+    compiled = train_step.lower(params, opt_state, batch, jnp.asarray(0)).compile()
+    compile_s = time.perf_counter() - start
+    memory = par.memory_summary(params, opt_state, compiled, mesh.devices.flat[0])
+    for i in range(warmup):
+        params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(i))
+    jax.block_until_ready(metrics) if warmup else None
+    start = time.perf_counter()
+    for i in range(steps):
+        params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(warmup + i))
+    jax.block_until_ready(metrics)
+    step_s = (time.perf_counter() - start) / steps
+
+    peak = measure_peak_flops(jnp.dtype(cfg.model.dtype), size=2048 if jax.default_backend() == "cpu" else 8192)
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    total, active = count_params(cfg.model)
+    n_devices = mesh.devices.size
+    return dict(
+        preset=cfg.preset, mesh=dict(mesh.shape), devices=n_devices, backend=jax.default_backend(),
+        dtype=cfg.model.dtype, params=total, active_params=active, tokens_per_step=tokens_per_step,
+        compile_s=compile_s, step_s=step_s, tokens_per_sec=tokens_per_step / step_s,
+        model_tflops_per_step=flops_per_token(cfg.model) * tokens_per_step / 1e12,
+        peak_tflops_per_device=peak / 1e12,
+        mfu=flops_per_token(cfg.model) * tokens_per_step / step_s / (n_devices * peak),
+        bubble=par.bubble_fraction(mesh.shape["pp"], cfg.train.microbatches),
+        loss=float(metrics["loss"]), **memory)
+
+
+def main(argv):
+    from utils import ConfigError, parse_args
+
+    json_path, steps, warmup, rest = split_bench_flags(argv)
+    try:
+        cfg = parse_args(rest)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    from main import setup_devices
+
+    setup_devices(cfg)
+    result = bench(cfg, steps, warmup)
+    for key, value in result.items():
+        print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    print(f"tokens_per_sec={result['tokens_per_sec']:.1f} mfu={result['mfu']:.4f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
