@@ -233,8 +233,16 @@ chmod 755 "$t"; mv -T "$t" "$d" 2>/dev/null || rm -rf "$t"'
 
 session_of() { echo "$name-p$1"; }
 
+# remote_prelude I [ANSWER]: into the remote dir, creating it; or, given ANSWER, print
+# that and stop when the dir does not exist (nothing was ever started there).
 remote_prelude() {
-  printf 'set -euo pipefail; cd; cd %q\nsession=%q\n' "$remote_dir" "$(session_of "$1")"
+  printf 'set -euo pipefail; cd\n'
+  if (($# > 1)); then
+    printf 'if ! cd %q 2>/dev/null; then echo %q; exit 0; fi\n' "$remote_dir" "$2"
+  else
+    printf 'mkdir -p %q; cd %q\n' "$remote_dir" "$remote_dir"
+  fi
+  printf 'session=%q\n' "$(session_of "$1")"
   # shellcheck disable=SC2016  # the remote shell expands these
   printf '%s\n' 'log=logs/$session.log; status_file=logs/$session.status' \
     'running() { tmux has-session -t "=$session" 2>/dev/null; }'
@@ -275,7 +283,7 @@ start_host() {
 
 status_host() {
   {
-    remote_prelude "$1"
+    remote_prelude "$1" "not started"
     # shellcheck disable=SC2016
     printf '%s\n' 'if running; then state=running' \
       'elif [ -f "$status_file" ] && [ "$(cat "$status_file")" != running ]; then state=$(cat "$status_file")' \
@@ -287,7 +295,7 @@ status_host() {
 
 stop_host() {
   {
-    remote_prelude "$1"
+    remote_prelude "$1" "not running"
     # shellcheck disable=SC2016
     printf '%s\n' 'if running; then tmux kill-session -t "=$session"; echo stopped > "$status_file"; echo stopped' \
       'else echo "not running"; fi'
