@@ -47,7 +47,7 @@ EMBEDDED_SOURCES = ("shakespeare",)
 # Downloads from GCS: retry transient errors this many times, waiting
 # GCS_BACKOFF_S * 2**attempt between tries (0.5 s, 1 s, 2 s, ... about 30 s in all).
 GCS_RETRIES = 6
-GCS_BACKOFF_S = 0.5
+GCS_BACKOFF_S = float(os.environ.get("MESHFORMER_GCS_BACKOFF_S", "0.5"))  # tests shorten it
 
 # Memory maps kept open per TokenData; older ones are closed so that evicted cache files
 # can really leave the disk.
