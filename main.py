@@ -10,6 +10,7 @@ Reads top to bottom: config, devices, mesh, data, init or resume, compile, the l
 (eval, checkpoints, logs), samples.
 """
 
+import functools
 import json
 import math
 import os
@@ -185,15 +186,19 @@ def host_params(params):
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(params, tiled=True))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def decode_jit(graphdef, state, tokens_BT, cache, start):
+    """decode_step, compiled once for the prompt length and once for single tokens."""
+    return decode_step(nnx.merge(graphdef, state), tokens_BT, cache, start)
+
+
 def generate(model, tokenizer, prompt, max_tokens, temperature, top_k, seed):
     """Continue `prompt` with the latent KV cache: one prefill, then one token per step.
     The cache has a fixed length (prompt + max_tokens), so each step compiles once."""
     prompt_ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
-    max_len = len(prompt_ids) + max_tokens
-    cache = init_cache(model.cfg, 1, max_len)
+    cache = init_cache(model.cfg, 1, len(prompt_ids) + max_tokens)
     graphdef, state = nnx.split(model)
-    step = jax.jit(lambda state, tokens, cache, start: decode_step(nnx.merge(graphdef, state), tokens, cache, start))
-    logits, cache = step(state, jnp.asarray([prompt_ids]), cache, 0)
+    logits, cache = decode_jit(graphdef, state, jnp.asarray([prompt_ids]), cache, 0)
     key, out = jax.random.key(seed), []
     vocab = model.cfg.vocab_size
     for i in range(max_tokens):
@@ -208,7 +213,7 @@ def generate(model, tokenizer, prompt, max_tokens, temperature, top_k, seed):
                 scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
             token = int(jax.random.categorical(sub, scaled))
         out.append(token)
-        logits, cache = step(state, jnp.asarray([[token]]), cache, len(prompt_ids) + i)
+        logits, cache = decode_jit(graphdef, state, jnp.asarray([[token]]), cache, len(prompt_ids) + i)
     return prompt + tokenizer.decode(out)
 
 
@@ -292,11 +297,15 @@ def train(cfg):
             reporter.restart_clock()
         if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
             reporter.flush()
-            meta = dict(seed=cfg.run.seed, data_position=done, config=config_to_dict(cfg), wandb_id=log.wandb_id)
+            # The wandb run id travels in the checkpoint, so a resume continues the same
+            # wandb run (kept even through a stretch trained without --log.wandb).
+            meta = dict(seed=cfg.run.seed, data_position=done, config=config_to_dict(cfg),
+                        wandb_id=log.wandb_id or wandb_id)
             checkpoint.save_checkpoint(manager, done, params, opt_state, meta)
     reporter.flush()
     manager.wait_until_finished()
     reporter.progress.close()
+    data.close()
     # Every process, not only 0: each one should have read only its own rows.
     print(f"process {jax.process_index()} loaded rows: {data.rows_loaded}", flush=True)
 
