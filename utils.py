@@ -358,16 +358,22 @@ def flops_per_token(model_cfg):
 
 
 class MetricsLog:
-    """Appends one JSON object per line to <run_dir>/metrics.jsonl (and wandb)."""
+    """Appends one JSON object per line to <run_dir>/metrics.jsonl and, with
+    --log.wandb, mirrors each row to wandb (see wandb_row).
+
+    On resume, `wandb_id` (kept in the checkpoint's meta) continues the same wandb run.
+    The steps between that checkpoint and a crash reached wandb once already; wandb
+    ignores steps that do not increase, and resume repeats them bit for bit, so the
+    wandb history stays whole.
+    """
 
     def __init__(self, run_dir, cfg, enabled=True, wandb_id=None):
         self.enabled, self.wandb = enabled, None
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+        self.prompt = cfg.sample.prompt
         if enabled and cfg.log.wandb:
-            import wandb
-
-            self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.run.name, dir=run_dir,
-                                    config=config_to_dict(cfg), id=wandb_id, resume="allow")
+            self.wandb = start_wandb(run_dir, cfg, wandb_id)
 
     @property
     def wandb_id(self):
@@ -380,38 +386,88 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb:
-            flat = {k: v for k, v in row.items() if not isinstance(v, list)}
-            for k, v in row.items():
-                if isinstance(v, list) and v and not isinstance(v[0], list):
-                    flat.update({f"{k}/{i}": x for i, x in enumerate(v)})
-            self.wandb.log(flat, step=row["step"])
+            self.wandb.log(wandb_row(row, self.tokens_per_step), step=row["step"])
 
     def log_samples(self, step, samples):
         if self.wandb:
             import wandb
 
-            self.wandb.log({"samples": wandb.Table(columns=["step", "text"], data=[[step, s] for s in samples])}, step=step)
+            table = wandb.Table(columns=["step", "prompt", "text"], data=[[step, self.prompt, s] for s in samples])
+            self.wandb.log({"samples": table}, step=step)
 
     def close(self):
         if self.wandb:
             self.wandb.finish()
 
 
+def start_wandb(run_dir, cfg, wandb_id):
+    """A wandb run in <run_dir>/wandb holding the resolved config; `wandb_id` continues
+    that run. WANDB_MODE=offline needs no key and no network (`wandb sync` uploads later)."""
+    import wandb
+
+    try:
+        run = wandb.init(project=cfg.log.wandb_project, name=cfg.run.name, dir=run_dir, config=config_to_dict(cfg),
+                         id=wandb_id, resume="allow")
+    except wandb.errors.Error as e:
+        raise ConfigError(f"--log.wandb: wandb could not start ({type(e).__name__}: {e}). Log in with `wandb login` "
+                          "(or set WANDB_API_KEY), or set WANDB_MODE=offline and upload later with "
+                          f"`wandb sync {os.path.join(run_dir, 'wandb', 'offline-run-*')}`") from e
+    run.define_metric("val_loss", summary="min")
+    print(f"wandb: {'continuing' if wandb_id else 'new'} run {run.id} ({'offline' if run.offline else 'online'}) "
+          f"in {run.dir}", flush=True)
+    return run
+
+
+def wandb_row(row, tokens_per_step):
+    """One metrics.jsonl row as flat wandb keys. expert_load [blocks x experts] becomes
+    expert_load/block{n}/expert{e} (blocks without routed experts are left out); `tokens`
+    (step x tokens per step) lets wandb chart against tokens, as the PNGs do. `step`
+    itself is wandb's x axis, not a metric."""
+    flat = {"tokens": row["step"] * tokens_per_step}
+    for key, value in row.items():
+        if key == "expert_load":
+            for n, load_E in enumerate(value):
+                if any(load_E):
+                    flat.update({f"expert_load/block{n}/expert{e}": x for e, x in enumerate(load_E)})
+        elif isinstance(value, list):
+            flat.update({f"{key}/" + "/".join(map(str, i)): x for i, x in np.ndenumerate(np.asarray(value))})
+        elif key != "step":
+            flat[key] = value
+    return flat
+
+
 def read_metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of <run_dir>/metrics.jsonl. A last line cut short (the process was
+    killed while writing it; resume redoes that step) is left out; a damaged line
+    anywhere else is an error."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path) as f:
+        lines = f.readlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines) and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}, line {number} is not JSON: {line[:80]!r}") from None
+    return rows
 
 
 def truncate_metrics(run_dir, after_step):
-    """On resume, drop rows logged after the checkpoint so no step appears twice."""
+    """On resume, drop rows logged after the checkpoint so no step appears twice.
+    Rewrites a copy and renames it, so a kill meanwhile loses nothing."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return
     rows = read_metrics(run_dir)
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         for row in rows:
             if row["step"] <= after_step:
                 f.write(json.dumps(row) + "\n")
+    os.replace(path + ".tmp", path)
 
 
 def human(n):
@@ -432,6 +488,13 @@ class Timer:
 
 # ----------------------------------------------------------------------------
 # Plots: python utils.py plot RUN_DIR (also run at the end of training)
+#
+# Drawn on matplotlib Figure objects directly (no pyplot): no global backend or
+# figure state, so plotting from a notebook or a test changes nothing else.
+
+PLOT_DPI = 150  # a 6 x 4 inch figure is 900 x 600 px: sharp at README width
+SMOOTH_FROM = 50  # from this many train-loss points on, a smoothed curve is drawn over the raw one
+HEATMAP_COLUMNS = 200  # expert-load heatmaps average longer runs down to this many columns
 
 
 def plot_series(rows, key):
@@ -440,75 +503,213 @@ def plot_series(rows, key):
     return [s for s, _ in picked], [v for _, v in picked]
 
 
-def plot_run(run_dir):
-    """Write PNGs from metrics.jsonl: losses, load-balance loss, expert load, speed.
-    Returns {file name: {series name: (x, y)}} so tests can check what was drawn."""
-    import matplotlib
+def smoothed(values, window):
+    """Centred moving average over `window` points (fewer at the ends): unlike an
+    exponential average it does not lag behind a falling loss."""
+    v, kernel = np.asarray(values, float), np.ones(window)
+    return (np.convolve(v, kernel, "same") / np.convolve(np.ones_like(v), kernel, "same")).tolist()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def binned(steps, values_S, max_bins):
+    """Means over runs of consecutive rows, at most `max_bins` of them: a heatmap of
+    thousands of steps would show only aliasing. (steps, values) as they are when short."""
+    if len(steps) <= max_bins:
+        return np.asarray(steps, float), np.asarray(values_S, float)
+    groups = np.array_split(np.arange(len(steps)), max_bins)
+    steps, values_S = np.asarray(steps, float), np.asarray(values_S, float)
+    return np.array([steps[g].mean() for g in groups]), np.stack([values_S[g].mean(0) for g in groups])
+
+
+def cell_edges(centers):
+    """Edges of heatmap cells centred on sorted, possibly unevenly spaced x values
+    (log.every steps, the last step, a gap left by a resume)."""
+    c = np.asarray(centers, float)
+    if len(c) == 1:
+        return np.array([c[0] - 0.5, c[0] + 0.5])
+    mid = (c[1:] + c[:-1]) / 2
+    return np.concatenate([[2 * c[0] - mid[0]], mid, [2 * c[-1] - mid[-1]]])
+
+
+def line_data(line):
+    """(x, y) as a Line2D holds them: what was actually drawn."""
+    return np.asarray(line.get_xdata(), float).tolist(), np.asarray(line.get_ydata(), float).tolist()
+
+
+def human_ticks(axis):
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda x, _: human(x)))
+
+
+def step_ticks(axis):
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def draw_loss(fig, rows, cfg):
+    """Train and validation loss against tokens seen (step on the top axis)."""
+    tokens_per_step = cfg["train"]["batch_size"] * cfg["model"]["seq_len"]
+    steps, loss = plot_series(rows, "loss")
+    val_steps, val_loss = plot_series(rows, "val_loss")
+    if not steps and not val_steps:
+        return None
+    ax = fig.subplots()
+    tokens = [s * tokens_per_step for s in steps]
+    drawn = {}
+    if len(loss) >= SMOOTH_FROM:
+        (raw,) = ax.plot(tokens, loss, color="tab:blue", alpha=0.3, lw=0.8, label="train (raw)")
+        (smooth,) = ax.plot(tokens, smoothed(loss, max(5, len(loss) // 100 * 2 + 1)), color="tab:blue", lw=1.8, label="train (smoothed)")
+        drawn["train_smoothed"] = line_data(smooth)
+    else:
+        (raw,) = ax.plot(tokens, loss, color="tab:blue", lw=1.5, label="train")
+    drawn["train"] = line_data(raw)
+    (val,) = ax.plot([s * tokens_per_step for s in val_steps], val_loss, "o-", color="tab:orange", ms=4, label="validation")
+    drawn["val"] = line_data(val)
+    human_ticks(ax.xaxis)
+    step_axis = ax.secondary_xaxis("top", functions=(lambda t: t / tokens_per_step, lambda s: s * tokens_per_step))
+    step_axis.set_xlabel("step")
+    step_ticks(step_axis.xaxis)
+    human_ticks(step_axis.xaxis)
+    ax.set(xlabel=f"tokens seen ({human(tokens_per_step)} per step)", ylabel="cross-entropy (nats/token)",
+           title=f"loss, run {cfg['run']['name']}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return drawn
+
+
+def draw_load_balance(fig, rows, cfg):
+    """Load-balance loss, and the share of routed assignments dropped at capacity."""
+    steps, aux = plot_series(rows, "aux_loss")
+    if not any(aux):  # a dense model
+        return None
+    drop_steps, dropped = plot_series(rows, "dropped_frac")
+    fig.set_size_inches(6.4, 5.6)
+    ax, ax2 = fig.subplots(2, 1, sharex=True)
+    (aux_line,) = ax.plot(steps, aux, color="tab:purple")
+    ax.axhline(1.0, color="gray", ls="--", lw=1, label="1 = perfectly balanced")
+    ax.set(ylabel="load-balance loss", title="load-balance loss (Switch; mean over MoE layers)")
+    ax.legend()
+    (drop_line,) = ax2.plot(drop_steps, [100 * d for d in dropped], color="tab:red")
+    factor = cfg["model"]["capacity_factor"]
+    ax2.set(xlabel="step", ylabel="dropped (%)", ylim=(0, None),
+            title=f"token-to-expert assignments dropped at capacity (factor {factor:g})" if factor else
+            "token-to-expert assignments dropped (dropless routing)")
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+    step_ticks(ax2.xaxis)
+    fig.suptitle(f"routing balance, run {cfg['run']['name']}")
+    return {"aux_loss": line_data(aux_line), "dropped_percent": line_data(drop_line)}
+
+
+def draw_expert_load(fig, rows, cfg):
+    """Fraction of routed tokens per expert, one heatmap per MoE block, over steps.
+    White is the uniform share 1/E; red experts get more, blue ones fewer."""
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.ticker import MaxNLocator
+
+    steps, loads = plot_series(rows, "expert_load")
+    load_SNE = np.asarray(loads, float)
+    moe_blocks = [n for n in range(load_SNE.shape[1]) if load_SNE[:, n].any()] if loads else []
+    if not moe_blocks:  # a dense model
+        return None
+    steps, load_SNE = binned(steps, load_SNE, HEATMAP_COLUMNS)
+    n_experts = load_SNE.shape[2]
+    uniform = 1 / n_experts
+    norm = TwoSlopeNorm(vmin=0, vcenter=uniform, vmax=max(load_SNE.max(), 2 * uniform))
+    ncols = min(4, math.ceil(len(moe_blocks) / 4))
+    nrows = math.ceil(len(moe_blocks) / ncols)
+    fig.set_size_inches(max(6.4, 0.8 + 3.4 * ncols), 1.2 + 1.5 * nrows)
+    axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)
+    x_edges, e_edges = cell_edges(steps), np.arange(n_experts + 1) - 0.5
+    drawn = {}
+    for ax, n in zip(axes.flat, moe_blocks):
+        mesh = ax.pcolormesh(x_edges, e_edges, load_SNE[:, n, :].T, cmap="RdBu_r", norm=norm)
+        ax.set_title(f"block {n}", fontsize=9)
+        drawn[f"block{n}"] = (steps.tolist(), np.asarray(mesh.get_array(), float).T.tolist())  # [step][expert]
+    for i, ax in enumerate(axes.flat):
+        if i >= len(moe_blocks):
+            ax.set_visible(False)
+        elif i + ncols >= len(moe_blocks):  # nothing drawn below: this panel carries the step axis
+            ax.set_xlabel("step")
+            ax.xaxis.set_tick_params(labelbottom=True)
+        if i % ncols == 0:
+            ax.set_ylabel("expert")
+    axes[0, 0].invert_yaxis()  # expert 0 on top (the axes share y)
+    axes[0, 0].yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(n_experts, 8)))
+    axes[0, 0].xaxis.set_major_locator(MaxNLocator(integer=True, nbins=5))
+    human_ticks(axes[0, 0].xaxis)
+    colorbar = fig.colorbar(mesh, ax=axes, label=f"fraction of routed tokens\n(white = uniform 1/{n_experts})")
+    colorbar.set_ticks([0, uniform / 2, uniform, *np.linspace(uniform, norm.vmax, 4)[1:]])
+    colorbar.ax.yaxis.set_major_formatter("{x:.3g}")
+    fig.suptitle(f"expert load per MoE block, run {cfg['run']['name']}")
+    return drawn
+
+
+def draw_speed(fig, rows, cfg):
+    """Tokens per second and MFU per logged step, with their medians."""
+    steps, tokens_per_sec = plot_series(rows, "tokens_per_sec")
+    mfu_steps, mfu = plot_series(rows, "mfu")
+    if not steps:
+        return None
+    fig.set_size_inches(6.4, 5.6)
+    ax, ax2 = fig.subplots(2, 1, sharex=True)
+    (speed_line,) = ax.plot(steps, tokens_per_sec, color="tab:blue", lw=1)
+    median = float(np.median(tokens_per_sec))
+    ax.axhline(median, color="gray", ls="--", lw=1, label=f"median {human(median)} tokens/s")
+    human_ticks(ax.yaxis)
+    ax.set(ylabel="tokens/s", ylim=(0, None), title="throughput (whole mesh)")
+    (mfu_line,) = ax2.plot(mfu_steps, [100 * m for m in mfu], color="tab:green", lw=1)
+    if mfu:
+        median_mfu = float(np.median(mfu))
+        ax2.axhline(100 * median_mfu, color="gray", ls="--", lw=1, label=f"median {median_mfu:.1%}")
+    ax2.set(xlabel="step", ylabel="MFU (%)", ylim=(0, None),
+            title="model FLOPs utilisation (of a measured matmul peak)")
+    for a in (ax, ax2):
+        a.legend(loc="lower right")
+        a.grid(alpha=0.3)
+    step_ticks(ax2.xaxis)
+    fig.suptitle(f"speed, run {cfg['run']['name']}")
+    return {"tokens_per_sec": line_data(speed_line), "mfu_percent": line_data(mfu_line)}
+
+
+PLOTS = {"loss.png": draw_loss, "load_balance.png": draw_load_balance, "expert_load.png": draw_expert_load,
+         "speed.png": draw_speed}
+
+
+def plot_run(run_dir):
+    """Write PNGs into the run directory from its metrics.jsonl and config.json:
+      loss.png          train and validation loss against tokens seen
+      load_balance.png  load-balance loss and dropped assignments, over steps
+      expert_load.png   fraction of tokens per expert, per MoE block, over steps
+      speed.png         tokens/s and MFU over steps
+    A figure with nothing to show (a dense model has no expert load) is not written.
+    Returns {file name: {series: data}}, the data read back from what was drawn:
+    (x, y) for lines (percentages where the axis says %), (steps, [step][expert])
+    for heatmaps."""
+    from matplotlib.figure import Figure
 
     rows = read_metrics(run_dir)
     with open(os.path.join(run_dir, "config.json")) as f:
         cfg = json.load(f)
-    tokens_per_step = cfg["train"]["batch_size"] * cfg["model"]["seq_len"]
     drawn = {}
-
-    def save(fig, name, series):
-        fig.tight_layout()
-        fig.savefig(os.path.join(run_dir, name), dpi=110)
-        plt.close(fig)
-        drawn[name] = series
-
-    steps, train_loss = plot_series(rows, "loss")
-    val_steps, val_loss = plot_series(rows, "val_loss")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([s * tokens_per_step for s in steps], train_loss, label="train")
-    ax.plot([s * tokens_per_step for s in val_steps], val_loss, "o-", label="validation")
-    ax.set(xlabel="tokens seen", ylabel="cross-entropy (nats/token)", title=f"{cfg['run']['name']}: loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    save(fig, "loss.png", {"train": (steps, train_loss), "val": (val_steps, val_loss)})
-
-    aux_steps, aux = plot_series(rows, "aux_loss")
-    if any(aux):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(aux_steps, aux)
-        ax.axhline(1.0, color="gray", ls="--", lw=1, label="uniform routing (minimum)")
-        ax.set(xlabel="step", ylabel="load-balance loss", title="load-balance loss (Switch)")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        save(fig, "load_balance.png", {"aux_loss": (aux_steps, aux)})
-
-    load_steps, loads = plot_series(rows, "expert_load")
-    moe_blocks = [n for n in range(len(loads[0])) if sum(loads[0][n])] if loads else []
-    if moe_blocks:
-        load_SNE = np.asarray(loads)
-        fig, axes = plt.subplots(len(moe_blocks), 1, figsize=(6, 1.0 + 1.6 * len(moe_blocks)), squeeze=False)
-        for ax, n in zip(axes[:, 0], moe_blocks):
-            image = ax.imshow(load_SNE[:, n, :].T, aspect="auto", cmap="viridis", interpolation="nearest",
-                              extent=(load_steps[0], load_steps[-1], load_SNE.shape[2] - 0.5, -0.5))
-            ax.set(ylabel=f"block {n}\nexpert", title="fraction of routed tokens per expert" if n == moe_blocks[0] else None)
-            fig.colorbar(image, ax=ax)
-        axes[-1, 0].set_xlabel("step")
-        save(fig, "expert_load.png", {f"block{n}": (load_steps, load_SNE[:, n, :].tolist()) for n in moe_blocks})
-
-    speed_steps, tokens_per_sec = plot_series(rows, "tokens_per_sec")
-    _, mfu = plot_series(rows, "mfu")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(speed_steps, tokens_per_sec, color="tab:blue")
-    ax.set(xlabel="step", ylabel="tokens/s", title="throughput and MFU")
-    ax2 = ax.twinx()
-    ax2.plot(speed_steps, [100 * m for m in mfu], color="tab:orange")
-    ax2.set_ylabel("MFU (% of measured peak)", color="tab:orange")
-    ax.grid(alpha=0.3)
-    save(fig, "speed.png", {"tokens_per_sec": (speed_steps, tokens_per_sec), "mfu": (speed_steps, mfu)})
+    for name, draw in PLOTS.items():
+        fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+        series = draw(fig, rows, cfg)
+        if series is not None:
+            fig.savefig(os.path.join(run_dir, name), dpi=PLOT_DPI)
+            drawn[name] = series
     return drawn
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "plot":
-        for name in plot_run(sys.argv[2]):
-            print(os.path.join(sys.argv[2], name))
+    if len(sys.argv) >= 3 and sys.argv[1] == "plot":
+        for run_dir in sys.argv[2:]:
+            for needed in ("metrics.jsonl", "config.json"):
+                if not os.path.exists(os.path.join(run_dir, needed)):
+                    sys.exit(f"error: {run_dir} has no {needed}: give a run directory (<run.out_dir>/<run.name>) "
+                             "of a run that has logged at least one step")
+            for name in plot_run(run_dir):
+                print(os.path.join(run_dir, name))
     else:
-        sys.exit("usage: python utils.py plot RUN_DIR")
+        sys.exit("usage: python utils.py plot RUN_DIR [RUN_DIR ...]")
