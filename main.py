@@ -108,6 +108,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import checkpoint  # noqa: E402
 import parallel as par  # noqa: E402
@@ -379,17 +380,19 @@ def make_progress(cfg, start_step):
 
 
 def show_sharding(batch, params):
-    print("batch [B, T+1] over the mesh:")
+    """Draw how the batch and one weight of each kind are laid out over the devices
+    (for stacked or expert weights, the trailing 2-D slice of block 0 / expert 0)."""
+    print("batch [B, T+1]:")
     jax.debug.visualize_array_sharding(batch)
     seen = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = par.weight_name(path)
-        if name in seen or leaf.ndim > 2 + par.is_stacked(path) or leaf.ndim < 1:
+        if name in seen or leaf.ndim < 2:
             continue
         seen.add(name)
-        print(f"{jax.tree_util.keystr(path)} {leaf.shape} spec {leaf.sharding.spec}")
-        if leaf.ndim <= 2:
-            jax.debug.visualize_array_sharding(leaf)
+        spec = tuple(leaf.sharding.spec) + (None,) * (leaf.ndim - len(leaf.sharding.spec))
+        print(f"{name} {leaf.shape} spec {leaf.sharding.spec}; its last two dims (a cell lists the devices holding that part):")
+        jax.debug.visualize_sharding(leaf.shape[-2:], NamedSharding(leaf.sharding.mesh, P(*spec[-2:])))
 
 
 # ----------------------------------------------------------------------------
