@@ -30,6 +30,8 @@ def setup_devices(cfg):
 
     if cfg.run.cpu_devices:
         jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
+    if cfg.run.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.run.compile_cache))
     d = cfg.dist
     if d.coordinator:
         if not 0 <= d.process_id < d.num_processes:

@@ -33,35 +33,36 @@ class RunConfig:
     out_dir: str = option("runs", "where run directories live")
     seed: int = option(0, "seeds init, data order and dropout; same seed = same run on any mesh")
     cpu_devices: int = option(0, "expose N fake CPU devices (try a mesh on a laptop); 0 = as JAX finds them")
+    compile_cache: str = option("~/.cache/meshformer/jax", "JAX's persistent compilation cache (reruns skip compiling); empty = off")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = option(0, "vocabulary size; 0 = take it from the data's manifest")
     vocab_multiple: int = option(128, "pad the vocabulary to a multiple of this (tp splits it)")
-    seq_len: int = option(256, "tokens per training sequence (T)")
-    d_model: int = option(256, "model width (D)")
+    seq_len: int = option(128, "tokens per training sequence (T)")
+    d_model: int = option(128, "model width (D)")
     n_heads: int = option(4, "attention heads (H)")
-    head_dim: int = option(64, "per-head dim of queries/keys/values, content part (K)")
-    rope_dim: int = option(32, "per-head dim of the decoupled RoPE query/key part (R)")
-    q_latent: int = option(128, "MLA query latent width (Q)")
-    kv_latent: int = option(64, "MLA key/value latent width (A); with R, all the KV cache stores")
+    head_dim: int = option(32, "per-head dim of queries/keys/values, content part (K)")
+    rope_dim: int = option(16, "per-head dim of the decoupled RoPE query/key part (R)")
+    q_latent: int = option(64, "MLA query latent width (Q)")
+    kv_latent: int = option(32, "MLA key/value latent width (A); with R, all the KV cache stores")
     rope_theta: float = option(10000.0, "RoPE base")
     n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
     block_pattern: str = option("DM", "layers of one block: D = dense FFN, M = MoE FFN")
-    d_ff: int = option(768, "hidden units of dense FFN layers (F)")
+    d_ff: int = option(512, "hidden units of dense FFN layers (F)")
     ffn_activation: str = option("swiglu", "dense FFN activation: swiglu | gelu")
     n_experts: int = option(8, "routed experts per MoE layer (E)")
     n_shared: int = option(1, "shared experts per MoE layer (see every token)")
     top_k: int = option(2, "routed experts per token")
-    d_expert: int = option(256, "hidden units per expert")
+    d_expert: int = option(128, "hidden units per expert")
     capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
     router_score: str = option("softmax", "router scores: softmax | sigmoid")
     routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss")
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("float32", "compute dtype: float32 | bfloat16 (weights stay float32)")
-    remat: str = option("block", "rematerialisation: block (recompute each block in backward) | none")
+    remat: str = option("none", "rematerialisation: block (recompute each block in the backward pass) | none")
     unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
 
 
@@ -83,7 +84,7 @@ class DistConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = option(1200, "optimizer steps")
+    steps: int = option(1000, "optimizer steps")
     batch_size: int = option(32, "global sequences per step")
     microbatches: int = option(1, "split each step's batch (pipeline microbatches; accumulation when pp=1)")
     lr: float = option(3e-3, "peak learning rate")
@@ -96,7 +97,7 @@ class TrainConfig:
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off")
     eval_every: int = option(200, "evaluate every N steps (and at the end)")
     eval_batches: int = option(8, "validation batches per evaluation")
-    checkpoint_every: int = option(400, "checkpoint every N steps (and at the end)")
+    checkpoint_every: int = option(500, "checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
     resume_step: int = option(-1, "resume from this checkpoint step; -1 = the latest")
     init_from: str = option("", "start from these params (export or checkpoint dir) with a fresh optimizer")
@@ -158,7 +159,7 @@ PRESETS = {
     "tiny": {
         "model": dict(vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
                       rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
-                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, unroll_blocks=False),
+                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, unroll_blocks=False, remat="block"),
         "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10,
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
@@ -168,7 +169,7 @@ PRESETS = {
         "model": dict(vocab_size=100277, seq_len=1024, d_model=768, n_heads=12, head_dim=64, rope_dim=64,
                       q_latent=384, kv_latent=128, n_blocks=8, block_pattern="DDDDDM", d_ff=2048,
                       n_experts=16, n_shared=2, top_k=2, d_expert=2048, capacity_factor=1.5,
-                      dtype="bfloat16", unroll_blocks=False),
+                      dtype="bfloat16", unroll_blocks=False, remat="block"),
         "mesh": dict(dp=8, pp=2, tp=2),
         "train": dict(steps=75000, batch_size=256, microbatches=4, lr=6e-4, warmup_steps=5000,
                       eval_every=1000, eval_batches=32, checkpoint_every=1000, weight_decay=0.1),
