@@ -266,7 +266,9 @@ def resumed_run(tmp_path_factory):
     (tmp / "home").mkdir()
     common = [sys.executable, "main.py", "--preset", "tiny", "--model.n_blocks", "2", "--run.out_dir", str(tmp),
               "--run.name", "r", "--data.cache_dir", str(tmp / "data_cache"), "--log.progress", "false",
-              "--log.every", "1", "--train.eval_every", "4", "--train.checkpoint_every", "4", "--log.wandb"]
+              "--log.every", "1", "--train.eval_every", "4", "--train.checkpoint_every", "4", "--log.wandb",
+              # HOME is a temporary one for wandb's sake; keep the user's compilation cache all the same
+              "--run.compile_cache", os.path.expanduser(parse_args([]).run.compile_cache)]
     outs = []
     for extra in (["--train.steps", "8", "--sample.num_samples", "1", "--sample.max_tokens", "8", "--log.plots", "false"],
                   ["--train.steps", "12", "--sample.num_samples", "0"]):
