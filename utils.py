@@ -363,9 +363,10 @@ class MetricsLog:
     --log.wandb, mirrors each row to wandb (see wandb_row).
 
     On resume, `wandb_id` (kept in the checkpoint's meta) continues the same wandb run.
-    The steps between that checkpoint and a crash reached wandb once already; wandb
-    ignores steps that do not increase, and resume repeats them bit for bit, so the
-    wandb history stays whole.
+    The steps between that checkpoint and a crash reached wandb once already; online,
+    wandb continues from the run's last step and ignores steps that do not increase,
+    and resume repeats them bit for bit, so the history stays whole. Offline, each start
+    writes its own offline-run-*-<id> directory; `wandb sync` uploads them in turn.
     """
 
     def __init__(self, run_dir, cfg, enabled=True, wandb_id=None):
