@@ -75,5 +75,6 @@ elif command -v python3 >/dev/null; then python=python3
 else die "no python: run setup_tpu.sh on this host, or set PYTHON"
 fi
 
+export PYTHONUNBUFFERED=1  # the log (tee'd by launcher.sh) keeps up with the run
 echo "run.sh: $(hostname): process $process_id of $num_processes${coordinator:+, coordinator $coordinator}; $python $here/main.py ${flags[*]}" >&2
 exec "$python" "$here/main.py" "${flags[@]}"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from test_multiprocess import (REPO, RUN_TIMEOUT_S, STEPS, TRAIN_FLAGS, assert_same_losses, data_flags,  # noqa: F401
-                               free_port, loaded_rows, reference, shared_dir, train_losses)
+from test_multiprocess import (REPO, ROWS, RUN_TIMEOUT_S, STEPS, TRAIN_FLAGS, assert_same_losses,  # noqa: F401
+                               data_flags, free_port, loaded_rows, reference, shared_dir, train_losses)
 
 SCRIPTS = ["launcher.sh", "run.sh", "debug_tpu.sh", "setup_tpu.sh"]
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -83,7 +83,9 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 UsePAM no
 StrictModes no
-SetEnv TMUX_TMPDIR={tmux_dir} JAX_COMPILATION_CACHE_DIR={shared_dir(tmp_path_factory, "jax_cache")} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 PYTHONUNBUFFERED=1 WANDB_MODE=offline
+SetEnv TMUX_TMPDIR={tmux_dir} JAX_COMPILATION_CACHE_DIR={shared_dir(tmp_path_factory, "jax_cache")} \
+JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 WANDB_MODE=offline \
+MESHFORMER_VENV={d}/venv MESHFORMER_ACCELERATOR=cpu PIP_NO_INDEX=1
 """)
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", exist_ok=True)  # privilege separation directory sshd insists on
@@ -98,7 +100,7 @@ SetEnv TMUX_TMPDIR={tmux_dir} JAX_COMPILATION_CACHE_DIR={shared_dir(tmp_path_fac
             assert server.poll() is None, f"sshd did not start:\n{(d / 'sshd.log').read_text()}"
             assert time.monotonic() < deadline, "sshd is not listening after 20 s"
             time.sleep(0.2)
-    yield dict(port=port, key=d / "user_key", tmux_dir=tmux_dir, dir=d)
+    yield dict(port=port, key=d / "user_key", tmux_dir=tmux_dir, dir=d, venv=d / "venv")
     subprocess.run(["tmux", "kill-server"], env=dict(os.environ, TMUX_TMPDIR=str(tmux_dir)), capture_output=True)
     server.terminate()
     server.wait(timeout=10)
@@ -155,6 +157,13 @@ def wait_for_states(repo, sshd, hosts, name, remote, done, timeout_s=RUN_TIMEOUT
 
 
 @pytest.mark.slow
+def test_reference_run_for_the_launch(reference):
+    """One process with all 8 devices (run once per session; first used here, so that the
+    next test pays only for its own run)."""
+    assert sorted(reference["losses"]) == list(range(1, STEPS + 1)) and reference["rows"] == ROWS
+
+
+@pytest.mark.slow
 @needs_ssh_and_tmux
 def test_launcher_trains_two_hosts_like_one_process(repo, sshd, reference, tmp_path, tmp_path_factory):
     hosts = hosts_file(tmp_path, "127.0.0.1", "localhost")  # two "hosts": processes 0 and 1
@@ -171,7 +180,7 @@ def test_launcher_trains_two_hosts_like_one_process(repo, sshd, reference, tmp_p
 
     assert_same_losses(train_losses(runs / "pair" / "metrics.jsonl"), reference["losses"])
     logs = [(remote / "logs" / f"pair-p{i}.log").read_text() for i in range(2)]
-    assert [loaded_rows(log) for log in logs] == [{0: reference["rows"] // 2}, {1: reference["rows"] // 2}]
+    assert [loaded_rows(log) for log in logs] == [{0: ROWS // 2}, {1: ROWS // 2}]
     # The code ran from a snapshot of this commit; the secrets in .env reached run.sh
     # (it names them) without their values being printed anywhere.
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
@@ -244,6 +253,22 @@ esac
     assert done.returncode == 0, done.stdout + done.stderr
     assert states(done.stdout) == {0: "not started", 1: "not started"}
     assert "tpus tpu-vm describe my-tpu --zone us-central2-b" in calls.read_text()
+
+
+@pytest.mark.slow  # pip checks every pinned requirement: 10-20 s
+@needs_ssh_and_tmux
+def test_launcher_setup_runs_setup_on_every_host(repo, sshd, tmp_path):
+    """--setup runs setup_tpu.sh on each host; the hosts' virtualenv (from the sshd's
+    environment) sees this interpreter's packages, so nothing is downloaded."""
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(sshd["venv"])], check=True)
+    hosts = hosts_file(tmp_path, "127.0.0.1", "localhost")
+    done = launcher(repo, sshd, hosts, "--remote-dir", str(tmp_path / "remote"), "--setup", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    for i, host in enumerate(["127.0.0.1", "localhost"]):
+        mine = [line for line in lines if line.startswith(f"{host} (process {i}): setup_tpu: ")]
+        assert any("accelerator: cpu" in line for line in mine), done.stdout
+        assert any("done: jax" in line or "nothing to do" in line for line in mine), done.stdout
 
 
 # ----------------------------------------------------------------------------
@@ -341,6 +366,7 @@ def test_run_sh_exports_env_secrets_silently_and_passes_the_process_place(tmp_pa
     assert bad.returncode != 0 and "--process-id must be in 0..1" in bad.stderr
 
 
+@pytest.mark.slow  # pip checks every pinned requirement: 10-20 s
 def test_setup_is_idempotent(tmp_path):
     """Into a virtualenv that sees this interpreter's packages, so that nothing is
     downloaded: the first run installs (all satisfied), the second does nothing."""
