@@ -125,11 +125,12 @@ resolve_hosts() {
     internal=$("${describe[@]}" --format='value(networkEndpoints[].ipAddress)') \
       || die "could not describe TPU $tpu in zone $zone (is the name right, and gcloud logged in?)"
     external=$("${describe[@]}" --format='value(networkEndpoints[].accessConfig.externalIp)' 2>/dev/null || true)
-    IFS=';' read -r -a addresses <<<"$internal"
-    if ((internal_ips)) || [[ -z ${external//[;[:space:]]/} ]]; then
+    # gcloud separates list values with ';' (or ',' in some versions)
+    read -r -a addresses <<<"${internal//[;,]/ }"
+    if ((internal_ips)) || [[ -z ${external//[;,[:space:]]/} ]]; then
       ssh_targets=("${addresses[@]}")
     else
-      IFS=';' read -r -a ssh_targets <<<"$external"
+      read -r -a ssh_targets <<<"${external//[;,]/ }"
     fi
     ((${#addresses[@]})) || die "TPU $tpu has no network endpoints (is it READY?)"
     ((${#ssh_targets[@]} == ${#addresses[@]})) || die "TPU $tpu: some workers have no external IP; use --internal-ips from inside its network"

@@ -43,13 +43,15 @@ def repo(tmp_path_factory):
     """This working tree, committed into a fresh repo: launcher.sh sends the launching
     checkout's HEAD, and the tests should run the code as it is now. With a .env."""
     root = tmp_path_factory.mktemp("checkout")
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
-                            check=True).stdout.decode().split("\0")
-    for name in filter(None, listed):
-        src = REPO / name
-        if src.is_file():
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, root / name)
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True)
+    if listed.returncode == 0:  # tracked and untracked files, not the ignored ones
+        for name in filter(None, listed.stdout.decode().split("\0")):
+            if (REPO / name).is_file():
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(REPO / name, root / name)
+    else:  # not a git checkout
+        shutil.copytree(REPO, root, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".git", ".env", "data_cache", "runs", "wandb", "__pycache__", ".pytest_cache"))
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
     for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
         subprocess.run(git + cmd, cwd=root, check=True, capture_output=True)
