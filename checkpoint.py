@@ -20,6 +20,7 @@ fine-tuning (GPT-J's "slim" weights).
 """
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -55,7 +56,13 @@ def reader(run_dir):
     """A read-only manager (sampling, export, fine-tuning): it creates and deletes
     nothing, so it is safe to use on a run that is still training."""
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")), options=options, item_names=ITEMS)
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # Orbax warns "directory is read only": that is the point here
+    try:
+        return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")), options=options, item_names=ITEMS)
+    finally:
+        absl_logger.setLevel(level)
 
 
 def _leaf_fingerprint(x):
