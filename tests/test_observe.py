@@ -190,8 +190,15 @@ def wandb_records(path):
 
 
 def offline_parts(run_dir):
-    """The offline run directories under <run_dir>/wandb, oldest first."""
+    """The offline run directories under <run_dir>/wandb, oldest first: one per start,
+    offline-run-<time>-<id>, with a -1 added when two start within the same second."""
     return sorted(p for p in glob.glob(os.path.join(run_dir, "wandb", "offline-run-*")) if os.path.isdir(p))
+
+
+def run_id_of(part):
+    """The run id, from the name of the part's transaction log, run-<id>.wandb."""
+    (log,) = glob.glob(os.path.join(part, "run-*.wandb"))
+    return os.path.basename(log)[len("run-"):-len(".wandb")]
 
 
 def wandb_history(records):
@@ -221,8 +228,8 @@ log.close()
                             env=wandb_env(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     first, second = offline_parts(tmp_path)
-    run_id = first.rsplit("-", 1)[1]
-    assert second.endswith("-" + run_id)
+    run_id = run_id_of(first)
+    assert run_id_of(second) == run_id
     assert f"wandb: new run {run_id} (offline)" in result.stdout
     assert f"wandb: continuing run {run_id} (offline)" in result.stdout
     tokens_per_step = 16 * 16  # tiny: batch 16 x seq_len 16
@@ -299,8 +306,8 @@ def test_wandb_offline_logs_history_config_samples_and_resumes_the_same_run(resu
     run_dir, first_out, resume_out = resumed_run
     parts = offline_parts(run_dir)
     assert len(parts) == 2, parts  # one offline segment per start of main.py
-    run_id = parts[0].rsplit("-", 1)[1]
-    assert parts[1].endswith("-" + run_id)  # the resume continued the same wandb run
+    run_id = run_id_of(parts[0])
+    assert run_id_of(parts[1]) == run_id  # the resume continued the same wandb run
     assert f"wandb: new run {run_id} (offline)" in first_out
     assert f"wandb: continuing run {run_id} (offline)" in resume_out
     meta = json.loads((run_dir / "checkpoints" / "12" / "meta" / "metadata").read_text())
