@@ -561,12 +561,14 @@ def draw_loss(fig, rows, cfg):
     drawn = {}
     if len(loss) >= SMOOTH_FROM:
         (raw,) = ax.plot(tokens, loss, color="tab:blue", alpha=0.3, lw=0.8, label="train (raw)")
-        (smooth,) = ax.plot(tokens, smoothed(loss, max(5, len(loss) // 100 * 2 + 1)), color="tab:blue", lw=1.8, label="train (smoothed)")
+        window = max(5, len(loss) // 100 * 2 + 1)  # odd, so the average is centred on each point
+        (smooth,) = ax.plot(tokens, smoothed(loss, window), color="tab:blue", lw=1.8, label="train (smoothed)")
         drawn["train_smoothed"] = line_data(smooth)
     else:
         (raw,) = ax.plot(tokens, loss, color="tab:blue", lw=1.5, label="train")
     drawn["train"] = line_data(raw)
-    (val,) = ax.plot([s * tokens_per_step for s in val_steps], val_loss, "o-", color="tab:orange", ms=4, label="validation")
+    val_tokens = [s * tokens_per_step for s in val_steps]
+    (val,) = ax.plot(val_tokens, val_loss, "o-", color="tab:orange", ms=4, label="validation")
     drawn["val"] = line_data(val)
     human_ticks(ax.xaxis)
     step_axis = ax.secondary_xaxis("top", functions=(lambda t: t / tokens_per_step, lambda s: s * tokens_per_step))
