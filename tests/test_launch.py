@@ -62,7 +62,7 @@ def repo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
     """sshd on 127.0.0.1:<free port> for the current user, key login only; its sessions
-    (and the tmux servers they start) use a private TMUX_TMPDIR and JAX cache."""
+    (and the tmux servers they start) use a private TMUX_TMPDIR and virtualenv."""
     if not (os.path.exists(SSHD) and shutil.which("tmux")):
         pytest.skip("needs openssh-server and tmux")
     d = tmp_path_factory.mktemp("sshd")
@@ -85,9 +85,7 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 UsePAM no
 StrictModes no
-SetEnv TMUX_TMPDIR={tmux_dir} JAX_COMPILATION_CACHE_DIR={shared_dir(tmp_path_factory, "jax_cache")} \
-JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 WANDB_MODE=offline \
-MESHFORMER_VENV={d}/venv MESHFORMER_ACCELERATOR=cpu PIP_NO_INDEX=1
+SetEnv TMUX_TMPDIR={tmux_dir} WANDB_MODE=offline MESHFORMER_VENV={d}/venv MESHFORMER_ACCELERATOR=cpu PIP_NO_INDEX=1
 """)
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", exist_ok=True)  # privilege separation directory sshd insists on

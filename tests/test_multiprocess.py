@@ -41,11 +41,9 @@ def shared_dir(tmp_path_factory, name):
 
 
 def run_env(tmp_path_factory):
-    """Environment for main.py subprocesses: a session-wide JAX compilation cache (the
-    same programs compile once per session, not once per test)."""
+    """Environment for main.py subprocesses. Programs compiled once are reused from
+    main.py's persistent compilation cache (--run.compile_cache), across tests too."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline")
-    env["JAX_COMPILATION_CACHE_DIR"] = str(shared_dir(tmp_path_factory, "jax_cache"))
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     for key in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES"):
         env.pop(key, None)
     return env
