@@ -251,6 +251,24 @@ def test_damaged_checkpoints_fall_back_to_the_last_intact_one(tmp_path, data_cac
 
 
 @pytest.mark.slow
+def test_resume_step_picks_an_earlier_checkpoint_and_redoes_the_steps_after_it(tmp_path, data_cache, reference):
+    """--train.resume_step 10 with checkpoints 10, 20, 30: training restarts from 10,
+    the later ones are moved aside (so that 20 and 30 are saved again, not skipped),
+    and steps 11..30 repeat the reference bit for bit. Each checkpoint's meta holds
+    what exact resume needs."""
+    run = copy_run(reference, tmp_path)
+    meta = json.loads((run / "checkpoints" / "30" / "meta" / "metadata").read_text())
+    assert {"step", "data_position", "seed", "config", "wandb_id", "fingerprint"} <= set(meta)
+    assert meta["step"] == meta["data_position"] == 30 and meta["config"]["model"]["vocab_size"] == BYTES_VOCAB
+    result = main_py([*REFERENCE, "--run.name", "ref", "--train.resume_step", "10"], tmp_path, data_cache)
+    assert f"resumed from {run}/checkpoints/10\n" in result.stdout
+    assert sorted(os.listdir(run / "checkpoints")) == ["10", "20", "20.superseded", "30", "30.superseded"]
+    resumed, order = train_losses(run)
+    straight, _ = train_losses(reference)
+    assert order == list(range(1, 31)) and resumed == straight
+
+
+@pytest.mark.slow
 def test_bad_checkpoint_input_gets_a_clear_error(tmp_path, data_cache, reference):
     run = copy_run(reference, tmp_path)
     wider = main_py([*REFERENCE, "--run.name", "ref", "--model.d_model", "64"], tmp_path, data_cache, check=False)
@@ -314,7 +332,7 @@ def logits_of(source, cfg):
     """Logits [B, T, V] of two validation batches, params restored from `source` on one device."""
     from dataset import open_data
 
-    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))
     params, _ = abstract_state(cfg, mesh_of((1, 1, 1)))
     model = nnx.merge(graphdef, host(checkpoint.restore_params(str(source), params, cfg.model)))
     data = open_data(cfg.data.source, cfg.data.cache_dir, 1.0, 0)
