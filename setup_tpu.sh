@@ -95,7 +95,12 @@ if [[ -x $venv/bin/python && -f $stamp && $(cat "$stamp") == "$wanted" ]]; then
 fi
 
 if [[ ! -x $venv/bin/python ]]; then
-  python=$(pick_python) || die "no python >= $MIN_PYTHON found: install one (e.g. apt-get install python3.11-venv) or set PYTHON"
+  if ! python=$(pick_python) && [[ -z ${PYTHON:-} ]] && command -v apt-get >/dev/null; then
+    say "no python >= $MIN_PYTHON here (TPU VM images ship 3.10): installing python3.11 with apt-get"
+    { as_root apt-get update -qq && as_root apt-get install -y -qq python3.11 python3.11-venv >/dev/null; } || true
+    python=$(pick_python) || true
+  fi
+  [[ -n ${python:-} ]] || die "no python >= $MIN_PYTHON found: install one (e.g. apt-get install python3.11-venv) or set PYTHON"
   say "creating the virtualenv with $python"
   mkdir -p "$(dirname "$venv")"
   "$python" -m venv "$venv" || die "could not create $venv (on Debian/Ubuntu: apt-get install python3-venv)"
