@@ -141,12 +141,15 @@ resolve_hosts() {
 # ----------------------------------------------------------------------------
 # ssh
 
+# ssh takes the first value given for an option, so --ssh-option comes before the
+# defaults: never a password prompt, and a host seen for the first time is trusted
+# (a changed host key still stops the launch).
 ssh_base() {
-  ssh_cmd=(ssh -o BatchMode=yes -o ConnectTimeout="$connect_timeout" -o ServerAliveInterval=15 -o ServerAliveCountMax=4)
+  ssh_cmd=(ssh "${ssh_options[@]}" -o BatchMode=yes -o ConnectTimeout="$connect_timeout" -o StrictHostKeyChecking=accept-new
+           -o ServerAliveInterval=15 -o ServerAliveCountMax=4)
   [[ -z $ssh_user ]] || ssh_cmd+=(-l "$ssh_user")
   [[ -z $ssh_port ]] || ssh_cmd+=(-p "$ssh_port")
   [[ -z $ssh_key ]] || ssh_cmd+=(-i "$ssh_key" -o IdentitiesOnly=yes)
-  ssh_cmd+=("${ssh_options[@]}")
 }
 
 # on_host I ARGS...: ssh to process I's host and run ARGS there.
