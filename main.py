@@ -196,15 +196,23 @@ def decode_jit(graphdef, state, tokens_BT, cache, start):
 
 
 def generate(model, tokenizer, prompt, max_tokens, temperature, top_k, seed):
-    """Continue `prompt` with the latent KV cache: one prefill, then one token per step.
-    The cache has a fixed length (prompt + max_tokens), so each step compiles once."""
-    prompt_ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
-    cache = init_cache(model.cfg, 1, len(prompt_ids) + max_tokens)
+    """Continue `prompt` with the latent KV cache: a prefill, then one token per step.
+
+    The model only ever saw positions < seq_len, so the cache holds one training window;
+    when it is full, generation restarts from the last half window (a fresh prefill),
+    as nanoGPT crops its context. Shapes are fixed, so each step compiles once.
+    """
+    window = model.cfg.seq_len
     graphdef, state = nnx.split(model)
-    logits, cache = decode_jit(graphdef, state, jnp.asarray([prompt_ids]), cache, 0)
-    key, out = jax.random.key(seed), []
-    vocab = model.cfg.vocab_size
-    for i in range(max_tokens):
+
+    def prefill(ids):
+        cache = init_cache(model.cfg, 1, window)
+        return decode_jit(graphdef, state, jnp.asarray([ids]), cache, 0) + (len(ids),)
+
+    tokens = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    logits, cache, position = prefill(tokens[-window:])
+    key, vocab, n_prompt = jax.random.key(seed), model.cfg.vocab_size, len(tokens)
+    for _ in range(max_tokens):
         last_V = logits[0, -1, :vocab]  # padded vocabulary entries are never sampled
         if temperature == 0:
             token = int(jnp.argmax(last_V))
@@ -215,9 +223,13 @@ def generate(model, tokenizer, prompt, max_tokens, temperature, top_k, seed):
                 kth = jnp.sort(scaled)[-min(top_k, vocab)]
                 scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
             token = int(jax.random.categorical(sub, scaled))
-        out.append(token)
-        logits, cache = decode_jit(graphdef, state, jnp.asarray([[token]]), cache, len(prompt_ids) + i)
-    return prompt + tokenizer.decode(out)
+        tokens.append(token)
+        if position == window:
+            logits, cache, position = prefill(tokens[-(window // 2):])
+        else:
+            logits, cache = decode_jit(graphdef, state, jnp.asarray([[token]]), cache, position)
+            position += 1
+    return prompt + tokenizer.decode(tokens[n_prompt:])
 
 
 def samples_from_params(cfg, params, graphdef, n):
