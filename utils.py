@@ -85,7 +85,7 @@ class DistConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = option(1000, "optimizer steps")
-    batch_size: int = option(32, "global sequences per step")
+    batch_size: int = option(16, "global sequences per step")
     microbatches: int = option(1, "split each step's batch (pipeline microbatches; accumulation when pp=1)")
     lr: float = option(3e-3, "peak learning rate")
     min_lr_ratio: float = option(0.1, "final lr as a fraction of the peak")
