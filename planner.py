@@ -1,0 +1,579 @@
+"""Plan a run before paying for it: per-device memory, step time and whether it fits.
+
+    python planner.py --preset moe1b --hardware tpu-v5p
+    python planner.py --preset moe1b --hardware h200 --mesh.dp 1 --mesh.pp 1 --mesh.tp 1
+    python planner.py --preset moe1b --hardware tpu-v5e --devices 64 --mesh.dp -1 --model.remat none
+
+Nothing is allocated and no device is needed: parameter shapes come from
+`nnx.eval_shape`, the storage layout from `parallel.param_specs` (the same sharding
+table the train step uses), and the mesh shape is arithmetic (`--mesh.dp -1` takes the
+rest of `--devices N`). Takes every main.py flag, plus:
+
+    --hardware NAME   one of the HARDWARE table below (default tpu-v5p)
+    --devices N       devices in the run (needed with --mesh.dp -1)
+    --efficiency X    assumed fraction of peak FLOP/s the matmuls reach (default 0.5)
+    --json PATH       also write the plan as JSON
+
+Memory per device:
+  params       float32 master weights, this device's storage shard (exact)
+  optimizer    AdamW mu + nu (float32 shards) and its step counts (exact)
+  gradients    float32 gradient shards, alive from the backward pass to the update
+  gathered     weights all-gathered for use in the compute dtype (FSDP)
+  activations  what the backward pass keeps, by remat policy (the formula below)
+The first two are exact (tests/test_planner.py checks them against the real arrays);
+the rest are a model of what XLA keeps live at the peak, checked against the
+compiled step's memory_analysis() at small sizes.
+"""
+
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+F32 = 4  # bytes: master weights, optimizer moments, softmax/norm internals, logits
+GiB = 2**30
+
+# ----------------------------------------------------------------------------
+# Hardware profiles. Peak = dense bf16 matmul FLOP/s per device; memory = HBM per
+# device. Interconnect figures are approximate, from public spec sheets:
+#   TPU: Cloud TPU system-architecture pages give the bidirectional ICI bandwidth per
+#     chip (v4 600 GB/s, v5e 400 GB/s, v5p 1200 GB/s) over 6 links (3-D torus: v4, v5p)
+#     or 4 (2-D torus: v5e). A ring collective along one mesh axis uses the two links of
+#     one torus axis in both directions: ring_bw = per-chip bidirectional / (links / 2);
+#     a ppermute to one neighbour uses one link one way: p2p_bw = ring_bw / 2.
+#   H100 / H200 SXM: NVLink 4 is 900 GB/s bidirectional per GPU, i.e. 450 GB/s each way
+#     through the NVSwitch, inside a node of 8 GPUs; between nodes one 400 Gb/s
+#     InfiniBand NIC per GPU (DGX/HGX H100 with ConnectX-7): 50 GB/s.
+#   cpu: fake devices of this machine share its RAM; "communication" is a memory copy,
+#     nominally 10 GB/s. The peak is measured (a timed float32 matmul, as main.py does).
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # FLOP/s per device, dense bf16 (cpu: measured)
+    memory_bytes: float  # per device
+    ring_bw: float  # bytes/s a device receives in a ring collective along one mesh axis
+    p2p_bw: float  # bytes/s one way to one neighbour (pipeline ppermute)
+    node_size: int = 0  # devices per NVLink domain; 0 = one interconnect for the whole slice
+    cross_node_bw: float = 0.0  # bytes/s per device between nodes
+
+
+HARDWARE = {
+    "tpu-v4": Hardware("TPU v4", 275e12, 32 * GiB, ring_bw=200 * GB, p2p_bw=100 * GB),
+    "tpu-v5e": Hardware("TPU v5e", 197e12, 16 * GiB, ring_bw=200 * GB, p2p_bw=100 * GB),
+    "tpu-v5p": Hardware("TPU v5p", 459e12, 95 * GiB, ring_bw=400 * GB, p2p_bw=200 * GB),
+    "h100": Hardware("H100 SXM", 989e12, 80 * GiB, ring_bw=450 * GB, p2p_bw=450 * GB, node_size=8, cross_node_bw=50 * GB),
+    "h200": Hardware("H200 SXM", 989e12, 141 * GiB, ring_bw=450 * GB, p2p_bw=450 * GB, node_size=8, cross_node_bw=50 * GB),
+    "cpu": Hardware("CPU (this machine, 2 cores)", 0.0, 24 * GiB, ring_bw=10 * GB, p2p_bw=10 * GB),
+}
+DEFAULT_EFFICIENCY = 0.5  # large dense transformer training commonly reaches 40-60% MFU
+
+
+def cpu_peak_flops():
+    """FLOP/s of a float32 matmul on this machine (main.measure_peak_flops)."""
+    import jax.numpy as jnp
+
+    from main import measure_peak_flops
+
+    return measure_peak_flops(jnp.float32, size=1024)
+
+
+# ----------------------------------------------------------------------------
+# Shapes and the storage layout (no arrays)
+
+
+def abstract_params(model_cfg):
+    """The params tree as ShapeDtypeStructs: exactly what parallel.init_params creates."""
+    from flax import nnx
+
+    from model import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
+    return nnx.split(abstract)[1].to_pure_dict()
+
+
+def abstract_mesh(shape):
+    from jax.sharding import AbstractMesh
+
+    import parallel as par
+
+    return AbstractMesh(tuple(shape), par.AXES)
+
+
+def shard_bytes(shape, itemsize, spec, mesh_shape):
+    """Bytes of one device's shard of an array laid out by `spec`."""
+    import parallel as par
+
+    size = 1
+    for i, dim in enumerate(shape):
+        ways = math.prod(mesh_shape[a] for a in par.axes_of(spec[i] if i < len(spec) else None))
+        size *= dim // ways
+    return size * itemsize
+
+
+def layout_bytes(tree, expert_parallel, mesh_shape, itemsize=None):
+    """Per-device bytes of a params-shaped tree (params, or AdamW's mu / nu), each leaf
+    laid out by the sharding table. Scalars (optimizer step counts) are replicated."""
+    import jax
+
+    import parallel as par
+
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        size = itemsize or leaf.dtype.itemsize
+        if not leaf.shape:
+            total += size
+            continue
+        dims = par.weight_layout(par.weight_name(path), par.is_stacked(path), expert_parallel)[0]
+        total += shard_bytes(leaf.shape, size, dims, mesh_shape)
+    return total
+
+
+def gathered_bytes(tree, expert_parallel, mesh_shape, itemsize, one_block):
+    """Per-device bytes of weights after the FSDP all-gather (gather_for_use): still split
+    over their compute axes (tp, experts over dp), whole along the storage-only axes.
+    one_block: a block's weights (the stacked N dim sliced away)."""
+    import jax
+
+    import parallel as par
+
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dims, fsdp_axes, _ = par.weight_layout(par.weight_name(path), par.is_stacked(path), expert_parallel)
+        shape = leaf.shape[1:] if one_block else leaf.shape
+        dims = dims[1:] if one_block else dims
+        compute_dims = tuple(None if d == fsdp_axes and fsdp_axes else d for d in dims)
+        total += shard_bytes(shape, itemsize, compute_dims, mesh_shape)
+    return total
+
+
+def fsdp_traffic(tree, expert_parallel, mesh_shape, itemsize, one_block):
+    """{fsdp axes: bytes one device receives} to all-gather these weights once: a ring
+    all-gather over n devices brings each device the (n-1)/n it lacks."""
+    import jax
+
+    import parallel as par
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dims, fsdp_axes, _ = par.weight_layout(par.weight_name(path), par.is_stacked(path), expert_parallel)
+        if not fsdp_axes:
+            continue
+        n = math.prod(mesh_shape[a] for a in fsdp_axes)
+        shape = leaf.shape[1:] if one_block else leaf.shape
+        dims = dims[1:] if one_block else dims
+        full = shard_bytes(shape, itemsize, tuple(None if d == fsdp_axes else d for d in dims), mesh_shape)
+        out[fsdp_axes] = out.get(fsdp_axes, 0) + full * (n - 1) / n
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Activations: what the backward pass keeps, from the model's tensors (model.py).
+#
+# Per token of one microbatch, per layer, on one device (heads, FFN and expert hidden
+# units already divided by tp). c = bytes of the compute dtype. These are the
+# residuals JAX saves for the backward pass (jax.ad_checkpoint.print_saved_residuals
+# lists them), grouped by where they come from. Approximated: integer index/mask
+# tensors of a few bytes per token and per-row scalars (norm statistics) are counted
+# roughly; XLA may fuse some of these away or keep an extra copy, which is what the
+# test's 15% allows for.
+
+
+@dataclass(frozen=True)
+class Local:
+    """Per-device sizes of one microbatch."""
+    b: int  # sequences per microbatch per device
+    T: int
+    D: int
+    H: int  # heads on this device (n_heads / tp)
+    K: int
+    R: int
+    Q: int
+    A: int
+    F: int  # dense FFN hidden units on this device
+    Fe: int  # hidden units per expert on this device
+    Fs: int  # shared-expert hidden units on this device
+    E: int  # routed experts
+    X: int  # top_k
+    S: int  # tokens per routing group
+    C: int  # slots per expert per group
+    V: int  # vocabulary rows on this device
+    c: int  # compute dtype bytes
+
+
+def norm_bytes(width):
+    """RMSNorm keeps its input in float32, the normalised float32 value and two per-row
+    statistics."""
+    return 2 * width * F32 + 2 * F32
+
+
+def attention_bytes(s):
+    """MLAttention.__call__, per token."""
+    return (norm_bytes(s.D) + 3 * s.D * s.c  # attn_norm; its output, kept by each of the 3 down-projections
+            + norm_bytes(s.Q) + s.Q * s.c  # q latent: q_norm internals, q_BTQ
+            + norm_bytes(s.A) + s.A * s.c  # kv latent: kv_norm internals, kv_BSA
+            + 2 * s.H * s.K * s.c + s.H * s.R * s.c + s.R * s.c  # q_nope, k_nope, q_rope, k_rope
+            + s.H * s.T * (F32 + s.c) + 2 * s.H * F32  # scores_BHTS (float32), probs (compute dtype), softmax max/sum
+            + 2 * s.H * s.K * s.c)  # v_BSHK, out_BTHK
+
+
+def swiglu_bytes(s, F):
+    """DenseFFN (SwiGLU), per token: its input twice (two up-projections) and six F-wide
+    tensors (gate, up, silu and its pieces, the product)."""
+    return 2 * s.D * s.c + 6 * F * s.c
+
+
+def dense_ffn_bytes(s, activation):
+    hidden = 6 * s.F if activation == "swiglu" else 2 * s.F  # gelu: up_BTF and its gelu input
+    return norm_bytes(s.D) + (2 if activation == "swiglu" else 1) * s.D * s.c + hidden * s.c
+
+
+def moe_bytes(s, n_shared):
+    """MoE.__call__ with capacity, per token. The expert buffers hold G*E*C slots for
+    G*S tokens: E*C/S slots per token, each a D-wide input and six Fe-wide hidden
+    tensors (the same SwiGLU pieces as a dense FFN)."""
+    slots = s.E * s.C / s.S
+    router = s.D * F32 + 2 * s.E * F32 + s.X * (4 + F32) + 6 * F32  # float32 input, logits/probs, top-k, stats
+    buffers = slots * (s.D * s.c + 6 * s.Fe * s.c + 4)  # x_GECD, expert hidden, token_for_slot
+    combine = s.X * (s.D * s.c + 1 + 4 + s.c)  # gathered expert outputs per choice, kept mask, slot, gate
+    shared = swiglu_bytes(s, s.Fs) if n_shared else 0
+    return norm_bytes(s.D) + router + buffers + combine + shared
+
+
+def layer_bytes(s, kind, m):
+    ffn = moe_bytes(s, m.n_shared) if kind == "M" else dense_ffn_bytes(s, m.ffn_activation)
+    return attention_bytes(s) + ffn
+
+
+def local_sizes(cfg, mesh_shape, compute_bytes=None):
+    from model import expert_capacity, padded_vocab
+
+    m, t = cfg.model, cfg.train
+    dp, pp, tp = mesh_shape["dp"], mesh_shape["pp"], mesh_shape["tp"]
+    S = min(m.routing_group or m.seq_len, m.seq_len)
+    C = expert_capacity(S, m.top_k, m.n_experts, m.capacity_factor) if m.capacity_factor > 0 else math.ceil(S * m.top_k / m.n_experts)
+    return Local(b=t.batch_size // (dp * t.microbatches), T=m.seq_len, D=m.d_model, H=m.n_heads // tp, K=m.head_dim,
+                 R=m.rope_dim, Q=m.q_latent, A=m.kv_latent, F=m.d_ff // tp, Fe=m.d_expert // tp,
+                 Fs=m.n_shared * m.d_expert // tp, E=m.n_experts, X=m.top_k, S=S, C=C,
+                 V=padded_vocab(m.vocab_size, m.vocab_multiple) // tp,
+                 c=compute_bytes or (2 if m.dtype == "bfloat16" else 4))
+
+
+# Fraction of one block's intermediates that the backward pass of a block holds at
+# once on top of what was saved: the cotangents of the block's tensors, freed as the
+# backward pass walks back through its layers. Measured on CPU (XLA memory_analysis,
+# tests/test_planner.py): 0.5-0.85 for remat none; with remat block the recomputed
+# block's own intermediates are that working set (counted as 1 block).
+BACKWARD_WORKING_FRACTION = 0.75
+
+
+def activation_bytes(cfg, mesh_shape, compute_bytes=None):
+    """{component: bytes} of activations at the peak of the train step, per device.
+
+    GPipe here runs M + pp - 1 ticks and every stage computes at every tick (bubble
+    ticks on zeros), so the backward pass keeps M + pp - 1 ticks' worth:
+      remat none: every intermediate of every local block, per tick;
+      remat block: each local block's input per tick.
+    On top of that, the peak is the larger of two phases, which never overlap:
+      loss: float32 logits [M*b, T, V/tp] of all microbatches at once, and their gradient;
+      block backward: remat block recomputes one block (its intermediates); remat none
+        works through one block's cotangents (BACKWARD_WORKING_FRACTION of a block).
+        With both loops real (ticks > 1 and several local blocks), remat none also
+        holds one tick's intermediates twice: the inner loop over blocks writes them
+        into its own stacked buffer, which is then copied into the per-tick stack.
+    """
+    m, t = cfg.model, cfg.train
+    pp = mesh_shape["pp"]
+    s = local_sizes(cfg, mesh_shape, compute_bytes)
+    ticks = t.microbatches + pp - 1
+    blocks_here = m.n_blocks // pp
+    tokens = s.b * s.T  # per microbatch
+    per_block = tokens * sum(layer_bytes(s, kind, m) for kind in m.block_pattern)
+    x_bytes = tokens * s.D * s.c  # one microbatch's residual stream
+    out = {}
+    if m.remat == "none":
+        out["saved: every local block's intermediates, every tick"] = ticks * blocks_here * per_block
+        block_phase = BACKWARD_WORKING_FRACTION * per_block
+        if ticks > 1 and blocks_here > 1:
+            block_phase += blocks_here * per_block
+    else:
+        out["saved: every local block's input, every tick"] = ticks * blocks_here * x_bytes
+        block_phase = per_block
+    out["pipeline buffers (embedded inputs, stage outputs)"] = (t.microbatches + ticks) * x_bytes
+    rows = t.microbatches * tokens  # the loss sees every microbatch at once
+    loss_phase = 2 * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)
+    if loss_phase >= block_phase:
+        out[f"peak phase: loss (float32 logits + gradient; block phase {block_phase / GiB:.2f} GiB)"] = loss_phase
+    else:
+        out[f"peak phase: backward of a block (loss phase {loss_phase / GiB:.2f} GiB)"] = block_phase
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Step time
+
+
+def collective_bw(hw, mesh_shape, axes):
+    """Bandwidth of a collective over `axes`: on a GPU cluster, an axis group that
+    fits in one NVLink node uses NVLink, else InfiniBand. The mesh is (dp, pp, tp),
+    tp innermost: the devices of a group along axis a are `stride(a)` apart."""
+    if not hw.node_size:
+        return hw.ring_bw
+    order = ("dp", "pp", "tp")
+    for a in axes:
+        inner = math.prod(mesh_shape[x] for x in order[order.index(a):])  # span of one group along a
+        if inner > hw.node_size and mesh_shape[a] > 1:
+            return hw.cross_node_bw
+    return hw.ring_bw
+
+
+def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
+    """{name: seconds}. Compute at `efficiency` of peak; each collective at its bandwidth
+    with no overlap (the serial sum is an upper bound, max(compute, comm) a lower one)."""
+    from utils import count_params, flops_per_token
+
+    m, t = cfg.model, cfg.train
+    dp, pp, tp = mesh_shape["dp"], mesh_shape["pp"], mesh_shape["tp"]
+    n_devices = dp * pp * tp
+    s = local_sizes(cfg, mesh_shape)
+    ticks = t.microbatches + pp - 1
+    tokens_per_step = t.batch_size * m.seq_len
+    model_flops = flops_per_token(m) * tokens_per_step
+    # What the devices execute beyond the model FLOPs: the remat forward again (+1/3),
+    # and empty expert slots (buffers hold capacity_factor x top_k slots per token).
+    total, active = count_params(m)
+    routed_per_layer = 3 * m.d_model * m.d_expert * m.top_k
+    n_moe = m.n_blocks * m.block_pattern.count("M")
+    slot_factor = (s.E * s.C / s.S) / m.top_k if m.capacity_factor > 0 else 1.0
+    executed = model_flops + 6 * routed_per_layer * n_moe * tokens_per_step * (slot_factor - 1)
+    if m.remat == "block":
+        executed *= 4 / 3
+    compute = executed / (n_devices * peak * efficiency)
+    bubble = compute * (pp - 1) / t.microbatches  # = a fraction (pp-1)/(M+pp-1) of the pipelined compute
+
+    c = s.c
+    blocks = {k: v for k, v in params.items() if k == "blocks"}
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    ep = cfg.mesh.expert_parallel
+    # FSDP: every tick gathers every local block (and the backward pass reduce-scatters
+    # the gradient, same bytes); under remat the recompute gathers again. The embedding
+    # and final norm are gathered once per step.
+    passes = 3 if m.remat == "block" else 2
+    comm = {}
+    per_block = fsdp_traffic(blocks, ep, mesh_shape, c, one_block=True)
+    for axes, nbytes in per_block.items():
+        key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
+        seconds = passes * ticks * nbytes / collective_bw(hw, mesh_shape, axes)
+        comm[key] = comm.get(key, 0) + seconds
+    for axes, nbytes in fsdp_traffic(top, ep, mesh_shape, c, one_block=False).items():
+        key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
+        comm[key] = comm.get(key, 0) + 2 * nbytes / collective_bw(hw, mesh_shape, axes)
+    x_bytes = s.b * s.T * s.D * c
+    layers_here = m.n_blocks // pp * len(m.block_pattern)
+    if tp > 1:  # 2 all-reduces per layer forward (attention out, FFN out), 2 backward (their inputs), 2 more under remat
+        all_reduce = 2 * (tp - 1) / tp * x_bytes
+        per_layer = 6 if m.remat == "block" else 4
+        comm["tp all-reduce of activations"] = ticks * layers_here * per_layer * all_reduce / collective_bw(hw, mesh_shape, ("tp",))
+    if pp > 1:  # one microbatch activation to the next stage per tick, and its gradient back
+        comm["pp ppermute of activations"] = 2 * ticks * x_bytes / hw.p2p_bw
+    if ep and dp > 1:  # x_GECD out and y_GECD back, forward and backward (and recompute)
+        buffer = s.b * s.T / s.S * s.E * s.C * s.D * c
+        moe_here = m.n_blocks // pp * m.block_pattern.count("M")
+        per_layer = 6 if m.remat == "block" else 4
+        comm["ep all-to-all of expert buffers"] = ticks * moe_here * per_layer * buffer * (dp - 1) / dp / collective_bw(hw, mesh_shape, ("dp",))
+    return dict(compute=compute, bubble=bubble, model_flops=model_flops, executed_flops=executed), comm
+
+
+# ----------------------------------------------------------------------------
+# The plan
+
+
+def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
+    """Everything the planner prints, as a dict (bytes, seconds)."""
+    import jax
+    import optax  # noqa: F401  (make_optimizer needs it)
+
+    import parallel as par
+    from utils import apply_overrides, count_params
+
+    if hw_name not in HARDWARE:
+        raise ValueError(f"unknown --hardware {hw_name!r}; choose one of {', '.join(HARDWARE)}")
+    hw = HARDWARE[hw_name]
+    if cfg.model.vocab_size == 0:  # the byte tokenizer of the embedded default
+        cfg = apply_overrides(cfg, {"model": {"vocab_size": 257}})
+    if cfg.mesh.dp == -1 and not devices:
+        from utils import ConfigError
+
+        raise ConfigError("--mesh.dp -1 takes the devices left by pp and tp: say how many with --devices N")
+    n_devices = devices or cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
+    shape = par.resolve_mesh_shape(cfg.mesh, n_devices)
+    mesh = abstract_mesh(shape)
+    mesh_shape = dict(mesh.shape)
+    par.check_config_fits_mesh(cfg, mesh)
+    params = abstract_params(cfg.model)
+    par.check_divisible(params, par.param_specs(params, cfg.mesh.expert_parallel), mesh)
+
+    ep = cfg.mesh.expert_parallel
+    c = 2 if cfg.model.dtype == "bfloat16" else 4
+    opt_state = jax.eval_shape(par.make_optimizer(cfg.train).init, params)
+    memory = dict(params=layout_bytes(params, ep, mesh_shape), optimizer=layout_bytes(opt_state, ep, mesh_shape))
+    memory["gradients"] = layout_bytes(params, ep, mesh_shape, itemsize=F32)
+    blocks = {"blocks": params["blocks"]}
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    one_block = gathered_bytes(blocks, ep, mesh_shape, c, one_block=True)
+    # remat none keeps every local block's gathered weights for the backward pass;
+    # remat block gathers one block at a time (again in the backward pass).
+    n_gathered = cfg.model.n_blocks // shape[1] if cfg.model.remat == "none" else 1
+    memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, c, one_block=False)
+    # XLA:CPU has no bfloat16 arithmetic: it computes in float32, and the intermediates
+    # it keeps are float32 (measured: a bfloat16 step's temp bytes equal float32's).
+    activations = activation_bytes(cfg, mesh_shape, compute_bytes=F32 if hw_name == "cpu" else None)
+    memory["activations"] = sum(activations.values())
+    temp = memory["gradients"] + memory["gathered weights"] + memory["activations"]
+    total_bytes = memory["params"] + memory["optimizer"] + temp
+
+    if hw_name == "cpu":
+        peak = peak or cpu_peak_flops()
+        available = hw.memory_bytes / n_devices  # fake devices share the machine's RAM
+    else:
+        peak = peak or hw.peak_flops
+        available = hw.memory_bytes
+    times, comm = step_time(cfg, mesh_shape, hw, peak, efficiency, params)
+    total_params, active_params = count_params(cfg.model)
+    serial = times["compute"] + times["bubble"] + sum(comm.values())
+    overlapped = max(times["compute"] + times["bubble"], sum(comm.values()))
+    return dict(
+        preset=cfg.preset, hardware=hw.name, devices=n_devices, mesh=mesh_shape, dtype=cfg.model.dtype,
+        remat=cfg.model.remat, microbatches=cfg.train.microbatches, expert_parallel=ep,
+        params_total=total_params, params_active=active_params,
+        memory=memory, activations=activations, temp_bytes=temp, total_bytes=total_bytes,
+        available_bytes=available, fits=total_bytes <= available,
+        peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
+        bubble_fraction=par.bubble_fraction(shape[1], cfg.train.microbatches), step_s_serial=serial, step_s_overlapped=overlapped,
+        tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
+
+
+def suggestions(cfg, devices, hw_name, efficiency, peak):
+    """Nearby configs on the same devices that fit, smallest memory first."""
+    from utils import ConfigError, apply_overrides
+
+    m, t, mesh = cfg.model, cfg.train, cfg.mesh
+    n = devices or mesh.dp * mesh.pp * mesh.tp
+    dp, pp, tp = (n // (mesh.pp * mesh.tp) if mesh.dp == -1 else mesh.dp), mesh.pp, mesh.tp
+    tries = {}
+    if m.remat == "none":
+        tries["--model.remat block"] = {"model": {"remat": "block"}}
+    if m.dtype == "float32":
+        tries["--model.dtype bfloat16"] = {"model": {"dtype": "bfloat16"}}
+    for factor in (2, 4, 8):
+        if dp % factor == 0:
+            tries[f"--mesh.dp {dp // factor} --mesh.tp {tp * factor}"] = {"mesh": {"dp": dp // factor, "tp": tp * factor}}
+            tries[f"--mesh.dp {dp // factor} --mesh.pp {pp * factor} --train.microbatches {max(t.microbatches, 2 * pp * factor)}"] = {
+                "mesh": {"dp": dp // factor, "pp": pp * factor}, "train": {"microbatches": max(t.microbatches, 2 * pp * factor)}}
+        tries[f"--train.batch_size {t.batch_size // factor}"] = {"train": {"batch_size": t.batch_size // factor}}
+        tries[f"--train.batch_size {t.batch_size // factor} --model.remat block"] = {
+            "train": {"batch_size": t.batch_size // factor}, "model": {"remat": "block"}}
+    fitting = []
+    for flags, overrides in tries.items():
+        try:
+            p = plan(apply_overrides(cfg, overrides), devices, hw_name, efficiency, peak)
+        except (ConfigError, ValueError, ZeroDivisionError):
+            continue
+        if p["fits"]:
+            fitting.append((p["total_bytes"], flags, p))
+    return sorted(fitting, key=lambda x: x[0])
+
+
+# ----------------------------------------------------------------------------
+# Printing
+
+
+def gib(n):
+    return f"{n / GiB:8.2f} GiB"
+
+
+def seconds(s):
+    return f"{s * 1e3:9.1f} ms" if s < 10 else f"{s:9.1f} s "
+
+
+def report(p):
+    mesh, mem, t, comm = p["mesh"], p["memory"], p["times"], p["comm"]
+    lines = [f"{p['preset']} on {p['devices']} x {p['hardware']}: mesh dp={mesh['dp']} pp={mesh['pp']} tp={mesh['tp']}"
+             f"{' (expert parallel)' if p['expert_parallel'] else ''}, {p['dtype']}, remat {p['remat']}, "
+             f"{p['microbatches']} microbatches",
+             f"params: {p['params_total'] / 1e9:.3f}B total, {p['params_active'] / 1e9:.3f}B active per token",
+             "", "memory per device"]
+    for key in ("params", "optimizer", "gradients", "gathered weights", "activations"):
+        lines.append(f"  {key:<54}{gib(mem[key])}")
+        if key == "activations":
+            lines += [f"    {name:<52}{gib(value)}" for name, value in p["activations"].items()]
+    lines.append(f"  {'total':<54}{gib(p['total_bytes'])}   of {p['available_bytes'] / GiB:.2f} GiB")
+    compute_label = f"compute: {t['executed_flops'] / 1e15:.3g} PFLOP executed ({t['model_flops'] / 1e15:.3g} model)"
+    bubble_label = f"pipeline bubble (pp-1)/(M+pp-1) = {p['bubble_fraction']:.1%}"
+    lines += ["", f"step time (compute at an assumed {p['efficiency']:.0%} of {p['peak_flops'] / 1e12:.4g} TFLOP/s per device)",
+              f"  {compute_label:<54}{seconds(t['compute'])}",
+              f"  {bubble_label:<54}{seconds(t['bubble'])}"]
+    for name, value in comm.items():
+        lines.append(f"  {name:<54}{seconds(value)}")
+    lines.append(f"  {'step, communication not overlapped':<54}{seconds(p['step_s_serial'])}   "
+                 f"({p['tokens_per_sec']:,.0f} tokens/s)")
+    lines.append(f"  {'step, communication fully overlapped':<54}{seconds(p['step_s_overlapped'])}")
+    lines.append("")
+    if p["fits"]:
+        lines.append(f"fits: {p['total_bytes'] / GiB:.2f} GiB needed per device, {p['available_bytes'] / GiB:.2f} available")
+    else:
+        lines.append(f"will not fit: {p['total_bytes'] / GiB:.2f} GiB needed per device, {p['available_bytes'] / GiB:.2f} available")
+    return lines
+
+
+def split_planner_flags(argv):
+    """Pull out the planner's own flags; the rest are main.py's config flags."""
+    own, rest, i = {"hardware": "tpu-v5p", "devices": "0", "efficiency": str(DEFAULT_EFFICIENCY), "json": ""}, [], 0
+    while i < len(argv):
+        name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
+        if name in own:
+            if "=" in argv[i]:
+                own[name] = argv[i].split("=", 1)[1]
+            elif i + 1 < len(argv):
+                own[name], i = argv[i + 1], i + 1
+            else:
+                raise ValueError(f"--{name} needs a value")
+        else:
+            rest.append(argv[i])
+        i += 1
+    return own, rest
+
+
+def main(argv):
+    from utils import ConfigError, parse_args
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        print("main.py's flags (python main.py --help) are accepted too.")
+        return
+    try:
+        own, rest = split_planner_flags(argv)
+        cfg = parse_args(rest)
+        devices, efficiency = int(own["devices"]), float(own["efficiency"])
+        p = plan(cfg, devices, own["hardware"], efficiency)
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    print("\n".join(report(p)))
+    if not p["fits"]:
+        fitting = suggestions(cfg, devices, own["hardware"], efficiency, p["peak_flops"])
+        if fitting:
+            print("try (same devices, these fit):")
+            for total, flags, q in fitting[:5]:
+                print(f"  {flags:<60} {total / GiB:6.2f} GiB, step ~{q['step_s_serial']:.3g} s")
+        else:
+            print("try: more devices (--devices / --mesh.dp), a smaller --train.batch_size or a smaller model")
+    if own["json"]:
+        with open(own["json"], "w") as f:
+            json.dump(p, f, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
