@@ -163,6 +163,8 @@ def fsdp_traffic(tree, expert_parallel, mesh_shape, itemsize, one_block):
         if not fsdp_axes:
             continue
         n = math.prod(mesh_shape[a] for a in fsdp_axes)
+        if n == 1:
+            continue
         shape = leaf.shape[1:] if one_block else leaf.shape
         dims = dims[1:] if one_block else dims
         full = shard_bytes(shape, itemsize, tuple(None if d == fsdp_axes else d for d in dims), mesh_shape)
@@ -305,10 +307,10 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None):
     out["pipeline buffers (embedded inputs, stage outputs)"] = (t.microbatches + ticks) * x_bytes
     rows = t.microbatches * tokens  # the loss sees every microbatch at once
     loss_phase = 2 * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)
-    if loss_phase >= block_phase:
-        out[f"peak phase: loss (float32 logits + gradient; block phase {block_phase / GiB:.2f} GiB)"] = loss_phase
-    else:
-        out[f"peak phase: backward of a block (loss phase {loss_phase / GiB:.2f} GiB)"] = block_phase
+    phases = {"loss: float32 logits + their gradient": loss_phase,
+              "backward through one block" + (" (+ a copy of one tick's)" if m.remat == "none" and ticks > 1 and blocks_here > 1 else ""): block_phase}
+    peak = max(phases, key=phases.get)
+    out["peak of two phases: " + peak] = phases[peak]
     return out
 
 
@@ -500,32 +502,30 @@ def seconds(s):
 
 
 def report(p):
-    mesh, mem, t, comm = p["mesh"], p["memory"], p["times"], p["comm"]
-    lines = [f"{p['preset']} on {p['devices']} x {p['hardware']}: mesh dp={mesh['dp']} pp={mesh['pp']} tp={mesh['tp']}"
-             f"{' (expert parallel)' if p['expert_parallel'] else ''}, {p['dtype']}, remat {p['remat']}, "
-             f"{p['microbatches']} microbatches",
-             f"params: {p['params_total'] / 1e9:.3f}B total, {p['params_active'] / 1e9:.3f}B active per token",
-             "", "memory per device"]
+    mesh, mem, t = p["mesh"], p["memory"], p["times"]
+    head = [f"{p['preset']} on {p['devices']} x {p['hardware']}: mesh dp={mesh['dp']} pp={mesh['pp']} tp={mesh['tp']}"
+            f"{' (expert parallel)' if p['expert_parallel'] else ''}, {p['dtype']}, remat {p['remat']}, "
+            f"{p['microbatches']} microbatches",
+            f"params: {p['params_total'] / 1e9:.3f}B total, {p['params_active'] / 1e9:.3f}B active per token"]
+    rows = [("memory per device", "")]
     for key in ("params", "optimizer", "gradients", "gathered weights", "activations"):
-        lines.append(f"  {key:<54}{gib(mem[key])}")
-        if key == "activations":
-            lines += [f"    {name:<52}{gib(value)}" for name, value in p["activations"].items()]
-    lines.append(f"  {'total':<54}{gib(p['total_bytes'])}   of {p['available_bytes'] / GiB:.2f} GiB")
-    compute_label = f"compute: {t['executed_flops'] / 1e15:.3g} PFLOP executed ({t['model_flops'] / 1e15:.3g} model)"
-    bubble_label = f"pipeline bubble (pp-1)/(M+pp-1) = {p['bubble_fraction']:.1%}"
-    lines += ["", f"step time (compute at an assumed {p['efficiency']:.0%} of {p['peak_flops'] / 1e12:.4g} TFLOP/s per device)",
-              f"  {compute_label:<54}{seconds(t['compute'])}",
-              f"  {bubble_label:<54}{seconds(t['bubble'])}"]
-    for name, value in comm.items():
-        lines.append(f"  {name:<54}{seconds(value)}")
-    lines.append(f"  {'step, communication not overlapped':<54}{seconds(p['step_s_serial'])}   "
-                 f"({p['tokens_per_sec']:,.0f} tokens/s)")
-    lines.append(f"  {'step, communication fully overlapped':<54}{seconds(p['step_s_overlapped'])}")
-    lines.append("")
-    if p["fits"]:
-        lines.append(f"fits: {p['total_bytes'] / GiB:.2f} GiB needed per device, {p['available_bytes'] / GiB:.2f} available")
-    else:
-        lines.append(f"will not fit: {p['total_bytes'] / GiB:.2f} GiB needed per device, {p['available_bytes'] / GiB:.2f} available")
+        rows.append(("  " + key, gib(mem[key])))
+    rows += [("    " + name, gib(value)) for name, value in p["activations"].items()]
+    rows += [("  total", gib(p["total_bytes"]) + f"   of {p['available_bytes'] / GiB:.2f} GiB"), ("", "")]
+    rows.append((f"step time (compute at an assumed {p['efficiency']:.0%} of {p['peak_flops'] / 1e12:.4g} TFLOP/s "
+                 "per device)", ""))
+    rows.append((f"  compute: {t['executed_flops'] / 1e15:.3g} PFLOP executed ({t['model_flops'] / 1e15:.3g} model)",
+                 seconds(t["compute"])))
+    if p["mesh"]["pp"] > 1:
+        rows.append((f"  pipeline bubble (pp-1)/(M+pp-1) = {p['bubble_fraction']:.1%}", seconds(t["bubble"])))
+    rows += [("  " + name, seconds(value)) for name, value in p["comm"].items()]
+    rows.append(("  step, communication not overlapped", seconds(p["step_s_serial"]) + f"   ({p['tokens_per_sec']:,.0f} tokens/s)"))
+    rows.append(("  step, communication fully overlapped", seconds(p["step_s_overlapped"])))
+    width = max(len(label) for label, value in rows if value) + 2
+    lines = head + [""] + [f"{label:<{width}}{value}".rstrip() for label, value in rows] + [""]
+    need, have = p["total_bytes"] / GiB, p["available_bytes"] / GiB
+    lines.append(f"fits: {need:.2f} GiB needed per device, {have:.2f} available" if p["fits"] else
+                 f"will not fit: {need:.2f} GiB needed per device, {have:.2f} available")
     return lines
 
 
