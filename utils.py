@@ -61,7 +61,7 @@ class ModelConfig:
     routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss")
     dropout: float = option(0.0, "dropout on residual branches")
-    dtype: str = option("float32", "compute dtype: float32 | bfloat16 (weights stay float32)")
+    dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
     remat: str = option("none", "rematerialisation: block (recompute each block in the backward pass) | none")
     unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
 
@@ -159,7 +159,7 @@ PRESETS = {
     "tiny": {
         "model": dict(vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
                       rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
-                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, unroll_blocks=False, remat="block"),
+                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, unroll_blocks=False, remat="block", dtype="float32"),
         "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10,
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
