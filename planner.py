@@ -25,11 +25,18 @@ the rest are a model of what XLA keeps live at the peak, checked against the
 compiled step's memory_analysis() at small sizes.
 """
 
-import dataclasses
 import json
 import math
 import sys
 from dataclasses import dataclass
+
+import jax
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+import parallel as par
+from model import Transformer, expert_capacity, padded_vocab
+from utils import ConfigError, apply_overrides, count_params, flops_per_token, human, parse_args
 
 F32 = 4  # bytes: master weights, optimizer moments, softmax/norm internals, logits
 GiB = 2**30
@@ -85,28 +92,23 @@ def cpu_peak_flops():
 # Shapes and the storage layout (no arrays)
 
 
+def abstract_model(model_cfg):
+    """(graphdef, params) with params as ShapeDtypeStructs: exactly the tree that
+    parallel.init_params creates, without creating it."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
+    return graphdef, state.to_pure_dict()
+
+
 def abstract_params(model_cfg):
-    """The params tree as ShapeDtypeStructs: exactly what parallel.init_params creates."""
-    from flax import nnx
-
-    from model import Transformer
-
-    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
-    return nnx.split(abstract)[1].to_pure_dict()
+    return abstract_model(model_cfg)[1]
 
 
 def abstract_mesh(shape):
-    from jax.sharding import AbstractMesh
-
-    import parallel as par
-
     return AbstractMesh(tuple(shape), par.AXES)
 
 
 def shard_bytes(shape, itemsize, spec, mesh_shape):
     """Bytes of one device's shard of an array laid out by `spec`."""
-    import parallel as par
-
     size = 1
     for i, dim in enumerate(shape):
         ways = math.prod(mesh_shape[a] for a in par.axes_of(spec[i] if i < len(spec) else None))
@@ -117,10 +119,6 @@ def shard_bytes(shape, itemsize, spec, mesh_shape):
 def layout_bytes(tree, expert_parallel, mesh_shape, itemsize=None):
     """Per-device bytes of a params-shaped tree (params, or AdamW's mu / nu), each leaf
     laid out by the sharding table. Scalars (optimizer step counts) are replicated."""
-    import jax
-
-    import parallel as par
-
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         size = itemsize or leaf.dtype.itemsize
@@ -136,10 +134,6 @@ def gathered_bytes(tree, expert_parallel, mesh_shape, itemsize, one_block):
     """Per-device bytes of weights after the FSDP all-gather (gather_for_use): still split
     over their compute axes (tp, experts over dp), whole along the storage-only axes.
     one_block: a block's weights (the stacked N dim sliced away)."""
-    import jax
-
-    import parallel as par
-
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         dims, fsdp_axes, _ = par.weight_layout(par.weight_name(path), par.is_stacked(path), expert_parallel)
@@ -153,10 +147,6 @@ def gathered_bytes(tree, expert_parallel, mesh_shape, itemsize, one_block):
 def fsdp_traffic(tree, expert_parallel, mesh_shape, itemsize, one_block):
     """{fsdp axes: bytes one device receives} to all-gather these weights once: a ring
     all-gather over n devices brings each device the (n-1)/n it lacks."""
-    import jax
-
-    import parallel as par
-
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         dims, fsdp_axes, _ = par.weight_layout(par.weight_name(path), par.is_stacked(path), expert_parallel)
@@ -251,8 +241,6 @@ def layer_bytes(s, kind, m):
 
 
 def local_sizes(cfg, mesh_shape, compute_bytes=None):
-    from model import expert_capacity, padded_vocab
-
     m, t = cfg.model, cfg.train
     dp, pp, tp = mesh_shape["dp"], mesh_shape["pp"], mesh_shape["tp"]
     S = min(m.routing_group or m.seq_len, m.seq_len)
@@ -311,7 +299,7 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None):
               "backward through one block" + (" (+ a copy of one tick's)" if m.remat == "none" and ticks > 1 and blocks_here > 1 else ""): block_phase}
     peak = max(phases, key=phases.get)
     out["peak of two phases: " + peak] = phases[peak]
-    return out
+    return out, phases
 
 
 # ----------------------------------------------------------------------------
@@ -335,8 +323,6 @@ def collective_bw(hw, mesh_shape, axes):
 def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     """{name: seconds}. Compute at `efficiency` of peak; each collective at its bandwidth
     with no overlap (the serial sum is an upper bound, max(compute, comm) a lower one)."""
-    from utils import count_params, flops_per_token
-
     m, t = cfg.model, cfg.train
     dp, pp, tp = mesh_shape["dp"], mesh_shape["pp"], mesh_shape["tp"]
     n_devices = dp * pp * tp
@@ -346,7 +332,6 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     model_flops = flops_per_token(m) * tokens_per_step
     # What the devices execute beyond the model FLOPs: the remat forward again (+1/3),
     # and empty expert slots (buffers hold capacity_factor x top_k slots per token).
-    total, active = count_params(m)
     routed_per_layer = 3 * m.d_model * m.d_expert * m.top_k
     n_moe = m.n_blocks * m.block_pattern.count("M")
     slot_factor = (s.E * s.C / s.S) / m.top_k if m.capacity_factor > 0 else 1.0
@@ -361,20 +346,21 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     top = {k: v for k, v in params.items() if k != "blocks"}
     ep = cfg.mesh.expert_parallel
     # FSDP: every tick gathers every local block (and the backward pass reduce-scatters
-    # the gradient, same bytes); under remat the recompute gathers again. The embedding
-    # and final norm are gathered once per step.
+    # its gradient, the same bytes); under remat the recompute gathers again. The
+    # embedding and final norm are gathered once per step.
     passes = 3 if m.remat == "block" else 2
+    blocks_here = m.n_blocks // pp
     comm = {}
     per_block = fsdp_traffic(blocks, ep, mesh_shape, c, one_block=True)
     for axes, nbytes in per_block.items():
         key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
-        seconds = passes * ticks * nbytes / collective_bw(hw, mesh_shape, axes)
+        seconds = passes * ticks * blocks_here * nbytes / collective_bw(hw, mesh_shape, axes)
         comm[key] = comm.get(key, 0) + seconds
     for axes, nbytes in fsdp_traffic(top, ep, mesh_shape, c, one_block=False).items():
         key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
         comm[key] = comm.get(key, 0) + 2 * nbytes / collective_bw(hw, mesh_shape, axes)
     x_bytes = s.b * s.T * s.D * c
-    layers_here = m.n_blocks // pp * len(m.block_pattern)
+    layers_here = blocks_here * len(m.block_pattern)
     if tp > 1:  # 2 all-reduces per layer forward (attention out, FFN out), 2 backward (their inputs), 2 more under remat
         all_reduce = 2 * (tp - 1) / tp * x_bytes
         per_layer = 6 if m.remat == "block" else 4
@@ -395,20 +381,12 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
 
 def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     """Everything the planner prints, as a dict (bytes, seconds)."""
-    import jax
-    import optax  # noqa: F401  (make_optimizer needs it)
-
-    import parallel as par
-    from utils import apply_overrides, count_params
-
     if hw_name not in HARDWARE:
         raise ValueError(f"unknown --hardware {hw_name!r}; choose one of {', '.join(HARDWARE)}")
     hw = HARDWARE[hw_name]
     if cfg.model.vocab_size == 0:  # the byte tokenizer of the embedded default
         cfg = apply_overrides(cfg, {"model": {"vocab_size": 257}})
     if cfg.mesh.dp == -1 and not devices:
-        from utils import ConfigError
-
         raise ConfigError("--mesh.dp -1 takes the devices left by pp and tp: say how many with --devices N")
     n_devices = devices or cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
     shape = par.resolve_mesh_shape(cfg.mesh, n_devices)
@@ -432,13 +410,14 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, c, one_block=False)
     # XLA:CPU has no bfloat16 arithmetic: it computes in float32, and the intermediates
     # it keeps are float32 (measured: a bfloat16 step's temp bytes equal float32's).
-    activations = activation_bytes(cfg, mesh_shape, compute_bytes=F32 if hw_name == "cpu" else None)
+    activations, phases = activation_bytes(cfg, mesh_shape, compute_bytes=F32 if hw_name == "cpu" else None)
+    activations = {name: int(value) for name, value in activations.items()}
     memory["activations"] = sum(activations.values())
     temp = memory["gradients"] + memory["gathered weights"] + memory["activations"]
     total_bytes = memory["params"] + memory["optimizer"] + temp
 
     if hw_name == "cpu":
-        peak = peak or cpu_peak_flops()
+        peak = peak or cpu_peak_flops() / n_devices  # fake devices share the cores the matmul used
         available = hw.memory_bytes / n_devices  # fake devices share the machine's RAM
     else:
         peak = peak or hw.peak_flops
@@ -452,6 +431,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         remat=cfg.model.remat, microbatches=cfg.train.microbatches, expert_parallel=ep,
         params_total=total_params, params_active=active_params,
         memory=memory, activations=activations, temp_bytes=temp, total_bytes=total_bytes,
+        loss_phase_bytes=int(next(v for k, v in phases.items() if k.startswith("loss"))), gpu=bool(hw.node_size),
         available_bytes=available, fits=total_bytes <= available,
         peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
         bubble_fraction=par.bubble_fraction(shape[1], cfg.train.microbatches), step_s_serial=serial, step_s_overlapped=overlapped,
@@ -459,42 +439,46 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
 
 
 def suggestions(cfg, devices, hw_name, efficiency, peak):
-    """Nearby configs on the same devices that fit, smallest memory first."""
-    from utils import ConfigError, apply_overrides
-
+    """Nearby configs on the same devices that fit: [(flags, plan)], those that keep the
+    global batch first, then by memory."""
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
     n = devices or mesh.dp * mesh.pp * mesh.tp
     dp, pp, tp = (n // (mesh.pp * mesh.tp) if mesh.dp == -1 else mesh.dp), mesh.pp, mesh.tp
-    tries = {}
+    same_batch = {}
     if m.remat == "none":
-        tries["--model.remat block"] = {"model": {"remat": "block"}}
+        same_batch["--model.remat block"] = {"model": {"remat": "block"}}
     if m.dtype == "float32":
-        tries["--model.dtype bfloat16"] = {"model": {"dtype": "bfloat16"}}
+        same_batch["--model.dtype bfloat16"] = {"model": {"dtype": "bfloat16"}}
+    smaller_batch = {}
     for factor in (2, 4, 8):
         if dp % factor == 0:
-            tries[f"--mesh.dp {dp // factor} --mesh.tp {tp * factor}"] = {"mesh": {"dp": dp // factor, "tp": tp * factor}}
-            tries[f"--mesh.dp {dp // factor} --mesh.pp {pp * factor} --train.microbatches {max(t.microbatches, 2 * pp * factor)}"] = {
-                "mesh": {"dp": dp // factor, "pp": pp * factor}, "train": {"microbatches": max(t.microbatches, 2 * pp * factor)}}
-        tries[f"--train.batch_size {t.batch_size // factor}"] = {"train": {"batch_size": t.batch_size // factor}}
-        tries[f"--train.batch_size {t.batch_size // factor} --model.remat block"] = {
-            "train": {"batch_size": t.batch_size // factor}, "model": {"remat": "block"}}
+            same_batch[f"--mesh.dp {dp // factor} --mesh.tp {tp * factor}"] = {"mesh": {"dp": dp // factor, "tp": tp * factor}}
+            microbatches = max(t.microbatches, 2 * pp * factor)
+            same_batch[f"--mesh.dp {dp // factor} --mesh.pp {pp * factor} --train.microbatches {microbatches}"] = {
+                "mesh": {"dp": dp // factor, "pp": pp * factor}, "train": {"microbatches": microbatches}}
+        smaller = {"train": {"batch_size": t.batch_size // factor}}
+        if m.remat == "none":
+            smaller["model"] = {"remat": "block"}
+        smaller_batch[f"--train.batch_size {t.batch_size // factor}" + (" --model.remat block" if m.remat == "none" else "")] = smaller
     fitting = []
-    for flags, overrides in tries.items():
-        try:
-            p = plan(apply_overrides(cfg, overrides), devices, hw_name, efficiency, peak)
-        except (ConfigError, ValueError, ZeroDivisionError):
-            continue
-        if p["fits"]:
-            fitting.append((p["total_bytes"], flags, p))
-    return sorted(fitting, key=lambda x: x[0])
+    for rank, tries in enumerate((same_batch, smaller_batch)):
+        for flags, overrides in tries.items():
+            try:
+                p = plan(apply_overrides(cfg, overrides), devices, hw_name, efficiency, peak)
+            except (ConfigError, ValueError, ZeroDivisionError):
+                continue  # that mesh does not divide the model or the batch
+            if p["fits"]:
+                fitting.append((rank, p["total_bytes"], flags, p))
+    return [(flags, p) for _, _, flags, p in sorted(fitting, key=lambda x: x[:2])]
 
 
 # ----------------------------------------------------------------------------
 # Printing
 
 
-def gib(n):
-    return f"{n / GiB:8.2f} GiB"
+def memory_unit(n):
+    """(name, bytes) of the unit that shows n best: one unit for a whole table."""
+    return next((name, size) for name, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)) if n >= size / 10)
 
 
 def seconds(s):
@@ -506,15 +490,19 @@ def report(p):
     head = [f"{p['preset']} on {p['devices']} x {p['hardware']}: mesh dp={mesh['dp']} pp={mesh['pp']} tp={mesh['tp']}"
             f"{' (expert parallel)' if p['expert_parallel'] else ''}, {p['dtype']}, remat {p['remat']}, "
             f"{p['microbatches']} microbatches",
-            f"params: {p['params_total'] / 1e9:.3f}B total, {p['params_active'] / 1e9:.3f}B active per token"]
+            f"params: {human(p['params_total'])} total, {human(p['params_active'])} active per token"]
+    unit, size = memory_unit(p["total_bytes"])
+
+    def mem_str(n):
+        return f"{n / size:9.2f} {unit}"
+
     rows = [("memory per device", "")]
     for key in ("params", "optimizer", "gradients", "gathered weights", "activations"):
-        rows.append(("  " + key, gib(mem[key])))
-    rows += [("    " + name, gib(value)) for name, value in p["activations"].items()]
-    rows += [("  total", gib(p["total_bytes"]) + f"   of {p['available_bytes'] / GiB:.2f} GiB"), ("", "")]
-    rows.append((f"step time (compute at an assumed {p['efficiency']:.0%} of {p['peak_flops'] / 1e12:.4g} TFLOP/s "
-                 "per device)", ""))
-    rows.append((f"  compute: {t['executed_flops'] / 1e15:.3g} PFLOP executed ({t['model_flops'] / 1e15:.3g} model)",
+        rows.append(("  " + key, mem_str(mem[key])))
+    rows += [("    " + name, mem_str(value)) for name, value in p["activations"].items()]
+    rows += [("  total", mem_str(p["total_bytes"]) + f"   of {p['available_bytes'] / GiB:.2f} GiB"), ("", "")]
+    rows.append((f"step time (compute at an assumed {p['efficiency']:.0%} of {human(p['peak_flops'])}FLOP/s per device)", ""))
+    rows.append((f"  compute: {human(t['executed_flops'])}FLOP executed ({human(t['model_flops'])}FLOP model)",
                  seconds(t["compute"])))
     if p["mesh"]["pp"] > 1:
         rows.append((f"  pipeline bubble (pp-1)/(M+pp-1) = {p['bubble_fraction']:.1%}", seconds(t["bubble"])))
@@ -526,6 +514,11 @@ def report(p):
     need, have = p["total_bytes"] / GiB, p["available_bytes"] / GiB
     lines.append(f"fits: {need:.2f} GiB needed per device, {have:.2f} available" if p["fits"] else
                  f"will not fit: {need:.2f} GiB needed per device, {have:.2f} available")
+    if p["loss_phase_bytes"] > p["total_bytes"] / 4:
+        lines.append(f"note: {p['loss_phase_bytes'] / GiB:.2f} GiB of it is the loss: float32 logits of all microbatches at once "
+                     "([batch/dp, T, V/tp], parallel.pipeline_loss), which more microbatches do not shrink")
+    if p["gpu"]:
+        lines.append("note: JAX preallocates 75% of GPU memory; XLA_PYTHON_CLIENT_MEM_FRACTION=.95 lets it use more")
     return lines
 
 
@@ -548,8 +541,6 @@ def split_planner_flags(argv):
 
 
 def main(argv):
-    from utils import ConfigError, parse_args
-
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         print("main.py's flags (python main.py --help) are accepted too.")
@@ -565,9 +556,9 @@ def main(argv):
     if not p["fits"]:
         fitting = suggestions(cfg, devices, own["hardware"], efficiency, p["peak_flops"])
         if fitting:
-            print("try (same devices, these fit):")
-            for total, flags, q in fitting[:5]:
-                print(f"  {flags:<60} {total / GiB:6.2f} GiB, step ~{q['step_s_serial']:.3g} s")
+            print("try (on the same devices, these fit):")
+            for flags, q in fitting[:5]:
+                print(f"  {flags:<64} {q['total_bytes'] / GiB:7.2f} GiB per device, step ~{q['step_s_serial']:.3g} s")
         else:
             print("try: more devices (--devices / --mesh.dp), a smaller --train.batch_size or a smaller model")
     if own["json"]:

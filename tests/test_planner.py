@@ -1,0 +1,224 @@
+"""planner.py against the real thing (8 fake CPU devices).
+
+The planner works from shapes alone. Here its per-device figures meet the arrays and
+the compiled train step: params + optimizer bytes must equal what the sharded arrays
+hold on a device, exactly; the temporaries (activations + gathered weights +
+gradients) must be within 15% of what XLA's memory_analysis() reports for the
+compiled step. The step is compiled from abstract inputs (ShapeDtypeStructs with
+shardings): nothing of the model is allocated.
+
+Checked on the tiny preset and a scaled-down moe1b (moe1b's structure: MLA, blocks of
+five dense layers and one MoE layer with 2 shared + top-2 of 8 routed experts, 4
+microbatches; narrower, float32 because XLA:CPU computes bfloat16 in float32 anyway).
+"""
+
+import io
+import os
+from contextlib import redirect_stdout
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import parallel as par
+import planner
+from utils import PRESETS, Config, ConfigError, apply_overrides, flops_per_token, parse_args
+
+SMALL_MOE1B = dict(vocab_size=1024, seq_len=128, d_model=128, n_heads=4, head_dim=32, rope_dim=16, q_latent=64,
+                   kv_latent=32, n_blocks=2, d_ff=256, d_expert=128, n_experts=8, dtype="float32")
+TEMP_TOLERANCE = 0.15
+
+
+def case_config(preset, mesh_shape, remat, expert_parallel=False):
+    """The tiny preset (microbatches = pp), or moe1b scaled down (64 sequences, 4
+    microbatches); "moe1b-vocab16k" has a 16x larger vocabulary, so that the loss (the
+    float32 logits and their gradient) is the peak, as it is for the full moe1b."""
+    dp, pp, tp = mesh_shape
+    cfg = apply_overrides(Config(), PRESETS[preset.split("-")[0]])
+    if preset == "tiny":
+        model, train = dict(vocab_size=256), dict(microbatches=pp)
+    else:
+        model, train = dict(SMALL_MOE1B), dict(batch_size=64, microbatches=4)
+        if preset == "moe1b-vocab16k":
+            model["vocab_size"] = 16384
+    return apply_overrides(cfg, {"model": dict(model, remat=remat), "train": train,
+                                 "mesh": dict(dp=dp, pp=pp, tp=tp, expert_parallel=expert_parallel)})
+
+
+def mesh_for(cfg):
+    return par.make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp])
+
+
+def plan_for(cfg):
+    return planner.plan(cfg, 0, "cpu", peak=1e11)  # a nominal peak: no timed matmul in tests
+
+
+def abstract_state(cfg, mesh):
+    """Params and AdamW state as ShapeDtypeStructs laid out as the real ones are."""
+    shapes = planner.abstract_params(cfg.model)
+    specs = par.param_specs(shapes, cfg.mesh.expert_parallel)
+    params = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
+                          shapes, specs)
+    optimizer = par.make_optimizer(cfg.train)
+    with jax.set_mesh(mesh):
+        opt_shapes = jax.eval_shape(jax.jit(optimizer.init), params)
+    opt_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+        s.shape, s.dtype, sharding=NamedSharding(mesh, s.sharding.spec if s.sharding is not None else P())), opt_shapes)
+    return optimizer, params, opt_state
+
+
+def compiled_temp_bytes(cfg):
+    """temp_size_in_bytes of the real train step, compiled for cfg's mesh."""
+    mesh = mesh_for(cfg)
+    par.check_config_fits_mesh(cfg, mesh)
+    optimizer, params, opt_state = abstract_state(cfg, mesh)
+    graphdef = planner.abstract_model(cfg.model)[0]
+    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
+                                  sharding=NamedSharding(mesh, par.batch_spec()))
+    return step.lower(params, opt_state, tokens, jnp.asarray(0)).compile().memory_analysis().temp_size_in_bytes
+
+
+# ----------------------------------------------------------------------------
+# Params + optimizer state: exact
+
+
+@pytest.mark.parametrize("preset, mesh_shape, expert_parallel", [
+    ("tiny", (1, 1, 1), False), ("tiny", (2, 2, 2), False), ("tiny", (4, 1, 2), False), ("tiny", (8, 1, 1), True),
+    ("tiny", (2, 2, 2), True), ("moe1b", (2, 2, 2), False), ("moe1b", (4, 1, 2), True),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_params_and_optimizer_bytes_are_exact(preset, mesh_shape, expert_parallel):
+    """The planner's shard arithmetic equals the bytes the sharded arrays hold on a device
+    (zeros placed with the sharding table, AdamW state from the real optimizer init)."""
+    cfg = case_config(preset, mesh_shape, "block", expert_parallel)
+    mesh = mesh_for(cfg)
+    shapes = planner.abstract_params(cfg.model)
+    specs = par.param_specs(shapes, expert_parallel)
+    params = jax.tree.map(lambda s, spec: jax.device_put(np.zeros(s.shape, s.dtype), NamedSharding(mesh, spec)), shapes, specs)
+    opt_state = par.init_opt_state(par.make_optimizer(cfg.train), params, mesh)
+    plan = plan_for(cfg)
+    for device in mesh.devices.flat:  # every device, not just the first: the layout is even
+        assert plan["memory"]["params"] == par.param_bytes_on_device(params, device)
+        assert plan["memory"]["optimizer"] == par.param_bytes_on_device(opt_state, device)
+    assert plan["memory"]["gradients"] == plan["memory"]["params"]  # float32 grads, laid out like the params
+
+
+# ----------------------------------------------------------------------------
+# Temporaries: within 15% of the compiled step
+#
+# Measured on this machine, planner / memory_analysis temp bytes:
+#   tiny           1x1x1 none   15,863,168 / 16,342,312  0.971
+#   tiny           1x1x1 block   2,811,008 /  2,864,416  0.981
+#   tiny           2x2x2 none    5,109,792 /  5,318,344  0.961
+#   tiny           2x2x2 block     579,072 /    695,296  0.833  (SMALL_BATCH_GAP)
+#   tiny           4x1x2 none    2,992,160 /  2,799,432  1.069
+#   tiny           4x1x2 block     523,264 /    684,896  0.764  (SMALL_BATCH_GAP)
+#   moe1b          1x1x1 none    2,738,408,448 / 2,756,458,192  0.993
+#   moe1b          1x1x1 block     285,280,000 /   297,913,552  0.958
+#   moe1b          2x2x2 none      484,144,128 /   492,566,736  0.983
+#   moe1b          2x2x2 block      94,347,776 /    84,192,304  1.121
+#   moe1b          4x1x2 none      453,315,840 /   461,610,696  0.982
+#   moe1b          4x1x2 block      49,903,360 /    46,801,896  1.066
+#   moe1b-vocab16k 1x1x1 block   1,135,466,240 / 1,131,501,584  1.004  (the loss is the peak)
+#   moe1b-vocab16k 2x2x2 block     291,408,384 /   291,879,344  0.998
+#   moe1b-vocab16k 4x1x2 none      482,016,256 /   485,654,472  0.993
+# Each case compiles the step (5-25 s on 2 busy cores): the default run checks four of
+# them (the pipeline + tp + FSDP mesh both ways, a loss-dominated step, one device),
+# PLANNER_ALL_CASES=1 all of them.
+
+FAST_CASES = [("tiny", (2, 2, 2), "none"), ("tiny", (2, 2, 2), "block"),
+              ("moe1b", (2, 2, 2), "block"), ("moe1b-vocab16k", (1, 1, 1), "block")]
+ALL_CASES = [(preset, mesh, remat) for preset in ("tiny", "moe1b") for mesh in ((1, 1, 1), (2, 2, 2), (4, 1, 2))
+             for remat in ("none", "block")] + [
+    ("moe1b-vocab16k", (1, 1, 1), "block"), ("moe1b-vocab16k", (2, 2, 2), "block"), ("moe1b-vocab16k", (4, 1, 2), "none")]
+# With 2-4 sequences of 16 tokens per device, remat block and a split mesh, the step's
+# temporaries are under 1 MiB, and per-device buffers that the planner does not model
+# (FSDP gather / reduce-scatter scratch inside the block loop, index and statistics
+# tensors) are a large share of them: the planner comes out 17-24% low. At 8+ sequences
+# per device the same mesh agrees within 1-3% (tiny 4x1x2 block at batch 32: 0.989,
+# at batch 64: 0.966). Marked here rather than hidden by a looser tolerance.
+SMALL_BATCH_GAP = {("tiny", (2, 2, 2), "block"), ("tiny", (4, 1, 2), "block")}
+
+
+def agreement_cases():
+    cases = ALL_CASES if os.environ.get("PLANNER_ALL_CASES") else FAST_CASES
+    return [pytest.param(*case, marks=pytest.mark.xfail(strict=True, reason="2-4 rows per device: buffers the planner does "
+                                                        "not model dominate (see SMALL_BATCH_GAP)"))
+            if case in SMALL_BATCH_GAP else case for case in cases]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, mesh_shape, remat", agreement_cases(),
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_temporaries_match_compiled_step(preset, mesh_shape, remat):
+    cfg = case_config(preset, mesh_shape, remat)
+    measured = compiled_temp_bytes(cfg)
+    planned = plan_for(cfg)["temp_bytes"]
+    assert abs(planned / measured - 1) <= TEMP_TOLERANCE, f"planner {planned:,} vs compiled {measured:,} ({planned / measured:.3f})"
+
+
+# ----------------------------------------------------------------------------
+# Step time and the command line (no compiling)
+
+
+def run_cli(*argv):
+    out = io.StringIO()
+    with redirect_stdout(out):
+        planner.main(list(argv))
+    return out.getvalue()
+
+
+def test_moe1b_on_v5p_prints_memory_time_and_fits():
+    text = run_cli("--preset", "moe1b", "--hardware", "tpu-v5p")
+    assert "mesh dp=8 pp=2 tp=2" in text and "32 x TPU v5p" in text
+    for line in ("params", "optimizer", "gathered weights", "activations", "compute", "pipeline bubble",
+                 "fsdp all-gather/reduce-scatter over dp", "tp all-reduce", "pp ppermute"):
+        assert line in text, line
+    assert "ep all-to-all" not in text  # expert parallelism is off in the preset
+    assert "\nfits: " in text
+
+
+def test_one_h200_will_not_fit_and_says_what_would():
+    text = run_cli("--preset", "moe1b", "--hardware", "h200", "--mesh.dp", "1", "--mesh.pp", "1", "--mesh.tp", "1")
+    assert "will not fit: " in text and "GiB needed per device, 141.00 available" in text
+    assert "try" in text
+    plan = planner.plan(parse_args(["--preset", "moe1b", "--mesh.dp", "1", "--mesh.pp", "1", "--mesh.tp", "1"]), 0, "h200")
+    assert not plan["fits"] and plan["total_bytes"] > 141 * 2**30
+    assert all(key not in plan["comm"] for key in ("tp all-reduce of activations", "pp ppermute of activations"))
+
+
+def test_dp_minus_one_takes_the_rest_of_devices():
+    cfg = parse_args(["--preset", "moe1b", "--mesh.dp", "-1"])
+    with pytest.raises(ConfigError, match="--devices"):
+        planner.plan(cfg, 0, "tpu-v5p")
+    assert planner.plan(cfg, 64, "tpu-v5p")["mesh"] == {"dp": 16, "pp": 2, "tp": 2}
+    with pytest.raises(ConfigError, match="--mesh.tp"):  # checks come from parallel.py, before anything else
+        planner.plan(parse_args(["--preset", "moe1b", "--mesh.tp", "5"]), 0, "tpu-v5p")
+
+
+def test_compute_time_is_model_flops_over_peak():
+    """No remat, no pipeline, dense: executed FLOPs are the model FLOPs (utils.flops_per_token)."""
+    cfg = parse_args(["--preset", "tiny", "--model.vocab_size", "256", "--model.block_pattern", "D",
+                      "--model.remat", "none", "--mesh.dp", "8", "--mesh.pp", "1", "--mesh.tp", "1"])
+    plan = planner.plan(cfg, 0, "h100", efficiency=0.5)
+    flops = flops_per_token(cfg.model) * cfg.train.batch_size * cfg.model.seq_len
+    assert plan["times"]["compute"] == pytest.approx(flops / (8 * 989e12 * 0.5))
+    assert plan["times"]["bubble"] == 0
+
+
+def test_bubble_remat_and_expert_parallel_show_up():
+    base = ["--preset", "moe1b", "--mesh.dp", "8", "--mesh.pp", "2", "--mesh.tp", "2"]
+    m4 = planner.plan(parse_args(base + ["--train.microbatches", "4"]), 0, "tpu-v5p")
+    m16 = planner.plan(parse_args(base + ["--train.microbatches", "16"]), 0, "tpu-v5p")
+    assert m4["bubble_fraction"] == pytest.approx(1 / 5) and m16["bubble_fraction"] == pytest.approx(1 / 17)
+    assert m4["times"]["bubble"] == pytest.approx(m4["times"]["compute"] / 4)  # (pp-1)/M of the useful compute
+    none = planner.plan(parse_args(base + ["--model.remat", "none"]), 0, "tpu-v5p")
+    assert none["memory"]["activations"] > 2 * m4["memory"]["activations"]
+    assert m4["times"]["executed_flops"] == pytest.approx(none["times"]["executed_flops"] * 4 / 3)
+    ep = planner.plan(parse_args(base + ["--mesh.expert_parallel"]), 0, "tpu-v5p")
+    assert ep["comm"]["ep all-to-all of expert buffers"] > 0
+    # each device gathers only its own experts (E/dp) instead of all of them
+    assert ep["memory"]["gathered weights"] < m4["memory"]["gathered weights"]
