@@ -44,16 +44,18 @@ GiB = 2**30
 # ----------------------------------------------------------------------------
 # Hardware profiles. Peak = dense bf16 matmul FLOP/s per device; memory = HBM per
 # device. Interconnect figures are approximate, from public spec sheets:
-#   TPU: Cloud TPU system-architecture pages give the bidirectional ICI bandwidth per
-#     chip (v4 600 GB/s, v5e 400 GB/s, v5p 1200 GB/s) over 6 links (3-D torus: v4, v5p)
-#     or 4 (2-D torus: v5e). A ring collective along one mesh axis uses the two links of
-#     one torus axis in both directions: ring_bw = per-chip bidirectional / (links / 2);
-#     a ppermute to one neighbour uses one link one way: p2p_bw = ring_bw / 2.
+#   TPU: the Cloud TPU pages give v5p 4800 Gb/s of ICI per chip (1200 GB/s counted both
+#     ways) over 6 links (3-D torus) and v5e 1600 Gb/s over 4 links (2-D torus): 100 and
+#     50 GB/s per link each way; v4 has 6 links of about 50 GB/s (the TPU v4 paper; the
+#     JAX scaling book quotes 45 / 90 / 45 GB/s per link for v4 / v5p / v5e). A
+#     collective along one mesh axis runs as a bidirectional ring on one torus axis and
+#     receives over 2 links: ring_bw = 2 links; a ppermute uses 1 link: p2p_bw.
 #   H100 / H200 SXM: NVLink 4 is 900 GB/s bidirectional per GPU, i.e. 450 GB/s each way
 #     through the NVSwitch, inside a node of 8 GPUs; between nodes one 400 Gb/s
 #     InfiniBand NIC per GPU (DGX/HGX H100 with ConnectX-7): 50 GB/s.
-#   cpu: fake devices of this machine share its RAM; "communication" is a memory copy,
-#     nominally 10 GB/s. The peak is measured (a timed float32 matmul, as main.py does).
+#   cpu: fake devices of this machine share its RAM and its cores; "communication" is a
+#     memory copy, nominally 10 GB/s. The peak is measured (a timed float32 matmul, as
+#     main.py does) and shared by the fake devices.
 GB = 1e9
 
 
@@ -69,9 +71,9 @@ class Hardware:
 
 
 HARDWARE = {
-    "tpu-v4": Hardware("TPU v4", 275e12, 32 * GiB, ring_bw=200 * GB, p2p_bw=100 * GB),
-    "tpu-v5e": Hardware("TPU v5e", 197e12, 16 * GiB, ring_bw=200 * GB, p2p_bw=100 * GB),
-    "tpu-v5p": Hardware("TPU v5p", 459e12, 95 * GiB, ring_bw=400 * GB, p2p_bw=200 * GB),
+    "tpu-v4": Hardware("TPU v4", 275e12, 32 * GiB, ring_bw=100 * GB, p2p_bw=50 * GB),
+    "tpu-v5e": Hardware("TPU v5e", 197e12, 16 * GiB, ring_bw=100 * GB, p2p_bw=50 * GB),
+    "tpu-v5p": Hardware("TPU v5p", 459e12, 95 * GiB, ring_bw=200 * GB, p2p_bw=100 * GB),
     "h100": Hardware("H100 SXM", 989e12, 80 * GiB, ring_bw=450 * GB, p2p_bw=450 * GB, node_size=8, cross_node_bw=50 * GB),
     "h200": Hardware("H200 SXM", 989e12, 141 * GiB, ring_bw=450 * GB, p2p_bw=450 * GB, node_size=8, cross_node_bw=50 * GB),
     "cpu": Hardware("CPU (this machine, 2 cores)", 0.0, 24 * GiB, ring_bw=10 * GB, p2p_bw=10 * GB),
@@ -166,12 +168,17 @@ def fsdp_traffic(tree, expert_parallel, mesh_shape, itemsize, one_block):
 # Activations: what the backward pass keeps, from the model's tensors (model.py).
 #
 # Per token of one microbatch, per layer, on one device (heads, FFN and expert hidden
-# units already divided by tp). c = bytes of the compute dtype. These are the
-# residuals JAX saves for the backward pass (jax.ad_checkpoint.print_saved_residuals
-# lists them), grouped by where they come from. Approximated: integer index/mask
-# tensors of a few bytes per token and per-row scalars (norm statistics) are counted
-# roughly; XLA may fuse some of these away or keep an extra copy, which is what the
-# test's 15% allows for.
+# units already divided by tp); c = bytes of the compute dtype. These are the residuals
+# JAX saves for the backward pass (jax.ad_checkpoint.print_saved_residuals lists them),
+# grouped by where they come from; they matched its list on the tiny and moe1b shapes.
+# Approximated:
+#   - index, mask and per-row statistics tensors (a few bytes per token) roughly;
+#   - the causal mask and -inf fill broadcast to [b, H, T, T], which JAX hoists out of
+#     the loops once per microbatch shape, not at all (a few % of one block);
+#   - the GELU dense FFN, dropless MoE (ragged_dot) and dropout masks are sized by
+#     analogy, not checked against a compiled step;
+#   - what XLA adds or saves on top (fusion, buffer reuse, loop copies) is the two-phase
+#     peak in activation_bytes, calibrated on CPU.
 
 
 @dataclass(frozen=True)
