@@ -143,9 +143,10 @@ def resolve_vocab(cfg, data):
 
 def measure_peak_flops(dtype, size=1024, repeats=5):
     """FLOP/s of a large square matmul on one device: the denominator of MFU, measured
-    on this machine in this run so that MFU is a ratio, not a guess."""
+    on this machine in this run so that MFU is a ratio, not a guess. Accumulating in
+    float32 is the fast path for bfloat16 (on this CPU 363 vs 161 GFLOP/s at 2048^3)."""
     a = jnp.ones((size, size), dtype)
-    matmul = jax.jit(lambda a, b: a @ b)
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     matmul(a, a).block_until_ready()
     start = time.perf_counter()
     for _ in range(repeats):
