@@ -104,7 +104,7 @@ def main(argv):
 
 
 # ----------------------------------------------------------------------------
-# Everything below imports JAX lazily, after setup_devices.
+# Importing JAX is fine here: its backend starts on first use, after setup_devices.
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
