@@ -115,7 +115,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import checkpoint  # noqa: E402
 import parallel as par  # noqa: E402
 from dataset import get_tokenizer, open_data, check_tokenizer  # noqa: E402
-from model import Transformer, decode_step, init_cache  # noqa: E402
+from model import decode_step, init_cache  # noqa: E402
 from utils import (ConfigError, MetricsLog, apply_overrides, config_from_dict, config_to_dict, count_params,  # noqa: E402
                    flops_per_token, human, truncate_metrics)
 

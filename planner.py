@@ -249,7 +249,7 @@ def layer_bytes(s, kind, m):
 
 def local_sizes(cfg, mesh_shape, compute_bytes=None):
     m, t = cfg.model, cfg.train
-    dp, pp, tp = mesh_shape["dp"], mesh_shape["pp"], mesh_shape["tp"]
+    dp, tp = mesh_shape["dp"], mesh_shape["tp"]
     S = min(m.routing_group or m.seq_len, m.seq_len)
     C = expert_capacity(S, m.top_k, m.n_experts, m.capacity_factor) if m.capacity_factor > 0 else math.ceil(S * m.top_k / m.n_experts)
     return Local(b=t.batch_size // (dp * t.microbatches), T=m.seq_len, D=m.d_model, H=m.n_heads // tp, K=m.head_dim,

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import sys
-import time
 import typing
 from dataclasses import dataclass, field
 
@@ -342,11 +341,8 @@ def flops_per_token(model_cfg):
       (full T x T, as in the PaLM paper's MFU accounting).
     Remat recomputation is not counted: MFU measures useful work.
     """
-    from model import padded_vocab
-
     m = model_cfg
     total, active = count_params(m)
-    embed = padded_vocab(m.vocab_size, m.vocab_multiple) * m.d_model
     norms = m.d_model * (2 * m.n_blocks * len(m.block_pattern) + 1) + m.n_blocks * len(m.block_pattern) * (m.q_latent + m.kv_latent)
     matmul_params = active - norms  # the embedding counts once, as the output layer
     n_layers = m.n_blocks * len(m.block_pattern)
@@ -479,13 +475,6 @@ def human(n):
         n /= 1000
     return f"{n:.3g}P"
 
-
-class Timer:
-    def __init__(self):
-        self.start = time.perf_counter()
-
-    def __call__(self):
-        return time.perf_counter() - self.start
 
 
 # ----------------------------------------------------------------------------

@@ -10,7 +10,6 @@ Needs the Debian packages openssh-server, tmux and shellcheck (.ci/run installs 
 """
 
 import getpass
-import json
 import os
 import shutil
 import socket
@@ -18,7 +17,6 @@ import stat
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 

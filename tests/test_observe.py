@@ -8,7 +8,6 @@ with wandb's reader, `wandb leet inspect --json`."""
 
 import glob
 import json
-import math
 import os
 import subprocess
 import sys

@@ -136,7 +136,7 @@ def plain_loss(model, tokens_BT1, cfg):
     logits_BTV, stats_N = model(tokens_BT1[:, :-1])
     logp = jax.nn.log_softmax(logits_BTV, axis=-1)
     ce = -jnp.mean(jnp.take_along_axis(logp, tokens_BT1[:, 1:, None], -1))
-    groups_per_layer = tokens_BT1.shape[0] * cfg.model.seq_len // cfg.model.seq_len
+    groups_per_layer = tokens_BT1.shape[0]  # one routing group per sequence (routing_group = seq_len)
     n_moe = cfg.model.n_blocks * cfg.model.block_pattern.count("M")
     aux = jnp.sum(stats_N["aux_loss_sum"]) / (groups_per_layer * n_moe)
     return ce + cfg.model.aux_loss_weight * aux
