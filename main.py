@@ -96,10 +96,11 @@ def main(argv):
             raise
         # An error in one process leaves the others stuck in a collective: stop now, so
         # that they in turn see the connection close and stop too (gloo on CPU raises
-        # "Connection closed by peer"; elsewhere JAX's heartbeat timeout stops them).
+        # "Connection closed by peer", or "Read timeout" when the dead peer's socket was
+        # mid-transfer; elsewhere JAX's heartbeat timeout stops them).
         traceback.print_exc()
         stop_now(f"error: process {jax.process_index()} of {jax.process_count()} stopped on {type(e).__name__} above. "
-                 "If it reports a closed or reset connection, another process died or its host became unreachable: "
+                 "If it reports a closed or reset connection or a read timeout, another process died or its host became unreachable: "
                  "see that process's log. Start all processes again to resume from the last checkpoint.")
 
 

@@ -209,9 +209,9 @@ def test_killed_process_stops_the_other_with_a_clear_message(tmp_path, tmp_path_
     assert status is not None, f"the survivor was still running 130 s after its peer died:\n{output[-3000:]}"
     assert status != 0
     assert elapsed < 120, f"took {elapsed:.0f}s"
-    # gloo sees the dead peer's connection close at once; JAX's own service may get there
-    # first when the coordinator is the one that died.
-    assert re.search(r"Connection (closed|reset) by peer|another task died", output), output[-3000:]
+    # gloo sees the dead peer's connection close at once (or times out a read it was in the
+    # middle of); JAX's own service may get there first when the coordinator is the one that died.
+    assert re.search(r"Connection (closed|reset) by peer|Read timeout|another task died", output), output[-3000:]
     if "another task died" not in output:
         assert f"error: process {1 - victim} of 2 stopped" in output, output[-3000:]
 
