@@ -7,9 +7,10 @@
 MFU = model FLOPs per step / (step time x devices x peak), where model FLOPs are
 utils.flops_per_token (matmuls of the active parameters, forward + backward, plus
 attention scores) and peak is a large matmul in the compute dtype timed on this
-device in this run, so the figure is a ratio that survives a noisy machine. With fake
-CPU devices all "devices" share the same cores, so there MFU is only comparable
-between runs on the same mesh.
+device in this run (the fastest of 5), so the figure is a ratio that survives a noisy
+machine; the step time is the median of the timed steps. With fake CPU devices all
+"devices" share the same cores, so there MFU is only comparable between runs on the
+same mesh.
 
 Takes every main.py flag, plus --json PATH, --steps N (timed steps, default 10) and
 --warmup N (untimed steps after compile, default 2). Tokens are random: this measures
@@ -63,11 +64,13 @@ def bench(cfg, steps, warmup):
     for i in range(warmup):
         params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(i))
     jax.block_until_ready(metrics) if warmup else None
-    start = time.perf_counter()
-    for i in range(steps):
+    step_times = []
+    for i in range(steps):  # each step timed alone; the median ignores a neighbour's burst
+        start = time.perf_counter()
         params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(warmup + i))
-    jax.block_until_ready(metrics)
-    step_s = (time.perf_counter() - start) / steps
+        jax.block_until_ready(metrics)
+        step_times.append(time.perf_counter() - start)
+    step_s = float(np.median(step_times))
 
     peak = measure_peak_flops(jnp.dtype(cfg.model.dtype), size=2048 if jax.default_backend() == "cpu" else 8192)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len

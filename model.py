@@ -41,6 +41,23 @@ def residual_scale(cfg):
     return 1.0 / math.sqrt(2 * cfg.n_blocks * len(cfg.block_pattern))
 
 
+def project(x, w, n_in=1):
+    """Contract x's last `n_in` dims with w's first `n_in` dims: x [..., I] @ w [I, O...].
+
+    The leading dims of x are flattened into one row dim before the matmul. Why: XLA:CPU
+    computes the weight gradient of a matmul whose rows span two dims (B and T) about 3x
+    slower than the same product with one row dim (a SwiGLU FFN on [16, 128, 128] with
+    F = 512, forward + backward: 48.6 ms vs 14.9 ms). The product accumulates in float32,
+    which for bfloat16 inputs is both more accurate and, on CPU, the fast path (363 vs
+    161 GFLOP/s at 2048^3), and comes back in x's dtype.
+    """
+    lead, inner = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
+    rows_NI = x.reshape(-1, math.prod(inner))
+    w_IO = w.reshape(math.prod(inner), -1).astype(x.dtype)
+    y_NO = jnp.dot(rows_NI, w_IO, preferred_element_type=ACC_DTYPE).astype(x.dtype)
+    return y_NO.reshape(*lead, *w.shape[n_in:])
+
+
 def psum_if(x, axis):
     """Sum over a mesh axis inside shard_map; on one device (axis None) a no-op."""
     return x if axis is None else jax.lax.psum(x, axis)
@@ -105,35 +122,59 @@ class MLAttention(nnx.Module):
         self.wv_up_AHK = init_normal(rngs, (A, H, K), A)
         self.wo_HKD = init_normal(rngs, (H, K, D), H * K, residual_scale(cfg))
         self.softmax_scale = 1.0 / math.sqrt(K + R)
+        self.implementation = cfg.attention
 
     def queries(self, x_BTD, angles):
-        q_BTQ = self.q_norm(x_BTD @ self.wq_down_DQ[...])
-        q_nope_BTHK = jnp.einsum("btq,qhk->bthk", q_BTQ, self.wq_up_QHK[...])
-        q_rope_BTHR = apply_rope(jnp.einsum("btq,qhr->bthr", q_BTQ, self.wq_rope_QHR[...]), angles)
+        q_BTQ = self.q_norm(project(x_BTD, self.wq_down_DQ[...]))
+        q_nope_BTHK = project(q_BTQ, self.wq_up_QHK[...])
+        q_rope_BTHR = apply_rope(project(q_BTQ, self.wq_rope_QHR[...]), angles)
         return q_nope_BTHK, q_rope_BTHR
 
     def latents(self, x_BTD, angles):
         """What the cache stores: the normalised KV latent and the shared RoPE key."""
-        kv_BTA = self.kv_norm(x_BTD @ self.wkv_down_DA[...])
-        k_rope_BTR = apply_rope(x_BTD @ self.wk_rope_DR[...], angles)
+        kv_BTA = self.kv_norm(project(x_BTD, self.wkv_down_DA[...]))
+        k_rope_BTR = apply_rope(project(x_BTD, self.wk_rope_DR[...]), angles)
         return kv_BTA, k_rope_BTR
 
     def __call__(self, x_BTD, angles, tp_axis=None):
         """Causal self-attention over a whole sequence (training and eval)."""
-        T = x_BTD.shape[1]
+        B, T, _ = x_BTD.shape
         q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles)
         kv_BSA, k_rope_BSR = self.latents(x_BTD, angles)
-        k_nope_BSHK = jnp.einsum("bsa,ahk->bshk", kv_BSA, self.wk_up_AHK[...])
-        v_BSHK = jnp.einsum("bsa,ahk->bshk", kv_BSA, self.wv_up_AHK[...])
-        scores_BHTS = jnp.einsum("bthk,bshk->bhts", q_nope_BTHK, k_nope_BSHK, preferred_element_type=ACC_DTYPE)
-        scores_BHTS += jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR, preferred_element_type=ACC_DTYPE)
-        causal_TS = jnp.tril(jnp.ones((T, T), bool))
-        scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
-        probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
-        out_BTHK = jnp.einsum("bhts,bshk->bthk", probs_BHTS, v_BSHK)
+        k_nope_BSHK = project(kv_BSA, self.wk_up_AHK[...])
+        v_BSHK = project(kv_BSA, self.wv_up_AHK[...])
+        if self.implementation == "dot_product_attention":
+            out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK)
+        else:
+            # Heads-major layout, so each product is a batch of plain 2-D matmuls (on
+            # this CPU the forward runs 2x faster than with einsums over [B, T, H, K]).
+            q_nope_BHTK, v_BHSK = q_nope_BTHK.transpose(0, 2, 1, 3), v_BSHK.transpose(0, 2, 1, 3)
+            scores_BHTS = jnp.matmul(q_nope_BHTK, k_nope_BSHK.transpose(0, 2, 3, 1), preferred_element_type=ACC_DTYPE)
+            # The RoPE key is shared by every head: rows (h, t) of one sequence meet the same keys.
+            q_rope_BNR = q_rope_BTHR.transpose(0, 2, 1, 3).reshape(B, -1, q_rope_BTHR.shape[-1])
+            scores_BHTS += jnp.matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1), preferred_element_type=ACC_DTYPE).reshape(scores_BHTS.shape)
+            causal_TS = jnp.tril(jnp.ones((T, T), bool))
+            scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
+            probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
+            out_BTHK = jnp.matmul(probs_BHTS, v_BHSK, preferred_element_type=ACC_DTYPE).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
         # Tensor parallel: each device holds H/tp heads, so this is a partial sum over
         # heads; the psum (an all-reduce over `tp`) completes it (Megatron, row-parallel).
-        return psum_if(jnp.einsum("bthk,hkd->btd", out_BTHK, self.wo_HKD[...]), tp_axis)
+        return psum_if(project(out_BTHK, self.wo_HKD[...], n_in=2), tp_axis)
+
+    def fused_attention(self, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK):
+        """jax.nn.dot_product_attention (cuDNN flash attention on GPUs that have it).
+
+        It wants one head dim for queries, keys and values, so queries and keys carry
+        [content | RoPE] parts (the shared RoPE key copied to every head) and values are
+        zero-padded from K to K + R; the padding is cut off again.
+        """
+        H, K, R = v_BSHK.shape[2], v_BSHK.shape[3], q_rope_BTHR.shape[3]
+        q_BTHW = jnp.concatenate([q_nope_BTHK, q_rope_BTHR], axis=-1)
+        k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_rope_BSR.shape[:2] + (H, R))
+        k_BSHW = jnp.concatenate([k_nope_BSHK, k_rope_BSHR], axis=-1)
+        v_BSHW = jnp.pad(v_BSHK, ((0, 0), (0, 0), (0, 0), (0, R)))
+        out_BTHW = jax.nn.dot_product_attention(q_BTHW, k_BSHW, v_BSHW, scale=self.softmax_scale, is_causal=True)
+        return out_BTHW[..., :K]
 
     def decode(self, x_BTD, angles, cache, start):
         """Attend T new tokens at positions start..start+T-1 to the latent cache.
@@ -156,8 +197,8 @@ class MLAttention(nnx.Module):
         scores_BHTS = jnp.where(visible_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
         probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
         context_BTHA = jnp.einsum("bhts,bsa->btha", probs_BHTS, kv_cache_BSA)
-        out_BTHK = jnp.einsum("btha,ahk->bthk", context_BTHA, self.wv_up_AHK[...])
-        y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK, self.wo_HKD[...])
+        out_BTHK = jnp.einsum("btha,ahk->bthk", context_BTHA, self.wv_up_AHK[...])  # per head: not a plain projection
+        y_BTD = project(out_BTHK, self.wo_HKD[...], n_in=2)
         return y_BTD, (kv_cache_BSA, rope_cache_BSR)
 
 
@@ -178,12 +219,12 @@ class DenseFFN(nnx.Module):
         self.w_down_FD = init_normal(rngs, (d_hidden, d_model), d_hidden, out_scale)
 
     def __call__(self, x_BTD):  # partial sum over F when F is split: caller psums
-        up_BTF = x_BTD @ self.w_up_DF[...]
+        up_BTF = project(x_BTD, self.w_up_DF[...])
         if self.activation == "swiglu":
-            hidden_BTF = jax.nn.silu(x_BTD @ self.w_gate_DF[...]) * up_BTF
+            hidden_BTF = jax.nn.silu(project(x_BTD, self.w_gate_DF[...])) * up_BTF
         else:
             hidden_BTF = jax.nn.gelu(up_BTF)
-        return hidden_BTF @ self.w_down_FD[...]
+        return project(hidden_BTF, self.w_down_FD[...])
 
 
 def top_k_routing(x_SD, router_DE, top_k, score):
@@ -272,10 +313,19 @@ class MoE(nnx.Module):
         self.shared = DenseFFN(D, cfg.n_shared * F, "swiglu", rngs, residual_scale(cfg)) if cfg.n_shared else None
 
     def expert_ffn(self, x_GECD):
-        """SwiGLU of each local expert on its buffer of tokens."""
-        gate_GECF = jnp.einsum("gecd,edf->gecf", x_GECD, self.w_gate_EDF[...])
-        up_GECF = jnp.einsum("gecd,edf->gecf", x_GECD, self.w_up_EDF[...])
-        return jnp.einsum("gecf,efd->gecd", jax.nn.silu(gate_GECF) * up_GECF, self.w_down_EFD[...])
+        """SwiGLU of each local expert on its buffer of tokens.
+
+        Each expert's slots of all groups become one row dim N = G x C, so every matmul is
+        a batch (over E) of plain 2-D products (see `project` for why that is faster)."""
+        G, E, C, D = x_GECD.shape
+        x_END = x_GECD.transpose(1, 0, 2, 3).reshape(E, G * C, D)
+
+        def expert_matmul(x_ENI, w_EIO):
+            return jnp.einsum("eni,eio->eno", x_ENI, w_EIO.astype(x_ENI.dtype), preferred_element_type=ACC_DTYPE).astype(x_ENI.dtype)
+
+        hidden_ENF = jax.nn.silu(expert_matmul(x_END, self.w_gate_EDF[...])) * expert_matmul(x_END, self.w_up_EDF[...])
+        y_END = expert_matmul(hidden_ENF, self.w_down_EFD[...])
+        return y_END.reshape(E, G, C, D).transpose(1, 0, 2, 3)
 
     def routed_with_capacity(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis):
         G, S, D = x_GSD.shape
@@ -401,11 +451,15 @@ class Block(nnx.Module):
         self.layers = nnx.List([Layer(cfg, kind, rngs) for kind in cfg.block_pattern])
         self.n_experts = cfg.n_experts
 
-    def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None):
-        """Returns x_BTD and the MoE statistics of this block's MoE layers, summed."""
+    def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat_layers=False):
+        """Returns x_BTD and the MoE statistics of this block's MoE layers, summed.
+        remat_layers: keep only each layer's input for the backward pass."""
         stats = empty_moe_stats(self.n_experts)
+        run_layer = lambda layer, x_BTD, rng: layer(x_BTD, angles, tp_axis, ep_axis, rng)  # noqa: E731
+        if remat_layers:
+            run_layer = nnx.remat(run_layer)
         for i, layer in enumerate(self.layers):
-            x_BTD, layer_stats = layer(x_BTD, angles, tp_axis, ep_axis, None if rng is None else jax.random.fold_in(rng, i))
+            x_BTD, layer_stats = run_layer(layer, x_BTD, None if rng is None else jax.random.fold_in(rng, i))
             if layer_stats is not None:
                 stats = jax.tree.map(jnp.add, stats, layer_stats)
         return x_BTD, stats
@@ -493,11 +547,14 @@ class Transformer(nnx.Module):
         return self.logits(x_BTD), stats_N
 
 
-def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat=False, prepare=None, unroll=False):
+def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat="none", prepare=None, unroll=False):
     """Run stacked blocks in order with lax.scan (one compiled body whatever N is).
 
     `blocks` is a Block whose weights carry a leading axis N. `prepare` maps one
     block's weights just before use (cast to the compute dtype; under FSDP, all-gather).
+    `remat` (--model.remat) says what the backward pass keeps and what it recomputes;
+    "stage" is applied around all of a stage's blocks by parallel.pipeline_loss, so
+    here it keeps everything, like "none".
     Returns x and the MoE statistics of each block, stacked on a leading axis N.
     """
     block_def, block_state = nnx.split(blocks)
@@ -507,13 +564,16 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
         if prepare is not None:
             state = prepare(state)
         block_rng = None if rng is None else jax.random.fold_in(rng, index)
-        return nnx.merge(block_def, state)(x_BTD, angles, tp_axis, ep_axis, block_rng)
+        return nnx.merge(block_def, state)(x_BTD, angles, tp_axis, ep_axis, block_rng, remat_layers=remat == "layer")
 
-    if remat:  # keep only each block's input; recompute its insides in the backward pass
+    if remat == "block":  # keep only each block's input; recompute its insides in the backward pass
         body = jax.checkpoint(body)
+    elif remat == "block_dots":  # keep every matmul output; recompute norms, activations, softmax
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
     n_blocks = jax.tree.leaves(block_state)[0].shape[0]
     # Unrolled, XLA sees every block at once (on this CPU the backward pass of a rolled
-    # loop ran 2x slower); rolled, the compile time does not grow with depth.
+    # loop ran 2x slower, and a plain Python loop over blocks 10% slower than this);
+    # rolled, the compile time does not grow with depth.
     return jax.lax.scan(body, x_BTD, (block_state, jnp.arange(n_blocks)), unroll=n_blocks if unroll else 1)
 
 

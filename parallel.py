@@ -245,12 +245,20 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     x0_MbTD = jax.vmap(lambda t: model.embed(t, TP))(inputs_MbT)
     ep_axis = DP if cfg.mesh.expert_parallel else None
 
+    blocks_def, blocks_state = nnx.split(model.blocks)
+
+    def run_stage(blocks_state, x_bTD, tick_rng):
+        return apply_blocks(nnx.merge(blocks_def, blocks_state), x_bTD, angles, TP, ep_axis, tick_rng,
+                            remat=m_cfg.remat, prepare=params_fn, unroll=m_cfg.unroll_blocks)
+
+    if m_cfg.remat == "stage":  # keep only the stage's input per tick
+        run_stage = jax.checkpoint(run_stage)
+
     def tick(carry, t):
         received_bTD = carry
         x_bTD = jnp.where(stage == 0, x0_MbTD[jnp.minimum(t, M - 1)], received_bTD)
         tick_rng = None if rng is None else jax.random.fold_in(rng, t)
-        y_bTD, stats_N = apply_blocks(model.blocks, x_bTD, angles, TP, ep_axis, tick_rng, remat=m_cfg.remat == "block",
-                                      prepare=params_fn, unroll=m_cfg.unroll_blocks)
+        y_bTD, stats_N = run_stage(blocks_state, x_bTD, tick_rng)
         valid = (t - stage >= 0) & (t - stage < M)  # is this stage working on a real microbatch?
         stats_N = jax.tree.map(lambda s: jnp.where(valid, s, jnp.zeros_like(s)), stats_N)
         # Hand the activation to the next stage; the last stage's output is kept as ys.
@@ -261,9 +269,25 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     first_received = varying_over(jnp.zeros_like(x0_MbTD[0]), PP)  # the carry differs per stage from tick 1 on
     _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
     outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
-    ce_sum = model.loss_sum(outputs_MbTD.reshape(M * b, T1 - 1, -1), targets_MbT.reshape(M * b, T1 - 1), TP)
+    ce_sum = microbatched_loss_sum(model, outputs_MbTD, targets_MbT)
     ce_sum = jnp.where(stage == n_stages - 1, ce_sum, 0.0)  # other stages hold no finished outputs
     return ce_sum, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN)
+
+
+def microbatched_loss_sum(model, outputs_MbTD, targets_MbT):
+    """Summed cross-entropy, one microbatch at a time: the float32 logits [b, T, V/tp] of
+    only one microbatch exist at once (the backward pass recomputes them per
+    microbatch), instead of [M * b, T, V/tp], which for a large vocabulary would be
+    most of a device's memory."""
+    if outputs_MbTD.shape[0] == 1:  # nothing to split: skip the recomputation
+        return model.loss_sum(outputs_MbTD[0], targets_MbT[0], TP)
+
+    @jax.checkpoint
+    def microbatch_loss(_, output_and_targets):
+        x_bTD, targets_bT = output_and_targets
+        return None, model.loss_sum(x_bTD, targets_bT, TP)
+
+    return jnp.sum(jax.lax.scan(microbatch_loss, None, (outputs_MbTD, targets_MbT))[1])
 
 
 def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):

@@ -35,6 +35,9 @@ class RunConfig:
     compile_cache: str = option("~/.cache/meshformer/jax", "JAX's persistent compilation cache (reruns skip compiling); empty = off")
 
 
+REMAT_POLICIES = ("none", "layer", "block", "block_dots", "stage")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = option(0, "vocabulary size; 0 = take it from the data's manifest")
@@ -61,7 +64,10 @@ class ModelConfig:
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss")
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
-    remat: str = option("none", "rematerialisation: block (recompute each block in the backward pass) | none")
+    attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
+    remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
+                                "block (each block from its input) | block_dots (each block, keeping its matmul outputs) | "
+                                "stage (all of a pipeline stage's blocks, per microbatch, from the stage input)")
     unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
 
 
@@ -285,7 +291,8 @@ def validate_model(cfg):
         (m.ffn_activation in ("swiglu", "gelu"), f"--model.ffn_activation must be swiglu or gelu, got {m.ffn_activation!r}"),
         (m.router_score in ("softmax", "sigmoid"), f"--model.router_score must be softmax or sigmoid, got {m.router_score!r}"),
         (m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
-        (m.remat in ("block", "none"), f"--model.remat must be block or none, got {m.remat!r}"),
+        (m.attention in ("matmul", "dot_product_attention"), f"--model.attention must be matmul or dot_product_attention, got {m.attention!r}"),
+        (m.remat in REMAT_POLICIES, f"--model.remat must be one of {', '.join(REMAT_POLICIES)}, got {m.remat!r}"),
         (m.rope_dim % 2 == 0, f"--model.rope_dim must be even (RoPE rotates pairs), got {m.rope_dim}"),
         (1 <= m.top_k <= m.n_experts, f"--model.top_k ({m.top_k}) must be between 1 and --model.n_experts ({m.n_experts})"),
         (m.capacity_factor >= 0, "--model.capacity_factor must be >= 0 (0 = dropless)"),

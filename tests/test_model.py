@@ -211,6 +211,26 @@ def test_mla_queries_and_keys_rotate_with_the_same_frequencies():
     np.testing.assert_allclose(run(37, 0)[1], out_BTD, atol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", ["matmul", "dot_product_attention"])
+def test_attention_equals_a_plain_reference(implementation):
+    """Both attention kernels against MLA written out with einsums over [B, T, H, K]:
+    content and RoPE scores added, causal softmax, values, output projection."""
+    cfg = tiny(attention=implementation)
+    attn = MLAttention(cfg, nnx.Rngs(0))
+    B, T = 2, cfg.seq_len
+    x_BTD = jax.random.normal(jax.random.key(1), (B, T, cfg.d_model))
+    angles = angles_for(cfg, B, T, 0)
+    q_nope_BTHK, q_rope_BTHR = attn.queries(x_BTD, angles)
+    kv_BSA, k_rope_BSR = attn.latents(x_BTD, angles)
+    k_nope_BSHK = jnp.einsum("bsa,ahk->bshk", kv_BSA, attn.wk_up_AHK[...])
+    v_BSHK = jnp.einsum("bsa,ahk->bshk", kv_BSA, attn.wv_up_AHK[...])
+    scores_BHTS = jnp.einsum("bthk,bshk->bhts", q_nope_BTHK, k_nope_BSHK) + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)
+    scores_BHTS = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BHTS / np.sqrt(cfg.head_dim + cfg.rope_dim), -jnp.inf)
+    out_BTHK = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores_BHTS, axis=-1), v_BSHK)
+    expected_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK, attn.wo_HKD[...])
+    np.testing.assert_allclose(attn(x_BTD, angles), expected_BTD, rtol=1e-5, atol=1e-5)
+
+
 def test_whole_model_is_invariant_to_a_position_offset():
     """With RoPE as the only position signal, the logits of a sequence do not change
     when all its positions are shifted (start=0 vs start=29), but do when the tokens move."""
