@@ -12,19 +12,21 @@ machine; the step time is the median of the timed steps. With fake CPU devices a
 "devices" share the same cores, so there MFU is only comparable between runs on the
 same mesh.
 
-Takes every main.py flag, plus --json PATH, --steps N (timed steps, default 10) and
---warmup N (untimed steps after compile, default 2). Tokens are random: this measures
+Takes every main.py flag, plus --json PATH, --steps N (timed steps, default 10),
+--warmup N (untimed steps after compile, default 2) and --profile DIR (trace the steps
+once more and print device time per kind of XLA op). Tokens are random: this measures
 the step, not the data loader (see bench_data.py for that).
 """
 
 import json
+import os
 import sys
 import time
 
 
 def split_bench_flags(argv):
     """Pull out bench.py's own flags; the rest are main.py's config flags."""
-    own, rest, i = {"json": "", "steps": "10", "warmup": "2"}, [], 0
+    own, rest, i = {"json": "", "steps": "10", "warmup": "2", "profile": ""}, [], 0
     while i < len(argv):
         name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
         if name in own:
@@ -35,10 +37,44 @@ def split_bench_flags(argv):
         else:
             rest.append(argv[i])
         i += 1
-    return own["json"], int(own["steps"]), int(own["warmup"]), rest
+    return own["json"], int(own["steps"]), int(own["warmup"]), own["profile"], rest
 
 
-def bench(cfg, steps, warmup):
+def profile_steps(compiled, params, opt_state, batch, steps, trace_dir, top=25):
+    """Trace `steps` steps with jax.profiler and print where the time goes: device time
+    per kind of XLA operation (the HLO name without its number: ynn_fusion = a matmul
+    fused by XLA:CPU, dot = a matmul left to Eigen, all_gather, ...), slowest first.
+    Open the trace itself with Perfetto (ui.perfetto.dev) or TensorBoard."""
+    import collections
+    import glob
+    import gzip
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for i in range(steps):
+            params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(i))
+        jax.block_until_ready(metrics)
+    trace_file = max(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True), key=os.path.getmtime)
+    with gzip.open(trace_file) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    us_by_kind, count_by_kind = collections.Counter(), collections.Counter()
+    for e in events:  # XLA's ops; host-side Python and runtime frames are left out
+        if e["name"].startswith("$") or "Thunk" in e["name"] or "ThreadPool" in e["name"] or "PjitFunction" in e["name"]:
+            continue
+        kind = re.sub(r"\.\d+$", "", e["name"])
+        us_by_kind[kind] += e["dur"]
+        count_by_kind[kind] += 1
+    total = sum(us_by_kind.values())
+    print(f"device time per step by XLA op kind ({total / steps / 1e3:.1f} ms of op time per step; trace in {trace_file}):")
+    for kind, us in us_by_kind.most_common(top):
+        print(f"  {us / steps / 1e3:8.2f} ms {us / total:6.1%} {count_by_kind[kind] // steps:5d}x  {kind}")
+    return params, opt_state
+
+
+def bench(cfg, steps, warmup, profile_dir=""):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -71,6 +107,8 @@ def bench(cfg, steps, warmup):
         jax.block_until_ready(metrics)
         step_times.append(time.perf_counter() - start)
     step_s = float(np.median(step_times))
+    if profile_dir:
+        params, opt_state = profile_steps(compiled, params, opt_state, batch, steps, profile_dir)
 
     peak = measure_peak_flops(jnp.dtype(cfg.model.dtype), size=2048 if jax.default_backend() == "cpu" else 8192)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
@@ -90,7 +128,7 @@ def bench(cfg, steps, warmup):
 def main(argv):
     from utils import ConfigError, parse_args
 
-    json_path, steps, warmup, rest = split_bench_flags(argv)
+    json_path, steps, warmup, profile_dir, rest = split_bench_flags(argv)
     try:
         cfg = parse_args(rest)
     except ConfigError as e:
@@ -98,7 +136,7 @@ def main(argv):
     from main import setup_devices
 
     setup_devices(cfg)
-    result = bench(cfg, steps, warmup)
+    result = bench(cfg, steps, warmup, profile_dir)
     for key, value in result.items():
         print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")
     if json_path:

@@ -247,6 +247,18 @@ def layer_bytes(s, kind, m):
     return attention_bytes(s) + ffn
 
 
+def matmul_output_bytes(s, kind, m):
+    """What remat block_dots keeps of a layer, per token: every matmul's output, in
+    float32 (model.project accumulates in float32 and casts after)."""
+    attention = (s.Q + s.H * s.K + s.H * s.R + s.A + s.R + 2 * s.H * s.K  # down, up and RoPE projections
+                 + 2 * s.H * s.T + s.H * s.K + s.D)  # two score products, probs x values, output projection
+    if kind == "M":
+        ffn = s.E + s.E * s.C / s.S * (2 * s.Fe + s.D) + (2 * s.Fs + s.D if m.n_shared else 0)  # router, experts, shared
+    else:
+        ffn = (2 * s.F if m.ffn_activation == "swiglu" else s.F) + s.D
+    return (attention + ffn) * F32
+
+
 def local_sizes(cfg, mesh_shape, compute_bytes=None):
     m, t = cfg.model, cfg.train
     dp, tp = mesh_shape["dp"], mesh_shape["tp"]
@@ -265,6 +277,11 @@ def local_sizes(cfg, mesh_shape, compute_bytes=None):
 # tests/test_planner.py): 0.5-0.85 for remat none; with remat block the recomputed
 # block's own intermediates are that working set (counted as 1 block).
 BACKWARD_WORKING_FRACTION = 0.75
+# A block recomputed by remat, when a stage holds only one block: the block loop is a
+# single step, and XLA frees each recomputed tensor after its last use in the backward
+# pass instead of holding them all in the loop's buffers. Measured on CPU: 0.83-0.84
+# of a block's intermediates (moe1b scaled down, 1x2x1 and 2x2x2, remat block).
+SINGLE_BLOCK_RECOMPUTE_FRACTION = 0.85
 
 
 def activation_bytes(cfg, mesh_shape, compute_bytes=None):
@@ -275,7 +292,8 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None):
       remat none: every intermediate of every local block, per tick;
       remat block: each local block's input per tick.
     On top of that, the peak is the larger of two phases, which never overlap:
-      loss: float32 logits [M*b, T, V/tp] of all microbatches at once, and their gradient;
+      loss: float32 logits [b, T, V/tp] of one microbatch and their gradient
+        (parallel.microbatched_loss_sum recomputes them per microbatch);
       block backward: remat block recomputes one block (its intermediates); remat none
         works through one block's cotangents (BACKWARD_WORKING_FRACTION of a block).
         With both loops real (ticks > 1 and several local blocks), remat none also
@@ -291,19 +309,31 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None):
     per_block = tokens * sum(layer_bytes(s, kind, m) for kind in m.block_pattern)
     x_bytes = tokens * s.D * s.c  # one microbatch's residual stream
     out = {}
-    if m.remat == "none":
-        out["saved: every local block's intermediates, every tick"] = ticks * blocks_here * per_block
+    if m.remat in ("none", "block_dots"):
+        kept = per_block if m.remat == "none" else tokens * sum(matmul_output_bytes(s, kind, m) for kind in m.block_pattern)
+        out[f"saved: every local block's {'intermediates' if m.remat == 'none' else 'matmul outputs'}, every tick"] = ticks * blocks_here * kept
         block_phase = BACKWARD_WORKING_FRACTION * per_block
         if ticks > 1 and blocks_here > 1:
-            block_phase += blocks_here * per_block
+            block_phase += blocks_here * kept
     else:
-        out["saved: every local block's input, every tick"] = ticks * blocks_here * x_bytes
-        block_phase = per_block
+        recomputed_block = per_block if blocks_here > 1 else SINGLE_BLOCK_RECOMPUTE_FRACTION * per_block
+        if m.remat == "stage":  # one tick's blocks recomputed, then walked back through
+            out["saved: the stage's input, every tick"] = ticks * x_bytes
+            block_phase = (blocks_here + BACKWARD_WORKING_FRACTION) * per_block if blocks_here > 1 else recomputed_block
+        elif m.remat == "layer":
+            # XLA (measured on CPU) recomputes all layers of a block before their backward
+            # pass rather than one at a time, so the working set is still a whole block.
+            out["saved: every local layer's input, every tick"] = ticks * blocks_here * len(m.block_pattern) * x_bytes
+            block_phase = recomputed_block
+        else:  # block
+            out["saved: every local block's input, every tick"] = ticks * blocks_here * x_bytes
+            block_phase = recomputed_block
     out["pipeline buffers (embedded inputs, stage outputs)"] = (t.microbatches + ticks) * x_bytes
-    rows = t.microbatches * tokens  # the loss sees every microbatch at once
+    rows = tokens  # the loss takes one microbatch at a time
     loss_phase = 2 * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)
     phases = {"loss: float32 logits + their gradient": loss_phase,
-              "backward through one block" + (" (+ a copy of one tick's)" if m.remat == "none" and ticks > 1 and blocks_here > 1 else ""): block_phase}
+              "backward through one " + ("stage" if m.remat == "stage" else "block")
+        + (" (+ a copy of one tick's)" if m.remat in ("none", "block_dots") and ticks > 1 and blocks_here > 1 else ""): block_phase}
     peak = max(phases, key=phases.get)
     out["peak of two phases: " + peak] = phases[peak]
     return out, phases
@@ -327,6 +357,14 @@ def collective_bw(hw, mesh_shape, axes):
     return hw.ring_bw
 
 
+# Remat policies that run the whole forward again in the backward pass (block_dots
+# recomputes only elementwise work), and those that keep the gathered weights of
+# every local block instead of gathering again (the gather sits outside a layer's
+# checkpoint; stage re-gathers while it recomputes, and so do block and block_dots).
+RECOMPUTE_FORWARD = ("layer", "block", "stage")
+KEEP_GATHERED = ("none", "layer")
+
+
 def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     """{name: seconds}. Compute at `efficiency` of peak; each collective at its bandwidth
     with no overlap (the serial sum is an upper bound, max(compute, comm) a lower one)."""
@@ -343,7 +381,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     n_moe = m.n_blocks * m.block_pattern.count("M")
     slot_factor = (s.E * s.C / s.S) / m.top_k if m.capacity_factor > 0 else 1.0
     executed = model_flops + 6 * routed_per_layer * n_moe * tokens_per_step * (slot_factor - 1)
-    if m.remat == "block":
+    if m.remat in RECOMPUTE_FORWARD:
         executed *= 4 / 3
     compute = executed / (n_devices * peak * efficiency)
     bubble = compute * (pp - 1) / t.microbatches  # = a fraction (pp-1)/(M+pp-1) of the pipelined compute
@@ -355,7 +393,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     # FSDP: every tick gathers every local block (and the backward pass reduce-scatters
     # its gradient, the same bytes); under remat the recompute gathers again. The
     # embedding and final norm are gathered once per step.
-    passes = 3 if m.remat == "block" else 2
+    passes = 2 if m.remat in KEEP_GATHERED else 3
     blocks_here = m.n_blocks // pp
     comm = {}
     per_block = fsdp_traffic(blocks, ep, mesh_shape, c, one_block=True)
@@ -370,14 +408,14 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     layers_here = blocks_here * len(m.block_pattern)
     if tp > 1:  # 2 all-reduces per layer forward (attention out, FFN out), 2 backward (their inputs), 2 more under remat
         all_reduce = 2 * (tp - 1) / tp * x_bytes
-        per_layer = 6 if m.remat == "block" else 4
+        per_layer = 4 if m.remat == "none" else 6
         comm["tp all-reduce of activations"] = ticks * layers_here * per_layer * all_reduce / collective_bw(hw, mesh_shape, ("tp",))
     if pp > 1:  # one microbatch activation to the next stage per tick, and its gradient back
         comm["pp ppermute of activations"] = 2 * ticks * x_bytes / hw.p2p_bw
     if ep and dp > 1:  # x_GECD out and y_GECD back, forward and backward (and recompute)
         buffer = s.b * s.T / s.S * s.E * s.C * s.D * c
         moe_here = m.n_blocks // pp * m.block_pattern.count("M")
-        per_layer = 6 if m.remat == "block" else 4
+        per_layer = 4 if m.remat == "none" else 6
         comm["ep all-to-all of expert buffers"] = ticks * moe_here * per_layer * buffer * (dp - 1) / dp / collective_bw(hw, mesh_shape, ("dp",))
     return dict(compute=compute, bubble=bubble, model_flops=model_flops, executed_flops=executed), comm
 
@@ -411,9 +449,10 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     blocks = {"blocks": params["blocks"]}
     top = {k: v for k, v in params.items() if k != "blocks"}
     one_block = gathered_bytes(blocks, ep, mesh_shape, c, one_block=True)
-    # remat none keeps every local block's gathered weights for the backward pass;
-    # remat block gathers one block at a time (again in the backward pass).
-    n_gathered = cfg.model.n_blocks // shape[1] if cfg.model.remat == "none" else 1
+    # remat none and layer keep every local block's gathered weights for the backward
+    # pass, and stage holds them all while it recomputes a tick; block and block_dots
+    # gather one block at a time (again in the backward pass).
+    n_gathered = cfg.model.n_blocks // shape[1] if cfg.model.remat in ("none", "layer", "stage") else 1
     memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, c, one_block=False)
     # XLA:CPU has no bfloat16 arithmetic: it computes in float32, and the intermediates
     # it keeps are float32 (measured: a bfloat16 step's temp bytes equal float32's).
@@ -522,8 +561,8 @@ def report(p):
     lines.append(f"fits: {need:.2f} GiB needed per device, {have:.2f} available" if p["fits"] else
                  f"will not fit: {need:.2f} GiB needed per device, {have:.2f} available")
     if p["loss_phase_bytes"] > p["total_bytes"] / 4:
-        lines.append(f"note: {p['loss_phase_bytes'] / GiB:.2f} GiB of it is the loss: float32 logits of all microbatches at once "
-                     "([batch/dp, T, V/tp], parallel.pipeline_loss), which more microbatches do not shrink")
+        lines.append(f"note: {p['loss_phase_bytes'] / GiB:.2f} GiB of it is the loss: float32 logits of one microbatch "
+                     "([batch/(dp x microbatches), T, V/tp], parallel.microbatched_loss_sum); more microbatches shrink it")
     if p["gpu"]:
         lines.append("note: JAX preallocates 75% of GPU memory; XLA_PYTHON_CLIENT_MEM_FRACTION=.95 lets it use more")
     return lines
