@@ -136,7 +136,10 @@ def main(argv):
     from main import setup_devices
 
     setup_devices(cfg)
-    result = bench(cfg, steps, warmup, profile_dir)
+    try:
+        result = bench(cfg, steps, warmup, profile_dir)
+    except ConfigError as e:  # a mesh the model does not fit: say which flag to change
+        sys.exit(f"error: {e}")
     for key, value in result.items():
         print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")
     if json_path:

@@ -454,12 +454,19 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # gather one block at a time (again in the backward pass).
     n_gathered = cfg.model.n_blocks // shape[1] if cfg.model.remat in ("none", "layer", "stage") else 1
     memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, c, one_block=False)
+    fsdp = fsdp_traffic(params, ep, mesh_shape, c, one_block=False)
+    if not fsdp and c == F32:  # nothing to gather or cast: the weights in use are the params themselves
+        memory["gathered weights"] = 0
     # XLA:CPU has no bfloat16 arithmetic: it computes in float32, and the intermediates
     # it keeps are float32 (measured: a bfloat16 step's temp bytes equal float32's).
     activations, phases = activation_bytes(cfg, mesh_shape, compute_bytes=F32 if hw_name == "cpu" else None)
     activations = {name: int(value) for name, value in activations.items()}
     memory["activations"] = sum(activations.values())
-    temp = memory["gradients"] + memory["gathered weights"] + memory["activations"]
+    # The gradient of one block's gathered weights, whole along the FSDP axes, exists
+    # until its reduce-scatter hands each device its shard (none without FSDP).
+    if fsdp:
+        memory["gathered gradient of one block"] = one_block
+    temp = memory["gradients"] + memory["gathered weights"] + memory.get("gathered gradient of one block", 0) + memory["activations"]
     total_bytes = memory["params"] + memory["optimizer"] + temp
 
     if hw_name == "cpu":
@@ -543,8 +550,9 @@ def report(p):
         return f"{n / size:9.2f} {unit}"
 
     rows = [("memory per device", "")]
-    for key in ("params", "optimizer", "gradients", "gathered weights", "activations"):
-        rows.append(("  " + key, mem_str(mem[key])))
+    for key in ("params", "optimizer", "gradients", "gathered weights", "gathered gradient of one block", "activations"):
+        if key in mem:
+            rows.append(("  " + key, mem_str(mem[key])))
     rows += [("    " + name, mem_str(value)) for name, value in p["activations"].items()]
     rows += [("  total", mem_str(p["total_bytes"]) + f"   of {p['available_bytes'] / GiB:.2f} GiB"), ("", "")]
     rows.append((f"step time (compute at an assumed {p['efficiency']:.0%} of {human(p['peak_flops'])}FLOP/s per device)", ""))
