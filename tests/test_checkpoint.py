@@ -84,6 +84,16 @@ def copy_run(run_dir, out_dir):
     return out_dir / run_dir.name
 
 
+def assert_redid_steps_after_10(run, reference, stdout, set_aside):
+    """The run resumed from checkpoint 10, set 20 and 30 aside as <step>.<set_aside>
+    (then saved them again), and its steps 1..30 repeat the reference bit for bit."""
+    assert f"resumed from {run}/checkpoints/10\n" in stdout
+    assert sorted(os.listdir(run / "checkpoints")) == ["10", "20", f"20.{set_aside}", "30", f"30.{set_aside}"]
+    resumed, order = train_losses(run)
+    straight, _ = train_losses(reference)
+    assert order == list(range(1, 31)) and resumed == straight
+
+
 # ----------------------------------------------------------------------------
 # In process: fingerprints, restore onto other meshes, errors
 
@@ -243,11 +253,7 @@ def test_damaged_checkpoints_fall_back_to_the_last_intact_one(tmp_path, data_cac
     out = result.stdout
     assert "checkpoint step 30" in out and "do not match the fingerprint" in out, out
     assert "checkpoint step 20" in out and "could not be restored" in out
-    assert f"resumed from {run}/checkpoints/10\n" in out
-    assert sorted(os.listdir(run / "checkpoints")) == ["10", "20", "20.unreadable", "30", "30.unreadable"]
-    resumed, order = train_losses(run)
-    straight, _ = train_losses(reference)
-    assert order == list(range(1, 31)) and resumed == straight
+    assert_redid_steps_after_10(run, reference, out, set_aside="unreadable")
 
 
 @pytest.mark.slow
@@ -261,11 +267,7 @@ def test_resume_step_picks_an_earlier_checkpoint_and_redoes_the_steps_after_it(t
     assert {"step", "data_position", "seed", "config", "wandb_id", "fingerprint"} <= set(meta)
     assert meta["step"] == meta["data_position"] == 30 and meta["config"]["model"]["vocab_size"] == BYTES_VOCAB
     result = main_py([*REFERENCE, "--run.name", "ref", "--train.resume_step", "10"], tmp_path, data_cache)
-    assert f"resumed from {run}/checkpoints/10\n" in result.stdout
-    assert sorted(os.listdir(run / "checkpoints")) == ["10", "20", "20.superseded", "30", "30.superseded"]
-    resumed, order = train_losses(run)
-    straight, _ = train_losses(reference)
-    assert order == list(range(1, 31)) and resumed == straight
+    assert_redid_steps_after_10(run, reference, result.stdout, set_aside="superseded")
 
 
 @pytest.mark.slow
