@@ -23,6 +23,17 @@ import traceback
 # Config and devices (before JAX starts: fake CPU devices and collectives are set then)
 
 
+def allow_slow_fake_devices(timeout_s=600):
+    """Fake CPU devices are threads sharing the machine's cores, and on a loaded machine
+    one of them can reach a collective long after the others. XLA:CPU aborts the whole
+    process when a collective has waited 40 s; give a slow thread `timeout_s` instead.
+    Takes effect if called before JAX starts its backend; a value already in XLA_FLAGS wins."""
+    flag = "--xla_cpu_collective_call_terminate_timeout_seconds"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}={timeout_s}".strip()
+
+
 def setup_devices(cfg):
     """Fake CPU devices and multi-process init; must run before JAX touches a device.
     Returns whether this is one process of several."""
@@ -30,6 +41,7 @@ def setup_devices(cfg):
 
     if cfg.run.cpu_devices:
         jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
+        allow_slow_fake_devices()
     if cfg.run.compile_cache:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.run.compile_cache))
     d = cfg.dist
