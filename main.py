@@ -23,11 +23,26 @@ import traceback
 # Config and devices (before JAX starts: fake CPU devices and collectives are set then)
 
 
-def allow_slow_fake_devices(timeout_s=600):
-    """Fake CPU devices are threads sharing the machine's cores, and on a loaded machine
-    one of them can reach a collective long after the others. XLA:CPU aborts the whole
-    process when a collective has waited 40 s; give a slow thread `timeout_s` instead.
-    Takes effect if called before JAX starts its backend; a value already in XLA_FLAGS wins."""
+def use_fake_cpu_devices(n_devices, timeout_s=600):
+    """Split the CPU into `n_devices` fake devices, set up so that collectives between
+    them cannot hang. Must run before JAX starts its backend.
+
+    XLA:CPU runs each device's program on a shared thread pool sized max(cores,
+    devices). A device blocked in a collective holds a thread, and the step may hand
+    its next collective to another pool thread: with one thread per device (any
+    machine with fewer cores than fake devices) every thread can end up waiting in a
+    different collective and the step deadlocks. Measured on 2 cores, dp2 x pp2 x tp2:
+    8 threads hung 7 runs of 9, 16 threads none of 33, and ran 1.2x faster than 32.
+    PJRT_NPROC (or NPROC) already in the environment wins.
+
+    Fake devices are threads sharing the cores, so on a loaded machine one can reach
+    a collective long after the others. XLA:CPU aborts the process when a collective
+    has waited 40 s; give a slow thread `timeout_s` instead (a value in XLA_FLAGS wins)."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", n_devices)
+    if "PJRT_NPROC" not in os.environ and "NPROC" not in os.environ:
+        os.environ["PJRT_NPROC"] = str(max(os.cpu_count() or 1, 2 * n_devices))
     flag = "--xla_cpu_collective_call_terminate_timeout_seconds"
     flags = os.environ.get("XLA_FLAGS", "")
     if flag not in flags:
@@ -40,8 +55,7 @@ def setup_devices(cfg):
     import jax
 
     if cfg.run.cpu_devices:
-        jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
-        allow_slow_fake_devices()
+        use_fake_cpu_devices(cfg.run.cpu_devices)
     if cfg.run.compile_cache:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.run.compile_cache))
     d = cfg.dist

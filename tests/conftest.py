@@ -3,11 +3,8 @@ parallel tests can build any mesh up to 8 devices; single-device tests use devic
 
 import os
 
-import jax
+from main import use_fake_cpu_devices
 
-from main import allow_slow_fake_devices
-
-jax.config.update("jax_num_cpu_devices", 8)
-allow_slow_fake_devices()  # 8 device threads on 2 cores: a collective may wait over 40 s
+use_fake_cpu_devices(8)
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
