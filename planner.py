@@ -280,8 +280,9 @@ BACKWARD_WORKING_FRACTION = 0.75
 # A block recomputed by remat on a split mesh, as a fraction of the per-layer sums
 # below: measured 0.83-0.84 on CPU for moe1b's DDDDDM blocks on every split mesh tried
 # (scaled down, remat block: 1x2x1, 2x2x2, 4x1x2, at 4 and 8 sequences per device),
-# 0.99-1.01 on one device. A fit, not a mechanism: for tiny's one-layer MoE blocks the
-# same working set is above the sum (tests/test_planner.py, TINY_BLOCK_GAP).
+# 0.99-1.01 on one device. A fit, not a mechanism. tiny's one-layer MoE blocks agree
+# either way (remat block on 2x2x2 and 4x1x2: 0.965 and 1.015 with it, 1.026 and 1.097
+# with 1.0; tests/test_planner.py).
 SPLIT_MESH_RECOMPUTE_FRACTION = 0.85
 
 
@@ -458,7 +459,8 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # remat none and layer keep every local block's gathered weights for the backward
     # pass, and stage holds them all while it recomputes a tick; block and block_dots
     # gather one block at a time (again in the backward pass).
-    n_gathered = cfg.model.n_blocks // shape[1] if cfg.model.remat in ("none", "layer", "stage") else 1
+    ticks, blocks_here = cfg.train.microbatches + shape[1] - 1, cfg.model.n_blocks // shape[1]
+    n_gathered = blocks_here if cfg.model.remat in ("none", "layer", "stage") else 1
     memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, c, one_block=False)
     fsdp = fsdp_traffic(params, ep, mesh_shape, c, one_block=False)
     if not fsdp and c == F32:  # nothing to gather or cast: the weights in use are the params themselves
@@ -472,7 +474,12 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # until its reduce-scatter hands each device its shard (none without FSDP).
     if fsdp:
         memory["gathered gradient of one block"] = one_block
-    temp = memory["gradients"] + memory["gathered weights"] + memory.get("gathered gradient of one block", 0) + memory["activations"]
+    # With both loops real (pipeline ticks > 1, several local blocks), the backward pass
+    # of a tick writes its blocks' gradients into a stack of their own, which is then
+    # added to the running sum over ticks: two copies of the blocks' gradients.
+    if ticks > 1 and blocks_here > 1:
+        memory["this tick's gradient of the stage's blocks"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32)
+    temp = sum(v for k, v in memory.items() if k not in ("params", "optimizer"))  # all that the step allocates
     total_bytes = memory["params"] + memory["optimizer"] + temp
 
     if hw_name == "cpu":
@@ -556,9 +563,8 @@ def report(p):
         return f"{n / size:9.2f} {unit}"
 
     rows = [("memory per device", "")]
-    for key in ("params", "optimizer", "gradients", "gathered weights", "gathered gradient of one block", "activations"):
-        if key in mem:
-            rows.append(("  " + key, mem_str(mem[key])))
+    rows += [("  " + key, mem_str(value)) for key, value in mem.items() if key != "activations"]
+    rows.append(("  activations", mem_str(mem["activations"])))
     rows += [("    " + name, mem_str(value)) for name, value in p["activations"].items()]
     rows += [("  total", mem_str(p["total_bytes"]) + f"   of {p['available_bytes'] / GiB:.2f} GiB"), ("", "")]
     rows.append((f"step time (compute at an assumed {p['efficiency']:.0%} of {human(p['peak_flops'])}FLOP/s per device)", ""))
