@@ -32,7 +32,7 @@ def use_fake_cpu_devices(n_devices, timeout_s=600):
     its next collective to another pool thread: with one thread per device (any
     machine with fewer cores than fake devices) every thread can end up waiting in a
     different collective and the step deadlocks. Measured on 2 cores, dp2 x pp2 x tp2:
-    8 threads hung 7 runs of 9, 16 threads none of 33, and ran 1.2x faster than 32.
+    8 threads hung 7 runs of 9, 16 threads none of 33, and ran 1.2-1.4x faster than 32.
     PJRT_NPROC (or NPROC) already in the environment wins.
 
     Fake devices are threads sharing the cores, so on a loaded machine one can reach

@@ -134,6 +134,21 @@ def test_2x2x2_mesh_trains_like_one_device(tmp_path, data_cache):
     np.testing.assert_allclose(val(tmp_path / "mesh"), val(tmp_path / "one"), rtol=1e-5)
 
 
+@pytest.mark.parametrize("environ, threads", [({}, str(max(os.cpu_count(), 16))), ({"PJRT_NPROC": "3"}, "3"),
+                                              ({"NPROC": "5"}, None)])
+def test_fake_devices_get_two_pool_threads_each_unless_the_user_chose(environ, threads):
+    """XLA:CPU sizes its thread pool max(cores, devices); with one thread per device a
+    2x2x2 step on 2 cores deadlocked in 7 of 9 runs (main.use_fake_cpu_devices). The
+    variable must be set before the backend starts, and a user's own choice wins."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    code = ("import os, main; main.use_fake_cpu_devices(8); import jax; "
+            "print(os.environ.get('PJRT_NPROC'), len(jax.devices()))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**env, **environ})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == [str(threads), "8"]
+
+
 @pytest.mark.slow
 def test_run_writes_contract_files_and_samples(tmp_path, data_cache):
     """A short run leaves config.json, metrics.jsonl (the DESIGN.md schema),
