@@ -561,15 +561,15 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
 
     def body(x_BTD, state_and_index):
         state, index = state_and_index
-        if prepare is not None and remat in ("block", "block_dots"):
-            # Tie the weights to this block's input, so that the gather stays in the
-            # loop and the backward pass regathers each block. Without the tie, inside
-            # the pipeline's loop over ticks, JAX hoists the gather of every block out
-            # of both loops (it depends only on loop-invariant weights) and keeps all of
-            # them for the backward pass; tiny on 4x1x2: 685 KB of temporaries -> 519 KB.
-            # Without remat, hoisting is what we want: gathered once, not once per tick.
-            state = jax.lax.optimization_barrier((state, x_BTD))[0]
         if prepare is not None:
+            if remat in ("block", "block_dots"):
+                # Tie the weights to this block's input, so that the gather stays in
+                # the loop and the backward pass regathers each block. Without the tie,
+                # inside the pipeline's loop over ticks, JAX hoists the gather of every
+                # block out of both loops (it depends only on loop-invariant weights)
+                # and keeps all of them; tiny on 4x1x2: 685 KB of temporaries -> 519 KB.
+                # Without remat, hoisting is what we want: one gather, not one per tick.
+                state = jax.lax.optimization_barrier((state, x_BTD))[0]
             state = prepare(state)
         block_rng = None if rng is None else jax.random.fold_in(rng, index)
         return nnx.merge(block_def, state)(x_BTD, angles, tp_axis, ep_axis, block_rng, remat_layers=remat == "layer")

@@ -271,6 +271,12 @@ def local_sizes(cfg, mesh_shape, compute_bytes=None):
                  c=compute_bytes or (2 if m.dtype == "bfloat16" else 4))
 
 
+def pipeline_loops(cfg, pp):
+    """(ticks, blocks per stage): GPipe's loop runs M + pp - 1 ticks, and at every tick
+    each stage loops over its n_blocks / pp blocks."""
+    return cfg.train.microbatches + pp - 1, cfg.model.n_blocks // pp
+
+
 # Fraction of one block's intermediates that the backward pass of a block holds at
 # once on top of what was saved: the cotangents of the block's tensors, freed as the
 # backward pass walks back through its layers. Measured on CPU (XLA memory_analysis,
@@ -309,8 +315,7 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None):
     m, t = cfg.model, cfg.train
     pp = mesh_shape["pp"]
     s = local_sizes(cfg, mesh_shape, compute_bytes)
-    ticks = t.microbatches + pp - 1
-    blocks_here = m.n_blocks // pp
+    ticks, blocks_here = pipeline_loops(cfg, pp)
     tokens = s.b * s.T  # per microbatch
     per_block = tokens * sum(layer_bytes(s, kind, m) for kind in m.block_pattern)
     x_bytes = tokens * s.D * s.c  # one microbatch's residual stream
@@ -379,7 +384,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     dp, pp, tp = mesh_shape["dp"], mesh_shape["pp"], mesh_shape["tp"]
     n_devices = dp * pp * tp
     s = local_sizes(cfg, mesh_shape)
-    ticks = t.microbatches + pp - 1
+    ticks, blocks_here = pipeline_loops(cfg, pp)
     tokens_per_step = t.batch_size * m.seq_len
     model_flops = flops_per_token(m) * tokens_per_step
     # What the devices execute beyond the model FLOPs: the remat forward again (+1/3),
@@ -401,7 +406,6 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     # its gradient, the same bytes); under remat the recompute gathers again. The
     # embedding and final norm are gathered once per step.
     passes = 2 if m.remat in KEEP_GATHERED else 3
-    blocks_here = m.n_blocks // pp
     comm = {}
     per_block = fsdp_traffic(blocks, ep, mesh_shape, c, one_block=True)
     for axes, nbytes in per_block.items():
@@ -459,7 +463,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # remat none and layer keep every local block's gathered weights for the backward
     # pass, and stage holds them all while it recomputes a tick; block and block_dots
     # gather one block at a time (again in the backward pass).
-    ticks, blocks_here = cfg.train.microbatches + shape[1] - 1, cfg.model.n_blocks // shape[1]
+    ticks, blocks_here = pipeline_loops(cfg, shape[1])
     n_gathered = blocks_here if cfg.model.remat in ("none", "layer", "stage") else 1
     memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, c, one_block=False)
     fsdp = fsdp_traffic(params, ep, mesh_shape, c, one_block=False)
