@@ -24,9 +24,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model import Transformer, apply_blocks, rope_angles
@@ -56,11 +58,59 @@ def resolve_mesh_shape(mesh_cfg, n_devices):
 
 
 def make_mesh(mesh_cfg, devices=None):
-    devices = jax.devices() if devices is None else devices
+    """The (dp, pp, tp) mesh over `devices` (default: all), the same for training and
+    for planner.py --tpu.
+
+    Device order, and why: tp is innermost, so a tp group is the closest chips (one
+    host's, which talk most: two all-reduces per layer); dp is outermost, so each
+    host's chips share as few dp coordinates as possible, and a host loads only the
+    rows of those (process_rows). On TPU, jax's topology-aware assignment
+    (mesh_utils.create_device_mesh, which maps mesh axes onto torus axes for short
+    rings, splitting a physical axis where needed) is used when it keeps both
+    properties; where it cannot map the shape at all (jax.make_mesh raises
+    NotImplementedError for dp8 x pp2 x tp2 on a v4-64's 2x4x4 chips) or would put a tp
+    group across hosts, the fallback is an explicit order: host by host, each host's
+    chips in a snake (consecutive chips are neighbours). CPU and GPU devices keep
+    jax's order (process-major, which already gives both properties)."""
+    devices = jax.devices() if devices is None else list(devices)
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
-    # dp is the outermost axis, so a process's devices share dp coordinates: each
-    # process then loads only its own rows of the batch.
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * 3, devices=devices)
+    grid = tpu_device_grid(shape, devices) if devices[0].platform == "tpu" else mesh_utils.create_device_mesh(shape, devices)
+    return Mesh(grid, AXES, axis_types=(AxisType.Explicit,) * 3)
+
+
+def tpu_device_grid(shape, devices):
+    """[dp, pp, tp] array of TPU devices: jax's topology-aware order if it keeps tp
+    groups on as few hosts and hosts on as few dp rows as the host-major order does,
+    else the host-major order."""
+    fallback = host_major_grid(shape, devices)
+    try:
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (NotImplementedError, ValueError, AssertionError):
+        return fallback
+    keeps_both = all(a <= b for a, b in zip(host_spread(grid), host_spread(fallback)))
+    return grid if keeps_both else fallback
+
+
+def host_major_grid(shape, devices):
+    """Devices sorted host by host (process index), within a host in snake order over
+    its chip coordinates (x reversed on odd rows, so consecutive chips are ICI
+    neighbours; on a 2x2 host the order is a ring), both cores of a chip together."""
+    def key(d):
+        x, y, z = d.coords
+        return d.process_index, z, y, -x if y % 2 else x, d.core_on_chip
+    return np.array(sorted(devices, key=key), dtype=object).reshape(shape)
+
+
+def host_spread(grid):
+    """(most hosts one tp group spans, most dp rows one host's devices lie in): the two
+    things make_mesh keeps small."""
+    dp, pp, tp = grid.shape
+    tp_hosts = max(len({d.process_index for d in grid[i, j]}) for i in range(dp) for j in range(pp))
+    rows_of = {}
+    for i in range(dp):
+        for d in grid[i].flat:
+            rows_of.setdefault(d.process_index, set()).add(i)
+    return tp_hosts, max(len(rows) for rows in rows_of.values())
 
 
 # ----------------------------------------------------------------------------
@@ -422,13 +472,18 @@ def global_batch(mesh, rows_for_process, batch_size):
     return jax.make_array_from_process_local_data(sharding, rows_for_process, (batch_size, rows_for_process.shape[1]))
 
 
-def process_rows(mesh, batch_size):
-    """The global batch rows this process's devices own (a contiguous range)."""
-    sharding = NamedSharding(mesh, batch_spec())
-    indices = sharding.addressable_devices_indices_map((batch_size, 1))
-    starts = sorted({idx[0].start or 0 for idx in indices.values()})
-    stops = sorted({idx[0].stop or batch_size for idx in indices.values()})
-    return range(starts[0], stops[-1])
+def process_rows(mesh, batch_size, process=None):
+    """The global batch rows that the devices of `process` (default: this one) own,
+    sorted: a range when they are contiguous (make_mesh's order makes them so), else a
+    tuple. Read off the sharding itself, so it is exact for any device order;
+    make_array_from_process_local_data takes a process's rows in this sorted order."""
+    process = jax.process_index() if process is None else process
+    indices = NamedSharding(mesh, batch_spec()).devices_indices_map((batch_size, 1))
+    rows = sorted({r for d, idx in indices.items() if d.process_index == process
+                   for r in range(*idx[0].indices(batch_size))})
+    if rows and rows == list(range(rows[0], rows[-1] + 1)):
+        return range(rows[0], rows[-1] + 1)
+    return tuple(rows)
 
 
 def bubble_fraction(pp, microbatches):
