@@ -20,6 +20,7 @@ axis without any code here: shard_map tracks which values vary over which axes
 psum. tests/test_parallel.py proves each layout equals one device.
 """
 
+import functools
 import math
 
 import jax
@@ -258,22 +259,49 @@ def param_bytes_on_device(tree, device):
 # Inside shard_map: FSDP gather, the pipeline, the loss
 
 
-def gather_for_use(params, expert_parallel, dtype, one_block=False):
+def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype=jnp.float32):
     """FSDP: cast local weights to the compute dtype and all-gather their storage-only
     split (the FSDP dim). Casting first halves the bytes sent in bfloat16. In the
     backward pass each all_gather becomes a reduce-scatter (psum_scatter): every device
-    gets its shard of the gradient summed over all devices that used the weight.
+    gets its shard of the gradient summed over all devices that used the weight; that
+    sum runs in `reduce_dtype` (--model.grad_reduce_dtype, float32 by default: summing
+    dp x tp bfloat16 partial gradients loses precision, and TPU and GPU, unlike XLA:CPU,
+    reduce in the dtype they are given). Weights replicated over an axis (norm scales)
+    are typed as varying over it in float32 before the cast, so the psum that autodiff
+    inserts for them runs in `reduce_dtype` too.
     one_block: the weights of one block, sliced out of the stack (no N dim)."""
     def gather(path, w):
-        w = w.astype(dtype)
         _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
+        replicated = tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying)
+        if replicated:  # (the wider of the two: the forward values must not change)
+            w = jax.lax.pcast(w.astype(jnp.promote_types(dtype, reduce_dtype)), replicated, to="varying")
         # Axes of size 1 hold the whole dim already; XLA:CPU would still run (and copy
         # through) an all_gather over them: 3 ms of a 200 ms one-device step (shakespeare).
         fsdp_axes = tuple(a for a in fsdp_axes if jax.lax.axis_size(a) > 1)
-        if fsdp_axes:  # inside a block the stacked N dim is already sliced away
-            w = jax.lax.all_gather(w, fsdp_axes, axis=fsdp_dim - one_block, tiled=True)
-        return w
+        if not fsdp_axes:
+            return w.astype(dtype)
+        # inside a block the stacked N dim is already sliced away
+        return gather_weight(w, fsdp_axes, fsdp_dim - one_block, jnp.dtype(dtype), jnp.dtype(reduce_dtype))
     return jax.tree_util.tree_map_with_path(gather, params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def gather_weight(w, axes, dim, dtype, reduce_dtype):
+    """all_gather of w's shards over `axes` in the compute dtype; its transpose, the
+    reduce-scatter of the gradient, in reduce_dtype."""
+    return jax.lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True)
+
+
+def _gather_weight_fwd(w, axes, dim, dtype, reduce_dtype):
+    return gather_weight(w, axes, dim, dtype, reduce_dtype), jnp.zeros((0,), w.dtype)
+
+
+def _gather_weight_bwd(axes, dim, dtype, reduce_dtype, like, g):
+    g = jax.lax.psum_scatter(g.astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
+    return (g.astype(like.dtype),)
+
+
+gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
 
 
 def varying_over(x, axis):
@@ -350,9 +378,10 @@ def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
     dtype = jnp.dtype(m_cfg.dtype)
     ep = cfg.mesh.expert_parallel
     top = {k: v for k, v in params.items() if k != "blocks"}
-    top = gather_for_use(top, ep, dtype)  # embedding + final norm: gathered once per step
+    reduce_dtype = jnp.dtype(m_cfg.grad_reduce_dtype)
+    top = gather_for_use(top, ep, dtype, reduce_dtype=reduce_dtype)  # embedding + final norm: gathered once per step
     model = nnx.merge(graphdef, {**top, "blocks": params["blocks"]})
-    blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype, one_block=True)  # noqa: E731
+    blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype, one_block=True, reduce_dtype=reduce_dtype)  # noqa: E731
     M = t_cfg.microbatches
     tokens_MbT1 = tokens_bT1.reshape(M, tokens_bT1.shape[0] // M, tokens_bT1.shape[1])
     ce_sum, stats_N = pipeline_loss(model, blocks_fn, tokens_MbT1, cfg, rng)

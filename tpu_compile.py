@@ -220,7 +220,9 @@ def executions(comps, entry):
 
 
 def device_groups(line):
-    """Lists of device (partition) ids that an op's groups hold."""
+    """Lists of device (partition) ids that an op's groups hold (None: not found)."""
+    if "source_target_pairs={}" in line:  # a ppermute with nothing to send (pp = 1)
+        return []
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(0))]
@@ -235,7 +237,7 @@ def device_groups(line):
     groups = re.search(r"replica_groups=\{(.*?)\}\}", line)
     if groups:
         return [[int(n) for n in g.split(",")] for g in re.findall(r"\{([\d,]+)", groups.group(0))]
-    return []
+    return None
 
 
 def axes_spanned(groups, mesh_shape):
@@ -268,7 +270,7 @@ def collectives(hlo, mesh_shape):
                 operand = re.match(r"%([^\s,)]+)", m.group(3))
                 start_line = next((s for s in lines if operand and s.lstrip().startswith(f"%{operand.group(1)} =")), line)
             groups = device_groups(start_line)
-            over = axes_spanned(groups, mesh_shape) if groups else "?"
+            over = "?" if groups is None else axes_spanned(groups, mesh_shape)
             group_size = len(groups[0]) if groups and kind == "reduce-scatter" else 1
             for dtype, dims in ARRAY.findall(result):
                 nbytes = DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d) * group_size

@@ -66,6 +66,8 @@ class ModelConfig:
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss")
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
+    grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
+                                               "weights): float32 | bfloat16 (halves their bytes, loses precision)")
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
     remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
                                 "block (each block from its input) | block_dots (each block, keeping its matmul outputs) | "
@@ -293,6 +295,7 @@ def validate_model(cfg):
         (m.ffn_activation in ("swiglu", "gelu"), f"--model.ffn_activation must be swiglu or gelu, got {m.ffn_activation!r}"),
         (m.router_score in ("softmax", "sigmoid"), f"--model.router_score must be softmax or sigmoid, got {m.router_score!r}"),
         (m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
+        (m.grad_reduce_dtype in ("float32", "bfloat16"), f"--model.grad_reduce_dtype must be float32 or bfloat16, got {m.grad_reduce_dtype!r}"),
         (m.attention in ("matmul", "dot_product_attention"), f"--model.attention must be matmul or dot_product_attention, got {m.attention!r}"),
         (m.remat in REMAT_POLICIES, f"--model.remat must be one of {', '.join(REMAT_POLICIES)}, got {m.remat!r}"),
         (m.rope_dim % 2 == 0, f"--model.rope_dim must be even (RoPE rotates pairs), got {m.rope_dim}"),

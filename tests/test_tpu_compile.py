@@ -1,0 +1,210 @@
+"""The real TPU compiler, on this CPU (libtpu, requirements-test.txt): every preset's
+mesh is valid on the pods people use, the train step compiles for them, fits their
+HBM, emits the collectives that parallel.py says it does, and the planner's bytes are
+within 15% of the compiler's. The devices are the pod slices' own (jax.experimental.
+topologies: real chip coordinates and process indices); nothing runs on them.
+"""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import parallel as par
+import planner
+import tpu_compile
+from utils import PRESETS, Config, MeshConfig, apply_overrides
+
+pytest.importorskip("libtpu")
+
+# (pod, mesh shapes): every preset mesh and the layouts people try on each slice.
+POD_MESHES = {
+    "v4-8": [(4, 1, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (2, 2, 1)],
+    "v4-64": [(8, 2, 2), (32, 1, 1), (16, 1, 2), (4, 2, 4), (8, 4, 1), (2, 2, 8), (1, 2, 16)],
+    "v5p-64": [(8, 2, 2), (32, 1, 1), (4, 2, 4), (16, 2, 1)],
+    "v5litepod-16": [(4, 2, 2), (16, 1, 1), (8, 1, 2), (4, 1, 4), (2, 8, 1)],
+    "v6e-16": [(4, 2, 2), (16, 1, 1), (8, 1, 2), (2, 2, 4), (8, 2, 1)],
+}
+
+
+@pytest.fixture(scope="module")
+def devices_of():
+    cache = {}
+
+    def get(pod):
+        if pod not in cache:
+            cache[pod] = tpu_compile.pod_devices(pod)
+        return cache[pod]
+    return get
+
+
+def chips_per_host(devices):
+    return max(sum(d.process_index == p for d in devices) for p in {d.process_index for d in devices})
+
+
+# ----------------------------------------------------------------------------
+# The mesh and each process's rows
+
+
+def test_jax_make_mesh_cannot_map_the_reference_mesh(devices_of):
+    """Why make_mesh does more than call jax.make_mesh: the reference 1B run's mesh
+    (dp8 x pp2 x tp2 on a v4-64) has no assignment there."""
+    with pytest.raises(NotImplementedError):
+        jax.make_mesh((8, 2, 2), par.AXES, devices=devices_of("v4-64"))
+
+
+@pytest.mark.parametrize("pod, shape", [(pod, shape) for pod, shapes in POD_MESHES.items() for shape in shapes],
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x)
+def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
+    """Every device once; tp groups on as few hosts as possible (one, when tp fits in a
+    host); each host's devices in as few dp rows as possible; and each process's rows
+    (from the topology's real process indices) are exactly the rows of the dp rows its
+    devices sit in."""
+    devices = devices_of(pod)
+    mesh = par.make_mesh(MeshConfig(*shape), devices)
+    dp, pp, tp = shape
+    grid = mesh.devices
+    assert grid.shape == shape and sorted(d.id for d in grid.flat) == sorted(d.id for d in devices)
+    per_host = chips_per_host(devices)
+    for i in range(dp):
+        for j in range(pp):
+            assert len({d.process_index for d in grid[i, j]}) == math.ceil(tp / per_host)
+    batch = 4 * dp
+    rows_per_dp = batch // dp
+    for process in sorted({d.process_index for d in devices}):
+        dp_rows = sorted({i for i in range(dp) for d in grid[i].flat if d.process_index == process})
+        assert len(dp_rows) == math.ceil(per_host / (pp * tp))
+        expected = [r for i in dp_rows for r in range(i * rows_per_dp, (i + 1) * rows_per_dp)]
+        assert list(par.process_rows(mesh, batch, process)) == expected
+
+
+# ----------------------------------------------------------------------------
+# Compiled steps: collectives, fits, the planner's bytes
+#
+# moe1b scaled down keeps its structure (MLA with 64-wide heads, DDDDDM blocks with 2
+# shared + top-2 of 8 routed experts, bfloat16, remat block, 4 microbatches) at widths
+# that the TPU's (8, 128) tiles do not pad much; tiny's 8- to 32-wide dims are mostly
+# tile padding on a TPU (the compiler's bytes are 5-10x its shapes'), so tiny is checked
+# for collectives and fit only.
+
+SMALL_MOE1B = dict(vocab_size=8192, seq_len=256, d_model=256, n_heads=4, head_dim=64, rope_dim=64, q_latent=128,
+                   kv_latent=128, n_blocks=2, d_ff=1024, d_expert=256, n_experts=8)
+PLANNER_TOLERANCE = 0.15
+
+# name: (preset, pod, mesh, expert parallel)
+CASES = {
+    "tiny-v4-8-2x1x2": ("tiny", "v4-8", (2, 1, 2), False),
+    "tiny-v6e-16-8x1x2": ("tiny", "v6e-16", (8, 1, 2), False),
+    "moe-v4-64-8x2x2": ("moe1b-small", "v4-64", (8, 2, 2), False),
+    "moe-v5p-64-8x1x4-ep": ("moe1b-small", "v5p-64", (8, 1, 4), True),
+    "moe-v5litepod-16-4x2x2": ("moe1b-small", "v5litepod-16", (4, 2, 2), False),
+}
+SLOW_CASES = {
+    "moe1b-v4-64-8x2x2": ("moe1b", "v4-64", (8, 2, 2), False),
+    "moe1b-v5p-64-8x2x2": ("moe1b", "v5p-64", (8, 2, 2), False),
+}
+
+
+def case_config(preset, shape, expert_parallel, **model):
+    cfg = apply_overrides(Config(), PRESETS[preset.split("-")[0]])
+    dp, pp, tp = shape
+    train = {}
+    if preset == "tiny":
+        model = dict(dict(vocab_size=256, dtype="bfloat16"), **model)
+        train = dict(microbatches=max(pp, 1))
+    elif preset == "moe1b-small":
+        model = dict(SMALL_MOE1B, **model)
+        train = dict(batch_size=64, microbatches=4)
+    return apply_overrides(cfg, {"model": model, "train": train,
+                                 "mesh": dict(dp=dp, pp=pp, tp=tp, expert_parallel=expert_parallel)})
+
+
+def compile_case(devices_of, preset, pod, shape, expert_parallel, **model):
+    """{"plan", "tpu" (memory), "collectives", "hbm"} of the compiled train step."""
+    cfg = case_config(preset, shape, expert_parallel, **model)
+    mesh = par.make_mesh(cfg.mesh, devices_of(pod))
+    compiled = tpu_compile.compile_steps(cfg, mesh)
+    hardware = tpu_compile.pod_type(pod).hardware
+    return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]),
+                collectives=tpu_compile.collectives(compiled["train"].as_text(), shape),
+                eval_collectives=tpu_compile.collectives(compiled["eval"].as_text(), shape),
+                hbm=planner.HARDWARE[hardware].memory_bytes, seconds=compiled["seconds"])
+
+
+@pytest.fixture(scope="module")
+def compiled_cases(devices_of):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = compile_case(devices_of, *{**CASES, **SLOW_CASES}[name])
+        return cache[name]
+    return get
+
+
+def kinds_over(collectives):
+    """{kind: set of "over" entries} for ops that move data."""
+    out = {}
+    for (kind, dtype, over), row in collectives.items():
+        if row["bytes"]:
+            out.setdefault(kind, set()).add(over)
+    return out
+
+
+def check_collectives(case, shape, expert_parallel):
+    """What parallel.py says runs where: FSDP all-gathers over (axes with) dp and
+    reduce-scatters the gradients in float32; TP all-reduces over tp; the pipeline
+    ppermutes over pp; expert parallelism all-to-alls over dp. No gradient reduction
+    (a reduce-scatter, or an all-reduce spanning dp) is in bfloat16."""
+    dp, pp, tp = shape
+    kinds = kinds_over(case["collectives"])
+    assert any("dp" in over for over in kinds["all-gather"])
+    assert "reduce-scatter" in kinds and all("dp" in over for over in kinds["reduce-scatter"])
+    assert ("tp" in kinds.get("all-reduce", set())) == (tp > 1)
+    assert ("collective-permute" in kinds) == (pp > 1)
+    if pp > 1:
+        assert kinds["collective-permute"] == {"pp"}
+    assert ("all-to-all" in kinds) == expert_parallel
+    if expert_parallel:
+        assert kinds["all-to-all"] == {"dp"}
+    for (kind, dtype, over), row in case["collectives"].items():
+        if kind == "reduce-scatter" or (kind == "all-reduce" and "dp" in over):
+            assert dtype in ("f32", "s32"), (kind, dtype, over)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_compiles_fits_and_emits_the_intended_collectives(compiled_cases, name):
+    preset, pod, shape, expert_parallel = CASES[name]
+    case = compiled_cases(name)
+    assert case["tpu"]["total"] <= case["hbm"]
+    check_collectives(case, shape, expert_parallel)
+    assert "reduce-scatter" not in kinds_over(case["eval_collectives"])  # no gradients in eval
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("moe")])
+def test_planner_bytes_within_15_percent_of_the_tpu_compiler(compiled_cases, name):
+    case = compiled_cases(name)
+    plan, tpu = case["plan"], case["tpu"]
+    mem = plan["memory"]
+    assert abs(mem["params"] + mem["optimizer"] + plan["batch_bytes"] - tpu["arguments"]) <= 0.01 * tpu["arguments"]
+    assert abs(plan["total_bytes"] / tpu["total"] - 1) <= PLANNER_TOLERANCE, (plan["total_bytes"], tpu["total"])
+
+
+def test_bfloat16_gradient_reduction_is_what_the_flag_says(devices_of):
+    """--model.grad_reduce_dtype bfloat16 (half the bytes) gives bfloat16
+    reduce-scatters; the float32 default gives none (test above)."""
+    case = compile_case(devices_of, "tiny", "v4-8", (2, 1, 2), False, grad_reduce_dtype="bfloat16")
+    dtypes = {dtype for (kind, dtype, over) in case["collectives"] if kind == "reduce-scatter" or
+              (kind == "all-reduce" and "dp" in over)}
+    assert "bf16" in dtypes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_CASES))
+def test_full_moe1b_compiles_and_fits(compiled_cases, name):
+    preset, pod, shape, expert_parallel = SLOW_CASES[name]
+    case = compiled_cases(name)
+    assert case["tpu"]["total"] <= case["hbm"]
+    check_collectives(case, shape, expert_parallel)
+    assert abs(case["plan"]["total_bytes"] / case["tpu"]["total"] - 1) <= PLANNER_TOLERANCE
