@@ -514,7 +514,8 @@ class Transformer(nnx.Module):
         """Output layer of the tied embedding (the local vocabulary rows under tp)."""
         # Scaled by 1/sqrt(D): the table has unit-variance rows, logits start near 0.
         x_BTD = self.final_norm(x_BTD) / math.sqrt(x_BTD.shape[-1])
-        return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...], preferred_element_type=ACC_DTYPE)
+        # (in x's dtype: the sharded step hands the table over in float32, parallel.gather_for_use)
+        return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...].astype(x_BTD.dtype), preferred_element_type=ACC_DTYPE)
 
     def loss_sum(self, x_BTD, targets_BT, tp_axis=None):
         """Summed token cross-entropy with vocab-parallel logits [B, T, V/tp].

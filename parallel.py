@@ -263,40 +263,47 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype
     """FSDP: cast local weights to the compute dtype and all-gather their storage-only
     split (the FSDP dim). Casting first halves the bytes sent in bfloat16. In the
     backward pass each all_gather becomes a reduce-scatter (psum_scatter): every device
-    gets its shard of the gradient summed over all devices that used the weight; that
-    sum runs in `reduce_dtype` (--model.grad_reduce_dtype, float32 by default: summing
-    dp x tp bfloat16 partial gradients loses precision, and TPU and GPU, unlike XLA:CPU,
-    reduce in the dtype they are given). Weights replicated over an axis (norm scales)
-    are typed as varying over it in float32 before the cast, so the psum that autodiff
-    inserts for them runs in `reduce_dtype` too.
+    gets its shard of the gradient summed over all devices that used the weight.
+
+    Gradients are reduced in `reduce_dtype` (--model.grad_reduce_dtype, float32 by
+    default): summing dp x tp bfloat16 partial gradients loses precision, and TPU and
+    GPU, unlike XLA:CPU, reduce in the dtype they are given. So the reduce-scatter
+    runs in reduce_dtype (gather_weight), weights replicated over an axis (norm
+    scales) are typed as varying over it before the cast (the psum autodiff inserts
+    for them then sums reduce_dtype values), and the top-level weights (one_block
+    False: the tied embedding and the final norm, gathered once per step and used by
+    every microbatch) come out in reduce_dtype, so that their gradient accumulates
+    over the microbatches in it; their users cast them to the compute dtype.
     one_block: the weights of one block, sliced out of the stack (no N dim)."""
+    out_dtype = jnp.dtype(dtype) if one_block else jnp.promote_types(dtype, reduce_dtype)
+
     def gather(path, w):
         _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
         replicated = tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying)
-        if replicated:  # (the wider of the two: the forward values must not change)
+        if replicated:  # (in the wider of the two: the forward values must not change)
             w = jax.lax.pcast(w.astype(jnp.promote_types(dtype, reduce_dtype)), replicated, to="varying")
         # Axes of size 1 hold the whole dim already; XLA:CPU would still run (and copy
         # through) an all_gather over them: 3 ms of a 200 ms one-device step (shakespeare).
         fsdp_axes = tuple(a for a in fsdp_axes if jax.lax.axis_size(a) > 1)
         if not fsdp_axes:
-            return w.astype(dtype)
+            return w.astype(dtype).astype(out_dtype)
         # inside a block the stacked N dim is already sliced away
-        return gather_weight(w, fsdp_axes, fsdp_dim - one_block, jnp.dtype(dtype), jnp.dtype(reduce_dtype))
+        return gather_weight(w, fsdp_axes, fsdp_dim - one_block, jnp.dtype(dtype), jnp.dtype(reduce_dtype), out_dtype)
     return jax.tree_util.tree_map_with_path(gather, params)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def gather_weight(w, axes, dim, dtype, reduce_dtype):
-    """all_gather of w's shards over `axes` in the compute dtype; its transpose, the
-    reduce-scatter of the gradient, in reduce_dtype."""
-    return jax.lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def gather_weight(w, axes, dim, dtype, reduce_dtype, out_dtype):
+    """all_gather of w's shards over `axes` in the compute dtype (then out_dtype); its
+    transpose, the reduce-scatter of the gradient, in reduce_dtype."""
+    return jax.lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True).astype(out_dtype)
 
 
-def _gather_weight_fwd(w, axes, dim, dtype, reduce_dtype):
-    return gather_weight(w, axes, dim, dtype, reduce_dtype), jnp.zeros((0,), w.dtype)
+def _gather_weight_fwd(w, axes, dim, dtype, reduce_dtype, out_dtype):
+    return gather_weight(w, axes, dim, dtype, reduce_dtype, out_dtype), jnp.zeros((0,), w.dtype)
 
 
-def _gather_weight_bwd(axes, dim, dtype, reduce_dtype, like, g):
+def _gather_weight_bwd(axes, dim, dtype, reduce_dtype, out_dtype, like, g):
     g = jax.lax.psum_scatter(g.astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
     return (g.astype(like.dtype),)
 
@@ -323,7 +330,8 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     M, b, T1 = tokens_MbT1.shape
     inputs_MbT, targets_MbT = tokens_MbT1[..., :-1], tokens_MbT1[..., 1:]
     angles = rope_angles(jnp.arange(T1 - 1)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
-    x0_MbTD = jax.vmap(lambda t: model.embed(t, TP))(inputs_MbT)
+    # (the embedding comes in float32, see gather_for_use: the stream runs in the compute dtype)
+    x0_MbTD = jax.vmap(lambda t: model.embed(t, TP))(inputs_MbT).astype(m_cfg.dtype)
     ep_axis = DP if cfg.mesh.expert_parallel else None
 
     blocks_def, blocks_state = nnx.split(model.blocks)

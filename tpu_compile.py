@@ -123,7 +123,7 @@ def abstract_state(cfg, mesh):
     return optimizer, params, opt_state
 
 
-def compile_steps(cfg, mesh):
+def compile_steps(cfg, mesh, eval_step=True):
     """{"train": compiled, "eval": compiled, "seconds": {name: compile seconds}}: the
     real train and eval steps (parallel.make_train_step / make_eval_step)."""
     import planner
@@ -139,9 +139,10 @@ def compile_steps(cfg, mesh):
     out["train"] = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state).lower(
         params, opt_state, tokens, step).compile()
     seconds["train"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out["eval"] = par.make_eval_step(graphdef, cfg, mesh, params).lower(params, tokens).compile()
-    seconds["eval"] = time.perf_counter() - t0
+    if eval_step:
+        t0 = time.perf_counter()
+        out["eval"] = par.make_eval_step(graphdef, cfg, mesh, params).lower(params, tokens).compile()
+        seconds["eval"] = time.perf_counter() - t0
     out["seconds"] = seconds
     return out
 
