@@ -477,7 +477,11 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # gather one block at a time (again in the backward pass).
     ticks, blocks_here = pipeline_loops(cfg, shape[1])
     n_gathered = blocks_here if cfg.model.remat in ("none", "layer", "stage") else 1
-    memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, c, one_block=False)
+    # The embedding and final norm come out of their gather in the gradient-reduction
+    # dtype (float32 by default), so that their gradient accumulates over microbatches
+    # in it (parallel.gather_for_use).
+    top_bytes = max(c, 4 if cfg.model.grad_reduce_dtype == "float32" else 2)
+    memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, top_bytes, one_block=False)
     fsdp = fsdp_traffic(params, ep, mesh_shape, c, one_block=False)
     if not fsdp and c == F32:  # nothing to gather or cast: the weights in use are the params themselves
         memory["gathered weights"] = 0

@@ -319,3 +319,63 @@ def collectives_report(table, title):
     for (kind, dtype, over), row in sorted(table.items(), key=lambda kv: (COLLECTIVE_KINDS.index(kv[0][0]), kv[0][1:])):
         lines.append(f"  {kind:<20}{dtype:<7}{over:<10}{row['count']:>7}{row['bytes'] / 2**20:>10.1f} MiB")
     return lines
+
+
+# ----------------------------------------------------------------------------
+# The README's table: every preset on the pods people use
+#
+#     python tpu_compile.py [--presets shakespeare,tiny,moe1b] [--pods v4-8,v4-64,...]
+
+# preset -> pod -> mesh flags (dp, pp, tp, microbatches); None: the preset's own.
+TABLE_MESHES = {
+    "shakespeare": {"v4-8": (4, 1, 1, 1), "v4-64": (16, 1, 2, 1), "v5p-64": (16, 1, 2, 1), "v5litepod-16": (16, 1, 1, 1),
+                    "v6e-16": (16, 1, 1, 1)},
+    "tiny": {"v4-8": (4, 1, 1, 1), "v4-64": (8, 2, 2, 2), "v5p-64": (8, 2, 2, 2), "v5litepod-16": (4, 2, 2, 2),
+             "v6e-16": (4, 2, 2, 2)},
+    "moe1b": {"v4-8": (1, 2, 2, 4), "v4-64": (8, 2, 2, 4), "v5p-64": (8, 2, 2, 4), "v5litepod-16": (4, 2, 2, 4),
+              "v6e-16": (4, 2, 2, 4)},
+}
+
+
+def table_row(preset, pod_name):
+    import planner
+    from utils import PRESETS, Config, apply_overrides
+
+    dp, pp, tp, microbatches = TABLE_MESHES[preset][pod_name]
+    cfg = planner.plan_config(apply_overrides(apply_overrides(Config(), PRESETS[preset]), {
+        "mesh": dict(dp=dp, pp=pp, tp=tp), "train": dict(microbatches=microbatches)}))
+    pod = pod_type(pod_name)
+    mesh = par.make_mesh(cfg.mesh, pod_devices(pod_name))
+    compiled = compile_steps(cfg, mesh, eval_step=False)
+    tpu = memory_bytes(compiled["train"])
+    planned = planner.plan(cfg, 0, pod.hardware)
+    hbm = planner.HARDWARE[pod.hardware].memory_bytes
+    return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", tpu_bytes=tpu["total"], planner_bytes=planned["total_bytes"],
+                fits=tpu["total"] <= hbm, compile_s=compiled["seconds"]["train"])
+
+
+def main(argv):
+    import json
+
+    from main import skip_tpu_probe_without_tpu
+
+    skip_tpu_probe_without_tpu()
+    args = dict(zip(argv[::2], argv[1::2]))
+    presets = args.get("--presets", ",".join(TABLE_MESHES)).split(",")
+    pods = args.get("--pods", "v4-8,v4-64,v5p-64,v5litepod-16,v6e-16").split(",")
+    print("| preset | pod | mesh dp x pp x tp | TPU compiler GiB/device | planner GiB/device | planner / TPU | fits | compile s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for preset in presets:
+        for pod_name in pods:
+            r = table_row(preset, pod_name)
+            print(f"| {r['preset']} | {r['pod']} | {r['mesh']} | {r['tpu_bytes'] / GiB:.2f} | {r['planner_bytes'] / GiB:.2f} | "
+                  f"{r['planner_bytes'] / r['tpu_bytes']:.2f} | {'yes' if r['fits'] else 'no'} | {r['compile_s']:.0f} |", flush=True)
+            if "--json" in args:
+                with open(args["--json"], "a") as f:
+                    f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
