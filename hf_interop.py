@@ -100,8 +100,8 @@ def check_exportable(m):
 def to_hf_config(m, tokenizer, dtype):
     """config.json of the export: every field derived from our ModelConfig `m`."""
     check_exportable(m)
-    model_type, architecture = ARCHITECTURES[m.router_score]
     kinds = layer_kinds(m)
+    model_type, architecture = architecture_of(m)
     config = dict(
         architectures=[architecture], model_type=model_type, dtype=dtype,
         vocab_size=padded_vocab(m.vocab_size, m.vocab_multiple), hidden_size=m.d_model,
@@ -133,6 +133,11 @@ def to_hf_config(m, tokenizer, dtype):
                                      "llama_4_scaling_beta": 0.0, "original_max_position_embeddings": m.seq_len}
     config[OURS_KEY] = {k: getattr(m, k) for k in OURS_FIELDS}
     return config
+
+
+def architecture_of(m):
+    """(model_type, class) of the export; a model without MoE layers has no router."""
+    return ARCHITECTURES[m.router_score if "M" in layer_kinds(m) else "sigmoid"]
 
 
 def rope_fraction(head_dim, rope_dim):
@@ -272,7 +277,7 @@ def to_hf_state(params, m, dtype=np.float32):
     fused expert tensors, as its transformers class stores them."""
     check_exportable(m)
     H, K, R, Q, A, D = m.n_heads, m.head_dim, m.rope_dim, m.q_latent, m.kv_latent, m.d_model
-    fused_experts = m.router_score == "softmax"
+    fused_experts = architecture_of(m)[0] == "mistral4"
     out = {"model.embed_tokens.weight": params["embed_VD"]}
     P = len(m.block_pattern)
     for n in range(m.n_blocks):
@@ -499,12 +504,20 @@ def write_hf_dir(out_dir, params, m, tokenizer, dtype="float32"):
     V = config["vocab_size"]
     generation = {"eos_token_id": tokenizer.eot_id, "pad_token_id": tokenizer.eot_id,
                   # Padding rows of the vocabulary are never sampled here; nor there.
-                  "suppress_tokens": list(range(tokenizer.vocab_size, V)) or None,
-                  "max_length": m.seq_len}
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-                        "pad_token": "<|endoftext|>", "model_max_length": m.seq_len, "clean_up_tokenization_spaces": False}
-    for name, content in (("config.json", config), ("generation_config.json", generation),
-                          ("tokenizer.json", tokenizer_json(tokenizer)), ("tokenizer_config.json", tokenizer_config)):
+                  "suppress_tokens": list(range(tokenizer.vocab_size, V)) or None}
+    for name, content in (("config.json", config), ("generation_config.json", generation)):
         with open(os.path.join(out_dir, name), "w") as f:
-            json.dump(content, f, indent=2 if name != "tokenizer.json" else None, ensure_ascii=False)
+            json.dump(content, f, indent=2)
+    write_tokenizer(out_dir, tokenizer, m.seq_len)
     return out_dir
+
+
+def write_tokenizer(out_dir, tokenizer, max_length):
+    """tokenizer.json + tokenizer_config.json, which AutoTokenizer loads (no tiktoken
+    or transformers needed here to write them)."""
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                        "pad_token": "<|endoftext|>", "model_max_length": max_length, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+        json.dump(tokenizer_json(tokenizer), f, ensure_ascii=False)
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tokenizer_config, f, indent=2)

@@ -107,7 +107,8 @@ class TrainConfig:
     checkpoint_every: int = option(500, "checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
     resume_step: int = option(-1, "resume from this checkpoint step; -1 = the latest")
-    init_from: str = option("", "start from these params (export or checkpoint dir) with a fresh optimizer")
+    init_from: str = option("", "start from these params (export or checkpoint dir, or hf:DIR, a Hugging Face "
+                                "DeepseekV3-format directory whose architecture the model takes) with a fresh optimizer")
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,11 @@ class SampleConfig:
 
 
 @dataclass(frozen=True)
+class ExportConfig:
+    dtype: str = option("bfloat16", "--mode export_hf: dtype of model.safetensors, float32 | bfloat16")
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -149,11 +155,12 @@ class Config:
     data: DataConfig = DataConfig()
     log: LogConfig = LogConfig()
     sample: SampleConfig = SampleConfig()
+    export: ExportConfig = ExportConfig()
     preset: str = "shakespeare"
     mode: str = "train"
 
 
-MODES = ("train", "sample", "export", "eval")
+MODES = ("train", "sample", "export", "eval", "export_hf")
 
 # ----------------------------------------------------------------------------
 # Presets: overrides of the defaults above (which are `shakespeare`).
@@ -162,11 +169,14 @@ PRESETS = {
     "shakespeare": {},
     # Small enough that one train step compiles and runs in well under a second:
     # for tests. 8 blocks so that pp can be 8; 8 experts so that dp can be 8 with
-    # expert parallelism; widths divisible by 8 for tp and FSDP.
+    # expert parallelism; widths divisible by 8 for tp and FSDP. Sigmoid router and
+    # MoE in every layer: a DeepSeek-V3 in every respect, so its Hugging Face export
+    # loads with transformers' AutoModelForCausalLM (hf_interop.py).
     "tiny": {
         "model": dict(vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
                       rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
-                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, unroll_blocks=False, remat="block", dtype="float32"),
+                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, router_score="sigmoid",
+                      unroll_blocks=False, remat="block", dtype="float32"),
         "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10,
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
@@ -294,6 +304,7 @@ def validate_model(cfg):
         (m.router_score in ("softmax", "sigmoid"), f"--model.router_score must be softmax or sigmoid, got {m.router_score!r}"),
         (m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
         (m.attention in ("matmul", "dot_product_attention"), f"--model.attention must be matmul or dot_product_attention, got {m.attention!r}"),
+        (cfg.export.dtype in ("float32", "bfloat16"), f"--export.dtype must be float32 or bfloat16, got {cfg.export.dtype!r}"),
         (m.remat in REMAT_POLICIES, f"--model.remat must be one of {', '.join(REMAT_POLICIES)}, got {m.remat!r}"),
         (m.rope_dim % 2 == 0, f"--model.rope_dim must be even (RoPE rotates pairs), got {m.rope_dim}"),
         (1 <= m.top_k <= m.n_experts, f"--model.top_k ({m.top_k}) must be between 1 and --model.n_experts ({m.n_experts})"),
