@@ -39,6 +39,7 @@ n_blocks copies of one block pattern, so the layouts that export are: every laye
 (pattern of D), every layer MoE (pattern of M), or one block whose pattern is D...DM...M.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -160,7 +161,6 @@ ARCH_FIELDS = ("vocab_size", "vocab_multiple", "d_model", "n_heads", "head_dim",
 def from_hf_config(hf, m):
     """Our ModelConfig for an HF config dict: `m` with its architecture fields replaced.
     What this model cannot express is a ConfigError naming the HF field."""
-    import dataclasses
 
     model_type = hf.get("model_type")
     routers = {t: score for score, (t, _) in ARCHITECTURES.items()}
