@@ -5,6 +5,7 @@
     python main.py --mode sample --sample.prompt "JULIET:"
     python main.py --mode export                   # slim bfloat16 params in <run_dir>/export
     python main.py --mode eval                     # restore, print val_loss=... (any mesh)
+    python main.py --mode serve                    # OpenAI-compatible completions + a web page (serve.py)
 
 Reads top to bottom: config, devices, mesh, data, init or resume, compile, the loop
 (eval, checkpoints, logs), samples.
@@ -115,6 +116,10 @@ def main(argv):
             export_run(cfg)
         elif cfg.mode == "eval":
             eval_run(cfg)
+        elif cfg.mode == "serve":
+            from serve import serve_run
+
+            serve_run(cfg)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     except Exception as e:
