@@ -449,8 +449,8 @@ def show_sharding(batch, params):
 # Sampling and export from a finished (or running) run
 
 
-def load_run_params(cfg):
-    """The run's saved config and latest params, on the current mesh."""
+def load_run_params(cfg, devices=None):
+    """The run's saved config and latest params, on the current mesh (over `devices`, default all)."""
     run_dir = run_dir_of(cfg)
     config_path = os.path.join(run_dir, "config.json")
     if not os.path.exists(config_path):
@@ -458,7 +458,7 @@ def load_run_params(cfg):
     with open(config_path) as f:
         saved = config_from_dict(json.load(f))
     cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
-    mesh = par.make_mesh(cfg.mesh)
+    mesh = par.make_mesh(cfg.mesh, devices)
     graphdef, params = par.init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
     source = cfg.train.init_from or run_dir
     return cfg, graphdef, checkpoint.restore_params(source, params, cfg.model)

@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from model import Transformer
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["--log.progress", "false", "--log.plots", "false", "--sample.num_samples", "0"]
 KEY = "test-key-7f3a"
@@ -53,30 +55,46 @@ def run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(run, tmp_path_factory):
-    """The base URL of `python main.py --mode serve` on the run, with a bearer token."""
+def server_process(run, tmp_path_factory):
+    """`python main.py --mode serve` on the run, with a bearer token: (process, URL, log)."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run, "--serve.port", str(port),
                              "--serve.slots", str(SLOTS), "--serve.queue", str(QUEUE), "--serve.max_tokens", str(MAX_TOKENS)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, MESHFORMER_API_KEY=KEY))
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    assert json.load(r)["auth"] is True
-                break
-            except (urllib.error.URLError, ConnectionError):
-                log.seek(0)
-                assert proc.poll() is None and time.time() < deadline, log.read()[-3000:]
-                time.sleep(0.5)
-        yield url
+        yield proc, f"http://127.0.0.1:{port}", log
     finally:
         proc.terminate()
         proc.wait(timeout=60)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(server_process):
+    """The server's base URL, once /health answers."""
+    proc, url, log = server_process
+    deadline = time.time() + 300
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                assert json.load(r)["auth"] is True
+            return url
+        except (urllib.error.URLError, ConnectionError):
+            log.seek(0)
+            assert proc.poll() is None and time.time() < deadline, log.read()[-3000:]
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def loaded(run, server_process):
+    """The run's model in this process, loaded as `--mode sample` loads it
+    (main.load_run_params, on one device), while the server starts."""
+    from main import host_params, load_run_params
+    from utils import parse_args
+
+    cfg, graphdef, params = load_run_params(parse_args([*run, "--mode", "sample"]), jax.devices()[:1])
+    return cfg, jax.device_put(host_params(params), jax.devices()[0])
 
 
 def post(url, body, headers=AUTH, path="/v1/completions"):
@@ -127,45 +145,42 @@ def streamed_text(events, index=0):
 # Completions equal the sampler's; logprobs equal the model's forward
 
 
-def sample_cli(run, prompt, max_tokens, temperature, top_k=40, seed=0):
-    """What `python main.py --mode sample` prints (its own code path, in this process)."""
-    from main import sample_from_run
-    from utils import parse_args
+def sample_cli(loaded, prompt, max_tokens, temperature, top_k=40, seed=0):
+    """What `python main.py --mode sample` prints with these --sample.* flags:
+    main.generate, the function it prints (sample_from_run -> samples_from_params)."""
+    from dataset import get_tokenizer
+    from main import generate
 
-    return sample_from_run(parse_args([*run, "--mode", "sample", "--sample.prompt", prompt, "--sample.max_tokens", str(max_tokens),
-                                       "--sample.temperature", str(temperature), "--sample.top_k", str(top_k),
-                                       "--sample.seed", str(seed)]))
+    cfg, params = loaded
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
+    return generate(nnx.merge(graphdef, params), get_tokenizer("bytes"), prompt, max_tokens, temperature, top_k, seed)
 
 
-def test_greedy_and_seeded_completions_equal_mode_sample(server, run):
+def test_greedy_and_seeded_completions_equal_mode_sample(loaded, server):
     """Greedy: `--mode sample --sample.temperature 0`, for prompts of 4 to 16 bytes and
     40 tokens (so past the 16-token window: restarts); a seeded sample (temperature 0.8,
     top_k 40, seed 3) equals `--mode sample --sample.seed 3` too."""
     texts = []
     for prompt in ["ROMEO:", "KING", "JULIET:\nO Romeo,"]:  # the last one fills the whole window
         served = complete(server, prompt=prompt, max_tokens=40, temperature=0)["choices"][0]
-        assert prompt + served["text"] == sample_cli(run, prompt, 40, 0) and served["finish_reason"] == "length"
+        assert prompt + served["text"] == sample_cli(loaded, prompt, 40, 0) and served["finish_reason"] == "length"
         texts.append(served["text"])
     assert max(len(set(t)) for t in texts) >= 4, texts  # a real continuation somewhere, not one repeated character
     sampled = complete(server, prompt="KING", max_tokens=40, temperature=0.8, top_k=40, seed=3)["choices"][0]["text"]
-    assert "KING" + sampled == sample_cli(run, "KING", 40, 0.8, top_k=40, seed=3)
+    assert "KING" + sampled == sample_cli(loaded, "KING", 40, 0.8, top_k=40, seed=3)
     assert sampled != complete(server, prompt="KING", max_tokens=40, temperature=0.8, top_k=40, seed=4)["choices"][0]["text"]
 
 
 @pytest.fixture(scope="module")
-def forward(run):
-    """log_softmax of the run's plain full forward (Transformer.__call__), over the
-    padded vocabulary, as the loss takes it. Dropless, as decoding is (MoE.decode: at
-    inference every token gets its experts), not with the training capacity."""
-    from main import host_params, load_run_params
-    from model import Transformer
-    from utils import parse_args
-
-    cfg, _, params = load_run_params(parse_args([*run, "--mode", "sample"]))
+def forward(loaded):
+    """log_softmax of the run's plain full forward (Transformer.__call__, jitted), over
+    the padded vocabulary, as the loss takes it. Dropless, as decoding is (MoE.decode:
+    at inference every token gets its experts), not with the training capacity."""
+    cfg, params = loaded
     dropless = dataclasses.replace(cfg.model, capacity_factor=0.0)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(dropless, nnx.Rngs(0))))[0]
-    model = nnx.merge(graphdef, host_params(params))
-    return lambda ids: np.asarray(jax.nn.log_softmax(model(jax.numpy.asarray([ids]))[0][0]))
+    log_softmax = jax.jit(lambda params, tokens_BT: jax.nn.log_softmax(nnx.merge(graphdef, params)(tokens_BT)[0][0]))
+    return lambda ids: np.asarray(log_softmax(params, jax.numpy.asarray([ids])))
 
 
 def check_logprobs(logprobs_TV, ids, lp, n_top):
