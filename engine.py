@@ -164,7 +164,10 @@ class Engine:
 
     def __init__(self, model, slots, queue_limit):
         self.cfg = model.cfg
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
+        # On one device, whatever mesh the weights came from (plain arrays first: a
+        # sharded array keeps its mesh's axis types through device_put).
+        self.state = jax.device_put(jax.tree.map(np.asarray, state), jax.devices()[0])
         self.window, self.vocab, self.n_slots, self.queue_limit = model.cfg.seq_len, model.cfg.vocab_size, slots, queue_limit
         self.buckets = prefill_buckets(self.window)
         self.cache = init_cache(model.cfg, slots, self.window)

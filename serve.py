@@ -401,7 +401,7 @@ def serve_run(cfg):
     if s.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {s.host} without a bearer token; set {API_KEY_ENV} to require one", file=sys.stderr)
     cfg, graphdef, params = load_run_params(cfg)
-    model = nnx.merge(graphdef, jax.device_put(host_params(params), jax.devices()[0]))
+    model = nnx.merge(graphdef, host_params(params))
     tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
     engine = Engine(model, s.slots, s.queue)
     t0 = time.perf_counter()
