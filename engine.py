@@ -15,7 +15,8 @@ The cache holds one training window (seq_len); when a slot's window is full, it
 restarts from its last half window (a fresh prefill), as nanoGPT crops its context.
 
 The engine deals in token ids; serve.py turns them into text, stop strings and HTTP.
-It runs the model on one device: host_params gathers the weights there.
+It runs the model on one device, or with --mesh.tp n on n devices with the heads,
+hidden units and vocabulary split as in training (place_weights).
 """
 
 import collections
@@ -120,6 +121,29 @@ def key_data(seed):
     return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
+def place_weights(state, tp_devices=None):
+    """The weights on one device, or with tp_devices (a list of n), split over them as
+    training's tensor parallelism splits them (parallel.WEIGHT_SPECS' TP dims: heads,
+    hidden units, vocabulary rows; the rest replicated). Then jit partitions every step
+    (GSPMD) and adds the all-reduces; the latent KV cache has no head dim, so it is
+    replicated. Plain arrays first: a sharded array keeps its mesh's axis types."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    import parallel as par
+
+    plain = jax.tree.map(np.asarray, state.to_pure_dict())
+    if not tp_devices or len(tp_devices) == 1:
+        return nnx.State(jax.device_put(plain, (tp_devices or jax.devices())[0]))
+    mesh = jax.make_mesh((len(tp_devices),), (par.TP,), axis_types=(AxisType.Auto,), devices=tp_devices)
+
+    def sharding(path, leaf):
+        name = par.weight_name(path)
+        dims = tuple(par.TP if d == par.TP else None for d in par.WEIGHT_SPECS[name])
+        return NamedSharding(mesh, P(*((None,) * (leaf.ndim - len(dims)) + dims)))  # stacked: N leads
+
+    return nnx.State(jax.device_put(plain, jax.tree_util.tree_map_with_path(sharding, plain)))
+
+
 # ----------------------------------------------------------------------------
 # Sequences and the engine
 
@@ -162,12 +186,10 @@ class Engine:
     server's event loop keeps serving meanwhile.
     """
 
-    def __init__(self, model, slots, queue_limit):
+    def __init__(self, model, slots, queue_limit, tp_devices=None):
         self.cfg = model.cfg
         self.graphdef, state = nnx.split(model)
-        # On one device, whatever mesh the weights came from (plain arrays first: a
-        # sharded array keeps its mesh's axis types through device_put).
-        self.state = jax.device_put(jax.tree.map(np.asarray, state), jax.devices()[0])
+        self.state = place_weights(state, tp_devices)
         self.window, self.vocab, self.n_slots, self.queue_limit = model.cfg.seq_len, model.cfg.vocab_size, slots, queue_limit
         self.buckets = prefill_buckets(self.window)
         self.cache = init_cache(model.cfg, slots, self.window)
@@ -260,6 +282,8 @@ class Engine:
                 for i, slot in enumerate(self.slots):
                     if slot is not None:
                         self.finish(i, f"error: {type(e).__name__}: {e}")
+                self.cache = init_cache(self.cfg, self.n_slots, self.window)  # a failed step may have consumed it (donated)
+                self.logits_SV = jnp.zeros_like(self.logits_SV)
         for i, slot in enumerate(self.slots):
             if slot is not None:
                 self.finish(i, "cancelled")
@@ -271,14 +295,14 @@ class Engine:
         for i in range(self.n_slots):
             if self.slots[i] is not None:
                 continue
-            with self.wakeup:
+            with self.wakeup:  # submit() counts free slots under the same lock
                 if not self.waiting:
                     return
                 seq = self.waiting.popleft()
-            if seq.cancelled:
-                seq.emit(("done", "cancelled"))
-                continue
-            slot = self.slots[i] = Slot(seq)
+                if seq.cancelled:
+                    seq.emit(("done", "cancelled"))
+                    continue
+                slot = self.slots[i] = Slot(seq)
             self.key_data_S2[i] = key_data(seq.seed)
             prompt = self.prefill(i, slot.tokens)
             slot.position = len(slot.tokens)
@@ -318,5 +342,6 @@ class Engine:
             slot.position = len(slot.tokens)
 
     def finish(self, i, reason):
-        seq, self.slots[i] = self.slots[i].seq, None
+        with self.wakeup:
+            seq, self.slots[i] = self.slots[i].seq, None
         seq.emit(("done", reason))

@@ -21,7 +21,8 @@ SGLang) use, so its behaviour under clients such as `openai` and lm-eval is well
 
 Bad input gets an OpenAI-style JSON error ({"error": {"message", "type", "param",
 "code"}}) with a 4xx status, and the server keeps serving: 400 for a body that is not
-UTF-8 JSON, unknown fields, values out of range, an empty or too long prompt; 401
+UTF-8 JSON, unknown fields, values out of range, an empty or too long prompt; 413 for
+a body over 8 MiB; 401
 without the bearer token (when MESHFORMER_API_KEY is set); 404 for another model's
 name; 429 when more sequences wait than --serve.queue.
 """
@@ -42,6 +43,7 @@ from utils import ConfigError
 
 API_KEY_ENV = "MESHFORMER_API_KEY"
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_BODY_BYTES = 8 << 20  # far more than --serve.queue prompts of a long context need
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.html")
 
 
@@ -305,6 +307,8 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request):
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
         req = parse_request(await request.body())
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}", param="model")
@@ -403,11 +407,11 @@ def serve_run(cfg):
     cfg, graphdef, params = load_run_params(cfg)
     model = nnx.merge(graphdef, host_params(params))
     tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
-    engine = Engine(model, s.slots, s.queue)
+    engine = Engine(model, s.slots, s.queue, tp_devices=jax.devices()[:cfg.mesh.tp])
     t0 = time.perf_counter()
     engine.start()
     print(f"compiled {len(engine.buckets)} prefill lengths {engine.buckets} and the decode step for {s.slots} slots "
-          f"in {time.perf_counter() - t0:.1f}s", flush=True)
+          f"on {cfg.mesh.tp} device(s) in {time.perf_counter() - t0:.1f}s", flush=True)
     app = make_app(engine, tokenizer, cfg.run.name, s.max_tokens, api_key)
     print(f"serving {cfg.run.name} on http://{s.host}:{s.port}/ (context {engine.window} tokens"
           f"{', bearer token required' if api_key else ''})", flush=True)

@@ -381,3 +381,38 @@ def test_the_page_streams_a_completion_in_a_real_browser(server, tmp_path):
             shutil.copy(tmp_path / "serve.png", os.environ["MESHFORMER_SCREENSHOT"])
     finally:
         driver.quit()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_decodes_what_the_one_device_server_does(loaded, server):
+    """The engine with weights split over tp = 2 (heads, hidden units, vocabulary) gives
+    the one-device server's tokens and log-probabilities, and its compiled decode step
+    all-reduces partial results instead of gathering weights."""
+    import re
+
+    from dataset import get_tokenizer
+    from engine import Engine, Sequence, decode_slots
+
+    cfg, params = loaded
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
+    engine = Engine(nnx.merge(graphdef, params), SLOTS, QUEUE, tp_devices=jax.devices()[:2])
+    hlo = decode_slots.lower(engine.graphdef, engine.state, engine.cache, *[jax.numpy.zeros(SLOTS, jax.numpy.int32)] * 2).compile().as_text()
+    collectives = set(re.findall(r" (all-reduce|all-gather|all-to-all|collective-permute)\(", hlo))
+    assert collectives == {"all-reduce"}, collectives
+    engine.start()
+    tokenizer, bodies = get_tokenizer("bytes"), [dict(prompt=p, max_tokens=30, temperature=t, seed=i, logprobs=0)
+                                                 for i, (p, t) in enumerate([("KING", 0), ("ROMEO:", 0.8), ("JULIET:\nO Romeo,", 0)])]
+    events = [[] for _ in bodies]
+    done = threading.Semaphore(0)
+    try:
+        engine.submit([Sequence(tokenizer.encode(b["prompt"]), b["max_tokens"], b["temperature"], 0, 1.0, b["seed"],
+                                lambda e, i=i: (events[i].append(e), e[0] == "done" and done.release())) for i, b in enumerate(bodies)])
+        for _ in bodies:
+            done.acquire()
+    finally:
+        engine.stop()
+    for body, got in zip(bodies, events):
+        served = complete(server, **body)["choices"][0]
+        tokens = [e for e in got if e[0] == "token"]
+        assert tokenizer.decode([e[1] for e in tokens]) == served["text"]
+        np.testing.assert_allclose([e[2] for e in tokens], served["logprobs"]["token_logprobs"], atol=2e-5, rtol=0)
