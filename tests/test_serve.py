@@ -336,6 +336,14 @@ def test_models_and_health(server):
         assert json.load(r)["slots"] == SLOTS
 
 
+def test_a_port_in_use_is_a_one_line_error_before_loading(server, run):
+    port = server.rsplit(":", 1)[1]
+    result = subprocess.run([sys.executable, "main.py", "--mode", "serve", *run, "--serve.port", port], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use): choose another --serve.port or --serve.host")
+
+
 # ----------------------------------------------------------------------------
 # A person at the page, in a real browser
 
