@@ -169,8 +169,8 @@ class Sequence:
 
 
 class Slot:
-    """Where one sequence stands: all its tokens (for a window restart), how many of
-    them the cache holds, how many it has generated."""
+    """Where one sequence stands: its tokens since the last (re)start of its window,
+    how many of them the cache holds, how many it has generated."""
 
     def __init__(self, seq):
         self.seq, self.tokens, self.generated = seq, list(seq.prompt_ids), 0

@@ -116,7 +116,7 @@ def check_settings(req, max_tokens_limit):
         (0 < req.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {req.top_p}"),
         (req.logprobs is None or 0 <= req.logprobs <= TOP_LOGPROBS, "logprobs", f"logprobs must be in 0..{TOP_LOGPROBS}, got {req.logprobs}"),
         (req.n == 1, "n", "n must be 1: send the prompt several times (as a list) for several completions"),
-        (req.seed is None or 0 <= req.seed < 2**63, "seed", "seed must be a non-negative integer below 2^63"),
+        (req.seed is None or 0 <= req.seed < 2**32, "seed", "seed must be in 0..2^32-1 (jax.random.key would fold larger ones onto these)"),
     ]
     for ok, param, message in checks:
         if not ok:

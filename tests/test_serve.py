@@ -275,6 +275,7 @@ BAD = {
     "token ids outside the vocabulary": ({"prompt": [1, 2, 999]}, 400, "outside the vocabulary"),
     "max_tokens over the limit": ({"prompt": "KING", "max_tokens": MAX_TOKENS + 1}, 400, "--serve.max_tokens"),
     "negative temperature": ({"prompt": "KING", "temperature": -1}, 400, "temperature"),
+    "seed that would collide with another": ({"prompt": "KING", "seed": 2**40}, 400, "seed must be in"),
     "a field of the wrong type": ({"prompt": "KING", "max_tokens": "many"}, 400, "max_tokens"),
     "unknown field": ({"prompt": "KING", "frequency_penalty": 0.5}, 400, "unknown field 'frequency_penalty'"),
     "malformed JSON": (b'{"prompt": "KING",', 400, "not valid JSON"),
