@@ -293,8 +293,10 @@ def test_decode_with_a_start_per_row_equals_each_row_alone():
     lengths = [3, 9, 1]
     tokens_BT = random_tokens(7, (len(lengths), cfg.seq_len))
     alone, caches = [], []
-    for b, n in enumerate(lengths):  # prefill row b alone to its length, then one token at position n
-        _, cache = step(state, tokens_BT[b:b + 1, :n], init_cache(cfg, 1, cfg.seq_len), jnp.int32(0))
+    for b, n in enumerate(lengths):  # row b alone, token by token to its length, then one token at position n
+        cache = init_cache(cfg, 1, cfg.seq_len)
+        for t in range(n):
+            _, cache = step(state, tokens_BT[b:b + 1, t:t + 1], cache, jnp.int32(t))
         caches.append(cache)
         alone.append(step(state, tokens_BT[b:b + 1, n:n + 1], cache, jnp.int32(n)))
     batched_cache = jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=1), *caches)
