@@ -6,6 +6,7 @@
     python main.py --mode export                   # slim bfloat16 params in <run_dir>/export
     python main.py --mode export_hf                # a Hugging Face directory in <run_dir>/hf
     python main.py --mode eval                     # restore, print val_loss=... (any mesh)
+    python main.py --mode serve                    # OpenAI-compatible completions + a web page (serve.py)
 
 Reads top to bottom: config, devices, mesh, data, init or resume, compile, the loop
 (eval, checkpoints, logs), samples.
@@ -118,6 +119,10 @@ def main(argv):
             eval_run(cfg)
         elif cfg.mode == "export_hf":
             export_hf_run(cfg)
+        elif cfg.mode == "serve":
+            from serve import serve_run
+
+            serve_run(cfg)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     except Exception as e:
@@ -450,9 +455,10 @@ def show_sharding(batch, params):
 # Sampling and export from a finished (or running) run
 
 
-def load_run_params(cfg, check=None):
-    """The run's saved config and latest params, on the current mesh (or the model of
-    --train.init_from hf:DIR). `check(cfg)` runs on the resolved config, before any init."""
+def load_run_params(cfg, devices=None, check=None):
+    """The run's saved config and latest params, on the current mesh (over `devices`,
+    default all), or the model of --train.init_from hf:DIR. `check(cfg)` runs on the
+    resolved config, before any init."""
     run_dir = run_dir_of(cfg)
     config_path = os.path.join(run_dir, "config.json")
     if hf_interop.hf_dir(cfg.train.init_from):
@@ -465,7 +471,7 @@ def load_run_params(cfg, check=None):
         cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
     if check is not None:
         check(cfg)
-    mesh = par.make_mesh(cfg.mesh)
+    mesh = par.make_mesh(cfg.mesh, devices)
     graphdef, params = par.init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
     source = cfg.train.init_from or run_dir
     return cfg, graphdef, checkpoint.restore_params(source, params, cfg.model)
