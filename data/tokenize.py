@@ -94,6 +94,9 @@ def hf_documents(name: str, config: str | None, split: str, text_field: str,
     except ImportError:
         raise SystemExit("--hf_dataset needs the Hugging Face `datasets` package "
                          "(pip install datasets) and network access to huggingface.co") from None
+    import huggingface_hub
+    datasets.logging.set_verbosity_error()  # no retry chatter before the one-line error
+    huggingface_hub.logging.set_verbosity_error()
     try:
         stream = datasets.load_dataset(name, config, split=split, streaming=True, data_files=data_files)
     except (OSError, ConnectionError, ValueError) as e:
@@ -299,14 +302,20 @@ def main():
 
     tokenizer = dataset.get_tokenizer(args.encoding, args.encoding_file)
     total_docs = None
-    if args.hf_dataset:
+    try:
         data_files = expand_inputs(args.hf_data_files) if args.hf_data_files else None
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {str(e).replace('--input', '--hf_data_files', 1)}") from None
+    if args.hf_dataset:
         documents = hf_documents(args.hf_dataset, args.hf_config, args.hf_split, args.text_field, data_files)
         source = {"hf_dataset": args.hf_dataset, "hf_config": args.hf_config, "hf_split": args.hf_split}
         if data_files:
             source["hf_data_files"] = data_files
     else:
-        files = expand_inputs(args.input)
+        try:
+            files = expand_inputs(args.input)
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: {e}") from None
         documents = iter_file_documents(files, args.text_field)
         source = {"inputs": files}
         total_docs = count_file_documents(files) if args.ray else None

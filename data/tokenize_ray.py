@@ -87,6 +87,11 @@ class LocalOut:
         os.makedirs(self.path, exist_ok=True)
         return dataset.write_shard(self.path, name, tokens, vocab_size)
 
+    def remove_stale_temp_files(self) -> None:
+        """Half-written shards of a killed run (dataset.write_shard's temp files)."""
+        for path in Path(self.path).glob("*.npy.tmp*"):
+            path.unlink(missing_ok=True)
+
 
 class GcsOut:
     """gs://bucket/prefix. Each object appears whole or not at all (a Cloud Storage upload
@@ -314,6 +319,8 @@ def tokenize_corpus(documents: Iterable[str], out_url: str, tokenizer: dataset.T
     if progress["done"]:
         print(f"{out_name(out)} is already complete")
         return json.loads(out.read_text(dataset.MANIFEST))
+    if out.is_local:
+        out.remove_stale_temp_files()
     connect(address, workers)
     try:
         run_tasks(documents, out, tokenizer, progress, shard_tokens, val_tokens, total_docs)
