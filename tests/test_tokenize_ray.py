@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_data import tiny_ranks, write_rank_file
+from test_data import write_rank_file
+from test_launch import launcher, needs_ssh_and_tmux, repo, sshd, states  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -112,6 +113,20 @@ def session_processes(sid: int) -> list[str]:
     return titles
 
 
+def wait_for_nodes(address: str, n: int, alive=lambda: True, logs=lambda: "", env=None) -> None:
+    """Until the cluster at `address` has n live nodes."""
+    script = (f"import ray; ray.init(address={address!r}, logging_level='ERROR'); "
+              "print(sum(node['Alive'] for node in ray.nodes()))")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+        if done.returncode == 0 and done.stdout.split()[-1:] == [str(n)]:
+            return
+        assert alive(), f"a Ray node exited:\n{logs()}"
+        time.sleep(1)
+    pytest.fail(f"the cluster at {address} does not have {n} nodes after {START_TIMEOUT_S}s:\n{logs()}")
+
+
 class Cluster:
     def __init__(self, temp: Path):
         self.temp, self.nodes = temp, []
@@ -126,17 +141,8 @@ class Cluster:
         return node
 
     def wait_for_nodes(self, n: int) -> None:
-        script = (f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
-                  "print(sum(node['Alive'] for node in ray.nodes()))")
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-            if done.returncode == 0 and done.stdout.split()[-1:] == [str(n)]:
-                return
-            for node in self.nodes:
-                assert node.poll() is None, f"a Ray node exited:\n{self.logs()}"
-            time.sleep(1)
-        pytest.fail(f"the cluster does not have {n} nodes after {START_TIMEOUT_S}s:\n{self.logs()}")
+        wait_for_nodes(self.address, n, alive=lambda: all(node.poll() is None for node in self.nodes),
+                       logs=self.logs)
 
     def kill(self, node: subprocess.Popen) -> None:
         kill_session(node.pid)
@@ -425,3 +431,47 @@ def test_killed_worker_node_loses_no_shard(cluster, corpus, pool_out, tmp_path):
     finally:
         if extra.poll() is None:
             cluster.kill(extra)
+
+
+# -----------------------------------------------------------------------------
+# launcher.sh --ray-start / --ray-stop, over ssh to this machine (inside the namespace)
+
+@pytest.fixture(scope="module")
+def loopback_sshd(private_network, request):
+    return request.getfixturevalue("sshd")  # started after the move: it listens in the namespace
+
+
+@pytest.mark.slow
+@needs_ssh_and_tmux
+def test_launcher_starts_a_ray_cluster_that_tokenizes_like_the_pool(repo, loopback_sshd, ray_env, corpus, pool_out,
+                                                                     tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("127.0.0.1\nlocalhost 127.0.0.1\n")  # two "hosts": the head and one more node
+    remote = tmp_path / "remote"
+    temp = Path(tempfile.mkdtemp(prefix="rayl", dir="/tmp"))  # short, for Ray's socket paths
+    args = ["--name", "tok", "--remote-dir", str(remote), "--python", sys.executable,
+            "--ray-port", str(gcs_emulator.free_port())]
+    try:
+        started = launcher(repo, loopback_sshd, hosts, *args, "--ray-start", "--", "--num-cpus", "1",
+                           "--object-store-memory", str(100 * 2**20), "--temp-dir", str(temp))
+        assert started.returncode == 0, started.stdout + started.stderr
+        address = started.stdout.split("ray address: ")[1].split()[0]
+        assert address == f"127.0.0.1:{args[-1]}"
+        token = remote / "ray" / "tok.token"
+        assert f"RAY_AUTH_TOKEN_PATH={token} python data/tokenize.py --ray {address}" in started.stderr
+        assert oct(token.stat().st_mode & 0o777) == "0o600"
+        status = launcher(repo, loopback_sshd, hosts, *args, "--ray-status")
+        assert states(status.stdout) == {0: "running", 1: "running"}, status.stdout + status.stderr
+        env = dict(os.environ, RAY_AUTH_TOKEN_PATH=str(token))
+        wait_for_nodes(address, 2, env=env, logs=lambda: "\n".join(p.read_text()[-2000:] for p in (remote / "logs").glob("*.log")))
+        out = tmp_path / "ray"
+        run_tokenize(corpus, out, "--ray", address, env=env)
+        assert_same_files(files_of(out), files_of(pool_out / "jsonl"))
+    finally:
+        stopped = launcher(repo, loopback_sshd, hosts, *args, "--ray-stop")
+        left = subprocess.run(["pgrep", "-f", str(temp)], capture_output=True, text=True).stdout.split()
+        for pid in left:  # the test must not leave a cluster behind, whatever happened
+            os.kill(int(pid), signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert states(stopped.stdout) == {0: "stopped", 1: "stopped"}, stopped.stdout + stopped.stderr
+    assert not left, f"Ray processes outlived --ray-stop: {left}"
