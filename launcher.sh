@@ -311,10 +311,12 @@ stop_host() {
     remote_prelude "$1" "not running"
     # shellcheck disable=SC2016
     printf '%s\n' 'if running; then' \
-      '  sid=$(tmux display-message -p -t "=$session" "#{pane_pid}")  # the job is its session leader' \
-      '  tmux kill-session -t "=$session"' \
+      '  sid=$(tmux display-message -p -t "=$session" "#{pane_pid}" 2>/dev/null || true)  # the job leads its session' \
+      '  tmux kill-session -t "=$session" 2>/dev/null || true  # (it may have ended on its own meanwhile)' \
       '  for signal in TERM KILL; do  # what outlived the hangup: e.g. Ray workers, in groups of their own' \
-      '    for _ in 1 2 3 4 5 6 7 8 9 10; do pgrep -s "$sid" >/dev/null || break; pkill "-$signal" -s "$sid"; sleep 0.5; done' \
+      '    for _ in 1 2 3 4 5 6 7 8 9 10; do' \
+      '      [ -n "$sid" ] && pgrep -s "$sid" >/dev/null || break; pkill "-$signal" -s "$sid"; sleep 0.5' \
+      '    done' \
       '  done' \
       '  echo stopped > "$status_file"; echo stopped' \
       'else echo "not running"; fi'
