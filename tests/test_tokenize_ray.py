@@ -309,9 +309,15 @@ def test_the_cluster_is_two_nodes_listening_on_loopback_only(cluster):
     assert len(cluster.nodes) == 2 and all(node.poll() is None for node in cluster.nodes)
 
 
-def test_ray_shards_from_files_equal_the_process_pool(cluster, corpus, pool_out, tmp_path):
-    out = tmp_path / "ray"
-    done = run_tokenize(corpus, out, "--ray", cluster.address)
+@pytest.fixture(scope="module")
+def ray_out(cluster, corpus, tmp_path_factory):
+    """The JSONL corpus tokenized on the cluster: (data directory, the run's output)."""
+    out = tmp_path_factory.mktemp("ray") / "jsonl"
+    return out, run_tokenize(corpus, out, "--ray", cluster.address)
+
+
+def test_ray_shards_from_files_equal_the_process_pool(cluster, corpus, pool_out, ray_out):
+    out, done = ray_out
     assert_same_files(files_of(out), files_of(pool_out / "jsonl"))  # shards, manifest.json, progress.json
     assert "tokens/s; driver peak memory" in done.stdout
     assert "tok/s" in done.stderr and "8000/8000" in done.stderr  # the progress bar: documents of all
@@ -475,3 +481,29 @@ def test_launcher_starts_a_ray_cluster_that_tokenizes_like_the_pool(repo, loopba
         shutil.rmtree(temp, ignore_errors=True)
     assert states(stopped.stdout) == {0: "stopped", 1: "stopped"}, stopped.stdout + stopped.stderr
     assert not left, f"Ray processes outlived --ray-stop: {left}"
+
+
+# -----------------------------------------------------------------------------
+# Training reads the Ray-made shards as it reads the pool's
+
+TRAIN_FLAGS = ["--preset", "tiny", "--model.n_blocks", "2", "--train.steps", "3", "--train.batch_size", "8",
+               "--train.eval_every", "3", "--train.checkpoint_every", "1000", "--log.progress", "false",
+               "--log.plots", "false", "--sample.num_samples", "0", "--log.every", "1"]
+
+
+def train(data_dir: Path, corpus, runs: Path, name: str) -> dict:
+    done = subprocess.run([sys.executable, str(REPO / "main.py"), *TRAIN_FLAGS, "--data.source", str(data_dir),
+                           "--data.tokenizer", "tiny_bpe", "--data.encoding_file", str(corpus["rank_file"]),
+                           "--run.out_dir", str(runs), "--run.name", name],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+    return {(r["step"], key): r[key] for r in rows for key in ("loss", "val_loss") if key in r}
+
+
+@pytest.mark.slow
+def test_training_on_ray_shards_equals_training_on_pool_shards(corpus, pool_out, ray_out, tmp_path):
+    ray_losses = train(ray_out[0], corpus, tmp_path / "runs", "ray")
+    pool_losses = train(pool_out / "jsonl", corpus, tmp_path / "runs", "pool")
+    assert sorted(ray_losses) == [(1, "loss"), (2, "loss"), (3, "loss"), (3, "val_loss")]
+    assert ray_losses == pool_losses  # exactly: the same tokens in the same batches
