@@ -136,9 +136,11 @@ class GcsOut:
         buffer = io.BytesIO()
         np.save(buffer, tokens.astype(dataset.shard_dtype(vocab_size)))
         data = buffer.getvalue()
-        blob = self._blob(name)
         md5 = base64.b64encode(hashlib.md5(data).digest()).decode()
-        if not (self._retry(lambda: blob.exists(retry=None), f"look up {name} in") and blob.md5_hash == md5):
+        object_name = f"{self.prefix}/{name}" if self.prefix else name
+        there = self._retry(lambda: self.bucket().get_blob(object_name, retry=None), f"look up {name} in")
+        if there is None or there.md5_hash != md5:  # else: complete from an earlier run
+            blob = self._blob(name)
             self._retry(lambda: blob.upload_from_string(data, retry=None), f"upload {name} to")
         return {"file": name, "tokens": int(tokens.size), "sha256": hashlib.sha256(data).hexdigest()}
 

@@ -189,8 +189,9 @@ def corpus(tmp_path_factory):
 
 
 def tokenize_cmd(corpus, out, *args, source="jsonl") -> list[str]:
-    inputs = (["--input", str(corpus["jsonl"])] if source == "jsonl" else
-              ["--hf_dataset", "parquet", "--hf_data_files", *map(str, corpus["parquet"])])
+    inputs = {"jsonl": ["--input", str(corpus["jsonl"])],
+              "jsonl x3": ["--input", *[str(corpus["jsonl"])] * 3],  # every document three times
+              "parquet": ["--hf_dataset", "parquet", "--hf_data_files", *map(str, corpus["parquet"])]}[source]
     return [sys.executable, str(REPO / "data" / "tokenize.py"), *inputs, "--out", str(out), *FLAGS,
             "--encoding_file", str(corpus["rank_file"]), *args]
 
@@ -360,6 +361,19 @@ def test_ray_shards_from_parquet_to_gcs_equal_the_process_pool(cluster, corpus, 
     again = run_tokenize(corpus, url, "--ray", cluster.address, source="parquet")
     assert "is already complete" in again.stdout
 
+    # Progress lost (say the bucket was copied without it): the rerun encodes everything
+    # again but uploads no shard that is already there, complete.
+    bucket = dataset.gcs_client().bucket(BUCKET)
+    generations = {blob.name: blob.generation for blob in bucket.list_blobs(prefix="parquet/")}
+    for name in ("manifest.json", "progress.json"):
+        bucket.blob(f"parquet/{name}").delete()
+    run_tokenize(corpus, url, "--ray", cluster.address, source="parquet")
+    assert_same_files(gcs_files("parquet"), files_of(pool_out / "parquet"))
+    now = {blob.name: blob.generation for blob in bucket.list_blobs(prefix="parquet/")}
+    shards = [name for name in generations if name.endswith(".npy")]
+    assert len(shards) > 30 and all(now[name] == generations[name] for name in shards)
+    assert now["parquet/manifest.json"] != generations["parquet/manifest.json"]
+
 
 # -----------------------------------------------------------------------------
 # Bad input: one line each
@@ -419,12 +433,13 @@ def test_killed_driver_resumes_to_the_same_shards(cluster, corpus, pool_out, tmp
 def test_killed_worker_node_loses_no_shard(cluster, corpus, pool_out, tmp_path):
     """A third node joins, takes tasks, and is SIGKILLed (raylet, workers, objects) while
     it encodes a batch."""
+    run_tokenize(corpus, tmp_path / "pool", "--workers", "2", source="jsonl x3")  # a longer run, for time to kill
     extra = cluster.start_node("--address", cluster.address, "--num-cpus", "2")
     try:
         cluster.wait_for_nodes(3)
         out, log = tmp_path / "ray", tmp_path / "driver.log"
-        driver = subprocess.Popen(tokenize_cmd(corpus, out, "--ray", cluster.address), stdout=open(log, "w"),
-                                  stderr=subprocess.STDOUT)
+        driver = subprocess.Popen(tokenize_cmd(corpus, out, "--ray", cluster.address, source="jsonl x3"),
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT)
         while driver.poll() is None:
             busy = any(t.startswith("ray::encode_batch") for t in session_processes(extra.pid))
             if busy and train_shards_done(out) >= 1:
@@ -433,7 +448,7 @@ def test_killed_worker_node_loses_no_shard(cluster, corpus, pool_out, tmp_path):
         assert driver.poll() is None, "the extra node was never busy while the run went on"
         cluster.kill(extra)
         assert driver.wait(timeout=RUN_TIMEOUT_S) == 0, log.read_text()[-3000:]
-        assert_same_files(files_of(out), files_of(pool_out / "jsonl"))
+        assert_same_files(files_of(out), files_of(tmp_path / "pool"))
     finally:
         if extra.poll() is None:
             cluster.kill(extra)
