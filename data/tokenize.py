@@ -95,16 +95,31 @@ def hf_documents(name: str, config: str | None, split: str, text_field: str,
         raise SystemExit("--hf_dataset needs the Hugging Face `datasets` package "
                          "(pip install datasets) and network access to huggingface.co") from None
     import huggingface_hub
-    datasets.logging.set_verbosity_error()  # no retry chatter before the one-line error
-    huggingface_hub.logging.set_verbosity_error()
+    # no retry chatter or logged errors before the one-line error
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    huggingface_hub.logging.set_verbosity(huggingface_hub.logging.CRITICAL)
     try:
         stream = datasets.load_dataset(name, config, split=split, streaming=True, data_files=data_files)
     except (OSError, ConnectionError, ValueError) as e:
-        where = f"from {data_files}" if data_files else "from the Hugging Face hub"
-        raise SystemExit(f"error: could not stream {name!r} {where}: {' '.join(str(e).split())}. Without "
+        why = " ".join(str(e).split()).rstrip(".")
+        if data_files:
+            raise SystemExit(f"error: could not load {name!r} from {data_files}: {why}") from e
+        raise SystemExit(f"error: could not stream {name!r} from the Hugging Face hub: {why}. Without "
                          "network access, export it to JSONL or parquet elsewhere and pass --input "
-                         "or --hf_data_files.") from e
-    return (_text_of(record, text_field, where=f"{name} record {i}") for i, record in enumerate(stream))
+                         "or --hf_dataset parquet --hf_data_files.") from e
+    return _stream_texts(stream, name, text_field)
+
+
+def _stream_texts(stream, name: str, text_field: str) -> Iterator[str]:
+    records = enumerate(stream)
+    while True:
+        try:
+            i, record = next(records)
+        except StopIteration:
+            return
+        except (OSError, ValueError) as e:  # e.g. a file that is not parquet, a dropped connection
+            raise SystemExit(f"error: reading {name!r}: {' '.join(str(e).split())}") from None
+        yield _text_of(record, text_field, where=f"{name} record {i}")
 
 
 def count_file_documents(files: list[str]) -> int:
@@ -291,6 +306,8 @@ def main():
     parser.add_argument("--ray", default="", metavar="ADDRESS",
                         help="tokenize on a Ray cluster: HOST:PORT, auto (the one this machine is in) "
                              "or local (start one here)")
+    parser.add_argument("--docs_per_task", type=int, default=256,
+                        help="with --ray: documents per Ray task (does not change the output)")
     args = parser.parse_args()
     if bool(args.input) == bool(args.hf_dataset):
         parser.error("give exactly one of --input and --hf_dataset")
@@ -326,7 +343,8 @@ def main():
         from data import tokenize_ray
         try:
             manifest = tokenize_ray.tokenize_corpus(documents, args.out, tokenizer, settings, args.shard_tokens,
-                                                    args.val_tokens, args.ray, max(1, args.workers), total_docs)
+                                                    args.val_tokens, args.ray, max(1, args.workers), total_docs,
+                                                    args.docs_per_task)
         except tokenize_ray.TokenizeError as e:
             raise SystemExit(f"error: {e}") from None
     else:

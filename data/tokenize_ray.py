@@ -43,9 +43,9 @@ import dataset
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRESS = "progress.json"
-# Documents per task: large enough that Ray's per-task overhead (~1 ms) is small next to
-# the encoding (~10 ms for 256 documents of a few KB), small enough to spread a few-MB
-# corpus over every worker.
+# Documents per task (--docs_per_task): large enough that Ray's per-task overhead (~1 ms)
+# is small next to the encoding (~0.1 s for 256 documents of a few KB), small enough to
+# spread a few-MB corpus over every worker. It does not change the output.
 DOCS_PER_TASK = 256
 TASKS_IN_FLIGHT_PER_CPU = 2  # keeps every CPU busy while bounding the object store's use
 TASK_RETRIES = 5             # a task on a node that dies is run again elsewhere
@@ -309,13 +309,13 @@ def local_node_affinity():
 
 def tokenize_corpus(documents: Iterable[str], out_url: str, tokenizer: dataset.Tokenizer,
                     settings: dict, shard_tokens: int, val_tokens: int, address: str,
-                    workers: int = 1, total_docs: int | None = None) -> dict:
+                    workers: int = 1, total_docs: int | None = None, docs_per_task: int = DOCS_PER_TASK) -> dict:
     """data/tokenize.py's tokenize_corpus on a Ray cluster; returns the manifest.
 
     `documents` must yield the same documents in the same order on every run.
     """
-    if shard_tokens <= 0 or val_tokens <= 0:
-        raise TokenizeError("--shard_tokens and --val_tokens must be positive")
+    if shard_tokens <= 0 or val_tokens <= 0 or docs_per_task <= 0:
+        raise TokenizeError("--shard_tokens, --val_tokens and --docs_per_task must be positive")
     out = open_out(out_url)
     progress = load_progress(out, settings)
     if progress["done"]:
@@ -325,7 +325,7 @@ def tokenize_corpus(documents: Iterable[str], out_url: str, tokenizer: dataset.T
         out.remove_stale_temp_files()
     connect(address, workers)
     try:
-        run_tasks(documents, out, tokenizer, progress, shard_tokens, val_tokens, total_docs)
+        run_tasks(documents, out, tokenizer, progress, shard_tokens, val_tokens, total_docs, docs_per_task)
     finally:
         ray.shutdown()
     if not progress["splits"]["train"]:
@@ -340,7 +340,7 @@ def tokenize_corpus(documents: Iterable[str], out_url: str, tokenizer: dataset.T
 
 
 def run_tasks(documents: Iterable[str], out, tokenizer: dataset.Tokenizer, progress: dict,
-              shard_tokens: int, val_tokens: int, total_docs: int | None) -> None:
+              shard_tokens: int, val_tokens: int, total_docs: int | None, docs_per_task: int) -> None:
     """Encode and write every shard after progress's restart point, committing in order."""
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     max_in_flight = TASKS_IN_FLIGHT_PER_CPU * cpus
@@ -349,7 +349,7 @@ def run_tasks(documents: Iterable[str], out, tokenizer: dataset.Tokenizer, progr
     planner = ShardPlanner(progress, shard_tokens, val_tokens)
     start_doc, start_offset = progress["next_doc"], progress["next_offset"]
     remaining = itertools.islice(iter(documents), start_doc, None)
-    batches = iter(lambda: list(itertools.islice(remaining, DOCS_PER_TASK)), [])
+    batches = iter(lambda: list(itertools.islice(remaining, docs_per_task)), [])
     encodes = collections.deque()  # (first document, ref of its lengths, ref of its tokens), in order
     writes = collections.deque()   # (ShardPlan, ref of its manifest entry or None), in order
     bar = ProgressBar(progress, total_docs)

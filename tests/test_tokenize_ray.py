@@ -392,6 +392,13 @@ def test_a_dataset_that_cannot_be_loaded_is_one_line(corpus, tmp_path, private_n
                            source="parquet", check=False)
     assert missing.returncode != 0
     assert missing.stderr.strip().splitlines() == [f"error: --hf_data_files {str(tmp_path / 'none.parquet')!r} matches no file"]
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    corrupt = run_tokenize(corpus, tmp_path / "out", "--ray", "auto", "--hf_data_files", str(tmp_path / "bad.parquet"),
+                           source="parquet", check=False)
+    assert corrupt.returncode != 0
+    assert corrupt.stderr.strip().splitlines() == [
+        f"error: could not load 'parquet' from [{str(tmp_path / 'bad.parquet')!r}]: Parquet magic bytes not found "
+        "in footer. Either the file is corrupted or this is not a parquet file"]
     offline = subprocess.run(
         [sys.executable, str(REPO / "data" / "tokenize.py"), "--hf_dataset", "no-such-user/no-such-dataset",
          "--encoding", "bytes", "--out", str(tmp_path / "out"), "--ray", "auto"],
@@ -437,15 +444,19 @@ def test_killed_worker_node_loses_no_shard(cluster, corpus, pool_out, tmp_path):
     extra = cluster.start_node("--address", cluster.address, "--num-cpus", "2")
     try:
         cluster.wait_for_nodes(3)
+        # Tasks of 2000 documents (~0.5 s each): the driver needs workers on every node.
         out, log = tmp_path / "ray", tmp_path / "driver.log"
-        driver = subprocess.Popen(tokenize_cmd(corpus, out, "--ray", cluster.address, source="jsonl x3"),
+        driver = subprocess.Popen(tokenize_cmd(corpus, out, "--ray", cluster.address, "--docs_per_task", "2000",
+                                               source="jsonl x3"),
                                   stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        seen = set()
         while driver.poll() is None:
-            busy = any(t.startswith("ray::encode_batch") for t in session_processes(extra.pid))
-            if busy and train_shards_done(out) >= 1:
+            titles = session_processes(extra.pid)
+            seen.update(t.split()[0] for t in titles if t.strip())
+            if any(t.startswith("ray::encode_batch") for t in titles) and train_shards_done(out) >= 1:
                 break
             time.sleep(0.005)
-        assert driver.poll() is None, "the extra node was never busy while the run went on"
+        assert driver.poll() is None, f"the extra node was never busy while the run went on; it ran {seen}"
         cluster.kill(extra)
         assert driver.wait(timeout=RUN_TIMEOUT_S) == 0, log.read_text()[-3000:]
         assert_same_files(files_of(out), files_of(tmp_path / "pool"))
