@@ -271,14 +271,19 @@ def records(plans) -> dict:
     return got
 
 
-def test_shard_plans_cut_where_the_pool_cuts_whatever_the_batching(tmp_path):
+@pytest.mark.parametrize("exact", [False, True], ids=["random", "exact-boundaries"])
+def test_shard_plans_cut_where_the_pool_cuts_whatever_the_batching(tmp_path, exact):
     rng = np.random.default_rng(1)
     lengths = [int(n) for n in rng.integers(1, 700, 300)] + [5000, 3, 2]  # one document longer than a shard
     shard_tokens, val_tokens = 997, 2500
+    if exact:  # val ends exactly at val_tokens, and train shards end exactly at documents' ends
+        lengths = [500] * 5 + [997] * 3 + lengths
     want = cut_like_the_pool(lengths, shard_tokens, val_tokens, tmp_path / "pool")
     want = {split: [{k: e[k] for k in ("file", "tokens", "start", "end")} for e in shards]
             for split, shards in want.items()}
     assert len(want["val"]) == 3 and len(want["train"]) > 80
+    if exact:
+        assert want["val"][-1]["end"] == [5, 0] and want["train"][2]["end"] == [8, 0]
     starts = np.concatenate([[0], np.cumsum(lengths)])  # a batch's tokens begin at its first document's
     for batch_size in (1, 7, 256, 400):
         plans = plan(lengths, shard_tokens, val_tokens, batch_size)
