@@ -12,10 +12,13 @@ Where the constraints are (everything else is propagated by the compiler):
   weights         just before use (per block, inside the loop over blocks): the FSDP
                   dim whole, the tensor-parallel dim split over tp, experts split over
                   dp with --mesh.expert_parallel (the compute layout of weight_layout)
-  residual stream x_BTD between blocks and into the loss: rows over dp, whole over tp
-  tokens          rows over dp (the batch's own sharding)
+  residual stream x_BTD out of the embedding and into the loss: rows over dp, whole
+                  over tp (the batch arrives with rows over dp)
+  expert buffers  x_GECD with --mesh.expert_parallel: experts over dp, every group
+                  (model.MoE.routed_with_capacity; the compiler picks the dispatch)
 Storage shardings are the jit's input and output shardings, so params, optimizer state
-and checkpoints are interchangeable with --mesh.sharding manual.
+and checkpoints are interchangeable with --mesh.sharding manual. The README's
+"Automatic vs explicit" compares what the compiler chose with parallel.py's choices.
 
 Axis types: the mesh keeps parallel.make_mesh's Explicit axes (one mesh, one set of
 arrays for both modes), and the step body runs under jax.sharding.auto_axes, which
@@ -63,8 +66,9 @@ def compute_spec(path, one_block, expert_parallel):
 def prepare_for_use(params, expert_parallel, dtype, one_block=False):
     """The auto counterpart of parallel.gather_for_use: cast to the compute dtype
     (first, so a bfloat16 gather moves half the bytes) and constrain to the compute
-    layout; XLA inserts the all-gather, and autodiff's transpose of the constraint
-    lets it reduce-scatter the gradient back into storage."""
+    layout. XLA inserts the all-gather; the gradient, constrained the same way by
+    autodiff, goes back to storage as a reduce-scatter (XLA:CPU: an all-reduce and a
+    slice)."""
     def prepare(path, w):
         return jax.lax.with_sharding_constraint(w.astype(dtype), compute_spec(path, one_block, expert_parallel))
     return jax.tree_util.tree_map_with_path(prepare, params)
@@ -91,12 +95,18 @@ def auto_loss(params, tokens_BT1, graphdef, cfg, rng):
     tokens_MbT1 = tokens_BT1.reshape(B // M, M, T1).swapaxes(0, 1)
     angles = rope_angles(jnp.arange(T1 - 1)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
 
+    def run_blocks(x_bTD, micro_rng):
+        return apply_blocks(model.blocks, x_bTD, angles, None, ep_axis, micro_rng, remat=m_cfg.remat,
+                            prepare=blocks_fn, unroll=m_cfg.unroll_blocks)
+
+    if m_cfg.remat == "stage":  # all blocks are the one stage: keep only their input per microbatch
+        run_blocks = jax.checkpoint(run_blocks)
+
     def microbatch(ce_sum, tokens_and_index):
         tokens_bT1, index = tokens_and_index
         x_bTD = residual(model.embed(tokens_bT1[:, :-1]))
         micro_rng = None if rng is None else jax.random.fold_in(rng, index)
-        y_bTD, stats_N = apply_blocks(model.blocks, x_bTD, angles, None, ep_axis, micro_rng, remat=m_cfg.remat,
-                                      prepare=lambda p: blocks_fn(p), unroll=m_cfg.unroll_blocks)
+        y_bTD, stats_N = run_blocks(x_bTD, micro_rng)
         return ce_sum + loss_sum(model, residual(y_bTD), tokens_bT1[:, 1:], M > 1), stats_N
 
     ce_sum, stats_MN = jax.lax.scan(microbatch, jnp.zeros((), jnp.float32), (tokens_MbT1, jnp.arange(M)))

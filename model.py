@@ -61,7 +61,8 @@ def project(x, w, n_in=1):
 def is_auto_axis(axis):
     """Is `axis` a mesh axis that the compiler partitions (jit under auto axes, as in
     auto_sharding.py) rather than one that shard_map makes manual?"""
-    return jax.sharding.get_abstract_mesh()._name_to_type.get(axis) == jax.sharding.AxisType.Auto
+    mesh = jax.sharding.get_abstract_mesh()
+    return dict(zip(mesh.axis_names, mesh.axis_types)).get(axis) == jax.sharding.AxisType.Auto
 
 
 def psum_if(x, axis):

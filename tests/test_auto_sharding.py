@@ -6,6 +6,10 @@ pipeline stages are a clear error; the collectives table reads real HLO right.
 """
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +26,7 @@ from utils import ConfigError, apply_overrides, config_to_dict, parse_args
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 1, 4), (4, 1, 2)]
 EXPERT_PARALLEL_MESHES = [(8, 1, 1), (2, 1, 4), (4, 1, 2)]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 mesh_id = lambda s: "x".join(map(str, s))  # noqa: E731
 
 
@@ -81,6 +86,11 @@ def collectives(cfg):
 def test_auto_step_equals_one_device(reference, variant, mesh_shape):
     cfg = config(mesh_shape, "auto", variant=variant)
     assert_same_step(*one_step(cfg), *reference[variant])
+    # The step hands back params and optimizer state in their storage layout (WEIGHT_SPECS),
+    # so the next step, a checkpoint or a manual step takes them as they are.
+    params, opt_state = fresh_state(cfg)
+    out_params, out_opt, _ = compiled_step(cfg).output_shardings
+    assert jax.tree.leaves(out_params) + jax.tree.leaves(out_opt) == [a.sharding for a in jax.tree.leaves((params, opt_state))]
     # No hand-written collective ran: the compiler partitioned a program written for
     # one device. Without expert parallelism it has no reason to move tokens.
     assert not any(kind == "all-to-all" for kind, _ in collectives(cfg))
@@ -171,3 +181,48 @@ def test_collective_table_counts_loops_axes_and_bytes():
     assert table[("all-reduce", "tp")] == (5, 5 * 4 * 2 * 4)
     assert table[("all-gather", "dp")] == (1, 8 * 8 * 4)
     assert table[("collective-permute", "dp")] == (1, 8 * 8 * 4)
+
+
+# ----------------------------------------------------------------------------
+# Slower: microbatches, remat, dropout, the command line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [dict(), dict(remat="stage")], ids=["block", "stage"])
+def test_auto_microbatched_step_equals_one_device(model):
+    """Two microbatches (rows m, m + 2, ... each), and remat around all blocks."""
+    cfg = apply_overrides(config((2, 1, 4), "auto", expert_parallel=True), {"train": dict(microbatches=2), "model": model})
+    one = apply_overrides(config(), {"train": dict(microbatches=2)})
+    assert_same_step(*one_step(cfg), *one_step(one))
+
+
+@pytest.mark.slow
+def test_auto_dropout_is_mesh_invariant():
+    """Dropout masks are drawn for the global arrays from one key per step, so unlike
+    the manual step's per-device keys they do not depend on the mesh."""
+    dropout = {"model": dict(dropout=0.1)}
+    metrics, params = one_step(apply_overrides(config((2, 1, 4), "auto"), dropout))
+    ref_metrics, ref_params = one_step(apply_overrides(config((1, 1, 1), "auto"), dropout))
+    assert_same_step(metrics, params, ref_metrics, ref_params)
+    no_dropout_loss = one_step(config((1, 1, 1), "auto"))[0]["loss"]
+    assert abs(metrics["loss"] - no_dropout_loss) > 1e-3  # the masks did something
+
+
+@pytest.mark.slow
+def test_command_line_auto_run_trains_like_one_device(tmp_path):
+    """The issue's command: dp2 x tp4, auto, float32: the same per-step and validation
+    losses as one device."""
+    common = ["--preset", "tiny", "--model.dtype", "float32", "--train.steps", "12", "--train.eval_every", "6",
+              "--train.checkpoint_every", "1000", "--run.out_dir", str(tmp_path), "--data.cache_dir", str(tmp_path / "data"),
+              "--log.progress", "false", "--log.plots", "false", "--sample.num_samples", "0", "--log.every", "1"]
+    auto_args = ["--run.cpu_devices", "8", "--mesh.dp", "2", "--mesh.tp", "4", "--mesh.sharding", "auto"]
+    for name, extra in (("one", []), ("auto", auto_args)):
+        result = subprocess.run([sys.executable, os.path.join(REPO, "main.py"), *common, "--run.name", name, *extra],
+                                cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("one", "auto")}
+    losses = {name: [r["loss"] for r in rows[name] if "loss" in r] for name in rows}
+    assert len(losses["auto"]) == 12 and losses["one"][-1] < losses["one"][0] - 0.5
+    np.testing.assert_allclose(losses["auto"], losses["one"], rtol=1e-5)
+    val = {name: [r["val_loss"] for r in rows[name] if "val_loss" in r] for name in rows}
+    np.testing.assert_allclose(val["auto"], val["one"], rtol=1e-5)
