@@ -178,7 +178,8 @@ def make_eval_step(graphdef, cfg, mesh, params):
 
 # ----------------------------------------------------------------------------
 # What the compiler chose: the collectives of a compiled step, from its optimized HLO.
-# (A small parser of our own; planner.py's TPU check reads the same HLO text.)
+# (A small parser of our own, for bench.py; a TPU compile check that reads the same
+# HLO text could share it.)
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
