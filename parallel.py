@@ -13,7 +13,8 @@ Mesh axes:
   Experts may also be split over dp (expert parallelism, all-to-all in model.MoE).
 
 The whole train step is one `jax.shard_map` over the mesh, so every collective is
-written out. Gradients of weights that are replicated over an axis (norm scales
+written out (auto_sharding.py has the same step partitioned by the compiler instead,
+--mesh.sharding auto). Gradients of weights that are replicated over an axis (norm scales
 over dp, the router over tp, the embedding over pp, ...) come out summed over that
 axis without any code here: shard_map tracks which values vary over which axes
 (check_vma), and the transpose of "use a replicated value with varying data" is a
@@ -460,7 +461,11 @@ def batch_spec():
 
 def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
     """One jitted function over the mesh: loss, grads, clip, AdamW. Donates the old
-    params and optimizer state (updated in place)."""
+    params and optimizer state (updated in place). --mesh.sharding auto: the same step
+    partitioned by the compiler (auto_sharding.py)."""
+    if cfg.mesh.sharding == "auto":
+        import auto_sharding
+        return auto_sharding.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     param_spec_tree, opt_spec_tree = specs_of(params), specs_of(opt_state)
     clip = cfg.train.grad_clip
 
@@ -485,6 +490,10 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
 
 def make_eval_step(graphdef, cfg, mesh, params):
     """Summed validation cross-entropy of one batch (dropout off)."""
+    if cfg.mesh.sharding == "auto":
+        import auto_sharding
+        return auto_sharding.make_eval_step(graphdef, cfg, mesh, params)
+
     def eval_fn(params, tokens_bT1):
         _, metrics = sharded_loss(params, tokens_bT1, graphdef, cfg, None)
         return metrics["loss"]

@@ -75,12 +75,17 @@ class ModelConfig:
     unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
 
 
+SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: parallel.make_train_step dispatches on it
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     dp: int = option(-1, "data parallel (FSDP) degree; -1 = all devices not used by pp and tp")
     pp: int = option(1, "pipeline stages")
     tp: int = option(1, "tensor parallel degree")
     expert_parallel: bool = option(False, "shard routed experts over dp (all-to-all dispatch)")
+    sharding: str = option("manual", "manual: one shard_map, every collective written out (parallel.py) | "
+                                     "auto: jax.jit with the same shardings, the compiler inserts the collectives (auto_sharding.py; pp = 1)")
 
 
 @dataclass(frozen=True)
@@ -324,6 +329,9 @@ def validate_model(cfg):
         (m.capacity_factor >= 0, "--model.capacity_factor must be >= 0 (0 = dropless)"),
         (m.seq_len % (m.routing_group or m.seq_len) == 0, f"--model.routing_group ({m.routing_group}) must divide --model.seq_len ({m.seq_len})"),
         (0 <= m.dropout < 1, "--model.dropout must be in [0, 1)"),
+        (cfg.mesh.sharding in SHARDING_MODES, f"--mesh.sharding must be manual or auto, got {cfg.mesh.sharding!r}"),
+        (cfg.mesh.sharding != "auto" or cfg.mesh.pp == 1, f"--mesh.sharding auto does not pipeline (--mesh.pp {cfg.mesh.pp}): "
+                                                           "use --mesh.pp 1, or --mesh.sharding manual for pipeline stages"),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
         (cfg.serve.slots >= 1 and cfg.serve.max_tokens >= 1 and cfg.serve.queue >= 0,
