@@ -15,9 +15,11 @@ Shape legend (suffixes of names):
   D model width    H heads             K head dim (content part)   R head dim (RoPE part)
   Q query latent   A key/value latent (the only thing the KV cache stores, with R)
   F hidden units   E experts           C expert capacity   G routing groups
-  V vocabulary     N blocks            X top-k choices
+  V vocabulary     N blocks            X top-k choices    L MoE layers of one block
+  P expert groups (group-limited routing)
 """
 
+import functools
 import math
 
 import jax
@@ -227,12 +229,43 @@ class DenseFFN(nnx.Module):
         return project(hidden_BTF, self.w_down_FD[...])
 
 
-def top_k_routing(x_SD, router_DE, top_k, score):
+class RouterBias(nnx.Variable):
+    """A per-expert bias added to the routing scores for the top-k *selection* only
+    (DeepSeek-V3's aux-loss-free balancing, arXiv:2412.19437 section 2.1.2). Train state
+    but not a trained weight: no gradient reaches it (it only picks indices) and the
+    optimizer leaves it alone; `balanced_bias` moves it after every step."""
+
+
+def limit_to_top_groups(choice_SE, n_groups, topk_groups):
+    """Group-limited routing (DeepSeek-V2 section 2.1.3, V3's node-limited routing):
+    experts are split into n_groups contiguous groups; each token keeps only the
+    experts of its topk_groups best groups, a group's score being the sum of its two
+    highest (biased) scores (V3; HF's DeepseekV3TopkRouter does the same). The other
+    experts get -inf, so the top-k that follows picks inside the kept groups.
+
+    With expert parallelism, device d of dp holds experts [d E/dp, (d+1) E/dp): when
+    n_groups = dp a group is one device's experts, so a token's choices land on at
+    most topk_groups devices. (Our all_to_all still moves fixed-size capacity buffers
+    to every device, so here that bounds where tokens go, not the bytes sent.)
+    """
+    S, E = choice_SE.shape
+    by_group_SPE = choice_SE.reshape(S, n_groups, E // n_groups)
+    group_score_SP = jnp.sum(jax.lax.top_k(by_group_SPE, 2)[0], axis=-1)
+    _, top_groups_SX = jax.lax.top_k(group_score_SP, topk_groups)
+    kept_SP = jnp.any(jnp.arange(n_groups)[None, :, None] == top_groups_SX[:, None, :], axis=-1)
+    return jnp.where(jnp.repeat(kept_SP, E // n_groups, axis=1), choice_SE, -jnp.inf)
+
+
+def top_k_routing(x_SD, router_DE, top_k, score, bias_E=None, n_groups=1, topk_groups=1, routed_scale=1.0):
     """Router: each token picks its top_k experts; gates are normalised to sum to 1.
 
     Returns gates_SX, experts_SX (int) and probs_SE (normalised scores, for the
     load-balance loss). With top_k = 1 the gate is the raw score (Switch Transformer). Routing runs in float32: a tie broken differently in bfloat16
     would send a token elsewhere.
+    DeepSeek-V3 options: bias_E shifts the scores that *select* experts, while the
+    gates come from the unbiased scores; n_groups > 1 limits each token to its
+    topk_groups best expert groups; routed_scale multiplies the gates (V3's
+    routed_scaling_factor), i.e. the routed experts' output.
     """
     logits_SE = jnp.dot(x_SD.astype(ACC_DTYPE), router_DE.astype(ACC_DTYPE))
     if score == "softmax":
@@ -240,11 +273,43 @@ def top_k_routing(x_SD, router_DE, top_k, score):
     else:  # sigmoid (DeepSeek-V3): independent affinities, normalised afterwards
         scores_SE = jax.nn.sigmoid(logits_SE)
     probs_SE = scores_SE / jnp.sum(scores_SE, axis=-1, keepdims=True)
-    top_scores_SX, experts_SX = jax.lax.top_k(scores_SE, top_k)
+    # Selection only picks indices, so no gradient flows through it.
+    choice_SE = jax.lax.stop_gradient(scores_SE if bias_E is None else scores_SE + bias_E.astype(ACC_DTYPE))
+    if n_groups > 1:
+        choice_SE = limit_to_top_groups(choice_SE, n_groups, topk_groups)
+    _, experts_SX = jax.lax.top_k(choice_SE, top_k)
+    top_scores_SX = jnp.take_along_axis(scores_SE, experts_SX, axis=-1)
     if top_k == 1:  # (normalising one score would make every gate 1: no gradient for the router)
-        return top_scores_SX, experts_SX, probs_SE
+        return top_scores_SX * routed_scale, experts_SX, probs_SE
     gates_SX = top_scores_SX / jnp.sum(top_scores_SX, axis=-1, keepdims=True)
-    return gates_SX, experts_SX, probs_SE
+    return gates_SX * routed_scale, experts_SX, probs_SE
+
+
+def balanced_bias(bias_NE, tokens_per_expert_NE, rate):
+    """One step of aux-loss-free balancing (DeepSeek-V3 section 2.1.2):
+    bias_e += rate * sign(mean load - load_e). An overloaded expert's bias falls, an
+    underloaded one's rises, one at mean load keeps it. The load is the step's global
+    count of assignments (before capacity drops), so every device and mesh computes
+    the same bias."""
+    load_NE = tokens_per_expert_NE.astype(jnp.float32)
+    return bias_NE + rate * jnp.sign(jnp.mean(load_NE, axis=-1, keepdims=True) - load_NE)
+
+
+def balance_router_biases(blocks, tokens_per_expert_NLE, rate, block_pattern):
+    """blocks (a pure dict of stacked block params) with every MoE layer's
+    router_bias_E moved by `balanced_bias`; MoE layer l of a block is the l-th "M" of
+    its pattern."""
+    layers = dict(blocks["layers"])
+    for l, i in enumerate(i for i, kind in enumerate(block_pattern) if kind == "M"):
+        ffn = dict(layers[i]["ffn"])
+        ffn["router_bias_E"] = balanced_bias(ffn["router_bias_E"], tokens_per_expert_NLE[:, l], rate)
+        layers[i] = dict(layers[i], ffn=ffn)
+    return dict(blocks, layers=layers)
+
+
+def router_biases(blocks, block_pattern):
+    """[N, L, E]: the router bias of every MoE layer (for logging)."""
+    return jnp.stack([blocks["layers"][i]["ffn"]["router_bias_E"] for i, kind in enumerate(block_pattern) if kind == "M"], axis=1)
 
 
 def expert_capacity(group_size, top_k, n_experts, capacity_factor):
@@ -292,6 +357,15 @@ def load_balance_loss(probs_SE, tokens_per_expert_E, top_k):
     return E * jnp.sum(fraction_E * jnp.mean(probs_SE, axis=0))
 
 
+def sequence_balance_loss(probs_BTE, experts_BTX, n_experts):
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20), summed over sequences:
+    the Switch formula above with f and P taken over each whole sequence. (With the
+    default --model.routing_group, one group per sequence, it is the same number as
+    the Switch loss; it differs when routing groups are shorter.)"""
+    tokens_per_expert_BE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_BTX)
+    return jnp.sum(jax.vmap(load_balance_loss, (0, 0, None))(probs_BTE, tokens_per_expert_BE, experts_BTX.shape[-1]))
+
+
 class MoE(nnx.Module):
     """Shared experts (see every token) + top-k routed experts (DeepSeekMoE).
 
@@ -307,10 +381,20 @@ class MoE(nnx.Module):
         self.capacity_factor = cfg.capacity_factor
         self.group_size = cfg.routing_group or cfg.seq_len
         self.router_DE = init_normal(rngs, (D, E), D)
+        self.router_bias_E = RouterBias(jnp.zeros((E,), jnp.float32)) if cfg.router_bias_rate > 0 else None
+        self.n_groups, self.topk_groups, self.routed_scale = cfg.n_groups, cfg.topk_groups, cfg.routed_scale
+        self.sequence_loss = cfg.seq_aux_loss_weight > 0
         self.w_gate_EDF = init_normal(rngs, (E, D, F), D)
         self.w_up_EDF = init_normal(rngs, (E, D, F), D)
         self.w_down_EFD = init_normal(rngs, (E, F, D), F, residual_scale(cfg))
         self.shared = DenseFFN(D, cfg.n_shared * F, "swiglu", rngs, residual_scale(cfg)) if cfg.n_shared else None
+
+    def route(self, x_GSD):
+        """top_k_routing of each group: (gates_GSX, experts_GSX, probs_GSE)."""
+        bias_E = None if self.router_bias_E is None else self.router_bias_E[...]
+        route = functools.partial(top_k_routing, top_k=self.top_k, score=self.score, bias_E=bias_E, n_groups=self.n_groups,
+                                  topk_groups=self.topk_groups, routed_scale=self.routed_scale)
+        return jax.vmap(route, (0, None))(x_GSD, self.router_DE[...])
 
     def expert_ffn(self, x_GECD):
         """SwiGLU of each local expert on its buffer of tokens.
@@ -385,7 +469,7 @@ class MoE(nnx.Module):
             raise ValueError(f"routing groups of {group} tokens must divide the sequence length {T}: "
                              f"a group must never straddle two sequences (set --model.routing_group)")
         x_GSD = x_BTD.reshape(B * T // group, group, D)
-        gates_GSX, experts_GSX, probs_GSE = jax.vmap(top_k_routing, (0, None, None, None))(x_GSD, self.router_DE[...], self.top_k, self.score)
+        gates_GSX, experts_GSX, probs_GSE = self.route(x_GSD)
         if self.capacity_factor > 0:
             y_GSD, tokens_per_expert_GE, dropped = self.routed_with_capacity(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis)
         else:
@@ -396,13 +480,15 @@ class MoE(nnx.Module):
         aux_G = jax.vmap(load_balance_loss, (0, 0, None))(probs_GSE, tokens_per_expert_GE, self.top_k)
         stats = dict(aux_loss_sum=jnp.sum(aux_G), tokens_per_expert=jnp.sum(tokens_per_expert_GE, 0),
                      dropped=dropped, groups=jnp.asarray(x_GSD.shape[0], jnp.int32))
+        if self.sequence_loss:
+            stats["seq_aux_loss_sum"] = sequence_balance_loss(probs_GSE.reshape(B, T, n_experts), experts_GSX.reshape(B, T, -1), n_experts)
         return y_BTD, stats
 
     def decode(self, x_BTD):
         """Inference: every token gets all of its top-k experts (no capacity)."""
         B, T, D = x_BTD.shape
         x_GSD = x_BTD.reshape(B * T, 1, D)
-        gates_GSX, experts_GSX, _ = jax.vmap(top_k_routing, (0, None, None, None))(x_GSD, self.router_DE[...], self.top_k, self.score)
+        gates_GSX, experts_GSX, _ = self.route(x_GSD)
         y_GSD, _, _ = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, self.router_DE[...].shape[1])
         y_BTD = y_GSD.reshape(B, T, D)
         return y_BTD + self.shared(x_BTD) if self.shared is not None else y_BTD
@@ -412,10 +498,13 @@ class MoE(nnx.Module):
 # Block: a short pattern of layers, e.g. "DDDDDM" = five dense layers, then one MoE.
 
 
-def empty_moe_stats(n_experts):
+def empty_moe_stats(n_experts, sequence_loss=False):
     z = jnp.zeros((), jnp.float32)
-    return dict(aux_loss_sum=z, tokens_per_expert=jnp.zeros((n_experts,), jnp.int32),
-                dropped=jnp.zeros((), jnp.int32), groups=jnp.zeros((), jnp.int32))
+    stats = dict(aux_loss_sum=z, tokens_per_expert=jnp.zeros((n_experts,), jnp.int32),
+                 dropped=jnp.zeros((), jnp.int32), groups=jnp.zeros((), jnp.int32))
+    if sequence_loss:
+        stats["seq_aux_loss_sum"] = z
+    return stats
 
 
 class Layer(nnx.Module):
@@ -450,11 +539,14 @@ class Block(nnx.Module):
     def __init__(self, cfg, rngs):
         self.layers = nnx.List([Layer(cfg, kind, rngs) for kind in cfg.block_pattern])
         self.n_experts = cfg.n_experts
+        self.sequence_loss = cfg.seq_aux_loss_weight > 0 and "M" in cfg.block_pattern
+        self.balancing = cfg.router_bias_rate > 0 and "M" in cfg.block_pattern
 
     def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat_layers=False):
-        """Returns x_BTD and the MoE statistics of this block's MoE layers, summed.
+        """Returns x_BTD and the MoE statistics of this block's MoE layers, summed
+        (with bias balancing also each MoE layer's own tokens_per_expert_LE).
         remat_layers: keep only each layer's input for the backward pass."""
-        stats = empty_moe_stats(self.n_experts)
+        stats, tokens_per_expert_LE = empty_moe_stats(self.n_experts, self.sequence_loss), []
         run_layer = lambda layer, x_BTD, rng: layer(x_BTD, angles, tp_axis, ep_axis, rng)  # noqa: E731
         if remat_layers:
             run_layer = nnx.remat(run_layer)
@@ -462,6 +554,9 @@ class Block(nnx.Module):
             x_BTD, layer_stats = run_layer(layer, x_BTD, None if rng is None else jax.random.fold_in(rng, i))
             if layer_stats is not None:
                 stats = jax.tree.map(jnp.add, stats, layer_stats)
+                tokens_per_expert_LE.append(layer_stats["tokens_per_expert"])
+        if self.balancing:
+            stats["tokens_per_expert_LE"] = jnp.stack(tokens_per_expert_LE)
         return x_BTD, stats
 
     def decode(self, x_BTD, angles, caches, start):

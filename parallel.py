@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model import Transformer, apply_blocks, rope_angles
+from model import Transformer, apply_blocks, balance_router_biases, rope_angles, router_biases
 from utils import ConfigError
 
 DP, PP, TP = "dp", "pp", "tp"
@@ -76,6 +76,9 @@ def make_mesh(mesh_cfg, devices=None):
 # embedding (needed by every stage) over dp x pp, and each weight is held once.
 
 FSDP, EXPERT = "fsdp", "expert"
+# Not weights the optimizer trains: kept in float32 in the forward pass (a bias step of
+# 0.001 is below bfloat16's resolution near 0.5) and left out of AdamW's weight decay.
+UNTRAINED = ("router_bias_E",)
 WEIGHT_SPECS = {
     "embed_VD": (TP, FSDP),          # vocab rows over tp (vocab-parallel)
     "scale_D": (None,),              # RMSNorm scales: small, replicated everywhere
@@ -91,6 +94,7 @@ WEIGHT_SPECS = {
     "w_up_DF": (FSDP, TP),
     "w_down_FD": (TP, FSDP),
     "router_DE": (FSDP, None),       # every tp device routes identically
+    "router_bias_E": (None,),        # balancing bias (train state, not trained): same on every device
     "w_gate_EDF": (EXPERT, FSDP, TP),  # routed experts: expert hidden units over tp
     "w_up_EDF": (EXPERT, FSDP, TP),
     "w_down_EFD": (EXPERT, TP, FSDP),
@@ -215,6 +219,8 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False):
     gets its shard of the gradient summed over all devices that used the weight.
     one_block: the weights of one block, sliced out of the stack (no N dim)."""
     def gather(path, w):
+        if weight_name(path) in UNTRAINED:  # replicated: nothing to gather
+            return w
         w = w.astype(dtype)
         _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
         # Axes of size 1 hold the whole dim already; XLA:CPU would still run (and copy
@@ -315,14 +321,20 @@ def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
     # pmean/pmax state that they agree. pmean also gives each tp device 1/tp of the
     # aux loss gradient, which the router's reduce-scatter sums back to one.
     aux_sum_N = stats_N.pop("aux_loss_sum")
+    seq_aux_sum_N = stats_N.pop("seq_aux_loss_sum", None)  # with --model.seq_aux_loss_weight
     n_moe_layers = m_cfg.n_blocks * m_cfg.block_pattern.count("M")
+    mean_over_mesh = lambda sum_N, count: jax.lax.pmean(jax.lax.psum(jnp.sum(sum_N), (DP, PP)), TP) / count  # noqa: E731
     aux = jnp.zeros((), jnp.float32)
     if n_moe_layers:  # (a dense model's all-zero statistics are not reduced: XLA:CPU aborts on that all-reduce)
         stats_N = jax.tree.map(lambda s: jax.lax.pmax(jax.lax.psum(s, DP), TP), stats_N)
         groups_per_layer = n_tokens // (m_cfg.routing_group or m_cfg.seq_len)
-        aux = jax.lax.pmean(jax.lax.psum(jnp.sum(aux_sum_N), (DP, PP)), TP) / (groups_per_layer * n_moe_layers)
+        aux = mean_over_mesh(aux_sum_N, groups_per_layer * n_moe_layers)
     loss = ce + m_cfg.aux_loss_weight * aux
-    return loss, dict(loss=ce, aux_loss=aux, stats_N=stats_N)
+    metrics = dict(loss=ce, aux_loss=aux, stats_N=stats_N)
+    if seq_aux_sum_N is not None:  # DeepSeek-V3's sequence-wise balance loss: mean over sequences and MoE layers
+        metrics["seq_aux_loss"] = mean_over_mesh(seq_aux_sum_N, t_cfg.batch_size * n_moe_layers)
+        loss = loss + m_cfg.seq_aux_loss_weight * metrics["seq_aux_loss"]
+    return loss, metrics
 
 
 def global_grad_norm(grads, specs):
@@ -352,7 +364,7 @@ def lr_schedule(train_cfg):
 def make_optimizer(train_cfg):
     """AdamW on float32 master weights. No weight decay on norm scales. Clipping is done
     by hand in train_step (it needs a mesh-wide norm)."""
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: weight_name(p) != "scale_D", params)  # noqa: E731
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: weight_name(p) not in ("scale_D", *UNTRAINED), params)  # noqa: E731
     return optax.adamw(lr_schedule(train_cfg), b1=train_cfg.beta1, b2=train_cfg.beta2,
                        weight_decay=train_cfg.weight_decay, mask=decay_mask)
 
@@ -385,11 +397,25 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
             scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        new_params = optax.apply_updates(params, updates)
         metrics = dict(metrics, grad_norm=grad_norm)
-        return params, opt_state, metrics
+        if balancing:
+            # Outside the optimizer (whose update of a bias is exactly 0: zero gradient, no
+            # decay), the router biases follow the step's global load. That load was
+            # psummed over dp, so the new bias is the same on every device and mesh.
+            blocks = balance_router_biases(new_params["blocks"], metrics["stats_N"]["tokens_per_expert_LE"],
+                                           m_cfg.router_bias_rate, m_cfg.block_pattern)
+            new_params = dict(new_params, blocks=blocks)
+            metrics["router_bias_NLE"] = router_biases(blocks, m_cfg.block_pattern)
+        return new_params, opt_state, metrics
 
+    m_cfg = cfg.model
+    balancing = m_cfg.router_bias_rate > 0 and "M" in m_cfg.block_pattern
     metric_specs = dict(loss=P(), aux_loss=P(), grad_norm=P(), stats_N=P(PP))
+    if balancing:
+        metric_specs["router_bias_NLE"] = P(PP)
+    if m_cfg.seq_aux_loss_weight > 0 and "M" in m_cfg.block_pattern:
+        metric_specs["seq_aux_loss"] = P()
     sharded = jax.shard_map(step_fn, mesh=mesh,
                             in_specs=(param_spec_tree, opt_spec_tree, batch_spec(), P()),
                             out_specs=(param_spec_tree, opt_spec_tree, metric_specs))

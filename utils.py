@@ -63,7 +63,13 @@ class ModelConfig:
     capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
     router_score: str = option("softmax", "router scores: softmax | sigmoid")
     routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
-    aux_loss_weight: float = option(0.01, "weight of the load-balance loss")
+    aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
+    router_bias_rate: float = option(0.0, "aux-loss-free balancing (DeepSeek-V3): after every step each expert's selection bias "
+                                          "moves by this towards uniform load; 0 = off (V3 used 0.001)")
+    seq_aux_loss_weight: float = option(0.0, "weight of DeepSeek-V3's sequence-wise balance loss (V3 used 0.0001)")
+    n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
+    topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
+    routed_scale: float = option(1.0, "multiply the routed experts' output by this (DeepSeek-V3 routed_scaling_factor)")
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
@@ -298,6 +304,16 @@ def validate_model(cfg):
         (m.rope_dim % 2 == 0, f"--model.rope_dim must be even (RoPE rotates pairs), got {m.rope_dim}"),
         (1 <= m.top_k <= m.n_experts, f"--model.top_k ({m.top_k}) must be between 1 and --model.n_experts ({m.n_experts})"),
         (m.capacity_factor >= 0, "--model.capacity_factor must be >= 0 (0 = dropless)"),
+        (m.router_bias_rate >= 0 and m.seq_aux_loss_weight >= 0, "--model.router_bias_rate and --model.seq_aux_loss_weight must be >= 0"),
+        (m.routed_scale > 0, f"--model.routed_scale must be > 0, got {m.routed_scale}"),
+        (m.n_groups >= 1 and m.n_experts % m.n_groups == 0,
+         f"--model.n_groups ({m.n_groups}) must be >= 1 and divide --model.n_experts ({m.n_experts})"),
+        (m.n_groups == 1 or m.n_experts // m.n_groups >= 2,
+         f"--model.n_groups ({m.n_groups}) leaves fewer than 2 experts per group (a group's score is its two best); use fewer groups"),
+        (1 <= m.topk_groups <= m.n_groups, f"--model.topk_groups ({m.topk_groups}) must be between 1 and --model.n_groups ({m.n_groups})"),
+        (m.n_groups == 1 or m.top_k <= m.topk_groups * (m.n_experts // m.n_groups),
+         f"--model.top_k ({m.top_k}) exceeds the experts in --model.topk_groups ({m.topk_groups}) groups of "
+         f"{m.n_experts // m.n_groups}; raise --model.topk_groups"),
         (m.seq_len % (m.routing_group or m.seq_len) == 0, f"--model.routing_group ({m.routing_group}) must divide --model.seq_len ({m.seq_len})"),
         (0 <= m.dropout < 1, "--model.dropout must be in [0, 1)"),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
