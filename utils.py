@@ -664,6 +664,40 @@ def draw_expert_load(fig, rows, cfg):
     return drawn
 
 
+def draw_router_bias(fig, rows, cfg):
+    """Each expert's router bias (aux-loss-free balancing), one panel per MoE layer,
+    over steps: an overloaded expert's bias falls, an underloaded one's rises."""
+    steps, biases = plot_series(rows, "router_bias")
+    if not biases:  # balancing off
+        return None
+    steps, bias_SLE = binned(steps, np.asarray(biases, float), HEATMAP_COLUMNS)
+    n_layers, n_experts = bias_SLE.shape[1:]
+    ncols = min(4, n_layers)
+    nrows = math.ceil(n_layers / ncols)
+    fig.set_size_inches(max(6.4, 0.8 + 3.4 * ncols), 1.6 + 1.8 * nrows)
+    axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)
+    drawn = {}
+    for l, ax in enumerate(axes.flat):
+        if l >= n_layers:
+            ax.set_visible(False)
+            continue
+        lines = ax.plot(steps, bias_SLE[:, l, :], lw=1)
+        ax.axhline(0, color="gray", lw=0.8)
+        ax.set_title(f"MoE layer {l}", fontsize=9)
+        ax.grid(alpha=0.3)
+        drawn[f"layer{l}"] = (np.asarray(lines[0].get_xdata(), float).tolist(),
+                              np.stack([np.asarray(line.get_ydata(), float) for line in lines], axis=1).tolist())
+        if l + ncols >= n_layers:
+            ax.set_xlabel("step")
+            ax.xaxis.set_tick_params(labelbottom=True)
+        if l % ncols == 0:
+            ax.set_ylabel("selection bias")
+    step_ticks(axes[0, 0].xaxis)
+    fig.legend(lines, [f"expert {e}" for e in range(n_experts)], loc="outside right upper", fontsize=7)
+    fig.suptitle(f"router bias per expert (rate {cfg['model']['router_bias_rate']:g} per step), run {cfg['run']['name']}")
+    return drawn
+
+
 def draw_speed(fig, rows, cfg):
     """Tokens per second and MFU per logged step, with their medians."""
     steps, tokens_per_sec = plot_series(rows, "tokens_per_sec")
@@ -692,7 +726,7 @@ def draw_speed(fig, rows, cfg):
 
 
 PLOTS = {"loss.png": draw_loss, "load_balance.png": draw_load_balance, "expert_load.png": draw_expert_load,
-         "speed.png": draw_speed}
+         "router_bias.png": draw_router_bias, "speed.png": draw_speed}
 
 
 def plot_run(run_dir):
@@ -700,6 +734,7 @@ def plot_run(run_dir):
       loss.png          train and validation loss against tokens seen
       load_balance.png  load-balance loss and dropped assignments, over steps
       expert_load.png   fraction of tokens per expert, per MoE block, over steps
+      router_bias.png   each expert's router bias per MoE layer (with --model.router_bias_rate)
       speed.png         tokens/s and MFU over steps
     A figure with nothing to show (a dense model has no expert load) is not written.
     Returns {file name: {series: data}}, the data read back from what was drawn:
