@@ -1,0 +1,294 @@
+"""DeepSeek-V3 routing: aux-loss-free bias balancing, group-limited routing, routed
+scaling, the sequence-wise balance loss (model.py, parallel.make_train_step).
+
+What is proved here: the bias update is the paper's formula on a hand-worked case; the
+bias changes which experts are chosen but never the gates; bias balancing brings a
+deliberately skewed router to uniform load; group-limited selection equals a plain
+per-token reference and Hugging Face's DeepseekV3TopkRouter; one train step with every
+option on equals one device on (2,2,2), (8,1,1) with expert parallelism and (1,1,8),
+bias included bit for bit; the bias survives a checkpoint onto another mesh and a
+kill -9 + resume (slow).
+"""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import checkpoint
+import parallel as par
+from model import MoE, balance_router_biases, balanced_bias, load_balance_loss, top_k_routing
+from test_model import tiny
+from test_parallel import assert_same_step, mesh_for, tiny_config, token_batch
+from utils import ConfigError, config_to_dict, parse_args
+
+# ----------------------------------------------------------------------------
+# The bias update and what the bias does to routing
+
+
+def test_bias_update_equals_the_formula_by_hand():
+    """bias_e += rate * sign(mean load - load_e): loads (6, 4, 3, 3) have mean 4, so
+    expert 0 (overloaded) goes down, expert 1 (at the mean) stays, 2 and 3 go up."""
+    bias_NE = jnp.array([[0.1, 0.0, -0.2, 0.05], [0.0, 0.0, 0.0, 0.0]])
+    load_NE = jnp.array([[6, 4, 3, 3], [0, 0, 8, 0]])
+    np.testing.assert_allclose(balanced_bias(bias_NE, load_NE, 0.001),
+                               [[0.099, 0.0, -0.199, 0.051], [0.001, 0.001, -0.001, 0.001]], rtol=0, atol=1e-9)
+    # Through the params tree: pattern "DM" has its MoE at layer 1; the dense layer is untouched.
+    blocks = {"layers": {0: {"ffn": {"w_up_DF": jnp.ones(3)}}, 1: {"ffn": {"router_bias_E": bias_NE, "router_DE": jnp.ones(2)}}}}
+    moved = balance_router_biases(blocks, load_NE[:, None, :], 0.001, "DM")
+    np.testing.assert_array_equal(moved["layers"][1]["ffn"]["router_bias_E"], balanced_bias(bias_NE, load_NE, 0.001))
+    assert moved["layers"][0] is blocks["layers"][0] and moved["layers"][1]["ffn"]["router_DE"] is blocks["layers"][1]["ffn"]["router_DE"]
+
+
+def routing_inputs(n_tokens=64, d=16, n_experts=8, seed=0, skew=0.0):
+    """Tokens and a router; `skew` > 0 makes experts 0 and 1 every token's favourites
+    (a feature that is 1 on every token, with router weight `skew` on those two)."""
+    rng = np.random.default_rng(seed)
+    x_SD = rng.standard_normal((n_tokens, d)).astype(np.float32)
+    router_DE = (rng.standard_normal((d, n_experts)) / np.sqrt(d)).astype(np.float32)
+    x_SD[:, 0] = 1.0
+    router_DE[0, :2] += skew
+    return jnp.asarray(x_SD), jnp.asarray(router_DE)
+
+
+@pytest.mark.parametrize("score", ["sigmoid", "softmax"])
+def test_bias_changes_the_choice_but_not_the_gates(score):
+    """Gates come from the unbiased scores of the experts the biased scores chose: a
+    large bias on expert 5 makes every token choose it, with gate = its unbiased score
+    over the sum of the chosen unbiased scores; a bias equal on every expert changes
+    nothing at all, bit for bit."""
+    x_SD, router_DE = routing_inputs()
+    gates_SX, experts_SX, probs_SE = top_k_routing(x_SD, router_DE, 2, score)
+    same = top_k_routing(x_SD, router_DE, 2, score, bias_E=jnp.full((8,), 0.25))
+    for a, b in zip((gates_SX, experts_SX, probs_SE), same):
+        np.testing.assert_array_equal(a, b)
+
+    bias_E = jnp.zeros(8).at[5].set(10.0)
+    biased_gates_SX, biased_experts_SX, biased_probs_SE = top_k_routing(x_SD, router_DE, 2, score, bias_E=bias_E)
+    assert bool(jnp.all(jnp.any(biased_experts_SX == 5, axis=1)))
+    assert int(jnp.sum(jnp.any(experts_SX == 5, axis=1))) < 32  # premise: without the bias most tokens did not pick 5
+    logits_SE = np.asarray(x_SD, np.float64) @ np.asarray(router_DE, np.float64)
+    scores_SE = 1 / (1 + np.exp(-logits_SE)) if score == "sigmoid" else np.exp(logits_SE) / np.exp(logits_SE).sum(-1, keepdims=True)
+    chosen_SX = np.take_along_axis(scores_SE, np.asarray(biased_experts_SX), -1)
+    np.testing.assert_allclose(biased_gates_SX, chosen_SX / chosen_SX.sum(-1, keepdims=True), rtol=1e-5)
+    np.testing.assert_array_equal(biased_probs_SE, probs_SE)  # the balance losses see unbiased scores too
+
+
+def test_bias_balancing_brings_a_skewed_router_to_uniform_load():
+    """Experts 0 and 1 start with almost every token (max/mean load ~3.8 of 8 experts,
+    top-2); repeating route -> count -> balanced_bias with the router fixed brings the
+    busiest expert to within 1.25 x the mean, and the bias is what moved: the
+    favourites' biases went down, the others' up."""
+    x_SD, router_DE = routing_inputs(n_tokens=256, skew=3.0)
+    rate, E = 0.01, 8
+
+    def step(bias_E, _):
+        _, experts_SX, _ = top_k_routing(x_SD, router_DE, 2, "sigmoid", bias_E=bias_E)
+        load_E = jnp.zeros(E, jnp.int32).at[experts_SX.reshape(-1)].add(1)
+        return balanced_bias(bias_E[None], load_E[None], rate)[0], jnp.max(load_E) / jnp.mean(load_E)
+
+    bias_E, imbalance = jax.jit(lambda b: jax.lax.scan(step, b, None, length=300))(jnp.zeros(E))
+    assert float(imbalance[0]) > 3.0
+    assert float(jnp.mean(imbalance[-50:])) < 1.25, imbalance[-50:]
+    assert bool(jnp.all(bias_E[:2] < 0)) and bool(jnp.all(bias_E[2:] > bias_E[:2].max()))
+
+
+# ----------------------------------------------------------------------------
+# Group-limited routing
+
+
+def reference_group_routing(scores_SE, bias_E, n_groups, topk_groups, top_k):
+    """Per token, plainly: rank groups by the sum of their two best biased scores, keep
+    the best topk_groups, take the top_k biased scores among their experts; gates are
+    the chosen unbiased scores, normalised."""
+    S, E = scores_SE.shape
+    size = E // n_groups
+    experts_SX, gates_SX = np.zeros((S, top_k), int), np.zeros((S, top_k))
+    for s in range(S):
+        biased = scores_SE[s] + bias_E
+        group_scores = [sum(sorted(biased[g * size:(g + 1) * size])[-2:]) for g in range(n_groups)]
+        groups = sorted(range(n_groups), key=lambda g: -group_scores[g])[:topk_groups]
+        candidates = [e for g in groups for e in range(g * size, (g + 1) * size)]
+        chosen = sorted(candidates, key=lambda e: -biased[e])[:top_k]
+        experts_SX[s] = chosen
+        gates_SX[s] = scores_SE[s, chosen] / scores_SE[s, chosen].sum()
+    return experts_SX, gates_SX
+
+
+def sort_by_expert(experts_SX, gates_SX):
+    order = np.argsort(experts_SX, axis=1)
+    return np.take_along_axis(np.asarray(experts_SX), order, 1), np.take_along_axis(np.asarray(gates_SX), order, 1)
+
+
+@pytest.mark.parametrize("n_groups, topk_groups, top_k", [(4, 2, 3), (8, 1, 2), (4, 4, 2)])
+def test_group_limited_selection_equals_a_plain_reference(n_groups, topk_groups, top_k):
+    """16 experts in groups; a random bias; routed_scale 2.5 multiplies every gate."""
+    x_SD, router_DE = routing_inputs(n_tokens=48, n_experts=16, seed=1)
+    bias_E = jnp.asarray(np.random.default_rng(2).normal(0, 0.1, 16), jnp.float32)
+    gates_SX, experts_SX, _ = top_k_routing(x_SD, router_DE, top_k, "sigmoid", bias_E, n_groups, topk_groups, routed_scale=2.5)
+    scores_SE = 1 / (1 + np.exp(-(np.asarray(x_SD, np.float64) @ np.asarray(router_DE, np.float64))))
+    want_experts_SX, want_gates_SX = reference_group_routing(scores_SE, np.asarray(bias_E, np.float64), n_groups, topk_groups, top_k)
+    got_experts_SX, got_gates_SX = sort_by_expert(experts_SX, gates_SX)
+    want_experts_SX, want_gates_SX = sort_by_expert(want_experts_SX, want_gates_SX)
+    np.testing.assert_array_equal(got_experts_SX, want_experts_SX)
+    np.testing.assert_allclose(got_gates_SX, 2.5 * want_gates_SX, rtol=1e-5)
+    if topk_groups < n_groups:  # premise: the limit changed some token's choice
+        ungrouped = np.sort(np.asarray(top_k_routing(x_SD, router_DE, top_k, "sigmoid", bias_E)[1]), axis=1)
+        assert (ungrouped != got_experts_SX).any()
+
+
+def test_group_limited_selection_equals_hugging_face_deepseek_v3():
+    """The same router weights and bias in transformers' DeepseekV3TopkRouter (what
+    the Hugging Face exporter targets): the same experts and weights, 1e-6."""
+    torch = pytest.importorskip("torch")
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    x_SD, router_DE = routing_inputs(n_tokens=48, n_experts=16, seed=3)
+    bias_E = np.random.default_rng(4).normal(0, 0.1, 16).astype(np.float32)
+    config = DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, norm_topk_prob=True)
+    hf = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        hf.weight.copy_(torch.from_numpy(np.asarray(router_DE).T.copy()))
+        hf.e_score_correction_bias.copy_(torch.from_numpy(bias_E))
+        _, hf_gates_SX, hf_experts_SX = hf(torch.from_numpy(np.asarray(x_SD)))
+    gates_SX, experts_SX, _ = top_k_routing(x_SD, router_DE, 3, "sigmoid", jnp.asarray(bias_E), 4, 2, routed_scale=2.5)
+    got = sort_by_expert(experts_SX, gates_SX)
+    want = sort_by_expert(hf_experts_SX.numpy(), hf_gates_SX.numpy())
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-7)
+
+
+def test_routed_scale_multiplies_only_the_routed_experts():
+    """y(scale) - shared = scale x (y(1) - shared), in the layer (capacity path)."""
+    x_BTD = jax.random.normal(jax.random.key(1), (2, 16, 32))
+    moe = MoE(tiny(capacity_factor=4.0), nnx.Rngs(0))
+    scaled = MoE(tiny(capacity_factor=4.0, routed_scale=2.5), nnx.Rngs(0))
+    shared_BTD = moe.shared(x_BTD)
+    forward = nnx.jit(lambda moe, x_BTD: moe(x_BTD)[0])
+    y_BTD, y_scaled_BTD = forward(moe, x_BTD), forward(scaled, x_BTD)
+    np.testing.assert_allclose(y_scaled_BTD - shared_BTD, 2.5 * (y_BTD - shared_BTD), rtol=1e-5, atol=1e-6)
+
+
+def test_sequence_balance_loss_is_the_switch_formula_per_sequence():
+    """With routing groups of 4 tokens in sequences of 16, the layer's seq_aux_loss_sum
+    is the Switch formula over each whole sequence, summed over sequences (not the
+    per-group aux_loss_sum)."""
+    moe = MoE(tiny(routing_group=4, seq_aux_loss_weight=1.0, router_score="sigmoid"), nnx.Rngs(0))
+    x_BTD = jax.random.normal(jax.random.key(1), (2, 16, 32))
+    stats, (_, experts_GSX, probs_GSE) = nnx.jit(lambda moe, x_BTD: (moe(x_BTD)[1], moe.route(x_BTD.reshape(8, 4, 32))))(moe, x_BTD)
+    experts_BN, probs_BTE = np.asarray(experts_GSX).reshape(2, -1), np.asarray(probs_GSE).reshape(2, 16, 8)
+    want = sum(8 * np.sum(np.bincount(experts_BN[b], minlength=8) / (16 * 2) * probs_BTE[b].mean(0)) for b in range(2))
+    np.testing.assert_allclose(stats["seq_aux_loss_sum"], want, rtol=1e-5)
+    per_group = sum(float(load_balance_loss(probs_GSE[g], jnp.bincount(experts_GSX[g].reshape(-1), length=8), 2)) for g in range(8))
+    np.testing.assert_allclose(stats["aux_loss_sum"], per_group, rtol=1e-5)
+    assert abs(float(stats["aux_loss_sum"]) / 8 - want / 2) > 1e-3  # premise: the two losses differ here
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model.n_groups", "3"], "--model.n_groups"),
+    (["--model.n_groups", "8"], "fewer than 2 experts"),
+    (["--model.n_groups", "4", "--model.topk_groups", "5"], "--model.topk_groups"),
+    (["--model.n_groups", "4", "--model.topk_groups", "1", "--model.top_k", "3"], "raise --model.topk_groups"),
+    (["--model.router_bias_rate", "-0.1"], "--model.router_bias_rate"),
+    (["--model.routed_scale", "0"], "--model.routed_scale"),
+])
+def test_bad_routing_flags_get_a_clear_error(flags, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        parse_args(["--preset", "tiny", *flags])
+
+
+# ----------------------------------------------------------------------------
+# Mesh invariance, checkpoints
+
+DEEPSEEK_V3 = dict(router_score="sigmoid", router_bias_rate=0.001, seq_aux_loss_weight=0.01, n_groups=4, topk_groups=2,
+                   routed_scale=2.5, routing_group=8, aux_loss_weight=0.001)
+
+
+def random_biases(params, seed=0):
+    """Host params with every router bias set to random values (a fresh bias is zero and
+    would not test that selection uses it)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: rng.normal(0, 0.05, a.shape).astype(a.dtype) if par.weight_name(p) == "router_bias_E" else a, params)
+
+
+def one_step_from(cfg, host_params, graphdef):
+    mesh = mesh_for(cfg)
+    par.check_config_fits_mesh(cfg, mesh)
+    params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, cfg.mesh.expert_parallel)))
+    optimizer = par.make_optimizer(cfg.train)
+    opt_state = par.init_opt_state(optimizer, params, mesh)
+    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    params, _, metrics = step(params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size), jnp.asarray(0))
+    return jax.device_get(metrics), jax.tree.map(np.asarray, params)
+
+
+@pytest.fixture(scope="module")
+def deepseek_start():
+    cfg = tiny_config(**DEEPSEEK_V3)
+    graphdef, params = par.init_params(cfg.model, mesh_for(cfg), False, cfg.run.seed)
+    host = random_biases(jax.device_get(params))
+    return graphdef, host, one_step_from(cfg, host, graphdef)
+
+
+def biases_of(params):
+    return [a for p, a in jax.tree_util.tree_flatten_with_path(params)[0] if par.weight_name(p) == "router_bias_E"]
+
+
+def test_one_device_step_moves_the_bias_by_the_global_load(deepseek_start):
+    """The reference itself: the new bias is the old one moved by the step's load, with
+    no optimizer update on top; the logged bias is that bias; the sequence loss is in."""
+    _, start, (metrics, params) = deepseek_start
+    (before,), (after,) = biases_of(start), biases_of(params)
+    load_NE = metrics["stats_N"]["tokens_per_expert_LE"][:, 0]
+    np.testing.assert_array_equal(after, balanced_bias(before, load_NE, 0.001))
+    assert not np.array_equal(after, before)
+    np.testing.assert_array_equal(metrics["router_bias_NLE"][:, 0], after)
+    assert metrics["seq_aux_loss"] > 0.9 and metrics["aux_loss"] > 0.9
+
+
+@pytest.mark.parametrize("mesh_shape, expert_parallel", [((2, 2, 2), False), ((8, 1, 1), True), ((1, 1, 8), False)],
+                         ids=["2x2x2", "8x1x1-ep", "1x1x8"])
+def test_deepseek_v3_routing_step_equals_one_device(deepseek_start, mesh_shape, expert_parallel):
+    """Sigmoid scores, a random bias in the selection, groups, routed scale, both
+    balance losses: loss, grad norm, loads and params equal one device; the new bias
+    bit for bit (the load it follows is an integer count psummed over the mesh)."""
+    graphdef, start, (ref_metrics, ref_params) = deepseek_start
+    metrics, params = one_step_from(tiny_config(mesh_shape, expert_parallel, **DEEPSEEK_V3), start, graphdef)
+    assert_same_step(metrics, params, ref_metrics, ref_params)
+    np.testing.assert_allclose(metrics["seq_aux_loss"], ref_metrics["seq_aux_loss"], rtol=1e-5)
+    for got, want in zip(biases_of(params), biases_of(ref_params)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_bias_checkpoint_restores_onto_another_mesh(tmp_path, deepseek_start):
+    """Saved from (2, 2, 2), restored on (8, 1, 1) with expert parallelism: the bias
+    comes back bit for bit; a model without biases refuses the checkpoint by name."""
+    graphdef, start, _ = deepseek_start
+    cfg = tiny_config((2, 2, 2), **DEEPSEEK_V3)
+    mesh = mesh_for(cfg)
+    params = jax.device_put(start, par.named(mesh, par.param_specs(start, False)))
+    optimizer = par.make_optimizer(cfg.train)
+    manager = checkpoint.checkpoint_manager(str(tmp_path), keep=2)
+    checkpoint.save_checkpoint(manager, 3, params, par.init_opt_state(optimizer, params, mesh),
+                               dict(seed=cfg.run.seed, data_position=3, config=config_to_dict(cfg)))
+    manager.wait_until_finished()
+
+    other = tiny_config((8, 1, 1), True, **DEEPSEEK_V3)
+    other_mesh = mesh_for(other)
+    target = jax.device_put(jax.tree.map(np.zeros_like, start), par.named(other_mesh, par.param_specs(start, True)))
+    restored, _, meta = checkpoint.restore_checkpoint(manager, target, par.init_opt_state(optimizer, target, other_mesh), other.model)
+    assert meta["step"] == 3
+    for got, want in zip(biases_of(jax.device_get(restored)), biases_of(start)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ConfigError, match=r"--model\.router_bias_rate"):
+        checkpoint.check_model_config(config_to_dict(cfg)["model"], dataclasses.replace(other.model, router_bias_rate=0.0), "here")
