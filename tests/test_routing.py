@@ -11,7 +11,6 @@ kill -9 + resume (slow).
 """
 
 import dataclasses
-import os
 import signal
 import subprocess
 import time
@@ -25,9 +24,10 @@ from flax import nnx
 import checkpoint
 import parallel as par
 from model import MoE, balance_router_biases, balanced_bias, load_balance_loss, top_k_routing
+from test_checkpoint import REPO, data_cache, main_cmd, main_py  # noqa: F401  (data_cache: a fixture)
 from test_model import tiny
 from test_parallel import assert_same_step, mesh_for, tiny_config, token_batch
-from utils import ConfigError, config_to_dict, parse_args
+from utils import ConfigError, config_to_dict, parse_args, read_metrics
 
 # ----------------------------------------------------------------------------
 # The bias update and what the bias does to routing
@@ -292,3 +292,50 @@ def test_bias_checkpoint_restores_onto_another_mesh(tmp_path, deepseek_start):
         np.testing.assert_array_equal(got, want)
     with pytest.raises(ConfigError, match=r"--model\.router_bias_rate"):
         checkpoint.check_model_config(config_to_dict(cfg)["model"], dataclasses.replace(other.model, router_bias_rate=0.0), "here")
+
+
+# ----------------------------------------------------------------------------
+# main.py as a user runs it (slow): the issue's command, kill -9 + resume
+
+BIAS_RUN = ["--model.router_score", "sigmoid", "--model.router_bias_rate", "0.001", "--model.aux_loss_weight", "0",
+            "--train.steps", "60", "--train.checkpoint_every", "20", "--train.eval_every", "1000"]
+
+
+def train_rows(run_dir):
+    return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+
+
+@pytest.mark.slow
+def test_bias_run_balances_the_load_and_resumes_the_bias_exactly_after_kill_9(tmp_path, data_cache):
+    """The issue's command (tiny, sigmoid, bias rate 0.001, no aux loss, 60 steps): every
+    row logs the bias; the load imbalance (max / mean expert load) of its last 10 steps
+    is below its peak and below the same run without the bias. Killed with SIGKILL after
+    checkpoint 20 and restarted, it repeats the uninterrupted run's losses and biases
+    bit for bit."""
+    main_py([*BIAS_RUN, "--run.name", "straight"], tmp_path, data_cache)
+    main_py([*BIAS_RUN, "--model.router_bias_rate", "0", "--run.name", "no_bias"], tmp_path, data_cache)
+    straight, no_bias = train_rows(tmp_path / "straight"), train_rows(tmp_path / "no_bias")
+    assert sorted(straight) == list(range(1, 61)) and all(len(r["router_bias"]) == 8 for r in straight.values())
+    assert "router_bias" not in no_bias[1]
+    imbalance = lambda rows, steps: np.mean([rows[s]["load_max_over_mean"] for s in steps])  # noqa: E731
+    last = range(51, 61)
+    assert imbalance(straight, last) < max(r["load_max_over_mean"] for r in straight.values()) - 0.5
+    assert imbalance(straight, last) < imbalance(no_bias, last) - 0.2
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(main_cmd([*BIAS_RUN, "--run.name", "killed"], tmp_path, data_cache), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while proc.poll() is None and time.time() < deadline:
+        if (run / "checkpoints" / "20").is_dir() and (run / "metrics.jsonl").exists() and max(train_rows(run), default=0) >= 25:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    result = main_py([*BIAS_RUN, "--run.name", "killed"], tmp_path, data_cache)
+    assert f"resumed from {run}/checkpoints/20\n" in result.stdout
+    resumed = train_rows(run)
+    assert sorted(resumed) == list(range(1, 61))
+    for s in range(1, 61):
+        assert (resumed[s]["loss"], resumed[s]["router_bias"]) == (straight[s]["loss"], straight[s]["router_bias"]), s
