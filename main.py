@@ -418,8 +418,9 @@ class Reporter:
             moe_NE = load_NE[load_NE.sum(-1) > 0]
             if len(moe_NE):  # imbalance: the busiest expert's share over the uniform one, mean over MoE blocks
                 row["load_max_over_mean"] = round(float(np.mean(moe_NE.max(-1) * moe_NE.shape[-1])), 4)
-            if "seq_aux_loss" in metrics:
-                row["seq_aux_loss"] = float(metrics["seq_aux_loss"])
+            for extra in ("seq_aux_loss", "mtp_loss"):  # with --model.seq_aux_loss_weight / --model.mtp_depth
+                if extra in metrics:
+                    row[extra] = float(metrics[extra])
             if "router_bias_NLE" in metrics:  # [MoE layer (block-major), expert]
                 bias_NLE = np.asarray(metrics["router_bias_NLE"])
                 row["router_bias"] = bias_NLE.reshape(-1, bias_NLE.shape[-1]).round(6)

@@ -19,6 +19,7 @@ Shape legend (suffixes of names):
   P expert groups (group-limited routing)
 """
 
+import dataclasses
 import functools
 import math
 
@@ -571,6 +572,38 @@ class Block(nnx.Module):
 
 
 # ----------------------------------------------------------------------------
+# Multi-token prediction (DeepSeek-V3, arXiv:2412.19437 section 2.2)
+
+
+class MTPModule(nnx.Module):
+    """Depth k of sequential multi-token prediction: at position i it combines the
+    previous depth's hidden state h^{k-1}_i with the embedding of token i+k,
+    h'_i = W_h RMSNorm(h^{k-1}_i) + W_e RMSNorm(Emb(t_{i+k})) (V3's M_k [.; .], split in
+    two D x D halves), runs one extra block, and predicts token i+k+1 through the shared
+    embedding and output layer (with its own final norm). The embedding and head are
+    the main model's. The block is the model's block pattern with dense FFNs only (V3's
+    has an MoE layer): its routing would need its own balancing, and it is thrown away
+    after training anyway (sampling and eval ignore it)."""
+
+    def __init__(self, cfg, rngs):
+        D = cfg.d_model
+        self.hidden_norm = RMSNorm(D)
+        self.embed_norm = RMSNorm(D)
+        self.w_hidden_DD = init_normal(rngs, (D, D), 2 * D)
+        self.w_embed_DD = init_normal(rngs, (D, D), 2 * D)
+        self.block = Block(dataclasses.replace(cfg, block_pattern="D" * len(cfg.block_pattern)), rngs)
+        self.final_norm = RMSNorm(D)
+
+    def __call__(self, h_BTD, next_embed_BTD, angles, tp_axis=None, rng=None):
+        x_BTD = (project(self.hidden_norm(h_BTD), self.w_hidden_DD[...])
+                 + project(self.embed_norm(next_embed_BTD.astype(h_BTD.dtype)), self.w_embed_DD[...]))
+        return self.block(x_BTD, angles, tp_axis, None, rng)[0]
+
+
+MTP_RNG_SALT = 2**31 - 1  # dropout keys of the MTP blocks: fold_in(rng, salt + depth), apart from the blocks' own
+
+
+# ----------------------------------------------------------------------------
 # The Transformer: embedding, N stacked Blocks, final norm, tied output layer.
 
 
@@ -594,6 +627,8 @@ class Transformer(nnx.Module):
 
         self.blocks = make_blocks(rngs)  # every weight has a leading axis N (blocks)
         self.final_norm = RMSNorm(cfg.d_model)
+        # Made last, so the weights above are the same with or without MTP.
+        self.mtp = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.mtp_depth)]) if cfg.mtp_depth else None
 
     def embed(self, tokens_BT, tp_axis=None):
         """Vocab-parallel lookup: each tp device holds rows [offset, offset + V/tp) and
@@ -605,20 +640,22 @@ class Transformer(nnx.Module):
         x_BTD = jnp.where(mine_BT[..., None], table_VD[jnp.clip(local_BT, 0, table_VD.shape[0] - 1)], 0)
         return psum_if(x_BTD, tp_axis)
 
-    def logits(self, x_BTD):
-        """Output layer of the tied embedding (the local vocabulary rows under tp)."""
+    def logits(self, x_BTD, norm=None):
+        """Output layer of the tied embedding (the local vocabulary rows under tp).
+        `norm`: the final norm to apply (an MTP depth has its own)."""
         # Scaled by 1/sqrt(D): the table has unit-variance rows, logits start near 0.
-        x_BTD = self.final_norm(x_BTD) / math.sqrt(x_BTD.shape[-1])
+        x_BTD = (norm or self.final_norm)(x_BTD) / math.sqrt(x_BTD.shape[-1])
         return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...], preferred_element_type=ACC_DTYPE)
 
-    def loss_sum(self, x_BTD, targets_BT, tp_axis=None):
-        """Summed token cross-entropy with vocab-parallel logits [B, T, V/tp].
+    def loss_sum(self, x_BTD, targets_BT, tp_axis=None, norm=None, mask_BT=None):
+        """Summed token cross-entropy with vocab-parallel logits [B, T, V/tp] (over the
+        positions where mask_BT is true, when given).
 
         The full-vocabulary logits are never gathered: the max and the sum of exps are
         reduced over `tp` (pmax, psum), and the target logit is read by the one device
         whose vocabulary slice holds it (psum of a masked value).
         """
-        logits_BTV = self.logits(x_BTD)
+        logits_BTV = self.logits(x_BTD, norm)
         V_local = logits_BTV.shape[-1]
         offset = 0 if tp_axis is None else jax.lax.axis_index(tp_axis) * V_local
         max_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
@@ -629,17 +666,38 @@ class Transformer(nnx.Module):
         mine_BT = (local_BT >= 0) & (local_BT < V_local)
         picked_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, V_local - 1)[..., None], -1)[..., 0]
         target_logit_BT = psum_if(jnp.where(mine_BT, picked_BT, 0.0), tp_axis)
-        return jnp.sum(jnp.log(sum_exp_BT) + max_BT - target_logit_BT)
+        ce_BT = jnp.log(sum_exp_BT) + max_BT - target_logit_BT
+        return jnp.sum(ce_BT if mask_BT is None else jnp.where(mask_BT, ce_BT, 0.0))
 
-    def __call__(self, tokens_BT, start=0):
-        """Plain single-device forward: logits [B, T, V] and MoE statistics per block.
+    def mtp_loss_sum(self, h_BTD, tokens_BT1, angles, tp_axis=None, rng=None):
+        """Summed cross-entropy of every MTP depth, given the main model's last hidden
+        state h_BTD (before the final norm) of inputs tokens_BT1[:, :-1].
+
+        Depth k at position i predicts token i+k+1, so positions i >= T-k have no
+        target inside the window: they still run (fixed shapes; causal attention keeps
+        them out of the earlier positions) with a padding token, and are masked out.
+        """
+        B, T1 = tokens_BT1.shape
+        T = T1 - 1
+        total = jnp.zeros((), jnp.float32)
+        for k, module in enumerate(self.mtp, start=1):
+            shifted_BT1 = jnp.pad(tokens_BT1[:, k:], ((0, 0), (0, k)))  # token i+k at position i
+            depth_rng = None if rng is None else jax.random.fold_in(rng, MTP_RNG_SALT + k)
+            h_BTD = module(h_BTD, self.embed(shifted_BT1[:, :T], tp_axis), angles, tp_axis, depth_rng)
+            valid_BT = jnp.broadcast_to(jnp.arange(T) < T - k, (B, T))
+            total += self.loss_sum(h_BTD, shifted_BT1[:, 1:], tp_axis, norm=module.final_norm, mask_BT=valid_BT)
+        return total
+
+    def __call__(self, tokens_BT, start=0, return_hidden=False):
+        """Plain single-device forward: logits [B, T, V] and MoE statistics per block
+        (and the last hidden state before the final norm, which MTP starts from).
 
         The reference that every sharded and pipelined layout is tested against.
         """
         x_BTD = self.embed(tokens_BT)
         angles = rope_angles(start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape), self.cfg.rope_dim, self.cfg.rope_theta)
         x_BTD, stats_N = apply_blocks(self.blocks, x_BTD, angles, unroll=self.cfg.unroll_blocks)
-        return self.logits(x_BTD), stats_N
+        return (self.logits(x_BTD), stats_N) + ((x_BTD,) if return_hidden else ())
 
 
 def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat="none", prepare=None, unroll=False):

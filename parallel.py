@@ -93,6 +93,8 @@ WEIGHT_SPECS = {
     "w_gate_DF": (FSDP, TP),         # FFN and shared experts: hidden units over tp
     "w_up_DF": (FSDP, TP),
     "w_down_FD": (TP, FSDP),
+    "w_hidden_DD": (FSDP, None),     # MTP: the two halves of V3's projection M_k
+    "w_embed_DD": (FSDP, None),
     "router_DE": (FSDP, None),       # every tp device routes identically
     "router_bias_E": (None,),        # balancing bias (train state, not trained): same on every device
     "w_gate_EDF": (EXPERT, FSDP, TP),  # routed experts: expert hidden units over tp
@@ -239,7 +241,7 @@ def varying_over(x, axis):
 
 def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     """GPipe over pp: returns (summed cross-entropy of this device's rows, MoE stats of
-    this stage's blocks [N/pp, ...]). Runs inside shard_map.
+    this stage's blocks [N/pp, ...], summed MTP cross-entropy). Runs inside shard_map.
 
     At tick t stage s works on microbatch m = t - s: stage 0 embeds microbatch t,
     every other stage takes what its left neighbour produced at tick t-1 (ppermute).
@@ -249,7 +251,7 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     m_cfg = cfg.model
     n_stages, stage = jax.lax.axis_size(PP), jax.lax.axis_index(PP)
     M, b, T1 = tokens_MbT1.shape
-    inputs_MbT, targets_MbT = tokens_MbT1[..., :-1], tokens_MbT1[..., 1:]
+    inputs_MbT = tokens_MbT1[..., :-1]
     angles = rope_angles(jnp.arange(T1 - 1)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
     x0_MbTD = jax.vmap(lambda t: model.embed(t, TP))(inputs_MbT)
     ep_axis = DP if cfg.mesh.expert_parallel else None
@@ -278,25 +280,34 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     first_received = varying_over(jnp.zeros_like(x0_MbTD[0]), PP)  # the carry differs per stage from tick 1 on
     _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
     outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
-    ce_sum = microbatched_loss_sum(model, outputs_MbTD, targets_MbT)
-    ce_sum = jnp.where(stage == n_stages - 1, ce_sum, 0.0)  # other stages hold no finished outputs
-    return ce_sum, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN)
+    ce_sum, mtp_sum = last_stage_loss_sums(model, outputs_MbTD, tokens_MbT1, angles, rng)
+    is_last = stage == n_stages - 1  # other stages hold no finished outputs
+    return jnp.where(is_last, ce_sum, 0.0), jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN), jnp.where(is_last, mtp_sum, 0.0)
 
 
-def microbatched_loss_sum(model, outputs_MbTD, targets_MbT):
-    """Summed cross-entropy, one microbatch at a time: the float32 logits [b, T, V/tp] of
-    only one microbatch exist at once (the backward pass recomputes them per
-    microbatch), instead of [M * b, T, V/tp], which for a large vocabulary would be
-    most of a device's memory."""
+def last_stage_loss_sums(model, outputs_MbTD, tokens_MbT1, angles, rng):
+    """(summed cross-entropy, summed MTP cross-entropy over its depths; 0 without MTP)
+    of the finished microbatches, whatever schedule produced them.
+
+    One microbatch at a time: the float32 logits [b, T, V/tp] of only one microbatch
+    exist at once (the backward pass recomputes them per microbatch), instead of
+    [M * b, T, V/tp], which for a large vocabulary would be most of a device's memory.
+    """
+    def microbatch_losses(x_bTD, tokens_bT1, m):
+        ce = model.loss_sum(x_bTD, tokens_bT1[:, 1:], TP)
+        if model.mtp is None:
+            return ce, jnp.zeros((), jnp.float32)
+        return ce, model.mtp_loss_sum(x_bTD, tokens_bT1, angles, TP, None if rng is None else jax.random.fold_in(rng, m))
+
     if outputs_MbTD.shape[0] == 1:  # nothing to split: skip the recomputation
-        return model.loss_sum(outputs_MbTD[0], targets_MbT[0], TP)
+        return microbatch_losses(outputs_MbTD[0], tokens_MbT1[0], 0)
 
     @jax.checkpoint
-    def microbatch_loss(_, output_and_targets):
-        x_bTD, targets_bT = output_and_targets
-        return None, model.loss_sum(x_bTD, targets_bT, TP)
+    def microbatch_loss(_, xs):
+        return None, microbatch_losses(*xs)
 
-    return jnp.sum(jax.lax.scan(microbatch_loss, None, (outputs_MbTD, targets_MbT))[1])
+    ce_M, mtp_M = jax.lax.scan(microbatch_loss, None, (outputs_MbTD, tokens_MbT1, jnp.arange(outputs_MbTD.shape[0])))[1]
+    return jnp.sum(ce_M), jnp.sum(mtp_M)
 
 
 def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
@@ -311,7 +322,7 @@ def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
     blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype, one_block=True)  # noqa: E731
     M = t_cfg.microbatches
     tokens_MbT1 = tokens_bT1.reshape(M, tokens_bT1.shape[0] // M, tokens_bT1.shape[1])
-    ce_sum, stats_N = pipeline_loss(model, blocks_fn, tokens_MbT1, cfg, rng)
+    ce_sum, stats_N, mtp_sum = pipeline_loss(model, blocks_fn, tokens_MbT1, cfg, rng)
 
     n_tokens = t_cfg.batch_size * m_cfg.seq_len
     ce = jax.lax.psum(ce_sum, (DP, PP)) / n_tokens
@@ -334,6 +345,9 @@ def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
     if seq_aux_sum_N is not None:  # DeepSeek-V3's sequence-wise balance loss: mean over sequences and MoE layers
         metrics["seq_aux_loss"] = mean_over_mesh(seq_aux_sum_N, t_cfg.batch_size * n_moe_layers)
         loss = loss + m_cfg.seq_aux_loss_weight * metrics["seq_aux_loss"]
+    if m_cfg.mtp_depth:  # V3: lambda / depth x sum over depths of each depth's loss, each divided by all T positions
+        metrics["mtp_loss"] = jax.lax.psum(mtp_sum, (DP, PP)) / (n_tokens * m_cfg.mtp_depth)
+        loss = loss + m_cfg.mtp_loss_weight * metrics["mtp_loss"]
     return loss, metrics
 
 
@@ -416,6 +430,8 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
         metric_specs["router_bias_NLE"] = P(PP)
     if m_cfg.seq_aux_loss_weight > 0 and "M" in m_cfg.block_pattern:
         metric_specs["seq_aux_loss"] = P()
+    if m_cfg.mtp_depth:
+        metric_specs["mtp_loss"] = P()
     sharded = jax.shard_map(step_fn, mesh=mesh,
                             in_specs=(param_spec_tree, opt_spec_tree, batch_spec(), P()),
                             out_specs=(param_spec_tree, opt_spec_tree, metric_specs))

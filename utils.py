@@ -70,6 +70,9 @@ class ModelConfig:
     n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
     topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
     routed_scale: float = option(1.0, "multiply the routed experts' output by this (DeepSeek-V3 routed_scaling_factor)")
+    mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): extra blocks predicting tokens 2..depth+1 ahead, "
+                               "trained with the rest, ignored by sampling and eval; 0 = off")
+    mtp_loss_weight: float = option(0.3, "weight of the MTP loss (mean over depths; V3 used 0.3, later 0.1)")
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
@@ -176,6 +179,14 @@ PRESETS = {
         "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10,
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
+    },
+    # The shakespeare size with DeepSeek-V3's MoE recipe: sigmoid scores, aux-loss-free
+    # bias balancing (plus V3's tiny sequence-wise loss instead of the Switch loss),
+    # 4 expert groups of 2 with each token's experts in its best 2 groups, routed output
+    # scaled by 2.5, and one multi-token-prediction depth.
+    "deepseek_v3": {
+        "model": dict(router_score="sigmoid", router_bias_rate=0.001, aux_loss_weight=0.0, seq_aux_loss_weight=0.0001,
+                      n_groups=4, topk_groups=2, routed_scale=2.5, mtp_depth=1, mtp_loss_weight=0.3),
     },
     # The reference MoE: ~1B parameters in total, about a third active per token.
     "moe1b": {
@@ -306,6 +317,7 @@ def validate_model(cfg):
         (m.capacity_factor >= 0, "--model.capacity_factor must be >= 0 (0 = dropless)"),
         (m.router_bias_rate >= 0 and m.seq_aux_loss_weight >= 0, "--model.router_bias_rate and --model.seq_aux_loss_weight must be >= 0"),
         (m.routed_scale > 0, f"--model.routed_scale must be > 0, got {m.routed_scale}"),
+        (0 <= m.mtp_depth < m.seq_len, f"--model.mtp_depth ({m.mtp_depth}) must be >= 0 and below --model.seq_len ({m.seq_len})"),
         (m.n_groups >= 1 and m.n_experts % m.n_groups == 0,
          f"--model.n_groups ({m.n_groups}) must be >= 1 and divide --model.n_experts ({m.n_experts})"),
         (m.n_groups == 1 or m.n_experts // m.n_groups >= 2,

@@ -11,6 +11,7 @@ kill -9 + resume (slow).
 """
 
 import dataclasses
+import functools
 import signal
 import subprocess
 import time
@@ -23,7 +24,7 @@ from flax import nnx
 
 import checkpoint
 import parallel as par
-from model import MoE, balance_router_biases, balanced_bias, load_balance_loss, top_k_routing
+from model import MoE, balance_router_biases, balanced_bias, load_balance_loss, rope_angles, top_k_routing
 from test_checkpoint import REPO, data_cache, main_cmd, main_py  # noqa: F401  (data_cache: a fixture)
 from test_model import tiny
 from test_parallel import assert_same_step, mesh_for, tiny_config, token_batch
@@ -210,7 +211,7 @@ def test_bad_routing_flags_get_a_clear_error(flags, message):
 # Mesh invariance, checkpoints
 
 DEEPSEEK_V3 = dict(router_score="sigmoid", router_bias_rate=0.001, seq_aux_loss_weight=0.01, n_groups=4, topk_groups=2,
-                   routed_scale=2.5, routing_group=8, aux_loss_weight=0.001)
+                   routed_scale=2.5, routing_group=8, aux_loss_weight=0.001, mtp_depth=2, mtp_loss_weight=0.3)
 
 
 def random_biases(params, seed=0):
@@ -254,18 +255,21 @@ def test_one_device_step_moves_the_bias_by_the_global_load(deepseek_start):
     assert not np.array_equal(after, before)
     np.testing.assert_array_equal(metrics["router_bias_NLE"][:, 0], after)
     assert metrics["seq_aux_loss"] > 0.9 and metrics["aux_loss"] > 0.9
+    assert abs(metrics["mtp_loss"] - np.log(256)) < 1.0  # an untrained model's loss, per depth
 
 
 @pytest.mark.parametrize("mesh_shape, expert_parallel", [((2, 2, 2), False), ((8, 1, 1), True), ((1, 1, 8), False)],
                          ids=["2x2x2", "8x1x1-ep", "1x1x8"])
 def test_deepseek_v3_routing_step_equals_one_device(deepseek_start, mesh_shape, expert_parallel):
     """Sigmoid scores, a random bias in the selection, groups, routed scale, both
-    balance losses: loss, grad norm, loads and params equal one device; the new bias
-    bit for bit (the load it follows is an integer count psummed over the mesh)."""
+    balance losses, two MTP depths: loss, MTP loss, grad norm, loads and params (MTP's
+    included) equal one device; the new bias bit for bit (the load it follows is an
+    integer count psummed over the mesh)."""
     graphdef, start, (ref_metrics, ref_params) = deepseek_start
     metrics, params = one_step_from(tiny_config(mesh_shape, expert_parallel, **DEEPSEEK_V3), start, graphdef)
     assert_same_step(metrics, params, ref_metrics, ref_params)
-    np.testing.assert_allclose(metrics["seq_aux_loss"], ref_metrics["seq_aux_loss"], rtol=1e-5)
+    for key in ("seq_aux_loss", "mtp_loss"):
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, err_msg=key)
     for got, want in zip(biases_of(params), biases_of(ref_params)):
         np.testing.assert_array_equal(got, want)
 
@@ -339,3 +343,46 @@ def test_bias_run_balances_the_load_and_resumes_the_bias_exactly_after_kill_9(tm
     assert sorted(resumed) == list(range(1, 61))
     for s in range(1, 61):
         assert (resumed[s]["loss"], resumed[s]["router_bias"]) == (straight[s]["loss"], straight[s]["router_bias"]), s
+
+
+# ----------------------------------------------------------------------------
+# Multi-token prediction
+
+
+def reference_mtp_loss(model, tokens_BT1):
+    """V3's MTP written out with truncated sequences (no padding, no mask): depth k
+    runs on positions 0..T-k-1 only, combining h^{k-1}_i with Emb(t_{i+k}) and
+    predicting t_{i+k+1}; each depth's summed cross-entropy is divided by B x T and
+    the depths are averaged."""
+    cfg = model.cfg
+    _, _, h_BTD = model(tokens_BT1[:, :-1], return_hidden=True)
+    B, T = h_BTD.shape[:2]
+    total = 0.0
+    for k, module in enumerate(model.mtp, start=1):
+        h_BtD = h_BTD[:, :T - k]
+        x_BtD = module.hidden_norm(h_BtD) @ module.w_hidden_DD[...] + module.embed_norm(model.embed(tokens_BT1[:, k:T])) @ module.w_embed_DD[...]
+        positions_Bt = jnp.broadcast_to(jnp.arange(T - k), (B, T - k))
+        h_BTD, _ = module.block(x_BtD, rope_angles(positions_Bt, cfg.rope_dim, cfg.rope_theta))
+        logp_BtV = jax.nn.log_softmax(model.logits(h_BTD, module.final_norm), axis=-1)
+        total += -jnp.sum(jnp.take_along_axis(logp_BtV, tokens_BT1[:, k + 1:, None], -1)) / (B * T)
+    return total / len(model.mtp)
+
+
+def test_mtp_loss_equals_a_truncated_reference_and_sampling_ignores_mtp(deepseek_start):
+    """The one-device step's mtp_loss (fixed shapes, padded and masked) equals MTP
+    written out on truncated sequences. The main model's initial weights are the same
+    with or without MTP (it is built last), so MTP only adds to a model that samples
+    and evaluates as before (decode_step and the eval loss never run it)."""
+    graphdef, start, (metrics, _) = deepseek_start
+    cfg = tiny_config(**DEEPSEEK_V3)
+    model = nnx.merge(graphdef, start)
+    tokens_BT1 = jnp.asarray(token_batch(cfg))
+    np.testing.assert_allclose(metrics["mtp_loss"], jax.jit(reference_mtp_loss)(model, tokens_BT1), rtol=1e-5)
+
+    without = tiny_config(**dict(DEEPSEEK_V3, mtp_depth=0))
+    _, params_without = par.init_params(without.model, mesh_for(without), False, cfg.run.seed)
+    params_without = jax.device_get(params_without)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params_without)[0]:
+        if par.weight_name(path) != "router_bias_E":  # (the start's biases were randomised)
+            np.testing.assert_array_equal(leaf, functools.reduce(lambda t, k: t[k.key], path, start), err_msg=str(path))
+    assert "mtp" in start and "mtp" not in params_without
