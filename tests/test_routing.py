@@ -12,6 +12,7 @@ kill -9 + resume (slow).
 
 import dataclasses
 import functools
+import json
 import signal
 import subprocess
 import time
@@ -28,7 +29,7 @@ from model import MoE, balance_router_biases, balanced_bias, load_balance_loss, 
 from test_checkpoint import REPO, data_cache, main_cmd, main_py  # noqa: F401  (data_cache: a fixture)
 from test_model import tiny
 from test_parallel import assert_same_step, mesh_for, tiny_config, token_batch
-from utils import ConfigError, config_to_dict, parse_args, read_metrics
+from utils import ConfigError, MetricsLog, config_to_dict, parse_args, plot_run, read_metrics
 
 # ----------------------------------------------------------------------------
 # The bias update and what the bias does to routing
@@ -386,3 +387,23 @@ def test_mtp_loss_equals_a_truncated_reference_and_sampling_ignores_mtp(deepseek
         if par.weight_name(path) != "router_bias_E":  # (the start's biases were randomised)
             np.testing.assert_array_equal(leaf, functools.reduce(lambda t, k: t[k.key], path, start), err_msg=str(path))
     assert "mtp" in start and "mtp" not in params_without
+
+
+def test_router_bias_plot_draws_the_logged_biases(tmp_path):
+    """router_bias.png beside expert_load.png: one panel per MoE layer, one line per
+    expert, exactly the logged values; a run without balancing gets no such plot."""
+    cfg = parse_args(["--preset", "tiny", "--run.name", "fake", "--model.router_bias_rate", "0.001"])
+    (tmp_path / "config.json").write_text(json.dumps(config_to_dict(cfg)))
+    log = MetricsLog(str(tmp_path), cfg)
+    rng = np.random.default_rng(0)
+    biases = {s: rng.normal(0, 0.01, (2, 4)).round(6) for s in (1, 2, 3, 5, 8)}
+    for s, bias_LE in biases.items():
+        log.write(dict(step=s, loss=3.0, aux_loss=1.0, dropped_frac=0.0, tokens_per_sec=1.0, mfu=0.1,
+                       expert_load=np.full((2, 4), 0.25), router_bias=bias_LE))
+    drawn = plot_run(str(tmp_path))["router_bias.png"]
+    for layer in (0, 1):
+        assert drawn[f"layer{layer}"] == (list(map(float, biases)), [biases[s][layer].tolist() for s in biases])
+    (tmp_path / "router_bias.png").unlink()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "router_bias"}) + "\n" for r in rows))
+    assert "router_bias.png" not in plot_run(str(tmp_path)) and not (tmp_path / "router_bias.png").exists()
