@@ -108,9 +108,14 @@ def check_model_config(saved_model_cfg, model_cfg, where):
     """A checkpoint only fits the model it was written for; name what differs."""
     current = {k: v for k, v in vars(model_cfg).items()}
     # Fields that change the computation but not the weights may differ.
-    free = {"dropout", "dtype", "remat", "unroll_blocks", "capacity_factor", "aux_loss_weight", "routing_group"}
+    free = {"dropout", "dtype", "remat", "unroll_blocks", "capacity_factor", "aux_loss_weight", "routing_group",
+            "router_bias_rate", "seq_aux_loss_weight", "mtp_loss_weight"}
     diffs = [f"--model.{k}: checkpoint {saved_model_cfg.get(k)!r} vs now {v!r}" for k, v in current.items()
              if k not in free and k in saved_model_cfg and saved_model_cfg[k] != v]
+    # The rate may change, but a bias exists only when it is > 0 (older checkpoints have none).
+    if (saved_model_cfg.get("router_bias_rate", 0) > 0) != (model_cfg.router_bias_rate > 0):
+        diffs.append(f"--model.router_bias_rate: checkpoint {saved_model_cfg.get('router_bias_rate', 0)!r} vs now "
+                     f"{model_cfg.router_bias_rate!r} (router biases exist only when it is > 0)")
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was written for another model ({'; '.join(diffs)}); "
                           f"use the same --model.* flags, or another --run.name")

@@ -96,6 +96,12 @@ def check_exportable(m):
                           "train with --model.ffn_activation swiglu to export")
     if "M" in kinds and m.n_experts < 2:
         raise ConfigError("--model.n_experts must be >= 2 to export: HF's router ranks experts in groups of at least 2")
+    routing = {"--model.router_bias_rate": (m.router_bias_rate, 0.0), "--model.n_groups": (m.n_groups, 1),
+               "--model.routed_scale": (m.routed_scale, 1.0)}
+    if "M" in kinds and any(value != off for value, off in routing.values()):
+        on = ", ".join(f"{flag} {value}" for flag, (value, off) in routing.items() if value != off)
+        raise ConfigError(f"{on}: the exporter does not yet write DeepSeek-V3's routing options (HF's "
+                          "e_score_correction_bias, n_group / topk_group, routed_scaling_factor); export a model trained without them")
 
 
 def to_hf_config(m, tokenizer, dtype):

@@ -446,9 +446,19 @@ class Reporter:
             stats = metrics["stats_N"]
             load_NE = stats["tokens_per_expert"] / np.maximum(stats["tokens_per_expert"].sum(-1, keepdims=True), 1)
             assigned = max(int(np.sum(stats["tokens_per_expert"])), 1)
-            self.log.write(dict(step=step, loss=loss, lr=float(self.schedule(step - 1)), grad_norm=float(metrics["grad_norm"]),
-                                tokens_per_sec=tokens_per_sec, mfu=mfu, aux_loss=float(metrics["aux_loss"]),
-                                dropped_frac=float(np.sum(stats["dropped"])) / assigned, expert_load=load_NE.round(4)))
+            row = dict(step=step, loss=loss, lr=float(self.schedule(step - 1)), grad_norm=float(metrics["grad_norm"]),
+                       tokens_per_sec=tokens_per_sec, mfu=mfu, aux_loss=float(metrics["aux_loss"]),
+                       dropped_frac=float(np.sum(stats["dropped"])) / assigned, expert_load=load_NE.round(4))
+            moe_NE = load_NE[load_NE.sum(-1) > 0]
+            if len(moe_NE):  # imbalance: the busiest expert's share over the uniform one, mean over MoE blocks
+                row["load_max_over_mean"] = round(float(np.mean(moe_NE.max(-1) * moe_NE.shape[-1])), 4)
+            for extra in ("seq_aux_loss", "mtp_loss"):  # with --model.seq_aux_loss_weight / --model.mtp_depth
+                if extra in metrics:
+                    row[extra] = float(metrics[extra])
+            if "router_bias_NLE" in metrics:  # [MoE layer (block-major), expert]
+                bias_NLE = np.asarray(metrics["router_bias_NLE"])
+                row["router_bias"] = bias_NLE.reshape(-1, bias_NLE.shape[-1]).round(6)
+            self.log.write(row)
 
 
 def make_progress(cfg, start_step):

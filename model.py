@@ -15,9 +15,12 @@ Shape legend (suffixes of names):
   D model width    H heads             K head dim (content part)   R head dim (RoPE part)
   Q query latent   A key/value latent (the only thing the KV cache stores, with R)
   F hidden units   E experts           C expert capacity   G routing groups
-  V vocabulary     N blocks            X top-k choices
+  V vocabulary     N blocks            X top-k choices    L MoE layers of one block
+  P expert groups (group-limited routing)
 """
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -244,12 +247,43 @@ class DenseFFN(nnx.Module):
         return project(hidden_BTF, self.w_down_FD[...])
 
 
-def top_k_routing(x_SD, router_DE, top_k, score):
+class RouterBias(nnx.Variable):
+    """A per-expert bias added to the routing scores for the top-k *selection* only
+    (DeepSeek-V3's aux-loss-free balancing, arXiv:2412.19437 section 2.1.2). Train state
+    but not a trained weight: no gradient reaches it (it only picks indices) and the
+    optimizer leaves it alone; `balanced_bias` moves it after every step."""
+
+
+def limit_to_top_groups(choice_SE, n_groups, topk_groups):
+    """Group-limited routing (DeepSeek-V2 section 2.1.3, V3's node-limited routing):
+    experts are split into n_groups contiguous groups; each token keeps only the
+    experts of its topk_groups best groups, a group's score being the sum of its two
+    highest (biased) scores (V3; HF's DeepseekV3TopkRouter does the same). The other
+    experts get -inf, so the top-k that follows picks inside the kept groups.
+
+    With expert parallelism, device d of dp holds experts [d E/dp, (d+1) E/dp): when
+    n_groups = dp a group is one device's experts, so a token's choices land on at
+    most topk_groups devices. (Our all_to_all still moves fixed-size capacity buffers
+    to every device, so here that bounds where tokens go, not the bytes sent.)
+    """
+    S, E = choice_SE.shape
+    by_group_SPE = choice_SE.reshape(S, n_groups, E // n_groups)
+    group_score_SP = jnp.sum(jax.lax.top_k(by_group_SPE, 2)[0], axis=-1)
+    _, top_groups_SX = jax.lax.top_k(group_score_SP, topk_groups)
+    kept_SP = jnp.any(jnp.arange(n_groups)[None, :, None] == top_groups_SX[:, None, :], axis=-1)
+    return jnp.where(jnp.repeat(kept_SP, E // n_groups, axis=1), choice_SE, -jnp.inf)
+
+
+def top_k_routing(x_SD, router_DE, top_k, score, bias_E=None, n_groups=1, topk_groups=1, routed_scale=1.0):
     """Router: each token picks its top_k experts; gates are normalised to sum to 1.
 
     Returns gates_SX, experts_SX (int) and probs_SE (normalised scores, for the
     load-balance loss). With top_k = 1 the gate is the raw score (Switch Transformer). Routing runs in float32: a tie broken differently in bfloat16
     would send a token elsewhere.
+    DeepSeek-V3 options: bias_E shifts the scores that *select* experts, while the
+    gates come from the unbiased scores; n_groups > 1 limits each token to its
+    topk_groups best expert groups; routed_scale multiplies the gates (V3's
+    routed_scaling_factor), i.e. the routed experts' output.
     """
     logits_SE = jnp.dot(x_SD.astype(ACC_DTYPE), router_DE.astype(ACC_DTYPE))
     if score == "softmax":
@@ -257,11 +291,43 @@ def top_k_routing(x_SD, router_DE, top_k, score):
     else:  # sigmoid (DeepSeek-V3): independent affinities, normalised afterwards
         scores_SE = jax.nn.sigmoid(logits_SE)
     probs_SE = scores_SE / jnp.sum(scores_SE, axis=-1, keepdims=True)
-    top_scores_SX, experts_SX = jax.lax.top_k(scores_SE, top_k)
+    # Selection only picks indices, so no gradient flows through it.
+    choice_SE = jax.lax.stop_gradient(scores_SE if bias_E is None else scores_SE + bias_E.astype(ACC_DTYPE))
+    if n_groups > 1:
+        choice_SE = limit_to_top_groups(choice_SE, n_groups, topk_groups)
+    _, experts_SX = jax.lax.top_k(choice_SE, top_k)
+    top_scores_SX = jnp.take_along_axis(scores_SE, experts_SX, axis=-1)
     if top_k == 1:  # (normalising one score would make every gate 1: no gradient for the router)
-        return top_scores_SX, experts_SX, probs_SE
+        return top_scores_SX * routed_scale, experts_SX, probs_SE
     gates_SX = top_scores_SX / jnp.sum(top_scores_SX, axis=-1, keepdims=True)
-    return gates_SX, experts_SX, probs_SE
+    return gates_SX * routed_scale, experts_SX, probs_SE
+
+
+def balanced_bias(bias_NE, tokens_per_expert_NE, rate):
+    """One step of aux-loss-free balancing (DeepSeek-V3 section 2.1.2):
+    bias_e += rate * sign(mean load - load_e). An overloaded expert's bias falls, an
+    underloaded one's rises, one at mean load keeps it. The load is the step's global
+    count of assignments (before capacity drops), so every device and mesh computes
+    the same bias."""
+    load_NE = tokens_per_expert_NE.astype(jnp.float32)
+    return bias_NE + rate * jnp.sign(jnp.mean(load_NE, axis=-1, keepdims=True) - load_NE)
+
+
+def balance_router_biases(blocks, tokens_per_expert_NLE, rate, block_pattern):
+    """blocks (a pure dict of stacked block params) with every MoE layer's
+    router_bias_E moved by `balanced_bias`; MoE layer l of a block is the l-th "M" of
+    its pattern."""
+    layers = dict(blocks["layers"])
+    for l, i in enumerate(i for i, kind in enumerate(block_pattern) if kind == "M"):
+        ffn = dict(layers[i]["ffn"])
+        ffn["router_bias_E"] = balanced_bias(ffn["router_bias_E"], tokens_per_expert_NLE[:, l], rate)
+        layers[i] = dict(layers[i], ffn=ffn)
+    return dict(blocks, layers=layers)
+
+
+def router_biases(blocks, block_pattern):
+    """[N, L, E]: the router bias of every MoE layer (for logging)."""
+    return jnp.stack([blocks["layers"][i]["ffn"]["router_bias_E"] for i, kind in enumerate(block_pattern) if kind == "M"], axis=1)
 
 
 def expert_capacity(group_size, top_k, n_experts, capacity_factor):
@@ -309,6 +375,15 @@ def load_balance_loss(probs_SE, tokens_per_expert_E, top_k):
     return E * jnp.sum(fraction_E * jnp.mean(probs_SE, axis=0))
 
 
+def sequence_balance_loss(probs_BTE, experts_BTX, n_experts):
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20), summed over sequences:
+    the Switch formula above with f and P taken over each whole sequence. (With the
+    default --model.routing_group, one group per sequence, it is the same number as
+    the Switch loss; it differs when routing groups are shorter.)"""
+    tokens_per_expert_BE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_BTX)
+    return jnp.sum(jax.vmap(load_balance_loss, (0, 0, None))(probs_BTE, tokens_per_expert_BE, experts_BTX.shape[-1]))
+
+
 class MoE(nnx.Module):
     """Shared experts (see every token) + top-k routed experts (DeepSeekMoE).
 
@@ -324,10 +399,20 @@ class MoE(nnx.Module):
         self.capacity_factor = cfg.capacity_factor
         self.group_size = cfg.routing_group or cfg.seq_len
         self.router_DE = init_normal(rngs, (D, E), D)
+        self.router_bias_E = RouterBias(jnp.zeros((E,), jnp.float32)) if cfg.router_bias_rate > 0 else None
+        self.n_groups, self.topk_groups, self.routed_scale = cfg.n_groups, cfg.topk_groups, cfg.routed_scale
+        self.sequence_loss = cfg.seq_aux_loss_weight > 0
         self.w_gate_EDF = init_normal(rngs, (E, D, F), D)
         self.w_up_EDF = init_normal(rngs, (E, D, F), D)
         self.w_down_EFD = init_normal(rngs, (E, F, D), F, residual_scale(cfg))
         self.shared = DenseFFN(D, cfg.n_shared * F, "swiglu", rngs, residual_scale(cfg)) if cfg.n_shared else None
+
+    def route(self, x_GSD):
+        """top_k_routing of each group: (gates_GSX, experts_GSX, probs_GSE)."""
+        bias_E = None if self.router_bias_E is None else self.router_bias_E[...]
+        route = functools.partial(top_k_routing, top_k=self.top_k, score=self.score, bias_E=bias_E, n_groups=self.n_groups,
+                                  topk_groups=self.topk_groups, routed_scale=self.routed_scale)
+        return jax.vmap(route, (0, None))(x_GSD, self.router_DE[...])
 
     def expert_ffn(self, x_GECD):
         """SwiGLU of each local expert on its buffer of tokens.
@@ -409,7 +494,7 @@ class MoE(nnx.Module):
             raise ValueError(f"routing groups of {group} tokens must divide the sequence length {T}: "
                              f"a group must never straddle two sequences (set --model.routing_group)")
         x_GSD = x_BTD.reshape(B * T // group, group, D)
-        gates_GSX, experts_GSX, probs_GSE = jax.vmap(top_k_routing, (0, None, None, None))(x_GSD, self.router_DE[...], self.top_k, self.score)
+        gates_GSX, experts_GSX, probs_GSE = self.route(x_GSD)
         if self.capacity_factor > 0:
             y_GSD, tokens_per_expert_GE, dropped = self.routed_with_capacity(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis)
         else:
@@ -420,13 +505,15 @@ class MoE(nnx.Module):
         aux_G = jax.vmap(load_balance_loss, (0, 0, None))(probs_GSE, tokens_per_expert_GE, self.top_k)
         stats = dict(aux_loss_sum=jnp.sum(aux_G), tokens_per_expert=jnp.sum(tokens_per_expert_GE, 0),
                      dropped=dropped, groups=jnp.asarray(x_GSD.shape[0], jnp.int32))
+        if self.sequence_loss:
+            stats["seq_aux_loss_sum"] = sequence_balance_loss(probs_GSE.reshape(B, T, n_experts), experts_GSX.reshape(B, T, -1), n_experts)
         return y_BTD, stats
 
     def decode(self, x_BTD):
         """Inference: every token gets all of its top-k experts (no capacity)."""
         B, T, D = x_BTD.shape
         x_GSD = x_BTD.reshape(B * T, 1, D)
-        gates_GSX, experts_GSX, _ = jax.vmap(top_k_routing, (0, None, None, None))(x_GSD, self.router_DE[...], self.top_k, self.score)
+        gates_GSX, experts_GSX, _ = self.route(x_GSD)
         y_GSD, _, _ = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, self.router_DE[...].shape[1])
         y_BTD = y_GSD.reshape(B, T, D)
         return y_BTD + self.shared(x_BTD) if self.shared is not None else y_BTD
@@ -436,10 +523,13 @@ class MoE(nnx.Module):
 # Block: a short pattern of layers, e.g. "DDDDDM" = five dense layers, then one MoE.
 
 
-def empty_moe_stats(n_experts):
+def empty_moe_stats(n_experts, sequence_loss=False):
     z = jnp.zeros((), jnp.float32)
-    return dict(aux_loss_sum=z, tokens_per_expert=jnp.zeros((n_experts,), jnp.int32),
-                dropped=jnp.zeros((), jnp.int32), groups=jnp.zeros((), jnp.int32))
+    stats = dict(aux_loss_sum=z, tokens_per_expert=jnp.zeros((n_experts,), jnp.int32),
+                 dropped=jnp.zeros((), jnp.int32), groups=jnp.zeros((), jnp.int32))
+    if sequence_loss:
+        stats["seq_aux_loss_sum"] = z
+    return stats
 
 
 class Layer(nnx.Module):
@@ -474,11 +564,14 @@ class Block(nnx.Module):
     def __init__(self, cfg, rngs):
         self.layers = nnx.List([Layer(cfg, kind, rngs) for kind in cfg.block_pattern])
         self.n_experts = cfg.n_experts
+        self.sequence_loss = cfg.seq_aux_loss_weight > 0 and "M" in cfg.block_pattern
+        self.balancing = cfg.router_bias_rate > 0 and "M" in cfg.block_pattern
 
     def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat_layers=False):
-        """Returns x_BTD and the MoE statistics of this block's MoE layers, summed.
+        """Returns x_BTD and the MoE statistics of this block's MoE layers, summed
+        (with bias balancing also each MoE layer's own tokens_per_expert_LE).
         remat_layers: keep only each layer's input for the backward pass."""
-        stats = empty_moe_stats(self.n_experts)
+        stats, tokens_per_expert_LE = empty_moe_stats(self.n_experts, self.sequence_loss), []
         run_layer = lambda layer, x_BTD, rng: layer(x_BTD, angles, tp_axis, ep_axis, rng)  # noqa: E731
         if remat_layers:
             run_layer = nnx.remat(run_layer)
@@ -486,6 +579,9 @@ class Block(nnx.Module):
             x_BTD, layer_stats = run_layer(layer, x_BTD, None if rng is None else jax.random.fold_in(rng, i))
             if layer_stats is not None:
                 stats = jax.tree.map(jnp.add, stats, layer_stats)
+                tokens_per_expert_LE.append(layer_stats["tokens_per_expert"])
+        if self.balancing:
+            stats["tokens_per_expert_LE"] = jnp.stack(tokens_per_expert_LE)
         return x_BTD, stats
 
     def decode(self, x_BTD, angles, caches, start):
@@ -497,6 +593,38 @@ class Block(nnx.Module):
             x_BTD = x_BTD + (layer.ffn.decode(h_BTD) if layer.kind == "M" else layer.ffn(h_BTD))
             new_caches.append(cache)
         return x_BTD, new_caches
+
+
+# ----------------------------------------------------------------------------
+# Multi-token prediction (DeepSeek-V3, arXiv:2412.19437 section 2.2)
+
+
+class MTPModule(nnx.Module):
+    """Depth k of sequential multi-token prediction: at position i it combines the
+    previous depth's hidden state h^{k-1}_i with the embedding of token i+k,
+    h'_i = W_h RMSNorm(h^{k-1}_i) + W_e RMSNorm(Emb(t_{i+k})) (V3's M_k [.; .], split in
+    two D x D halves), runs one extra block, and predicts token i+k+1 through the shared
+    embedding and output layer (with its own final norm). The embedding and head are
+    the main model's. The block is the model's block pattern with dense FFNs only (V3's
+    has an MoE layer): its routing would need its own balancing, and it is thrown away
+    after training anyway (sampling and eval ignore it)."""
+
+    def __init__(self, cfg, rngs):
+        D = cfg.d_model
+        self.hidden_norm = RMSNorm(D)
+        self.embed_norm = RMSNorm(D)
+        self.w_hidden_DD = init_normal(rngs, (D, D), 2 * D)
+        self.w_embed_DD = init_normal(rngs, (D, D), 2 * D)
+        self.block = Block(dataclasses.replace(cfg, block_pattern="D" * len(cfg.block_pattern)), rngs)
+        self.final_norm = RMSNorm(D)
+
+    def __call__(self, h_BTD, next_embed_BTD, angles, tp_axis=None, rng=None):
+        x_BTD = (project(self.hidden_norm(h_BTD), self.w_hidden_DD[...])
+                 + project(self.embed_norm(next_embed_BTD.astype(h_BTD.dtype)), self.w_embed_DD[...]))
+        return self.block(x_BTD, angles, tp_axis, None, rng)[0]
+
+
+MTP_RNG_SALT = 2**31 - 1  # dropout keys of the MTP blocks: fold_in(rng, salt + depth), apart from the blocks' own
 
 
 # ----------------------------------------------------------------------------
@@ -523,6 +651,8 @@ class Transformer(nnx.Module):
 
         self.blocks = make_blocks(rngs)  # every weight has a leading axis N (blocks)
         self.final_norm = RMSNorm(cfg.d_model)
+        # Made last, so the weights above are the same with or without MTP.
+        self.mtp = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.mtp_depth)]) if cfg.mtp_depth else None
 
     def embed(self, tokens_BT, tp_axis=None):
         """Vocab-parallel lookup: each tp device holds rows [offset, offset + V/tp) and
@@ -534,21 +664,23 @@ class Transformer(nnx.Module):
         x_BTD = jnp.where(mine_BT[..., None], table_VD[jnp.clip(local_BT, 0, table_VD.shape[0] - 1)], 0)
         return psum_if(x_BTD, tp_axis)
 
-    def logits(self, x_BTD):
-        """Output layer of the tied embedding (the local vocabulary rows under tp)."""
+    def logits(self, x_BTD, norm=None):
+        """Output layer of the tied embedding (the local vocabulary rows under tp).
+        `norm`: the final norm to apply (an MTP depth has its own)."""
         # Scaled by 1/sqrt(D): the table has unit-variance rows, logits start near 0.
-        x_BTD = self.final_norm(x_BTD) / math.sqrt(x_BTD.shape[-1])
+        x_BTD = (norm or self.final_norm)(x_BTD) / math.sqrt(x_BTD.shape[-1])
         # (in x's dtype: the sharded step hands the table over in float32, parallel.gather_for_use)
         return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...].astype(x_BTD.dtype), preferred_element_type=ACC_DTYPE)
 
-    def loss_sum(self, x_BTD, targets_BT, tp_axis=None):
-        """Summed token cross-entropy with vocab-parallel logits [B, T, V/tp].
+    def loss_sum(self, x_BTD, targets_BT, tp_axis=None, norm=None, mask_BT=None):
+        """Summed token cross-entropy with vocab-parallel logits [B, T, V/tp] (over the
+        positions where mask_BT is true, when given).
 
         The full-vocabulary logits are never gathered: the max and the sum of exps are
         reduced over `tp` (pmax, psum), and the target logit is read by the one device
         whose vocabulary slice holds it (psum of a masked value).
         """
-        logits_BTV = self.logits(x_BTD)
+        logits_BTV = self.logits(x_BTD, norm)
         V_local = logits_BTV.shape[-1]
         offset = 0 if tp_axis is None else jax.lax.axis_index(tp_axis) * V_local
         max_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
@@ -559,17 +691,38 @@ class Transformer(nnx.Module):
         mine_BT = (local_BT >= 0) & (local_BT < V_local)
         picked_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, V_local - 1)[..., None], -1)[..., 0]
         target_logit_BT = psum_if(jnp.where(mine_BT, picked_BT, 0.0), tp_axis)
-        return jnp.sum(jnp.log(sum_exp_BT) + max_BT - target_logit_BT)
+        ce_BT = jnp.log(sum_exp_BT) + max_BT - target_logit_BT
+        return jnp.sum(ce_BT if mask_BT is None else jnp.where(mask_BT, ce_BT, 0.0))
 
-    def __call__(self, tokens_BT, start=0):
-        """Plain single-device forward: logits [B, T, V] and MoE statistics per block.
+    def mtp_loss_sum(self, h_BTD, tokens_BT1, angles, tp_axis=None, rng=None):
+        """Summed cross-entropy of every MTP depth, given the main model's last hidden
+        state h_BTD (before the final norm) of inputs tokens_BT1[:, :-1].
+
+        Depth k at position i predicts token i+k+1, so positions i >= T-k have no
+        target inside the window: they still run (fixed shapes; causal attention keeps
+        them out of the earlier positions) with a padding token, and are masked out.
+        """
+        B, T1 = tokens_BT1.shape
+        T = T1 - 1
+        total = jnp.zeros((), jnp.float32)
+        for k, module in enumerate(self.mtp, start=1):
+            shifted_BT1 = jnp.pad(tokens_BT1[:, k:], ((0, 0), (0, k)))  # token i+k at position i
+            depth_rng = None if rng is None else jax.random.fold_in(rng, MTP_RNG_SALT + k)
+            h_BTD = module(h_BTD, self.embed(shifted_BT1[:, :T], tp_axis), angles, tp_axis, depth_rng)
+            valid_BT = jnp.broadcast_to(jnp.arange(T) < T - k, (B, T))
+            total += self.loss_sum(h_BTD, shifted_BT1[:, 1:], tp_axis, norm=module.final_norm, mask_BT=valid_BT)
+        return total
+
+    def __call__(self, tokens_BT, start=0, return_hidden=False):
+        """Plain single-device forward: logits [B, T, V] and MoE statistics per block
+        (and the last hidden state before the final norm, which MTP starts from).
 
         The reference that every sharded and pipelined layout is tested against.
         """
         x_BTD = self.embed(tokens_BT)
         angles = rope_angles(start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape), self.cfg.rope_dim, self.cfg.rope_theta)
         x_BTD, stats_N = apply_blocks(self.blocks, x_BTD, angles, unroll=self.cfg.unroll_blocks)
-        return self.logits(x_BTD), stats_N
+        return (self.logits(x_BTD), stats_N) + ((x_BTD,) if return_hidden else ())
 
 
 def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat="none", prepare=None, unroll=False):

@@ -33,7 +33,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model import Transformer, apply_blocks, rope_angles
+from model import Transformer, apply_blocks, balance_router_biases, rope_angles, router_biases
 from utils import ConfigError
 
 DP, PP, TP = "dp", "pp", "tp"
@@ -128,6 +128,9 @@ def host_spread(grid):
 # embedding (needed by every stage) over dp x pp, and each weight is held once.
 
 FSDP, EXPERT = "fsdp", "expert"
+# Not weights the optimizer trains: kept in float32 in the forward pass (a bias step of
+# 0.001 is below bfloat16's resolution near 0.5) and left out of AdamW's weight decay.
+UNTRAINED = ("router_bias_E",)
 WEIGHT_SPECS = {
     "embed_VD": (TP, FSDP),          # vocab rows over tp (vocab-parallel)
     "scale_D": (None,),              # RMSNorm scales: small, replicated everywhere
@@ -142,7 +145,10 @@ WEIGHT_SPECS = {
     "w_gate_DF": (FSDP, TP),         # FFN and shared experts: hidden units over tp
     "w_up_DF": (FSDP, TP),
     "w_down_FD": (TP, FSDP),
+    "w_hidden_DD": (FSDP, None),     # MTP: the two halves of V3's projection M_k
+    "w_embed_DD": (FSDP, None),
     "router_DE": (FSDP, None),       # every tp device routes identically
+    "router_bias_E": (None,),        # balancing bias (train state, not trained): same on every device
     "w_gate_EDF": (EXPERT, FSDP, TP),  # routed experts: expert hidden units over tp
     "w_up_EDF": (EXPERT, FSDP, TP),
     "w_down_EFD": (EXPERT, TP, FSDP),
@@ -279,6 +285,8 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype
     out_dtype = jnp.dtype(dtype) if one_block else jnp.promote_types(dtype, reduce_dtype)
 
     def gather(path, w):
+        if weight_name(path) in UNTRAINED:  # replicated, float32, no gradient: nothing to gather
+            return w
         _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
         replicated = tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying)
         if replicated:  # (in the wider of the two: the forward values must not change)
@@ -319,7 +327,7 @@ def varying_over(x, axis):
 
 def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     """GPipe over pp: returns (summed cross-entropy of this device's rows, MoE stats of
-    this stage's blocks [N/pp, ...]). Runs inside shard_map.
+    this stage's blocks [N/pp, ...], summed MTP cross-entropy). Runs inside shard_map.
 
     At tick t stage s works on microbatch m = t - s: stage 0 embeds microbatch t,
     every other stage takes what its left neighbour produced at tick t-1 (ppermute).
@@ -329,7 +337,7 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     m_cfg = cfg.model
     n_stages, stage = jax.lax.axis_size(PP), jax.lax.axis_index(PP)
     M, b, T1 = tokens_MbT1.shape
-    inputs_MbT, targets_MbT = tokens_MbT1[..., :-1], tokens_MbT1[..., 1:]
+    inputs_MbT = tokens_MbT1[..., :-1]
     angles = rope_angles(jnp.arange(T1 - 1)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
     # (the embedding comes in float32, see gather_for_use: the stream runs in the compute dtype)
     x0_MbTD = jax.vmap(lambda t: model.embed(t, TP))(inputs_MbT).astype(m_cfg.dtype)
@@ -359,25 +367,34 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     first_received = varying_over(jnp.zeros_like(x0_MbTD[0]), PP)  # the carry differs per stage from tick 1 on
     _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
     outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
-    ce_sum = microbatched_loss_sum(model, outputs_MbTD, targets_MbT)
-    ce_sum = jnp.where(stage == n_stages - 1, ce_sum, 0.0)  # other stages hold no finished outputs
-    return ce_sum, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN)
+    ce_sum, mtp_sum = last_stage_loss_sums(model, outputs_MbTD, tokens_MbT1, angles, rng)
+    is_last = stage == n_stages - 1  # other stages hold no finished outputs
+    return jnp.where(is_last, ce_sum, 0.0), jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN), jnp.where(is_last, mtp_sum, 0.0)
 
 
-def microbatched_loss_sum(model, outputs_MbTD, targets_MbT):
-    """Summed cross-entropy, one microbatch at a time: the float32 logits [b, T, V/tp] of
-    only one microbatch exist at once (the backward pass recomputes them per
-    microbatch), instead of [M * b, T, V/tp], which for a large vocabulary would be
-    most of a device's memory."""
+def last_stage_loss_sums(model, outputs_MbTD, tokens_MbT1, angles, rng):
+    """(summed cross-entropy, summed MTP cross-entropy over its depths; 0 without MTP)
+    of the finished microbatches, whatever schedule produced them.
+
+    One microbatch at a time: the float32 logits [b, T, V/tp] of only one microbatch
+    exist at once (the backward pass recomputes them per microbatch), instead of
+    [M * b, T, V/tp], which for a large vocabulary would be most of a device's memory.
+    """
+    def microbatch_losses(x_bTD, tokens_bT1, m):
+        ce = model.loss_sum(x_bTD, tokens_bT1[:, 1:], TP)
+        if model.mtp is None:
+            return ce, jnp.zeros((), jnp.float32)
+        return ce, model.mtp_loss_sum(x_bTD, tokens_bT1, angles, TP, None if rng is None else jax.random.fold_in(rng, m))
+
     if outputs_MbTD.shape[0] == 1:  # nothing to split: skip the recomputation
-        return model.loss_sum(outputs_MbTD[0], targets_MbT[0], TP)
+        return microbatch_losses(outputs_MbTD[0], tokens_MbT1[0], 0)
 
     @jax.checkpoint
-    def microbatch_loss(_, output_and_targets):
-        x_bTD, targets_bT = output_and_targets
-        return None, model.loss_sum(x_bTD, targets_bT, TP)
+    def microbatch_loss(_, xs):
+        return None, microbatch_losses(*xs)
 
-    return jnp.sum(jax.lax.scan(microbatch_loss, None, (outputs_MbTD, targets_MbT))[1])
+    ce_M, mtp_M = jax.lax.scan(microbatch_loss, None, (outputs_MbTD, tokens_MbT1, jnp.arange(outputs_MbTD.shape[0])))[1]
+    return jnp.sum(ce_M), jnp.sum(mtp_M)
 
 
 def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
@@ -393,7 +410,7 @@ def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
     blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype, one_block=True, reduce_dtype=reduce_dtype)  # noqa: E731
     M = t_cfg.microbatches
     tokens_MbT1 = tokens_bT1.reshape(M, tokens_bT1.shape[0] // M, tokens_bT1.shape[1])
-    ce_sum, stats_N = pipeline_loss(model, blocks_fn, tokens_MbT1, cfg, rng)
+    ce_sum, stats_N, mtp_sum = pipeline_loss(model, blocks_fn, tokens_MbT1, cfg, rng)
 
     n_tokens = t_cfg.batch_size * m_cfg.seq_len
     ce = jax.lax.psum(ce_sum, (DP, PP)) / n_tokens
@@ -403,14 +420,23 @@ def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
     # pmean/pmax state that they agree. pmean also gives each tp device 1/tp of the
     # aux loss gradient, which the router's reduce-scatter sums back to one.
     aux_sum_N = stats_N.pop("aux_loss_sum")
+    seq_aux_sum_N = stats_N.pop("seq_aux_loss_sum", None)  # with --model.seq_aux_loss_weight
     n_moe_layers = m_cfg.n_blocks * m_cfg.block_pattern.count("M")
+    mean_over_mesh = lambda sum_N, count: jax.lax.pmean(jax.lax.psum(jnp.sum(sum_N), (DP, PP)), TP) / count  # noqa: E731
     aux = jnp.zeros((), jnp.float32)
     if n_moe_layers:  # (a dense model's all-zero statistics are not reduced: XLA:CPU aborts on that all-reduce)
         stats_N = jax.tree.map(lambda s: jax.lax.pmax(jax.lax.psum(s, DP), TP), stats_N)
         groups_per_layer = n_tokens // (m_cfg.routing_group or m_cfg.seq_len)
-        aux = jax.lax.pmean(jax.lax.psum(jnp.sum(aux_sum_N), (DP, PP)), TP) / (groups_per_layer * n_moe_layers)
+        aux = mean_over_mesh(aux_sum_N, groups_per_layer * n_moe_layers)
     loss = ce + m_cfg.aux_loss_weight * aux
-    return loss, dict(loss=ce, aux_loss=aux, stats_N=stats_N)
+    metrics = dict(loss=ce, aux_loss=aux, stats_N=stats_N)
+    if seq_aux_sum_N is not None:  # DeepSeek-V3's sequence-wise balance loss: mean over sequences and MoE layers
+        metrics["seq_aux_loss"] = mean_over_mesh(seq_aux_sum_N, t_cfg.batch_size * n_moe_layers)
+        loss = loss + m_cfg.seq_aux_loss_weight * metrics["seq_aux_loss"]
+    if m_cfg.mtp_depth:  # V3: lambda / depth x sum over depths of each depth's loss, each divided by all T positions
+        metrics["mtp_loss"] = jax.lax.psum(mtp_sum, (DP, PP)) / (n_tokens * m_cfg.mtp_depth)
+        loss = loss + m_cfg.mtp_loss_weight * metrics["mtp_loss"]
+    return loss, metrics
 
 
 def global_grad_norm(grads, specs):
@@ -440,7 +466,7 @@ def lr_schedule(train_cfg):
 def make_optimizer(train_cfg):
     """AdamW on float32 master weights. No weight decay on norm scales. Clipping is done
     by hand in train_step (it needs a mesh-wide norm)."""
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: weight_name(p) != "scale_D", params)  # noqa: E731
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: weight_name(p) not in ("scale_D", *UNTRAINED), params)  # noqa: E731
     return optax.adamw(lr_schedule(train_cfg), b1=train_cfg.beta1, b2=train_cfg.beta2,
                        weight_decay=train_cfg.weight_decay, mask=decay_mask)
 
@@ -477,11 +503,27 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
             scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        new_params = optax.apply_updates(params, updates)
         metrics = dict(metrics, grad_norm=grad_norm)
-        return params, opt_state, metrics
+        if balancing:
+            # Outside the optimizer (whose update of a bias is exactly 0: zero gradient, no
+            # decay), the router biases follow the step's global load. That load was
+            # psummed over dp, so the new bias is the same on every device and mesh.
+            blocks = balance_router_biases(new_params["blocks"], metrics["stats_N"]["tokens_per_expert_LE"],
+                                           m_cfg.router_bias_rate, m_cfg.block_pattern)
+            new_params = dict(new_params, blocks=blocks)
+            metrics["router_bias_NLE"] = router_biases(blocks, m_cfg.block_pattern)
+        return new_params, opt_state, metrics
 
+    m_cfg = cfg.model
+    balancing = m_cfg.router_bias_rate > 0 and "M" in m_cfg.block_pattern
     metric_specs = dict(loss=P(), aux_loss=P(), grad_norm=P(), stats_N=P(PP))
+    if balancing:
+        metric_specs["router_bias_NLE"] = P(PP)
+    if m_cfg.seq_aux_loss_weight > 0 and "M" in m_cfg.block_pattern:
+        metric_specs["seq_aux_loss"] = P()
+    if m_cfg.mtp_depth:
+        metric_specs["mtp_loss"] = P()
     sharded = jax.shard_map(step_fn, mesh=mesh,
                             in_specs=(param_spec_tree, opt_spec_tree, batch_spec(), P()),
                             out_specs=(param_spec_tree, opt_spec_tree, metric_specs))

@@ -310,7 +310,7 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None):
       remat stage: the stage's input per tick.
     On top of that, the peak is the larger of two phases, which never overlap:
       loss: float32 logits [b, T, V/tp] of one microbatch and their gradient
-        (parallel.microbatched_loss_sum recomputes them per microbatch);
+        (parallel.last_stage_loss_sums recomputes them per microbatch);
       block backward: remat block and layer recompute one block (its intermediates; XLA
         recomputes all of a block's layers together), stage all of a tick's blocks;
         remat none and block_dots work through one block's cotangents
@@ -603,7 +603,7 @@ def report(p):
                  f"will not fit: {need:.2f} GiB needed per device, {have:.2f} available")
     if p["loss_phase_bytes"] > p["total_bytes"] / 4:
         lines.append(f"note: {p['loss_phase_bytes'] / GiB:.2f} GiB of it is the loss: float32 logits of one microbatch "
-                     "([batch/(dp x microbatches), T, V/tp], parallel.microbatched_loss_sum); more microbatches shrink it")
+                     "([batch/(dp x microbatches), T, V/tp], parallel.last_stage_loss_sums); more microbatches shrink it")
     if p["gpu"]:
         lines.append("note: JAX preallocates 75% of GPU memory; XLA_PYTHON_CLIENT_MEM_FRACTION=.95 lets it use more")
     return lines

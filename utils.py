@@ -63,7 +63,16 @@ class ModelConfig:
     capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
     router_score: str = option("softmax", "router scores: softmax | sigmoid")
     routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
-    aux_loss_weight: float = option(0.01, "weight of the load-balance loss")
+    aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
+    router_bias_rate: float = option(0.0, "aux-loss-free balancing (DeepSeek-V3): after every step each expert's selection bias "
+                                          "moves by this towards uniform load; 0 = off (V3 used 0.001)")
+    seq_aux_loss_weight: float = option(0.0, "weight of DeepSeek-V3's sequence-wise balance loss (V3 used 0.0001)")
+    n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
+    topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
+    routed_scale: float = option(1.0, "multiply the routed experts' output by this (DeepSeek-V3 routed_scaling_factor)")
+    mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): extra blocks predicting tokens 2..depth+1 ahead, "
+                               "trained with the rest, ignored by sampling and eval; 0 = off")
+    mtp_loss_weight: float = option(0.3, "weight of the MTP loss (mean over depths; V3 used 0.3, later 0.1)")
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
     grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
@@ -198,6 +207,14 @@ PRESETS = {
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
     },
+    # The shakespeare size with DeepSeek-V3's MoE recipe: sigmoid scores, aux-loss-free
+    # bias balancing (plus V3's tiny sequence-wise loss instead of the Switch loss),
+    # 4 expert groups of 2 with each token's experts in its best 2 groups, routed output
+    # scaled by 2.5, and one multi-token-prediction depth.
+    "deepseek_v3": {
+        "model": dict(router_score="sigmoid", router_bias_rate=0.001, aux_loss_weight=0.0, seq_aux_loss_weight=0.0001,
+                      n_groups=4, topk_groups=2, routed_scale=2.5, mtp_depth=1, mtp_loss_weight=0.3),
+    },
     # The reference MoE: ~1B parameters in total, about a third active per token.
     "moe1b": {
         "model": dict(vocab_size=100277, seq_len=1024, d_model=768, n_heads=12, head_dim=64, rope_dim=64,
@@ -327,11 +344,25 @@ def validate_model(cfg):
         (m.rope_dim % 2 == 0, f"--model.rope_dim must be even (RoPE rotates pairs), got {m.rope_dim}"),
         (1 <= m.top_k <= m.n_experts, f"--model.top_k ({m.top_k}) must be between 1 and --model.n_experts ({m.n_experts})"),
         (m.capacity_factor >= 0, "--model.capacity_factor must be >= 0 (0 = dropless)"),
+        (m.router_bias_rate >= 0 and m.seq_aux_loss_weight >= 0, "--model.router_bias_rate and --model.seq_aux_loss_weight must be >= 0"),
+        (m.routed_scale > 0, f"--model.routed_scale must be > 0, got {m.routed_scale}"),
+        (0 <= m.mtp_depth < m.seq_len, f"--model.mtp_depth ({m.mtp_depth}) must be >= 0 and below --model.seq_len ({m.seq_len})"),
+        (m.n_groups >= 1 and m.n_experts % m.n_groups == 0,
+         f"--model.n_groups ({m.n_groups}) must be >= 1 and divide --model.n_experts ({m.n_experts})"),
+        (m.n_groups == 1 or m.n_experts // m.n_groups >= 2,
+         f"--model.n_groups ({m.n_groups}) leaves fewer than 2 experts per group (a group's score is its two best); use fewer groups"),
+        (1 <= m.topk_groups <= m.n_groups, f"--model.topk_groups ({m.topk_groups}) must be between 1 and --model.n_groups ({m.n_groups})"),
+        (m.n_groups == 1 or m.top_k <= m.topk_groups * (m.n_experts // m.n_groups),
+         f"--model.top_k ({m.top_k}) exceeds the experts in --model.topk_groups ({m.topk_groups}) groups of "
+         f"{m.n_experts // m.n_groups}; raise --model.topk_groups"),
         (m.seq_len % (m.routing_group or m.seq_len) == 0, f"--model.routing_group ({m.routing_group}) must divide --model.seq_len ({m.seq_len})"),
         (0 <= m.dropout < 1, "--model.dropout must be in [0, 1)"),
         (cfg.mesh.sharding in SHARDING_MODES, f"--mesh.sharding must be manual or auto, got {cfg.mesh.sharding!r}"),
         (cfg.mesh.sharding != "auto" or cfg.mesh.pp == 1, f"--mesh.sharding auto does not pipeline (--mesh.pp {cfg.mesh.pp}): "
                                                            "use --mesh.pp 1, or --mesh.sharding manual for pipeline stages"),
+        (cfg.mesh.sharding != "auto" or not (m.router_bias_rate or m.seq_aux_loss_weight or m.mtp_depth),
+         "--model.router_bias_rate, --model.seq_aux_loss_weight and --model.mtp_depth are not in --mesh.sharding auto yet "
+         "(its step has no bias update, sequence-wise loss or MTP): use --mesh.sharding manual, or set them to 0"),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
         (cfg.serve.slots >= 1 and cfg.serve.max_tokens >= 1 and cfg.serve.queue >= 0,
@@ -683,6 +714,40 @@ def draw_expert_load(fig, rows, cfg):
     return drawn
 
 
+def draw_router_bias(fig, rows, cfg):
+    """Each expert's router bias (aux-loss-free balancing), one panel per MoE layer,
+    over steps: an overloaded expert's bias falls, an underloaded one's rises."""
+    steps, biases = plot_series(rows, "router_bias")
+    if not biases:  # balancing off
+        return None
+    steps, bias_SLE = binned(steps, np.asarray(biases, float), HEATMAP_COLUMNS)
+    n_layers, n_experts = bias_SLE.shape[1:]
+    ncols = min(4, n_layers)
+    nrows = math.ceil(n_layers / ncols)
+    fig.set_size_inches(max(6.4, 0.8 + 3.4 * ncols), 1.6 + 1.8 * nrows)
+    axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)
+    drawn = {}
+    for l, ax in enumerate(axes.flat):
+        if l >= n_layers:
+            ax.set_visible(False)
+            continue
+        lines = ax.plot(steps, bias_SLE[:, l, :], lw=1)
+        ax.axhline(0, color="gray", lw=0.8)
+        ax.set_title(f"MoE layer {l}", fontsize=9)
+        ax.grid(alpha=0.3)
+        drawn[f"layer{l}"] = (np.asarray(lines[0].get_xdata(), float).tolist(),
+                              np.stack([np.asarray(line.get_ydata(), float) for line in lines], axis=1).tolist())
+        if l + ncols >= n_layers:
+            ax.set_xlabel("step")
+            ax.xaxis.set_tick_params(labelbottom=True)
+        if l % ncols == 0:
+            ax.set_ylabel("selection bias")
+    step_ticks(axes[0, 0].xaxis)
+    fig.legend(lines, [f"expert {e}" for e in range(n_experts)], loc="outside right upper", fontsize=7)
+    fig.suptitle(f"router bias per expert (rate {cfg['model']['router_bias_rate']:g} per step), run {cfg['run']['name']}")
+    return drawn
+
+
 def draw_speed(fig, rows, cfg):
     """Tokens per second and MFU per logged step, with their medians."""
     steps, tokens_per_sec = plot_series(rows, "tokens_per_sec")
@@ -711,7 +776,7 @@ def draw_speed(fig, rows, cfg):
 
 
 PLOTS = {"loss.png": draw_loss, "load_balance.png": draw_load_balance, "expert_load.png": draw_expert_load,
-         "speed.png": draw_speed}
+         "router_bias.png": draw_router_bias, "speed.png": draw_speed}
 
 
 def plot_run(run_dir):
@@ -719,6 +784,7 @@ def plot_run(run_dir):
       loss.png          train and validation loss against tokens seen
       load_balance.png  load-balance loss and dropped assignments, over steps
       expert_load.png   fraction of tokens per expert, per MoE block, over steps
+      router_bias.png   each expert's router bias per MoE layer (with --model.router_bias_rate)
       speed.png         tokens/s and MFU over steps
     A figure with nothing to show (a dense model has no expert load) is not written.
     Returns {file name: {series: data}}, the data read back from what was drawn:
