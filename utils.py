@@ -38,6 +38,8 @@ class RunConfig:
 # --model.remat values: model.apply_blocks applies layer / block / block_dots,
 # parallel.pipeline_loss applies stage.
 REMAT_POLICIES = ("none", "layer", "block", "block_dots", "stage")
+# --train.pipeline values: parallel.pipeline_loss runs gpipe, pipeline.py the others.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,9 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
     resume_step: int = option(-1, "resume from this checkpoint step; -1 = the latest")
     init_from: str = option("", "start from these params (export or checkpoint dir) with a fresh optimizer")
+    pipeline: str = option("gpipe", "pipeline schedule over pp: gpipe (all forwards, then all backwards) | 1f1b (one forward, "
+                                    "one backward: at most pp microbatches alive) | interleaved (1f1b over virtual_stages chunks per stage)")
+    virtual_stages: int = option(2, "interleaved: chunks of blocks per stage (V); a microbatch passes every stage V times")
 
 
 @dataclass(frozen=True)
@@ -302,6 +307,8 @@ def validate_model(cfg):
         (0 <= m.dropout < 1, "--model.dropout must be in [0, 1)"),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
+        (t.pipeline in PIPELINE_SCHEDULES, f"--train.pipeline must be one of {', '.join(PIPELINE_SCHEDULES)}, got {t.pipeline!r}"),
+        (t.virtual_stages >= 1, f"--train.virtual_stages must be >= 1, got {t.virtual_stages}"),
     ]
     for ok, message in checks:
         if not ok:
