@@ -35,8 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import rope_angles
+from utils import PIPELINE_SCHEDULES as SCHEDULES  # (one source of truth: the config)
+
 IDLE, FORWARD, BACKWARD = 0, 1, 2
-from utils import PIPELINE_SCHEDULES as SCHEDULES  # noqa: E402  (one source of truth: the config)
 # Fields of one table row: what stage s does at tick t, and where its buffers are.
 FIELDS = ("op", "microbatch", "chunk", "res_slot", "recv_x_slot", "grad_slot", "recv_grad_slot")
 
@@ -50,7 +52,7 @@ def stage_program(kind, pp, M, V, s):
     if kind == "gpipe":
         return [(FORWARD, m, 0) for m in range(M)] + [(BACKWARD, m, 0) for m in reversed(range(M))]
     if kind == "1f1b":
-        V, warmup = 1, min(pp - 1 - s, M)
+        warmup = min(pp - 1 - s, M)
         forwards = [(m, 0) for m in range(M)]
         backwards = forwards
     else:  # interleaved: microbatches in groups of pp, each group through chunk 0, then 1, ...
@@ -287,8 +289,6 @@ def scheduled_value_and_grad(params, tokens_bT1, graphdef, cfg, rng, *, gather, 
     C = pp * V
     ep_axis = DP if cfg.mesh.expert_parallel else None
     remat = m_cfg.remat
-
-    from model import rope_angles  # (model imports nothing from here)
 
     tokens_MbT1 = tokens_bT1.reshape(M, tokens_bT1.shape[0] // M, tokens_bT1.shape[1])
     T = tokens_MbT1.shape[2] - 1
