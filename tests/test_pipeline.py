@@ -298,3 +298,17 @@ def test_command_line_schedule_trains_like_one_device(tmp_path, kind):
     piped, _ = train_losses(tmp_path / kind)
     assert sorted(one) == sorted(piped) == [1, 2, 3, 4]
     np.testing.assert_allclose([piped[s] for s in sorted(piped)], [one[s] for s in sorted(one)], rtol=1e-5)
+
+
+def test_planner_models_each_schedule():
+    """Shapes only: the bubble off the table, 1f1b's ring of pp slots below gpipe's
+    M ticks of saved inputs, and interleaving shrinking the bubble's time."""
+    import planner
+
+    plans = {kind: planner.plan(apply_overrides(schedule_config((1, 4, 2), kind, 8), {"train": dict(batch_size=16)}), 0, "cpu", peak=1e11)
+             for kind in pl.SCHEDULES}
+    for kind, p in plans.items():
+        assert p["bubble_fraction"] == pytest.approx(pl.formula_bubble(kind, 4, 8, 2))
+    assert plans["1f1b"]["memory"]["activations"] < plans["gpipe"]["memory"]["activations"]
+    assert plans["interleaved"]["times"]["bubble"] < plans["1f1b"]["times"]["bubble"]
+    assert any("4 slots in flight" in name for name in plans["1f1b"]["activations"])
