@@ -4,7 +4,9 @@
     python main.py --run.cpu_devices 8 --mesh.dp 2 --mesh.pp 2 --mesh.tp 2 --train.microbatches 2
     python main.py --mode sample --sample.prompt "JULIET:"
     python main.py --mode export                   # slim bfloat16 params in <run_dir>/export
+    python main.py --mode export_hf                # a Hugging Face directory in <run_dir>/hf
     python main.py --mode eval                     # restore, print val_loss=... (any mesh)
+    python main.py --mode serve                    # OpenAI-compatible completions + a web page (serve.py)
 
 Reads top to bottom: config, devices, mesh, data, init or resume, compile, the loop
 (eval, checkpoints, logs), samples.
@@ -115,6 +117,12 @@ def main(argv):
             export_run(cfg)
         elif cfg.mode == "eval":
             eval_run(cfg)
+        elif cfg.mode == "export_hf":
+            export_hf_run(cfg)
+        elif cfg.mode == "serve":
+            from serve import serve_run
+
+            serve_run(cfg)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     except Exception as e:
@@ -140,6 +148,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import checkpoint  # noqa: E402
+import hf_interop  # noqa: E402
 import parallel as par  # noqa: E402
 from dataset import get_tokenizer, open_data, check_tokenizer  # noqa: E402
 from model import decode_step, init_cache  # noqa: E402
@@ -276,6 +285,8 @@ def samples_from_params(cfg, params, graphdef, n):
 
 def train(cfg):
     run_dir = run_dir_of(cfg)
+    if hf_interop.hf_dir(cfg.train.init_from):  # the model is the one in that directory
+        cfg = hf_interop.adopt_hf_config(cfg, hf_interop.hf_dir(cfg.train.init_from))
     os.makedirs(run_dir, exist_ok=True)
     mesh = par.make_mesh(cfg.mesh)
     data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
@@ -444,16 +455,23 @@ def show_sharding(batch, params):
 # Sampling and export from a finished (or running) run
 
 
-def load_run_params(cfg):
-    """The run's saved config and latest params, on the current mesh."""
+def load_run_params(cfg, devices=None, check=None):
+    """The run's saved config and latest params, on the current mesh (over `devices`,
+    default all), or the model of --train.init_from hf:DIR. `check(cfg)` runs on the
+    resolved config, before any init."""
     run_dir = run_dir_of(cfg)
     config_path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(config_path):
+    if hf_interop.hf_dir(cfg.train.init_from):
+        cfg = hf_interop.adopt_hf_config(cfg, hf_interop.hf_dir(cfg.train.init_from))
+    elif not os.path.exists(config_path):
         raise ConfigError(f"no run at {run_dir} (missing config.json): train first, or pass --run.name/--run.out_dir")
-    with open(config_path) as f:
-        saved = config_from_dict(json.load(f))
-    cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
-    mesh = par.make_mesh(cfg.mesh)
+    else:
+        with open(config_path) as f:
+            saved = config_from_dict(json.load(f))
+        cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
+    if check is not None:
+        check(cfg)
+    mesh = par.make_mesh(cfg.mesh, devices)
     graphdef, params = par.init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
     source = cfg.train.init_from or run_dir
     return cfg, graphdef, checkpoint.restore_params(source, params, cfg.model)
@@ -468,6 +486,18 @@ def export_run(cfg):
     cfg, graphdef, params = load_run_params(cfg)
     out = checkpoint.export_slim(params, config_to_dict(cfg), os.path.join(run_dir_of(cfg), "export"))
     say(f"slim export (bfloat16 params + config.json): {out}, {human(checkpoint.directory_bytes(out))}B")
+
+
+def export_hf_run(cfg):
+    """<run_dir>/hf: the run's latest params as a Hugging Face directory (hf_interop.py)."""
+    cfg, graphdef, params = load_run_params(cfg, check=lambda cfg: hf_interop.check_exportable(cfg.model))
+    host = host_params(params)
+    out = os.path.join(run_dir_of(cfg), "hf")
+    if is_main_process():
+        tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
+        hf_interop.write_hf_dir(out, host, cfg.model, tokenizer, cfg.export.dtype)
+        say(f"Hugging Face export ({hf_interop.architecture_of(cfg.model)[1]}, {cfg.export.dtype}): {out}, "
+            f"{human(checkpoint.directory_bytes(out))}B")
 
 
 def eval_run(cfg):

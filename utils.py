@@ -109,7 +109,8 @@ class TrainConfig:
     checkpoint_every: int = option(500, "checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
     resume_step: int = option(-1, "resume from this checkpoint step; -1 = the latest")
-    init_from: str = option("", "start from these params (export or checkpoint dir) with a fresh optimizer")
+    init_from: str = option("", "start from these params (export or checkpoint dir, or hf:DIR, a Hugging Face "
+                                "DeepseekV3-format directory whose architecture the model takes) with a fresh optimizer")
     pipeline: str = option("gpipe", "pipeline schedule over pp: gpipe (all forwards, then all backwards) | 1f1b (one forward, "
                                     "one backward: at most pp microbatches alive) | interleaved (1f1b over virtual_stages chunks per stage)")
     virtual_stages: int = option(2, "interleaved: chunks of blocks per stage (V); a microbatch passes every stage V times")
@@ -145,6 +146,20 @@ class SampleConfig:
 
 
 @dataclass(frozen=True)
+class ExportConfig:
+    dtype: str = option("bfloat16", "--mode export_hf: dtype of model.safetensors, float32 | bfloat16")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = option("127.0.0.1", "address --mode serve listens on (0.0.0.0 = every interface; set MESHFORMER_API_KEY then)")
+    port: int = option(8000, "port --mode serve listens on")
+    slots: int = option(8, "sequences decoded together: the batch of the one compiled decode step")
+    max_tokens: int = option(1024, "the largest max_tokens a request may ask for")
+    queue: int = option(64, "sequences that may wait for a slot; more get 429")
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -154,11 +169,13 @@ class Config:
     data: DataConfig = DataConfig()
     log: LogConfig = LogConfig()
     sample: SampleConfig = SampleConfig()
+    serve: ServeConfig = ServeConfig()
+    export: ExportConfig = ExportConfig()
     preset: str = "shakespeare"
     mode: str = "train"
 
 
-MODES = ("train", "sample", "export", "eval")
+MODES = ("train", "sample", "export", "eval", "serve", "export_hf")
 
 # ----------------------------------------------------------------------------
 # Presets: overrides of the defaults above (which are `shakespeare`).
@@ -167,11 +184,14 @@ PRESETS = {
     "shakespeare": {},
     # Small enough that one train step compiles and runs in well under a second:
     # for tests. 8 blocks so that pp can be 8; 8 experts so that dp can be 8 with
-    # expert parallelism; widths divisible by 8 for tp and FSDP.
+    # expert parallelism; widths divisible by 8 for tp and FSDP. Sigmoid router and
+    # MoE in every layer: a DeepSeek-V3 in every respect, so its Hugging Face export
+    # loads with transformers' AutoModelForCausalLM (hf_interop.py).
     "tiny": {
         "model": dict(vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
                       rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
-                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, unroll_blocks=False, remat="block", dtype="float32"),
+                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, router_score="sigmoid",
+                      unroll_blocks=False, remat="block", dtype="float32"),
         "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10,
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
@@ -299,6 +319,7 @@ def validate_model(cfg):
         (m.router_score in ("softmax", "sigmoid"), f"--model.router_score must be softmax or sigmoid, got {m.router_score!r}"),
         (m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
         (m.attention in ("matmul", "dot_product_attention"), f"--model.attention must be matmul or dot_product_attention, got {m.attention!r}"),
+        (cfg.export.dtype in ("float32", "bfloat16"), f"--export.dtype must be float32 or bfloat16, got {cfg.export.dtype!r}"),
         (m.remat in REMAT_POLICIES, f"--model.remat must be one of {', '.join(REMAT_POLICIES)}, got {m.remat!r}"),
         (m.rope_dim % 2 == 0, f"--model.rope_dim must be even (RoPE rotates pairs), got {m.rope_dim}"),
         (1 <= m.top_k <= m.n_experts, f"--model.top_k ({m.top_k}) must be between 1 and --model.n_experts ({m.n_experts})"),
@@ -309,6 +330,9 @@ def validate_model(cfg):
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
         (t.pipeline in PIPELINE_SCHEDULES, f"--train.pipeline must be one of {', '.join(PIPELINE_SCHEDULES)}, got {t.pipeline!r}"),
         (t.virtual_stages >= 1, f"--train.virtual_stages must be >= 1, got {t.virtual_stages}"),
+        (cfg.serve.slots >= 1 and cfg.serve.max_tokens >= 1 and cfg.serve.queue >= 0,
+         "--serve.slots and --serve.max_tokens must be >= 1, --serve.queue >= 0"),
+        (0 <= cfg.serve.port < 65536, f"--serve.port must be in 0..65535, got {cfg.serve.port}"),
     ]
     for ok, message in checks:
         if not ok:
