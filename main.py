@@ -25,6 +25,27 @@ import traceback
 # Config and devices (before JAX starts: fake CPU devices and collectives are set then)
 
 
+def skip_tpu_probe_without_tpu():
+    """Keep CPU runs quiet where libtpu is installed but no TPU is attached.
+
+    libtpu is a test and tooling dependency (planner.py --tpu compiles for TPU pods on
+    a CPU). Installed, it makes JAX try a TPU backend at start-up on any machine, and
+    libtpu then prints warnings about metadata it cannot find (and takes a lock file
+    that concurrent processes fight over). Where the machine shows no TPU chip and no
+    GPU (JAX's own PCI and /dev checks) and nobody chose a platform (JAX_PLATFORMS),
+    ask for the CPU backend only. A TPU VM or a GPU machine is left as it is.
+    Must run before JAX starts its backend."""
+    import jax
+    from jax._src import hardware_utils  # the checks JAX itself uses to suggest plugins
+
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return
+    if (hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu()
+            or hardware_utils.num_available_amd_gpus(stop_at=1)):
+        return
+    jax.config.update("jax_platforms", "cpu")
+
+
 def use_fake_cpu_devices(n_devices, timeout_s=600):
     """Split the CPU into `n_devices` fake devices, set up so that collectives between
     them cannot hang. Must run before JAX starts its backend.
@@ -42,6 +63,7 @@ def use_fake_cpu_devices(n_devices, timeout_s=600):
     has waited 40 s; give a slow thread `timeout_s` instead (a value in XLA_FLAGS wins)."""
     import jax
 
+    skip_tpu_probe_without_tpu()
     jax.config.update("jax_num_cpu_devices", n_devices)
     if "PJRT_NPROC" not in os.environ and "NPROC" not in os.environ:
         os.environ["PJRT_NPROC"] = str(max(os.cpu_count() or 1, 2 * n_devices))
@@ -56,6 +78,7 @@ def setup_devices(cfg):
     Returns whether this is one process of several."""
     import jax
 
+    skip_tpu_probe_without_tpu()
     if cfg.run.cpu_devices:
         use_fake_cpu_devices(cfg.run.cpu_devices)
     if cfg.run.compile_cache:

@@ -68,11 +68,16 @@ class ModelConfig:
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss")
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
+    grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
+                                               "weights): float32 | bfloat16 (halves their bytes, loses precision)")
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
     remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
                                 "block (each block from its input) | block_dots (each block, keeping its matmul outputs) | "
                                 "stage (all of a pipeline stage's blocks, per microbatch, from the stage input)")
     unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
+
+
+SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: parallel.make_train_step dispatches on it
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ class MeshConfig:
     pp: int = option(1, "pipeline stages")
     tp: int = option(1, "tensor parallel degree")
     expert_parallel: bool = option(False, "shard routed experts over dp (all-to-all dispatch)")
+    sharding: str = option("manual", "manual: one shard_map, every collective written out (parallel.py) | "
+                                     "auto: jax.jit with the same shardings, the compiler inserts the collectives (auto_sharding.py; pp = 1)")
 
 
 @dataclass(frozen=True)
@@ -318,6 +325,7 @@ def validate_model(cfg):
         (m.ffn_activation in ("swiglu", "gelu"), f"--model.ffn_activation must be swiglu or gelu, got {m.ffn_activation!r}"),
         (m.router_score in ("softmax", "sigmoid"), f"--model.router_score must be softmax or sigmoid, got {m.router_score!r}"),
         (m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
+        (m.grad_reduce_dtype in ("float32", "bfloat16"), f"--model.grad_reduce_dtype must be float32 or bfloat16, got {m.grad_reduce_dtype!r}"),
         (m.attention in ("matmul", "dot_product_attention"), f"--model.attention must be matmul or dot_product_attention, got {m.attention!r}"),
         (cfg.export.dtype in ("float32", "bfloat16"), f"--export.dtype must be float32 or bfloat16, got {cfg.export.dtype!r}"),
         (m.remat in REMAT_POLICIES, f"--model.remat must be one of {', '.join(REMAT_POLICIES)}, got {m.remat!r}"),
@@ -326,6 +334,9 @@ def validate_model(cfg):
         (m.capacity_factor >= 0, "--model.capacity_factor must be >= 0 (0 = dropless)"),
         (m.seq_len % (m.routing_group or m.seq_len) == 0, f"--model.routing_group ({m.routing_group}) must divide --model.seq_len ({m.seq_len})"),
         (0 <= m.dropout < 1, "--model.dropout must be in [0, 1)"),
+        (cfg.mesh.sharding in SHARDING_MODES, f"--mesh.sharding must be manual or auto, got {cfg.mesh.sharding!r}"),
+        (cfg.mesh.sharding != "auto" or cfg.mesh.pp == 1, f"--mesh.sharding auto does not pipeline (--mesh.pp {cfg.mesh.pp}): "
+                                                           "use --mesh.pp 1, or --mesh.sharding manual for pipeline stages"),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
         (t.pipeline in PIPELINE_SCHEDULES, f"--train.pipeline must be one of {', '.join(PIPELINE_SCHEDULES)}, got {t.pipeline!r}"),
