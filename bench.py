@@ -19,7 +19,9 @@ collectives of the compiled program (kind, mesh axes, count, bytes per device).
 
 Takes every main.py flag, plus --json PATH, --steps N (timed steps, default 10),
 --warmup N (untimed steps after compile, default 2) and --profile DIR (trace the steps
-once more and print device time per kind of XLA op). Tokens are random: this measures
+once more and print device time per kind of XLA op), --show-schedule (print the pipeline
+schedule's table for --mesh.pp, --train.microbatches, --train.pipeline and
+--train.virtual_stages, then stop). Tokens are random: this measures
 the step, not the data loader (see bench_data.py for that).
 """
 
@@ -31,10 +33,12 @@ import time
 
 def split_bench_flags(argv):
     """Pull out bench.py's own flags; the rest are main.py's config flags."""
-    own, rest, i = {"json": "", "steps": "10", "warmup": "2", "profile": ""}, [], 0
+    own, rest, i = {"json": "", "steps": "10", "warmup": "2", "profile": "", "show-schedule": ""}, [], 0
     while i < len(argv):
         name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
-        if name in own:
+        if name == "show-schedule":
+            own[name] = "true"
+        elif name in own:
             if "=" in argv[i]:
                 own[name] = argv[i].split("=", 1)[1]
             else:
@@ -42,7 +46,15 @@ def split_bench_flags(argv):
         else:
             rest.append(argv[i])
         i += 1
-    return own["json"], int(own["steps"]), int(own["warmup"]), own["profile"], rest
+    return own["json"], int(own["steps"]), int(own["warmup"]), own["profile"], bool(own["show-schedule"]), rest
+
+
+def schedule_of(cfg):
+    """The pipeline schedule table this config runs (pipeline.schedule)."""
+    import pipeline
+
+    t = cfg.train
+    return pipeline.schedule(t.pipeline, cfg.mesh.pp, t.microbatches, t.virtual_stages)
 
 
 def profile_steps(compiled, params, opt_state, batch, steps, trace_dir, top=25):
@@ -129,18 +141,23 @@ def bench(cfg, steps, warmup, profile_dir=""):
         model_tflops_per_step=flops_per_token(cfg.model) * tokens_per_step / 1e12,
         peak_tflops_per_device=peak / 1e12,
         mfu=flops_per_token(cfg.model) * tokens_per_step / step_s / (n_devices * peak),
-        bubble=par.bubble_fraction(mesh.shape["pp"], cfg.train.microbatches),
+        pipeline=cfg.train.pipeline, bubble=schedule_of(cfg).bubble(),
         loss=float(metrics["loss"]), sharding=cfg.mesh.sharding, **memory, collectives=collectives)
 
 
 def main(argv):
     from utils import ConfigError, parse_args
 
-    json_path, steps, warmup, profile_dir, rest = split_bench_flags(argv)
+    json_path, steps, warmup, profile_dir, show_schedule, rest = split_bench_flags(argv)
     try:
         cfg = parse_args(rest)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    if show_schedule:  # the table only: no devices, nothing compiled
+        import pipeline
+
+        print(pipeline.grid(schedule_of(cfg)))
+        return
     from main import setup_devices
 
     setup_devices(cfg)

@@ -318,7 +318,7 @@ def train(cfg):
     say(describe_mesh(mesh))
     total, active = count_params(cfg.model)
     say(f"model: {human(total)} params, {human(active)} active per token; "
-        f"pipeline bubble {par.bubble_fraction(mesh.shape['pp'], cfg.train.microbatches):.0%}")
+        f"pipeline {cfg.train.pipeline}, bubble {par.bubble_fraction(mesh.shape['pp'], cfg.train.microbatches, cfg.train.pipeline, cfg.train.virtual_stages):.0%}")
 
     # --- init or resume -----------------------------------------------------
     if cfg.train.init_from:

@@ -1,5 +1,5 @@
 """The 3-D mesh and everything that talks across it: sharding table, FSDP gathers,
-the GPipe pipeline, and the train / eval steps.
+the GPipe pipeline (1f1b and interleaved: pipeline.py), and the train / eval steps.
 
 Mesh axes:
   dp  data parallel + FSDP (ZeRO-3): the batch is split over dp, and so is (almost)
@@ -34,6 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model import Transformer, apply_blocks, balance_router_biases, rope_angles, router_biases
+from pipeline import formula_bubble, scheduled_value_and_grad, when
 from utils import ConfigError
 
 DP, PP, TP = "dp", "pp", "tp"
@@ -208,10 +209,16 @@ def check_config_fits_mesh(cfg, mesh):
     """Config x mesh checks that need no arrays, before anything compiles."""
     dp, pp, tp = (mesh.shape[a] for a in AXES)
     m, t = cfg.model, cfg.train
-    if m.n_blocks % pp:
-        raise ConfigError(f"--model.n_blocks ({m.n_blocks}) must be divisible by --mesh.pp ({pp}): each stage holds whole blocks")
+    V = t.virtual_stages if t.pipeline == "interleaved" else 1
+    if m.n_blocks % (pp * V):
+        raise ConfigError(f"--model.n_blocks ({m.n_blocks}) must be divisible by --mesh.pp x --train.virtual_stages "
+                          f"({pp} x {V}): each stage holds {V} chunk(s) of whole blocks" if V > 1 else
+                          f"--model.n_blocks ({m.n_blocks}) must be divisible by --mesh.pp ({pp}): each stage holds whole blocks")
     if t.microbatches < pp:
         raise ConfigError(f"--train.microbatches ({t.microbatches}) must be >= --mesh.pp ({pp}) to keep every stage busy")
+    if t.pipeline == "interleaved" and t.microbatches % pp:
+        raise ConfigError(f"--train.pipeline interleaved sends microbatches in groups of --mesh.pp: --train.microbatches "
+                          f"({t.microbatches}) must be a multiple of {pp}")
     if t.batch_size % (dp * t.microbatches):
         raise ConfigError(f"--train.batch_size ({t.batch_size}) must be divisible by --mesh.dp x --train.microbatches "
                           f"({dp} x {t.microbatches} = {dp * t.microbatches})")
@@ -339,8 +346,10 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     M, b, T1 = tokens_MbT1.shape
     inputs_MbT = tokens_MbT1[..., :-1]
     angles = rope_angles(jnp.arange(T1 - 1)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
+    # The embedding on stage 0 only, the head and loss on the last stage only: no
+    # stage computes what it would mask away (pipeline.when: a cond, zeros elsewhere).
     # (the embedding comes in float32, see gather_for_use: the stream runs in the compute dtype)
-    x0_MbTD = jax.vmap(lambda t: model.embed(t, TP))(inputs_MbT).astype(m_cfg.dtype)
+    x0_MbTD = when(stage == 0, lambda t: jax.vmap(lambda t: model.embed(t, TP))(t).astype(m_cfg.dtype), inputs_MbT)
     ep_axis = DP if cfg.mesh.expert_parallel else None
 
     blocks_def, blocks_state = nnx.split(model.blocks)
@@ -367,9 +376,8 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     first_received = varying_over(jnp.zeros_like(x0_MbTD[0]), PP)  # the carry differs per stage from tick 1 on
     _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
     outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
-    ce_sum, mtp_sum = last_stage_loss_sums(model, outputs_MbTD, tokens_MbT1, angles, rng)
-    is_last = stage == n_stages - 1  # other stages hold no finished outputs
-    return jnp.where(is_last, ce_sum, 0.0), jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN), jnp.where(is_last, mtp_sum, 0.0)
+    ce_sum, mtp_sum = when(stage == n_stages - 1, lambda y: last_stage_loss_sums(model, y, tokens_MbT1, angles, rng), outputs_MbTD)
+    return ce_sum, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN), mtp_sum
 
 
 def last_stage_loss_sums(model, outputs_MbTD, tokens_MbT1, angles, rng):
@@ -406,12 +414,23 @@ def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
     top = {k: v for k, v in params.items() if k != "blocks"}
     reduce_dtype = jnp.dtype(m_cfg.grad_reduce_dtype)
     top = gather_for_use(top, ep, dtype, reduce_dtype=reduce_dtype)  # embedding + final norm: gathered once per step
+    # Only some stages use them (inside a cond): typed as varying over pp, their gradient
+    # is summed over the stages by this pcast's transpose, outside the cond, where every
+    # stage takes part (a psum inside a branch that only one stage takes never returns).
+    top = jax.tree.map(lambda w: varying_over(w, PP), top)
     model = nnx.merge(graphdef, {**top, "blocks": params["blocks"]})
     blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype, one_block=True, reduce_dtype=reduce_dtype)  # noqa: E731
     M = t_cfg.microbatches
     tokens_MbT1 = tokens_bT1.reshape(M, tokens_bT1.shape[0] // M, tokens_bT1.shape[1])
     ce_sum, stats_N, mtp_sum = pipeline_loss(model, blocks_fn, tokens_MbT1, cfg, rng)
+    return loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum)
 
+
+def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
+    """(loss, metrics) from this device's summed cross-entropy, its stage's MoE
+    statistics per block and its summed MTP cross-entropy (GPipe only: the 1f1b and
+    interleaved executor refuses MTP, utils.validate_model)."""
+    m_cfg, t_cfg = cfg.model, cfg.train
     n_tokens = t_cfg.batch_size * m_cfg.seq_len
     ce = jax.lax.psum(ce_sum, (DP, PP)) / n_tokens
     # Routing statistics, per block, summed over the batch. Every tp device routed the
@@ -497,7 +516,14 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
 
     def step_fn(params, opt_state, tokens_bT1, step):
         rng = dropout_rng(cfg, step)
-        (_, metrics), grads = jax.value_and_grad(sharded_loss, has_aux=True)(params, tokens_bT1, graphdef, cfg, rng)
+        if cfg.train.pipeline == "gpipe":  # autodiff through the pipeline's loop
+            (_, metrics), grads = jax.value_and_grad(sharded_loss, has_aux=True)(params, tokens_bT1, graphdef, cfg, rng)
+        else:  # 1f1b / interleaved: the backward written by hand, tick by tick (pipeline.py)
+            (_, metrics), grads = scheduled_value_and_grad(
+                params, tokens_bT1, graphdef, cfg, rng, axes=AXES,
+                gather=lambda tree, one_block: gather_for_use(tree, cfg.mesh.expert_parallel, jnp.dtype(cfg.model.dtype), one_block,
+                                                              reduce_dtype=jnp.dtype(cfg.model.grad_reduce_dtype)),
+                loss_and_metrics=lambda ce_sum, stats_N: loss_and_metrics(ce_sum, stats_N, cfg))
         grad_norm = global_grad_norm(grads, param_spec_tree)
         if clip > 0:
             scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
@@ -574,8 +600,9 @@ def process_rows(mesh, batch_size, process=None):
     return tuple(rows)
 
 
-def bubble_fraction(pp, microbatches):
-    return (pp - 1) / (microbatches + pp - 1)
+def bubble_fraction(pp, microbatches, kind="gpipe", virtual_stages=1):
+    """(pp - 1) / (V M + pp - 1); pipeline.schedule(...).bubble() counts it off the table."""
+    return formula_bubble(kind, pp, microbatches, virtual_stages)
 
 
 def memory_summary(params, opt_state, compiled, device):

@@ -37,10 +37,12 @@ import sys
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh
 
 import parallel as par
+import pipeline
 from model import Transformer, expert_capacity, padded_vocab
 from utils import ConfigError, apply_overrides, count_params, flops_per_token, human, parse_args
 
@@ -319,6 +321,8 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None):
         holds one tick's intermediates twice: the inner loop over blocks writes them
         into its own stacked buffer, which is then copied into the per-tick stack.
     """
+    if cfg.train.pipeline != "gpipe":
+        return scheduled_activation_bytes(cfg, mesh_shape, compute_bytes)
     m, t = cfg.model, cfg.train
     pp = mesh_shape["pp"]
     s = local_sizes(cfg, mesh_shape, compute_bytes)
@@ -356,6 +360,58 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None):
     peak = max(phases, key=phases.get)
     out["peak of two phases: " + peak] = phases[peak]
     return out, phases
+
+
+# ----------------------------------------------------------------------------
+# The hand-written schedules (--train.pipeline 1f1b | interleaved, pipeline.py)
+
+
+def schedule_of(cfg, pp):
+    return pipeline.schedule(cfg.train.pipeline, pp, cfg.train.microbatches, cfg.train.virtual_stages)
+
+
+def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None):
+    """{component: bytes} of activations at the peak, per device, for 1f1b and
+    interleaved: the ring of saved block inputs (a slot per microbatch-chunk in
+    flight: pp for 1f1b, whatever GPipe's M), the ring of incoming gradients, and the
+    larger of two phases: the loss of one microbatch, or the backward tick of one
+    block (recomputed from its input, as remat block does; remat stage: a chunk)."""
+    m = cfg.model
+    pp = mesh_shape["pp"]
+    sched = schedule_of(cfg, pp)
+    s = local_sizes(cfg, mesh_shape, compute_bytes)
+    tokens = s.b * s.T
+    x_bytes = tokens * s.D * s.c
+    per_block = tokens * sum(layer_bytes(s, kind, m) for kind in m.block_pattern)
+    blocks_per_chunk = m.n_blocks // (pp * sched.virtual_stages)
+    saved_per_slot = 1 if m.remat == "stage" else blocks_per_chunk
+    out = {f"saved: {'each chunk' if m.remat == 'stage' else 'each block'}'s input, {sched.res_slots} slots in flight (+1 spare)":
+           (sched.res_slots + 1) * saved_per_slot * x_bytes,
+           f"incoming gradients, {sched.grad_slots} slots (+1 spare), and the tick's sends and receipts": (sched.grad_slots + 5) * x_bytes}
+    split_mesh = math.prod(mesh_shape.values()) > 1
+    recomputed_block = SPLIT_MESH_RECOMPUTE_FRACTION * per_block if split_mesh else per_block
+    block_phase = blocks_per_chunk * per_block if m.remat == "stage" else recomputed_block
+    loss_phase = 2 * tokens * s.V * F32 + tokens * (norm_bytes(s.D) + s.D * s.c)
+    phases = {"loss: float32 logits + their gradient": loss_phase,
+              "backward tick of one " + ("chunk" if m.remat == "stage" else "block") + " (recomputed)": block_phase}
+    peak = max(phases, key=phases.get)
+    out["peak of two phases: " + peak] = phases[peak]
+    return out, phases
+
+
+# Cost of a backward tick in forward passes of the same chunk: the backward itself (2)
+# and the forward it recomputes from the saved input (1).
+BACKWARD_TICK_COST = 3
+
+
+def scheduled_bubble_factor(cfg, pp):
+    """Lockstep time of the table over the useful work, minus one. All stages wait for
+    each other at every tick (the ppermutes), so a tick lasts as long as its slowest
+    op: a tick where one stage runs a backward costs a backward for all of them."""
+    sched = schedule_of(cfg, pp)
+    cost = np.array([0, 1, BACKWARD_TICK_COST])[sched.table[..., 0]]  # [ticks, pp]
+    useful = cfg.train.microbatches * sched.virtual_stages * (1 + BACKWARD_TICK_COST)
+    return float(cost.max(axis=1).sum()) / useful - 1
 
 
 # ----------------------------------------------------------------------------
@@ -400,10 +456,12 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     n_moe = m.n_blocks * m.block_pattern.count("M")
     slot_factor = (s.E * s.C / s.S) / m.top_k if m.capacity_factor > 0 else 1.0
     executed = model_flops + 6 * routed_per_layer * n_moe * tokens_per_step * (slot_factor - 1)
-    if m.remat in RECOMPUTE_FORWARD:
+    if m.remat in RECOMPUTE_FORWARD or t.pipeline != "gpipe":  # (the hand-written backward always recomputes)
         executed *= 4 / 3
     compute = executed / (n_devices * peak * efficiency)
     bubble = compute * (pp - 1) / t.microbatches  # = a fraction (pp-1)/(M+pp-1) of the pipelined compute
+    if t.pipeline != "gpipe":
+        bubble = compute * scheduled_bubble_factor(cfg, pp)
 
     c = s.c
     blocks = {k: v for k, v in params.items() if k == "blocks"}
@@ -497,7 +555,12 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # With both loops real (pipeline ticks > 1, several local blocks), the backward pass
     # of a tick writes its blocks' gradients into a stack of their own, which is then
     # added to the running sum over ticks: two copies of the blocks' gradients.
-    if ticks > 1 and blocks_here > 1:
+    if cfg.train.pipeline != "gpipe":  # a backward tick's gradient of one chunk, added to the step's sum
+        memory["a backward tick's gradient of one chunk"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32) // schedule_of(cfg, shape[1]).virtual_stages
+        # the embedding's and final norm's gradient, gathered, summed over the step in float32
+        # (the sum, and a forward and a backward tick's contributions)
+        memory["gradient of the gathered embedding (float32, 3 copies)"] = 3 * gathered_bytes(top, ep, mesh_shape, F32, one_block=False)
+    elif ticks > 1 and blocks_here > 1:
         memory["this tick's gradient of the stage's blocks"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32)
     temp = sum(v for k, v in memory.items() if k not in ("params", "optimizer"))  # all that the step allocates
     total_bytes = memory["params"] + memory["optimizer"] + temp
@@ -521,7 +584,8 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         loss_phase_bytes=int(next(v for k, v in phases.items() if k.startswith("loss"))), gpu=bool(hw.node_size),
         available_bytes=available, fits=total_bytes <= available,
         peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
-        bubble_fraction=par.bubble_fraction(shape[1], cfg.train.microbatches), step_s_serial=serial, step_s_overlapped=overlapped,
+        pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, shape[1]).bubble(),
+        step_s_serial=serial, step_s_overlapped=overlapped,
         tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
 
 
@@ -592,7 +656,7 @@ def report(p):
     rows.append((f"  compute: {human(t['executed_flops'])}FLOP executed ({human(t['model_flops'])}FLOP model)",
                  seconds(t["compute"])))
     if p["mesh"]["pp"] > 1:
-        rows.append((f"  pipeline bubble (pp-1)/(M+pp-1) = {p['bubble_fraction']:.1%}", seconds(t["bubble"])))
+        rows.append((f"  pipeline bubble ({p['pipeline']}: {p['bubble_fraction']:.1%} of the table idle)", seconds(t["bubble"])))
     rows += [("  " + name, seconds(value)) for name, value in p["comm"].items()]
     rows.append(("  step, communication not overlapped", seconds(p["step_s_serial"]) + f"   ({p['tokens_per_sec']:,.0f} tokens/s)"))
     rows.append(("  step, communication fully overlapped", seconds(p["step_s_overlapped"])))

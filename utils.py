@@ -38,6 +38,8 @@ class RunConfig:
 # --model.remat values: model.apply_blocks applies layer / block / block_dots,
 # parallel.pipeline_loss applies stage.
 REMAT_POLICIES = ("none", "layer", "block", "block_dots", "stage")
+# --train.pipeline values: parallel.pipeline_loss runs gpipe, pipeline.py the others.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,9 @@ class TrainConfig:
     resume_step: int = option(-1, "resume from this checkpoint step; -1 = the latest")
     init_from: str = option("", "start from these params (export or checkpoint dir, or hf:DIR, a Hugging Face "
                                 "DeepseekV3-format directory whose architecture the model takes) with a fresh optimizer")
+    pipeline: str = option("gpipe", "pipeline schedule over pp: gpipe (all forwards, then all backwards) | 1f1b (one forward, "
+                                    "one backward: at most pp microbatches alive) | interleaved (1f1b over virtual_stages chunks per stage)")
+    virtual_stages: int = option(2, "interleaved: chunks of blocks per stage (V); a microbatch passes every stage V times")
 
 
 @dataclass(frozen=True)
@@ -365,6 +370,11 @@ def validate_model(cfg):
          "(its step has no bias update, sequence-wise loss or MTP): use --mesh.sharding manual, or set them to 0"),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
+        (t.pipeline in PIPELINE_SCHEDULES, f"--train.pipeline must be one of {', '.join(PIPELINE_SCHEDULES)}, got {t.pipeline!r}"),
+        (t.pipeline == "gpipe" or not (m.mtp_depth or m.seq_aux_loss_weight),
+         f"--model.mtp_depth and --model.seq_aux_loss_weight are not in the hand-written backward of --train.pipeline "
+         f"{t.pipeline} yet: use --train.pipeline gpipe, or set them to 0"),
+        (t.virtual_stages >= 1, f"--train.virtual_stages must be >= 1, got {t.virtual_stages}"),
         (cfg.serve.slots >= 1 and cfg.serve.max_tokens >= 1 and cfg.serve.queue >= 0,
          "--serve.slots and --serve.max_tokens must be >= 1, --serve.queue >= 0"),
         (0 <= cfg.serve.port < 65536, f"--serve.port must be in 0..65535, got {cfg.serve.port}"),
