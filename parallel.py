@@ -349,7 +349,7 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     # The embedding on stage 0 only, the head and loss on the last stage only: no
     # stage computes what it would mask away (pipeline.when: a cond, zeros elsewhere).
     # (the embedding comes in float32, see gather_for_use: the stream runs in the compute dtype)
-    x0_MbTD = when(stage == 0, lambda t: jax.vmap(lambda t: model.embed(t, TP))(t).astype(m_cfg.dtype), inputs_MbT)
+    x0_MbTD = when(n_stages == 1 or stage == 0, lambda t: jax.vmap(lambda t: model.embed(t, TP))(t).astype(m_cfg.dtype), inputs_MbT)
     ep_axis = DP if cfg.mesh.expert_parallel else None
 
     blocks_def, blocks_state = nnx.split(model.blocks)
@@ -376,7 +376,7 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     first_received = varying_over(jnp.zeros_like(x0_MbTD[0]), PP)  # the carry differs per stage from tick 1 on
     _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
     outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
-    ce_sum, mtp_sum = when(stage == n_stages - 1, lambda y: last_stage_loss_sums(model, y, tokens_MbT1, angles, rng), outputs_MbTD)
+    ce_sum, mtp_sum = when(n_stages == 1 or stage == n_stages - 1, lambda y: last_stage_loss_sums(model, y, tokens_MbT1, angles, rng), outputs_MbTD)
     return ce_sum, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN), mtp_sum
 
 

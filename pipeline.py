@@ -259,7 +259,13 @@ def zeros_of(avals):
 
 
 def when(pred, fn, *args):
-    """fn(*args) where pred holds; zeros of the same types elsewhere, computing nothing."""
+    """fn(*args) where pred holds; zeros of the same types elsewhere, computing nothing.
+    A pred known when tracing (a Python bool, e.g. "the only stage is the last") needs
+    no cond: XLA:CPU inlines a cond on a constant predicate, and the collectives of the
+    inlined branch then share ids with the step's own (a crash, "Id can't be larger than
+    the number of participating threads", seen at pp=1, tp>1 with MTP in the branch)."""
+    if isinstance(pred, bool):
+        return fn(*args) if pred else zeros_of(jax.eval_shape(fn, *args))
     avals = jax.eval_shape(fn, *args)
     return jax.lax.cond(pred, fn, lambda *_: zeros_of(avals), *args)
 
