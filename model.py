@@ -412,6 +412,14 @@ class MoE(nnx.Module):
 # Block: a short pattern of layers, e.g. "DDDDDM" = five dense layers, then one MoE.
 
 
+def fold_in_rows(keys_B, data):
+    """fold_in for a batch of keys, one per sequence: the dropout keys of a row are
+    derived from (seed, step, global row) by parallel.dropout_rows, then from the block,
+    the layer and the branch here. So a mask never depends on the mesh or the pipeline
+    schedule, only on what it masks."""
+    return jax.vmap(jax.random.fold_in, (0, None))(keys_B, data)
+
+
 def empty_moe_stats(n_experts):
     z = jnp.zeros((), jnp.float32)
     return dict(aux_loss_sum=z, tokens_per_expert=jnp.zeros((n_experts,), jnp.int32),
@@ -429,14 +437,18 @@ class Layer(nnx.Module):
         self.ffn = MoE(cfg, rngs) if kind == "M" else DenseFFN(cfg.d_model, cfg.d_ff, cfg.ffn_activation, rngs, residual_scale(cfg))
         self.dropout = cfg.dropout
 
-    def drop(self, x, rng):
-        if self.dropout == 0 or rng is None:
-            return x
-        keep = jax.random.bernoulli(rng, 1 - self.dropout, x.shape)
-        return jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
+    def drop(self, x_BTD, keys_B):
+        """Dropout on a residual branch's output. The mask of row b is drawn from its own
+        key over the whole [T, D] of that row: every tp device holds the same residual
+        stream and the same keys, so it draws the same mask (no tp-varying rng)."""
+        if self.dropout == 0 or keys_B is None:
+            return x_BTD
+        keep_BTD = jax.vmap(lambda key: jax.random.bernoulli(key, 1 - self.dropout, x_BTD.shape[1:]))(keys_B)
+        return jnp.where(keep_BTD, x_BTD / (1 - self.dropout), 0).astype(x_BTD.dtype)
 
     def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None):
-        rngs = jax.random.split(rng) if rng is not None else (None, None)
+        """rng: dropout keys, one per batch row [B] (see fold_in_rows), or None = no dropout."""
+        rngs = (fold_in_rows(rng, 0), fold_in_rows(rng, 1)) if rng is not None else (None, None)
         x_BTD = x_BTD + self.drop(self.attn(self.attn_norm(x_BTD), angles, tp_axis), rngs[0])
         h_BTD = self.ffn_norm(x_BTD)
         if self.kind == "M":
@@ -459,7 +471,7 @@ class Block(nnx.Module):
         if remat_layers:
             run_layer = nnx.remat(run_layer)
         for i, layer in enumerate(self.layers):
-            x_BTD, layer_stats = run_layer(layer, x_BTD, None if rng is None else jax.random.fold_in(rng, i))
+            x_BTD, layer_stats = run_layer(layer, x_BTD, None if rng is None else fold_in_rows(rng, i))
             if layer_stats is not None:
                 stats = jax.tree.map(jnp.add, stats, layer_stats)
         return x_BTD, stats
@@ -547,8 +559,13 @@ class Transformer(nnx.Module):
         return self.logits(x_BTD), stats_N
 
 
-def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat="none", prepare=None, unroll=False):
+def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat="none", prepare=None, unroll=False,
+                 first_block=0):
     """Run stacked blocks in order with lax.scan (one compiled body whatever N is).
+
+    rng: dropout keys, one per row of x [B] (None = no dropout); each block folds in its
+    index in the whole model, first_block + i (a pipeline stage holds blocks from
+    first_block on), so its masks are the same whichever stage runs it.
 
     `blocks` is a Block whose weights carry a leading axis N. `prepare` maps one
     block's weights just before use (cast to the compute dtype; under FSDP, all-gather).
@@ -571,7 +588,7 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
                 # Without remat, hoisting is what we want: one gather, not one per tick.
                 state = jax.lax.optimization_barrier((state, x_BTD))[0]
             state = prepare(state)
-        block_rng = None if rng is None else jax.random.fold_in(rng, index)
+        block_rng = None if rng is None else fold_in_rows(rng, first_block + index)
         return nnx.merge(block_def, state)(x_BTD, angles, tp_axis, ep_axis, block_rng, remat_layers=remat == "layer")
 
     if remat == "block":  # keep only each block's input; recompute its insides in the backward pass

@@ -233,7 +233,8 @@ def varying_over(x, axis):
 
 def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     """GPipe over pp: returns (summed cross-entropy of this device's rows, MoE stats of
-    this stage's blocks [N/pp, ...]). Runs inside shard_map.
+    this stage's blocks [N/pp, ...]). Runs inside shard_map. rng: the step's dropout
+    key (dropout_rng), or None.
 
     At tick t stage s works on microbatch m = t - s: stage 0 embeds microbatch t,
     every other stage takes what its left neighbour produced at tick t-1 (ppermute).
@@ -249,10 +250,14 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     ep_axis = DP if cfg.mesh.expert_parallel else None
 
     blocks_def, blocks_state = nnx.split(model.blocks)
+    first_block = stage * jax.tree.leaves(blocks_state)[0].shape[0]
+    # Dropout keys of this device's rows: rows [dp_index * M * b, ...) of the global
+    # batch, microbatch m holding the m-th b of them (sharded_loss's reshape).
+    keys_Mb = None if rng is None else dropout_rows(rng, jax.lax.axis_index(DP) * M * b, M * b).reshape(M, b)
 
-    def run_stage(blocks_state, x_bTD, tick_rng):
-        return apply_blocks(nnx.merge(blocks_def, blocks_state), x_bTD, angles, TP, ep_axis, tick_rng,
-                            remat=m_cfg.remat, prepare=params_fn, unroll=m_cfg.unroll_blocks)
+    def run_stage(blocks_state, x_bTD, keys_b):
+        return apply_blocks(nnx.merge(blocks_def, blocks_state), x_bTD, angles, TP, ep_axis, keys_b,
+                            remat=m_cfg.remat, prepare=params_fn, unroll=m_cfg.unroll_blocks, first_block=first_block)
 
     if m_cfg.remat == "stage":  # keep only the stage's input per tick
         run_stage = jax.checkpoint(run_stage)
@@ -260,8 +265,8 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     def tick(carry, t):
         received_bTD = carry
         x_bTD = jnp.where(stage == 0, x0_MbTD[jnp.minimum(t, M - 1)], received_bTD)
-        tick_rng = None if rng is None else jax.random.fold_in(rng, t)
-        y_bTD, stats_N = run_stage(blocks_state, x_bTD, tick_rng)
+        keys_b = None if keys_Mb is None else keys_Mb[jnp.clip(t - stage, 0, M - 1)]  # this tick's microbatch
+        y_bTD, stats_N = run_stage(blocks_state, x_bTD, keys_b)
         valid = (t - stage >= 0) & (t - stage < M)  # is this stage working on a real microbatch?
         stats_N = jax.tree.map(lambda s: jnp.where(valid, s, jnp.zeros_like(s)), stats_N)
         # Hand the activation to the next stage; the last stage's output is kept as ys.
@@ -406,14 +411,21 @@ def make_eval_step(graphdef, cfg, mesh, params):
 
 
 def dropout_rng(cfg, step):
-    """Dropout masks differ per device and step (they depend on the mesh: runs with
-    dropout are not mesh-invariant, which is why the invariance tests use dropout 0)."""
+    """The dropout key of a step, from (seed, step) alone: the same on every device
+    (None without dropout). Masks are drawn from it per global batch row
+    (dropout_rows), then per block, layer and branch (model.fold_in_rows), so a run
+    with dropout takes the same steps on every mesh. Megatron-style per-tp-rank keys
+    are not needed: dropout only masks the residual stream, which every tp device
+    holds whole."""
     if cfg.model.dropout == 0:
         return None
-    key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
-    for axis in AXES:
-        key = jax.random.fold_in(key, jax.lax.axis_index(axis))
-    return key
+    return jax.random.fold_in(jax.random.key(cfg.run.seed), step)
+
+
+def dropout_rows(rng, first_row, n_rows):
+    """Keys [n_rows] for global batch rows first_row, first_row + 1, ...: each device
+    derives only the keys of the rows it holds."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(rng, first_row + jnp.arange(n_rows))
 
 
 def global_batch(mesh, rows_for_process, batch_size):
