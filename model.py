@@ -501,8 +501,13 @@ class Transformer(nnx.Module):
     def __init__(self, cfg, rngs):
         self.cfg = cfg
         V = padded_vocab(cfg.vocab_size, cfg.vocab_multiple)
-        # Tied embedding: rows are token vectors in, and the output layer out.
-        self.embed_VD = nnx.Param(jax.random.normal(rngs.params(), (V, cfg.d_model), jnp.float32))
+        # Tied embedding: rows are token vectors in, and the output layer out. Rows of
+        # norm ~1 (std 1/sqrt(D)), small next to what the first layers add to the
+        # residual stream. With unit-variance rows (norm sqrt(D)) the stream at the
+        # last layer was still mostly the input token's own row, whose logit is then
+        # ~sqrt(D) (10 at D = 128): the untrained model predicted "the next token is
+        # this one" and started at loss 10.15 instead of ln(384) = 5.95.
+        self.embed_VD = init_normal(rngs, (V, cfg.d_model), cfg.d_model)
 
         @nnx.split_rngs(splits=cfg.n_blocks)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -524,7 +529,8 @@ class Transformer(nnx.Module):
 
     def logits(self, x_BTD):
         """Output layer of the tied embedding (the local vocabulary rows under tp)."""
-        # Scaled by 1/sqrt(D): the table has unit-variance rows, logits start near 0.
+        # Scaled by 1/sqrt(D): the normed x has norm sqrt(D) and the rows norm ~1, so at
+        # init a logit is ~N(0, 1/D), and ~cos(x, own row) <= 1 for the input token.
         x_BTD = self.final_norm(x_BTD) / math.sqrt(x_BTD.shape[-1])
         return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...], preferred_element_type=ACC_DTYPE)
 
