@@ -30,7 +30,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model import Transformer, apply_blocks, rope_angles
-from utils import ConfigError
+from utils import ConfigError, apply_overrides
 
 DP, PP, TP = "dp", "pp", "tp"
 AXES = (DP, PP, TP)
@@ -401,8 +401,26 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
     return jax.jit(sharded, donate_argnums=(0, 1))
 
 
+def eval_model_config(cfg):
+    """The model that evaluation measures: training's, with --train.eval_capacity_factor
+    (0 = dropless, the function that sampling computes, so val_loss counts no token
+    whose expert output was dropped). Expert parallelism needs fixed-size buffers, so
+    there "dropless" is the capacity factor E / top_k: C = the group size, room for
+    every token in every expert, nothing dropped."""
+    m = cfg.model
+    factor = cfg.train.eval_capacity_factor
+    if factor == 0 and cfg.mesh.expert_parallel:
+        factor = m.n_experts / m.top_k
+    return apply_overrides(cfg, {"model": {"capacity_factor": factor}})
+
+
 def make_eval_step(graphdef, cfg, mesh, params):
-    """Summed validation cross-entropy of one batch (dropout off)."""
+    """Mean validation cross-entropy of one batch (dropout off), with the eval
+    capacity (eval_model_config). graphdef: training's; the capacity is a static
+    attribute of the MoE layers, so the eval graphdef is built anew (same params)."""
+    cfg = eval_model_config(cfg)
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
+
     def eval_fn(params, tokens_bT1):
         _, metrics = sharded_loss(params, tokens_bT1, graphdef, cfg, None)
         return metrics["loss"]

@@ -104,6 +104,8 @@ class TrainConfig:
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off")
     eval_every: int = option(200, "evaluate every N steps (and at the end)")
     eval_batches: int = option(8, "validation batches per evaluation")
+    eval_capacity_factor: float = option(0.0, "expert capacity factor of evaluation (val_loss); 0 = dropless, "
+                                              "the function that sampling computes")
     checkpoint_every: int = option(500, "checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
     resume_step: int = option(-1, "resume from this checkpoint step; -1 = the latest")
@@ -302,6 +304,7 @@ def validate_model(cfg):
         (0 <= m.dropout < 1, "--model.dropout must be in [0, 1)"),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
+        (t.eval_capacity_factor >= 0, "--train.eval_capacity_factor must be >= 0 (0 = dropless)"),
     ]
     for ok, message in checks:
         if not ok:
@@ -566,7 +569,9 @@ def draw_loss(fig, rows, cfg):
         (raw,) = ax.plot(tokens, loss, color="tab:blue", lw=1.5, label="train")
     drawn["train"] = line_data(raw)
     val_tokens = [s * tokens_per_step for s in val_steps]
-    (val,) = ax.plot(val_tokens, val_loss, "o-", color="tab:orange", ms=4, label="validation")
+    eval_capacity = cfg["train"].get("eval_capacity_factor")  # (absent in runs older than the flag)
+    val_label = {None: "validation", 0: "validation (dropless)"}.get(eval_capacity, f"validation (capacity factor {eval_capacity})")
+    (val,) = ax.plot(val_tokens, val_loss, "o-", color="tab:orange", ms=4, label=val_label)
     drawn["val"] = line_data(val)
     human_ticks(ax.xaxis)
     step_axis = ax.secondary_xaxis("top", functions=(lambda t: t / tokens_per_step, lambda s: s * tokens_per_step))

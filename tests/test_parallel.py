@@ -48,9 +48,16 @@ def initial_params(model_cfg):
     return graphdef, jax.device_get(params)
 
 
-def one_step(cfg):
-    """Place the initial params on cfg's mesh, take one train step; return (metrics,
-    params) on the host."""
+def train_steps(cfg, n_steps=2):
+    """Place the initial params on cfg's mesh and take n_steps train steps (steps 0, 1,
+    ... of one batch); return host copies of (metrics of each step, optimizer state
+    after each step, params after the last).
+
+    The optimizer state holds the gradients themselves: after step s AdamW's first
+    moment is mu_s = b1 mu_(s-1) + (1 - b1) g_s, with g_s the clipped gradient (so
+    together with grad_norm the raw one). Comparing the updated params alone would
+    barely see a gradient's scale: Adam's first step is about lr x sign(g), and its
+    later ones m / sqrt(v) are blind to a factor on a whole leaf."""
     mesh = mesh_for(cfg)
     par.check_config_fits_mesh(cfg, mesh)
     graphdef, host_params = initial_params(cfg.model)
@@ -61,48 +68,87 @@ def one_step(cfg):
     opt_state = par.init_opt_state(optimizer, params, mesh)
     step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     batch = par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size)
-    params, opt_state, metrics = step(params, opt_state, batch, jnp.asarray(0))
-    return jax.device_get(metrics), jax.tree.map(np.asarray, params)
+    all_metrics, opt_states = [], []
+    for s in range(n_steps):
+        params, opt_state, metrics = step(params, opt_state, batch, jnp.asarray(s))
+        all_metrics.append(jax.device_get(metrics))
+        opt_states.append(jax.tree.map(np.asarray, opt_state))
+    return all_metrics, opt_states, jax.tree.map(np.asarray, params)
 
 
-def assert_params_close(params, reference):
-    """Relative error of every weight (as a whole gathered array) within RTOL."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+def assert_tree_close(tree, reference, rtol=RTOL, what=""):
+    """Every leaf (as a whole gathered array) within rtol of the reference's, relative
+    to the reference leaf's norm; integer leaves (Adam's step count) exactly equal."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    assert len(flat) == len(jax.tree.leaves(reference))
     for (path, got), want in zip(flat, jax.tree.leaves(reference)):
+        name = what + jax.tree_util.keystr(path)
+        if not np.issubdtype(np.asarray(want).dtype, np.floating):
+            np.testing.assert_array_equal(got, want, err_msg=name)
+            continue
+        assert np.linalg.norm(want) > 0, f"{name}: the reference is all zeros"
         rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert rel < RTOL, f"{jax.tree_util.keystr(path)}: relative difference {rel:.2e}"
+        assert rel < rtol, f"{name}: relative difference {rel:.2e}"
 
 
-def assert_same_step(metrics, params, ref_metrics, ref_params):
-    for key in ("loss", "aux_loss", "grad_norm"):
-        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=RTOL, err_msg=key)
-    np.testing.assert_array_equal(metrics["stats_N"]["tokens_per_expert"], ref_metrics["stats_N"]["tokens_per_expert"])
-    assert_params_close(params, ref_params)
+assert_params_close = assert_tree_close
+
+
+def assert_same_steps(result, reference, rtol=RTOL):
+    """Same loss, aux loss, grad norm and expert counts at every step, the same gradients
+    (optimizer moments) per leaf after every step, and the same params at the end."""
+    (metrics, opt_states, params), (ref_metrics, ref_opt_states, ref_params) = result, reference
+    for s, (m, ref_m) in enumerate(zip(metrics, ref_metrics)):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            np.testing.assert_allclose(m[key], ref_m[key], rtol=rtol, err_msg=f"step {s}: {key}")
+        np.testing.assert_array_equal(m["stats_N"]["tokens_per_expert"], ref_m["stats_N"]["tokens_per_expert"])
+    for s, (o, ref_o) in enumerate(zip(opt_states, ref_opt_states)):
+        assert_tree_close(o, ref_o, rtol, what=f"optimizer state after step {s}: ")
+    assert_tree_close(params, ref_params, rtol, what="params: ")
 
 
 @pytest.fixture(scope="module")
 def reference():
     """One-device results, per model variant."""
-    return {variant: one_step(tiny_config(**kwargs)) for variant, kwargs in VARIANTS.items()}
+    return {variant: train_steps(tiny_config(**kwargs)) for variant, kwargs in VARIANTS.items()}
 
 
 VARIANTS = {
     "moe": {},
     "dense": dict(block_pattern="D", ffn_activation="gelu"),
+    "dropout": dict(dropout=0.1),
 }
+MESH_IDS = lambda s: "x".join(map(str, s))  # noqa: E731
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES[1:], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_one_step_equals_one_device(reference, variant, mesh_shape):
-    metrics, params = one_step(tiny_config(mesh_shape, **VARIANTS[variant]))
-    assert_same_step(metrics, params, *reference[variant])
+@pytest.mark.parametrize("mesh_shape", MESHES[1:], ids=MESH_IDS)
+@pytest.mark.parametrize("variant", ["moe", "dense"])
+def test_two_steps_equal_one_device(reference, variant, mesh_shape):
+    assert_same_steps(train_steps(tiny_config(mesh_shape, **VARIANTS[variant])), reference[variant])
 
 
-@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (4, 2, 1), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (4, 2, 1), (2, 1, 4)], ids=MESH_IDS)
 def test_expert_parallel_equals_one_device(reference, mesh_shape):
-    metrics, params = one_step(tiny_config(mesh_shape, expert_parallel=True))
-    assert_same_step(metrics, params, *reference["moe"])
+    assert_same_steps(train_steps(tiny_config(mesh_shape, expert_parallel=True)), reference["moe"])
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 4, 2)], ids=MESH_IDS)
+def test_dropout_equals_one_device(reference, mesh_shape):
+    """With dropout on, every mesh draws the same masks as one device: a mask depends on
+    (seed, step, global row, block, layer, branch) only, never on which device, stage
+    or microbatch holds the row (parallel.dropout_rng). Dropout really acts: the
+    loss differs from the run without it."""
+    assert_same_steps(train_steps(tiny_config(mesh_shape, dropout=0.1)), reference["dropout"])
+    dropped, plain = reference["dropout"][0], reference["moe"][0]
+    assert abs(dropped[0]["loss"] - plain[0]["loss"]) > 1e-3
+
+
+@pytest.mark.parametrize("mesh_shape, microbatches", [((1, 1, 1), 4), ((4, 1, 2), 2)], ids=["1x1x1-M4", "4x1x2-M2"])
+def test_gradient_accumulation_equals_one_microbatch(reference, mesh_shape, microbatches):
+    """pp = 1 with several microbatches accumulates the gradient over them: the same
+    steps as the whole batch at once."""
+    cfg = apply_overrides(tiny_config(mesh_shape), {"train": dict(microbatches=microbatches)})
+    assert_same_steps(train_steps(cfg), reference["moe"])
 
 
 @pytest.mark.parametrize("remat", [policy for policy in REMAT_POLICIES if policy != PRESETS["tiny"]["model"]["remat"]])
@@ -110,14 +156,14 @@ def test_remat_policy_does_not_change_the_step(reference, remat):
     """Rematerialisation only trades memory for recomputation: on a mesh with every kind
     of split (and two microbatches, so "stage" recomputes per tick) each policy takes the
     same step as the reference's."""
-    metrics, params = one_step(tiny_config((2, 2, 2), remat=remat))
-    assert_same_step(metrics, params, *reference["moe"])
+    assert_same_steps(train_steps(tiny_config((2, 2, 2), remat=remat)), reference["moe"])
 
 
 def test_reference_step_changes_params(reference):
     """Guards the tests above against comparing two untouched inits: the step moved
     every weight, and the loss is that of an untrained model."""
-    metrics, params = reference["moe"]
+    metrics, _, params = reference["moe"]
+    metrics = metrics[0]
     cfg = tiny_config()
     _, init = par.init_params(cfg.model, mesh_for(cfg), False, cfg.run.seed)
     for got, before in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(init))):
