@@ -5,6 +5,7 @@
     python main.py --mode sample --sample.prompt "JULIET:"
     python main.py --mode export                   # slim bfloat16 params in <run_dir>/export
     python main.py --mode eval                     # restore, print val_loss=... (any mesh)
+    python main.py --mode serve                    # OpenAI-compatible completions + a web page (serve.py)
 
 Reads top to bottom: config, devices, mesh, data, init or resume, compile, the loop
 (eval, checkpoints, logs), samples.
@@ -115,6 +116,10 @@ def main(argv):
             export_run(cfg)
         elif cfg.mode == "eval":
             eval_run(cfg)
+        elif cfg.mode == "serve":
+            from serve import serve_run
+
+            serve_run(cfg)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     except Exception as e:
@@ -445,8 +450,8 @@ def show_sharding(batch, params):
 # Sampling and export from a finished (or running) run
 
 
-def load_run_params(cfg):
-    """The run's saved config and latest params, on the current mesh."""
+def load_run_params(cfg, devices=None):
+    """The run's saved config and latest params, on the current mesh (over `devices`, default all)."""
     run_dir = run_dir_of(cfg)
     config_path = os.path.join(run_dir, "config.json")
     if not os.path.exists(config_path):
@@ -454,7 +459,7 @@ def load_run_params(cfg):
     with open(config_path) as f:
         saved = config_from_dict(json.load(f))
     cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
-    mesh = par.make_mesh(cfg.mesh)
+    mesh = par.make_mesh(cfg.mesh, devices)
     graphdef, params = par.init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
     source = cfg.train.init_from or run_dir
     return cfg, graphdef, checkpoint.restore_params(source, params, cfg.model)

@@ -182,24 +182,34 @@ class MLAttention(nnx.Module):
         The key up-projection is absorbed into the query (q . W_uk c = (W_uk^T q) . c),
         so keys are never materialised: scores are taken against the cached latent.
         cache = (kv_BSA, k_rope_BSR) with S the fixed maximum length, so one compiled
-        step serves every position.
+        step serves every position. `start` is one position for all rows (a scalar),
+        or one per row [B]: a server's slots each sit at their own length.
         """
         kv_cache_BSA, rope_cache_BSR = cache
         q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles)
         kv_BTA, k_rope_BTR = self.latents(x_BTD, angles)
-        kv_cache_BSA = jax.lax.dynamic_update_slice_in_dim(kv_cache_BSA, kv_BTA.astype(kv_cache_BSA.dtype), start, 1)
-        rope_cache_BSR = jax.lax.dynamic_update_slice_in_dim(rope_cache_BSR, k_rope_BTR.astype(rope_cache_BSR.dtype), start, 1)
+        kv_cache_BSA = write_at(kv_cache_BSA, kv_BTA, start)
+        rope_cache_BSR = write_at(rope_cache_BSR, k_rope_BTR, start)
         q_latent_BTHA = jnp.einsum("bthk,ahk->btha", q_nope_BTHK, self.wk_up_AHK[...])
         scores_BHTS = jnp.einsum("btha,bsa->bhts", q_latent_BTHA, kv_cache_BSA, preferred_element_type=ACC_DTYPE)
         scores_BHTS += jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, rope_cache_BSR, preferred_element_type=ACC_DTYPE)
         T, S = x_BTD.shape[1], kv_cache_BSA.shape[1]
-        visible_TS = jnp.arange(S)[None, :] <= start + jnp.arange(T)[:, None]
-        scores_BHTS = jnp.where(visible_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
+        positions_BT = jnp.reshape(start, (-1, 1)) + jnp.arange(T)  # [1, T] for a scalar start
+        visible_B1TS = (jnp.arange(S) <= positions_BT[:, :, None])[:, None]
+        scores_BHTS = jnp.where(visible_B1TS, scores_BHTS * self.softmax_scale, -jnp.inf)
         probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
         context_BTHA = jnp.einsum("bhts,bsa->btha", probs_BHTS, kv_cache_BSA)
         out_BTHK = jnp.einsum("btha,ahk->bthk", context_BTHA, self.wv_up_AHK[...])  # per head: not a plain projection
         y_BTD = project(out_BTHK, self.wo_HKD[...], n_in=2)
         return y_BTD, (kv_cache_BSA, rope_cache_BSR)
+
+
+def write_at(cache_BSX, new_BTX, start):
+    """cache[b, start_b : start_b + T] = new[b], with start a scalar or one per row [B]."""
+    new_BTX = new_BTX.astype(cache_BSX.dtype)
+    if jnp.ndim(start) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(cache_BSX, new_BTX, start, 1)
+    return jax.vmap(lambda c_SX, n_TX, s: jax.lax.dynamic_update_slice_in_dim(c_SX, n_TX, s, 0))(cache_BSX, new_BTX, start)
 
 
 # ----------------------------------------------------------------------------
@@ -621,11 +631,12 @@ def init_cache(cfg, batch, max_len, dtype=jnp.float32):
 def decode_step(model, tokens_BT, cache, start):
     """Logits for tokens at positions start..start+T-1 given the cache of earlier ones.
 
-    Used with T = prompt length once (prefill), then T = 1 per new token.
+    Used with T = prompt length once (prefill), then T = 1 per new token. `start` is a
+    scalar, or one position per row [B] (serve.py's slots).
     """
     cfg = model.cfg
     x_BTD = model.embed(tokens_BT)
-    positions_BT = start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    positions_BT = jnp.broadcast_to(jnp.reshape(start, (-1, 1)) + jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     angles = rope_angles(positions_BT, cfg.rope_dim, cfg.rope_theta)
     block_def, block_state = nnx.split(model.blocks)
 

@@ -142,6 +142,15 @@ class SampleConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    host: str = option("127.0.0.1", "address --mode serve listens on (0.0.0.0 = every interface; set MESHFORMER_API_KEY then)")
+    port: int = option(8000, "port --mode serve listens on")
+    slots: int = option(8, "sequences decoded together: the batch of the one compiled decode step")
+    max_tokens: int = option(1024, "the largest max_tokens a request may ask for")
+    queue: int = option(64, "sequences that may wait for a slot; more get 429")
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -151,11 +160,12 @@ class Config:
     data: DataConfig = DataConfig()
     log: LogConfig = LogConfig()
     sample: SampleConfig = SampleConfig()
+    serve: ServeConfig = ServeConfig()
     preset: str = "shakespeare"
     mode: str = "train"
 
 
-MODES = ("train", "sample", "export", "eval")
+MODES = ("train", "sample", "export", "eval", "serve")
 
 # ----------------------------------------------------------------------------
 # Presets: overrides of the defaults above (which are `shakespeare`).
@@ -305,6 +315,9 @@ def validate_model(cfg):
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
         (t.eval_capacity_factor >= 0, "--train.eval_capacity_factor must be >= 0 (0 = dropless)"),
+        (cfg.serve.slots >= 1 and cfg.serve.max_tokens >= 1 and cfg.serve.queue >= 0,
+         "--serve.slots and --serve.max_tokens must be >= 1, --serve.queue >= 0"),
+        (0 <= cfg.serve.port < 65536, f"--serve.port must be in 0..65535, got {cfg.serve.port}"),
     ]
     for ok, message in checks:
         if not ok:

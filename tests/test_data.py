@@ -91,20 +91,54 @@ def test_steps_and_seeds_give_different_rows_and_two_readers_agree(synthetic):
     assert not np.array_equal(step0, a.batch("train", 0, 8, SEQ, seed=2))
 
 
-def test_one_epoch_visits_every_window_once_shard_by_shard_then_reshuffles(synthetic):
-    data = open_local(synthetic)
+def first_tokens_of_two_epochs(data, batch=5, seed=3):
     counts = [n // (SEQ + 1) for n in TRAIN_SIZES]
     epoch = sum(counts)  # 985 windows; batch 5 divides it: 197 steps per epoch
-    steps = epoch // 5
-    firsts = np.concatenate([data.batch("train", s, 5, SEQ, seed=3)[:, 0] for s in range(2 * steps)])
+    firsts = np.concatenate([data.batch("train", s, batch, SEQ, seed=seed)[:, 0] for s in range(2 * epoch // batch)])
     expected = {base + w * (SEQ + 1) for base, n in zip(BASES, counts) for w in range(n)}
-    first_epoch, second_epoch = firsts[:epoch], firsts[epoch:]
-    assert set(first_epoch) == expected and len(set(first_epoch)) == epoch
+    return firsts[:epoch], firsts[epoch:], expected
+
+
+def test_one_epoch_visits_every_window_once_then_reshuffles(synthetic):
+    first_epoch, second_epoch, expected = first_tokens_of_two_epochs(open_local(synthetic))
+    assert set(first_epoch) == expected and len(set(first_epoch)) == len(first_epoch)
     assert set(second_epoch) == expected
     assert not np.array_equal(first_epoch, second_epoch)  # a fresh permutation
-    # sequential over shards: the shard changes only twice among three non-empty shards
-    shard_of = np.searchsorted(BASES, first_epoch, side="right") - 1
-    assert np.count_nonzero(np.diff(shard_of)) == 2
+
+
+def test_batches_sample_every_shard_at_once(synthetic):
+    """With no more shards than a round holds, every batch is drawn from the whole split:
+    the first 100 windows hold each shard about in proportion to its windows (the old
+    shard-by-shard walk drew them all from one shard)."""
+    first_epoch, _, _ = first_tokens_of_two_epochs(open_local(synthetic))
+    shard_of = np.searchsorted(BASES, first_epoch[:100], side="right") - 1
+    share = np.bincount(shard_of, minlength=4) / 100
+    expected_share = np.array([n // (SEQ + 1) for n in TRAIN_SIZES]) / 985  # 0.32 0.19 0.49 0
+    np.testing.assert_allclose(share, expected_share, atol=0.15)
+    assert np.count_nonzero(np.diff(shard_of)) > 30  # interleaved, not in runs
+
+
+def test_rounds_pool_a_bounded_set_of_shards(synthetic, monkeypatch):
+    """With more shards than a round holds, an epoch is a sequence of rounds; each round's
+    windows come only from its own shards, pooled and shuffled, and the shards of the next
+    round are the ones prefetched."""
+    monkeypatch.setattr(dataset, "SHARDS_PER_ROUND", 2)
+    dataset._epoch_rounds.cache_clear(), dataset._round_order.cache_clear()
+    try:
+        data = open_local(synthetic)
+        first_epoch, second_epoch, expected = first_tokens_of_two_epochs(data)
+        assert set(first_epoch) == expected and len(set(first_epoch)) == len(first_epoch)
+        counts = tuple(n // (SEQ + 1) for n in TRAIN_SIZES)
+        rounds, ends = dataset._epoch_rounds(3, 0, counts)
+        assert sorted(s for r in rounds for s in r) == [0, 1, 2, 3] and all(len(r) == 2 for r in rounds)
+        shard_of = np.searchsorted(BASES, first_epoch, side="right") - 1
+        starts = np.concatenate([[0], ends[:-1]])
+        for shards, start, end in zip(rounds, starts, ends):
+            assert set(shard_of[start:end]) == {s for s in shards if counts[s]}
+        assert dataset.next_round_shards(3, counts, 0) == rounds[1]
+        assert dataset.next_round_shards(3, counts, int(ends[-1]) - 1) == dataset._epoch_rounds(3, 1, counts)[0][0]
+    finally:
+        dataset._epoch_rounds.cache_clear(), dataset._round_order.cache_clear()
 
 
 def test_eval_batches_are_fixed_and_spread_over_the_val_split(synthetic):

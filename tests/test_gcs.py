@@ -92,18 +92,24 @@ def test_corrupt_local_shard_is_not_uploaded(local_dir, emulator, tmp_path):
     assert storage.Client().bucket(BUCKET).get_blob("not-uploaded/manifest.json") is None
 
 
-def test_next_shard_is_downloaded_in_the_background(uploaded, tmp_path):
-    data = dataset.open_data(uploaded, str(tmp_path))
-    data.batch("train", 0, BATCH, SEQ, SEED)
-    counts = data.windows_per_shard("train", SEQ)
-    upcoming = data.manifest["splits"]["train"][dataset.next_shard(SEED, counts, BATCH - 1)]["file"]
-    assert dataset.locate_window(SEED, counts, BATCH - 1)[0] != dataset.next_shard(SEED, counts, BATCH - 1)
-    path = tmp_path / "gcs" / BUCKET / "shakespeare" / upcoming
-    deadline = time.monotonic() + 20
-    while not path.exists() and time.monotonic() < deadline:  # nothing but the prefetch asks for it
-        time.sleep(0.01)
-    assert path.exists()
-    data.close()
+def test_next_round_is_downloaded_in_the_background(uploaded, tmp_path, monkeypatch):
+    monkeypatch.setattr(dataset, "SHARDS_PER_ROUND", 2)  # 5 train shards: rounds of 2, 2, 1
+    dataset._epoch_rounds.cache_clear(), dataset._round_order.cache_clear()
+    try:
+        data = dataset.open_data(uploaded, str(tmp_path))
+        data.batch("train", 0, BATCH, SEQ, SEED)
+        counts = data.windows_per_shard("train", SEQ)
+        read = {dataset.locate_window(SEED, counts, row)[0] for row in range(BATCH)}
+        upcoming = dataset.next_round_shards(SEED, counts, BATCH - 1)
+        assert not read & set(upcoming)
+        paths = [tmp_path / "gcs" / BUCKET / "shakespeare" / data.manifest["splits"]["train"][s]["file"] for s in upcoming]
+        deadline = time.monotonic() + 20
+        while not all(p.exists() for p in paths) and time.monotonic() < deadline:  # only the prefetch asks for them
+            time.sleep(0.01)
+        assert all(p.exists() for p in paths)
+        data.close()
+    finally:
+        dataset._epoch_rounds.cache_clear(), dataset._round_order.cache_clear()
 
 
 def test_cache_stays_within_its_bound(uploaded, local_dir, tmp_path):

@@ -321,6 +321,30 @@ def test_kv_cache_decode_equals_full_forward(pattern, capacity_factor):
     assert len(np.unique(np.asarray(buffer_BT[:, prompt:]))) > 1  # a real continuation, not one token repeated
 
 
+def test_decode_with_a_start_per_row_equals_each_row_alone():
+    """A server's slots sit at different lengths: one decode step with one start per row
+    [B] gives each row the logits (and cache) of decoding that row alone at its start."""
+    model, _ = tiny_model(capacity_factor=0.0)
+    cfg = model.cfg
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda state, tokens_BT, cache, start: decode_step(nnx.merge(graphdef, state), tokens_BT, cache, start))
+    lengths = [3, 9, 1]
+    tokens_BT = random_tokens(7, (len(lengths), cfg.seq_len))
+    alone, caches = [], []
+    for b, n in enumerate(lengths):  # row b alone, token by token to its length, then one token at position n
+        cache = init_cache(cfg, 1, cfg.seq_len)
+        for t in range(n):
+            _, cache = step(state, tokens_BT[b:b + 1, t:t + 1], cache, jnp.int32(t))
+        caches.append(cache)
+        alone.append(step(state, tokens_BT[b:b + 1, n:n + 1], cache, jnp.int32(n)))
+    batched_cache = jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=1), *caches)
+    next_B1 = jnp.stack([tokens_BT[b, n] for b, n in enumerate(lengths)])[:, None]
+    logits_B1V, cache = step(state, next_B1, batched_cache, jnp.asarray(lengths, jnp.int32))
+    np.testing.assert_allclose(logits_B1V, jnp.concatenate([a[0] for a in alone]), atol=1e-5, rtol=0)
+    for b in range(len(lengths)):
+        jax.tree.map(lambda got, want: np.testing.assert_allclose(got[:, b:b + 1], want, atol=1e-6), cache, alone[b][1])
+
+
 # ----------------------------------------------------------------------------
 # Gradients and training
 

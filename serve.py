@@ -1,0 +1,421 @@
+"""Serve a trained run over HTTP: an OpenAI-compatible completions API and a web page.
+
+    python main.py --mode serve --run.name shakespeare            # http://127.0.0.1:8000/
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "ROMEO:", "max_tokens": 64, "temperature": 0}'
+
+Endpoints: POST /v1/completions (prompt as a string, a list of strings, or token ids;
+max_tokens, temperature, top_k, top_p, seed, stop, stream as server-sent events,
+logprobs and echo, so that evaluation harnesses that speak this API can score
+log-likelihoods), GET /v1/models, GET /health, and GET / (serve.html: type a prompt,
+watch the text stream in). engine.py does the batched decoding; this file turns
+requests into token ids and tokens back into text, stop strings and JSON.
+
+Why FastAPI on uvicorn: streaming clients hold their connection open for the whole
+generation, and an asyncio server serves hundreds of them from one thread while the
+engine's thread keeps the device busy (a thread-per-connection server such as
+http.server would need a thread each, and Flask has no native async streaming).
+pydantic, which FastAPI is built on, gives the request schema, and with extra="forbid"
+rejects unknown fields. It is also what the usual OpenAI-compatible servers (vLLM,
+SGLang) use, so its behaviour under clients such as `openai` and lm-eval is well trodden.
+
+Bad input gets an OpenAI-style JSON error ({"error": {"message", "type", "param",
+"code"}}) with a 4xx status, and the server keeps serving: 400 for a body that is not
+UTF-8 JSON, unknown fields, values out of range, an empty or too long prompt; 413 for
+a body over 8 MiB; 401
+without the bearer token (when MESHFORMER_API_KEY is set); 404 for another model's
+name; 429 when more sequences wait than --serve.queue.
+"""
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from engine import TOP_LOGPROBS, Engine, QueueFull, Sequence
+from utils import ConfigError
+
+API_KEY_ENV = "MESHFORMER_API_KEY"
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_BODY_BYTES = 8 << 20  # far more than --serve.queue prompts of a long context need
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.html")
+
+
+class APIError(Exception):
+    """An error the client caused (or a 5xx it did not), as OpenAI's API reports it."""
+
+    def __init__(self, status, message, param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self):
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions. Fields OpenAI defines that this server cannot honour
+    (best_of, logit_bias, penalties, suffix) are unknown here: a 400, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int = 16  # OpenAI's default
+    temperature: float = 1.0
+    top_k: int = 0  # 0 (or -1, vLLM's spelling) = all tokens
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    logprobs: Optional[int] = None
+    echo: bool = False
+    n: int = 1
+    user: Optional[str] = None
+
+
+# ----------------------------------------------------------------------------
+# Requests -> sequences
+
+
+def parse_request(body_bytes):
+    """Raw body -> CompletionRequest, or a 400 saying what is wrong with it."""
+    try:
+        text = body_bytes.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not UTF-8 (byte {e.start}): send UTF-8 JSON") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return CompletionRequest.model_validate(obj)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            known = ", ".join(CompletionRequest.model_fields)
+            raise APIError(400, f"unknown field {where!r}; this server accepts: {known}", param=where) from None
+        raise APIError(400, f"{where}: {first['msg']}", param=where.split(".")[0]) from None
+
+
+def check_settings(req, max_tokens_limit):
+    checks = [
+        (0 <= req.max_tokens <= max_tokens_limit, "max_tokens", f"max_tokens must be in 0..{max_tokens_limit} (--serve.max_tokens), got {req.max_tokens}"),
+        (0 <= req.temperature <= 100, "temperature", f"temperature must be in [0, 100] (0 = greedy), got {req.temperature}"),
+        (req.top_k >= -1, "top_k", f"top_k must be >= 0 (0 or -1 = all tokens), got {req.top_k}"),
+        (0 < req.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {req.top_p}"),
+        (req.logprobs is None or 0 <= req.logprobs <= TOP_LOGPROBS, "logprobs", f"logprobs must be in 0..{TOP_LOGPROBS}, got {req.logprobs}"),
+        (req.n == 1, "n", "n must be 1: send the prompt several times (as a list) for several completions"),
+        (req.seed is None or 0 <= req.seed < 2**32, "seed", "seed must be in 0..2^32-1 (jax.random.key would fold larger ones onto these)"),
+    ]
+    for ok, param, message in checks:
+        if not ok:
+            raise APIError(400, message, param=param)
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS or not all(stops):
+        raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    return stops
+
+
+def tokenize_prompts(prompt, tokenizer, window):
+    """[(text, ids)] per prompt. Empty, non-UTF-8 (lone surrogates from \\ud800 escapes)
+    and over-long prompts are 400s: a prompt must fit the training window."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is an empty list", param="prompt")
+    out = []
+    for i, p in enumerate(prompt):
+        where = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, f"{where} is not valid UTF-8 text (it holds a lone surrogate)", param="prompt") from None
+            ids = tokenizer.encode(p)
+        else:
+            ids = list(p)
+            if any(not 0 <= t < tokenizer.vocab_size for t in ids):
+                raise APIError(400, f"{where} holds token ids outside the vocabulary 0..{tokenizer.vocab_size - 1}", param="prompt")
+            p = tokenizer.decode(ids)
+        if not ids:
+            raise APIError(400, f"{where} is empty: give some text to continue", param="prompt")
+        if len(ids) > window:
+            raise APIError(400, f"{where} is {len(ids)} tokens; this model's context is {window} (its seq_len)",
+                           param="prompt", code="context_length_exceeded")
+        out.append((p, ids))
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Tokens -> text, chunk by chunk (streaming and non-streaming share this)
+
+
+class Choice:
+    """One prompt's completion as chunks {"index", "text", "logprobs", "finish_reason"}.
+
+    Text is released only when it is final: never the start of a stop string (it may
+    turn out to be one), never a trailing U+FFFD (a multi-byte character may be only
+    partly generated). The non-streaming response is these same chunks joined, so a
+    stream and a plain response always carry the same text.
+    """
+
+    def __init__(self, index, prompt_text, prompt_ids, tokenizer, stops, logprobs, echo):
+        self.index, self.prompt_text, self.prompt_ids = index, prompt_text, prompt_ids
+        self.tokenizer, self.stops, self.logprobs, self.echo = tokenizer, stops, logprobs, echo
+        self.ids, self.sent, self.offset = [], "", 0
+        self.pending = self.empty_logprobs()
+        self.finished, self.completion_tokens = False, 0
+        self.seq = None
+
+    def empty_logprobs(self):
+        return dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+
+    def add_logprob(self, token, logprob, top_ids, top_logprobs):
+        piece = self.tokenizer.decode([token])
+        top = None
+        if top_ids is not None:
+            top = {}
+            for t, lp in zip(top_ids[:self.logprobs], top_logprobs[:self.logprobs]):
+                top.setdefault(self.tokenizer.decode([int(t)]), float(lp))
+        for key, value in zip(self.pending, (piece, logprob, top, self.offset)):
+            self.pending[key].append(value)
+        self.offset += len(piece)
+
+    def chunk(self, text, finish_reason=None):
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs, self.pending = self.pending, self.empty_logprobs()
+        return dict(index=self.index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+
+    def echo_chunk(self, prompt_logprobs=None):
+        """The prompt itself (echo); with logprobs, each prompt token's log-probability
+        given the ones before it (None for the first, as OpenAI's API)."""
+        if prompt_logprobs is not None:
+            next_logprob_T, top_id_TN, top_logprob_TN = prompt_logprobs
+            for t, token in enumerate(self.prompt_ids):
+                if t == 0:
+                    self.add_logprob(token, None, None, None)
+                    self.pending["top_logprobs"][-1] = None
+                else:
+                    self.add_logprob(token, float(next_logprob_T[t - 1]), top_id_TN[t - 1], top_logprob_TN[t - 1])
+        self.offset = len(self.prompt_text)
+        return self.chunk(self.prompt_text)
+
+    def release(self, final):
+        """The text now safe to send (all of it when `final`), and whether a stop string ended it."""
+        text = self.tokenizer.decode(self.ids)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            text, final = text[:min(hits)], True
+        elif not final:
+            text = text.rstrip("\ufffd")
+            held = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+            text = text[:len(text) - held]
+        new = text[len(self.sent):] if len(text) > len(self.sent) else ""
+        self.sent += new
+        return new, bool(hits)
+
+    def handle(self, event):
+        """An engine event -> a chunk to send, or None."""
+        if self.finished:
+            return None
+        kind = event[0]
+        if kind == "prompt":
+            return self.echo_chunk(event[1:])
+        if kind == "token":
+            token, logprob, top_ids, top_logprobs = event[1:]
+            if token == self.tokenizer.eot_id:  # end of text: the model says it is done
+                return self.finish("stop")
+            self.ids.append(token)
+            self.completion_tokens += 1
+            if self.logprobs is not None:
+                self.add_logprob(token, logprob, top_ids, top_logprobs)
+            text, stopped = self.release(final=False)
+            if stopped:
+                return self.finish("stop", text)
+            return self.chunk(text) if text else None
+        reason = event[1]
+        if reason.startswith("error") or reason == "cancelled":
+            self.finished = True
+            raise APIError(500, f"generation failed: {reason}")
+        return self.finish(reason)
+
+    def finish(self, reason, text=None):
+        self.finished = True
+        if self.seq is not None:
+            self.seq.cancel()  # a stop string or end of text: free the slot now
+        if text is None:
+            text = self.release(final=True)[0]
+        return self.chunk(text, reason)
+
+
+# ----------------------------------------------------------------------------
+# The app
+
+
+def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
+    from fastapi import Depends, FastAPI, Request
+    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="meshformer", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+    with open(PAGE) as f:
+        page = f.read()
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e):
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e):  # unknown paths, wrong methods: the same JSON shape
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    def authorized(request: Request):
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, f"Bearer {api_key}".encode()):
+            raise APIError(401, f"missing or wrong bearer token: send 'Authorization: Bearer <{API_KEY_ENV}>'")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index():
+        return page
+
+    @app.get("/health")
+    async def health():
+        active, waiting = engine.busy()
+        return dict(status="ok", model=model_name, slots=engine.n_slots, active=active, waiting=waiting,
+                    context=engine.window, max_tokens=max_tokens_limit, auth=api_key is not None)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return dict(object="list", data=[dict(id=model_name, object="model", created=created, owned_by="meshformer",
+                                              max_model_len=engine.window)])
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request):
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+        req = parse_request(await request.body())
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}", param="model")
+        stops = check_settings(req, max_tokens_limit)
+        prompts = tokenize_prompts(req.prompt, tokenizer, engine.window)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        choices = [Choice(i, text, ids, tokenizer, stops, req.logprobs, req.echo) for i, (text, ids) in enumerate(prompts)]
+        for choice in choices:
+            emit = (lambda i: lambda event: loop.call_soon_threadsafe(events.put_nowait, (i, event)))(choice.index)
+            seed = secrets.randbits(31) if req.seed is None else req.seed
+            choice.seq = Sequence(choice.prompt_ids, req.max_tokens, req.temperature, max(req.top_k, 0), req.top_p, seed,
+                                  emit, want_prompt_logprobs=req.echo and req.logprobs is not None)
+        try:
+            engine.submit([c.seq for c in choices])
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy: {e}; retry shortly") from None
+        head = dict(id=f"cmpl-{secrets.token_hex(12)}", object="text_completion", created=int(time.time()), model=model_name)
+
+        async def chunks():
+            try:
+                for choice in choices:
+                    if req.echo and req.logprobs is None:
+                        yield choice.echo_chunk()
+                while not all(c.finished for c in choices):
+                    i, event = await events.get()
+                    chunk = choices[i].handle(event)
+                    if chunk is not None:
+                        yield chunk
+            finally:  # done, or the client went away: free the slots
+                for choice in choices:
+                    choice.seq.cancel()
+
+        def usage():
+            prompt_tokens = sum(len(c.prompt_ids) for c in choices)
+            completion_tokens = sum(c.completion_tokens for c in choices)
+            return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                        total_tokens=prompt_tokens + completion_tokens)
+
+        if req.stream:
+            async def events_stream():
+                try:
+                    async for chunk in chunks():
+                        yield f"data: {json.dumps(dict(head, choices=[chunk]))}\n\n"
+                except APIError as e:
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                    return
+                yield f"data: {json.dumps(dict(head, choices=[], usage=usage()))}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events_stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        joined = [dict(index=c.index, text="", logprobs=None if req.logprobs is None else c.empty_logprobs(),
+                       finish_reason=None) for c in choices]
+        async for chunk in chunks():
+            out = joined[chunk["index"]]
+            out["text"] += chunk["text"]
+            out["finish_reason"] = chunk["finish_reason"] or out["finish_reason"]
+            if chunk["logprobs"] is not None:
+                for key, values in chunk["logprobs"].items():
+                    out["logprobs"][key] += values
+        return dict(head, choices=joined, usage=usage())
+
+    return app
+
+
+# ----------------------------------------------------------------------------
+# --mode serve
+
+
+def check_port_free(host, port):
+    """A port in use is a one-line error before the model loads and compiles."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}): choose another --serve.port or --serve.host") from None
+
+
+def serve_run(cfg):
+    import jax
+    import uvicorn
+    from flax import nnx
+
+    from dataset import get_tokenizer
+    from main import host_params, load_run_params
+
+    if jax.process_count() > 1:
+        raise ConfigError("--mode serve runs in one process: start it without --dist.* flags")
+    s = cfg.serve
+    check_port_free(s.host, s.port)
+    api_key = os.environ.get(API_KEY_ENV) or None
+    if s.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print(f"warning: serving on {s.host} without a bearer token; set {API_KEY_ENV} to require one", file=sys.stderr)
+    cfg, graphdef, params = load_run_params(cfg)
+    model = nnx.merge(graphdef, host_params(params))
+    tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
+    engine = Engine(model, s.slots, s.queue, tp_devices=jax.devices()[:cfg.mesh.tp])
+    t0 = time.perf_counter()
+    engine.start()
+    print(f"compiled {len(engine.buckets)} prefill lengths {engine.buckets} and the decode step for {s.slots} slots "
+          f"on {cfg.mesh.tp} device(s) in {time.perf_counter() - t0:.1f}s", flush=True)
+    app = make_app(engine, tokenizer, cfg.run.name, s.max_tokens, api_key)
+    print(f"serving {cfg.run.name} on http://{s.host}:{s.port}/ (context {engine.window} tokens"
+          f"{', bearer token required' if api_key else ''})", flush=True)
+    try:
+        uvicorn.run(app, host=s.host, port=s.port, log_level="warning")
+    finally:
+        engine.stop()
