@@ -3,6 +3,7 @@
     python bench.py --preset shakespeare
     python bench.py --preset tiny --run.cpu_devices 8 --mesh.dp 2 --mesh.pp 2 --mesh.tp 2 --train.microbatches 2
     python bench.py --preset moe1b --json moe1b.json      # last line: tokens_per_sec=... mfu=...
+    python bench.py --preset tiny --run.cpu_devices 8 --mesh.dp 2 --mesh.tp 4 --mesh.sharding auto   # vs manual
 
 MFU = model FLOPs per step / (step time x devices x peak), where model FLOPs are
 utils.flops_per_token (matmuls of the active parameters, forward + backward, plus
@@ -11,6 +12,10 @@ device in this run (the fastest of 5), so the figure is a ratio that survives a 
 machine; the step time is the median of the timed steps. With fake CPU devices all
 "devices" share the same cores, so there MFU is only comparable between runs on the
 same mesh.
+
+`--mesh.sharding auto|manual` compares the compiler's partitioning (auto_sharding.py)
+with the hand-written shard_map step on the same mesh: step time, temporaries, and the
+collectives of the compiled program (kind, mesh axes, count, bytes per device).
 
 Takes every main.py flag, plus --json PATH, --steps N (timed steps, default 10),
 --warmup N (untimed steps after compile, default 2) and --profile DIR (trace the steps
@@ -80,6 +85,7 @@ def bench(cfg, steps, warmup, profile_dir=""):
     import numpy as np
 
     import parallel as par
+    from auto_sharding import collective_table
     from main import build_state, measure_peak_flops
     from utils import apply_overrides, count_params, flops_per_token
 
@@ -97,6 +103,8 @@ def bench(cfg, steps, warmup, profile_dir=""):
     compiled = train_step.lower(params, opt_state, batch, jnp.asarray(0)).compile()
     compile_s = time.perf_counter() - start
     memory = par.memory_summary(params, opt_state, compiled, mesh.devices.flat[0])
+    collectives = {f"{kind} over {axes}": dict(count=count, bytes=nbytes)
+                   for (kind, axes), (count, nbytes) in collective_table(compiled.as_text(), mesh).items()}
     for i in range(warmup):
         params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(i))
     jax.block_until_ready(metrics) if warmup else None
@@ -122,7 +130,7 @@ def bench(cfg, steps, warmup, profile_dir=""):
         peak_tflops_per_device=peak / 1e12,
         mfu=flops_per_token(cfg.model) * tokens_per_step / step_s / (n_devices * peak),
         bubble=par.bubble_fraction(mesh.shape["pp"], cfg.train.microbatches),
-        loss=float(metrics["loss"]), **memory)
+        loss=float(metrics["loss"]), sharding=cfg.mesh.sharding, **memory, collectives=collectives)
 
 
 def main(argv):
@@ -141,7 +149,11 @@ def main(argv):
     except ConfigError as e:  # a mesh the model does not fit: say which flag to change
         sys.exit(f"error: {e}")
     for key, value in result.items():
-        print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")
+        if key != "collectives":
+            print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")
+    print(f"{'collectives':>24}: per device per step, from the optimized HLO (a loop's body counted once per trip)")
+    for name, c in result["collectives"].items():
+        print(f"{name:>32}: {c['count']:5d}x {c['bytes'] / 1e3:10.1f} KB")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)

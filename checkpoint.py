@@ -240,7 +240,14 @@ def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=No
 
 def find_params_source(path):
     """('export', dir) or ('run', run_dir) for --train.init_from / sampling; a clear
-    error for a path that is neither (checked before anything compiles)."""
+    error for a path that is neither (checked before anything compiles). `hf:DIR` is
+    ('hf', DIR), a Hugging Face directory (hf_interop.py)."""
+    import hf_interop
+
+    if hf_interop.hf_dir(path) is not None:
+        hf_path = os.path.abspath(hf_interop.hf_dir(path))
+        hf_interop.read_hf_config(hf_path)
+        return "hf", hf_path
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise ConfigError(f"{path} does not exist: give a run directory, its checkpoints/ directory, "
@@ -255,10 +262,14 @@ def find_params_source(path):
 
 
 def restore_params(path, params, model_cfg, log=warn):
-    """Params only, from a slim export dir, a run dir, or its checkpoints/ dir, into
+    """Params only, from a slim export dir, a run dir, its checkpoints/ dir or hf:DIR, into
     the shardings of `params` (float32). For sampling and fine-tuning. Reads only: a
     damaged checkpoint is reported and the previous one used, but nothing is moved."""
     kind, path = find_params_source(path)
+    if kind == "hf":
+        import hf_interop
+
+        return hf_interop.load_params(path, params, model_cfg)
     if kind == "export":
         with open(os.path.join(path, "config.json")) as f:
             check_model_config(json.load(f)["model"], model_cfg, path)

@@ -7,6 +7,11 @@
 #   ./launcher.sh ... --status        which hosts are running RUN
 #   ./launcher.sh ... --stop          end RUN's tmux sessions (the processes with them)
 #   ./launcher.sh ... --setup         run setup_tpu.sh on every host (in the foreground)
+#   ./launcher.sh ... --ray-start [-- ray start flags...]
+#                                     a Ray cluster for data/tokenize.py --ray: the head on the
+#                                     first host, a node on every other (tmux sessions RUN-ray-pI);
+#                                     prints the address to pass to --ray
+#   ./launcher.sh ... --ray-status | --ray-stop
 #
 # Hosts: a file with one host per line, "SSH_TARGET [ADDRESS]" ('#' starts a comment):
 # line i runs process i and the first line is the coordinator; ADDRESS is how the other
@@ -26,6 +31,7 @@
 #   --name RUN            run name: tmux sessions RUN-p0, RUN-p1, ... and --run.name RUN
 #                         (default: the --run.name among the flags, else "meshformer")
 #   --port P              coordinator port on the first host (default 8476)
+#   --ray-port P          the Ray head's port on the first host (default 6379)
 #   --remote-dir DIR      see above (relative to the remote home unless absolute)
 #   --python PATH         interpreter on the hosts (default: run.sh chooses)
 #   --ssh-user U, --ssh-port P, --ssh-key FILE, --ssh-option OPT (repeatable, "-o OPT")
@@ -36,6 +42,8 @@ set -euo pipefail
 
 LAUNCHER_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 DEFAULT_PORT=8476  # the port JAX itself uses for TPU pods
+DEFAULT_RAY_PORT=6379  # Ray's own default
+RAY_HEAD_WAIT_S=60     # how long the other nodes (and the launcher) wait for the head to listen
 
 die() { echo "launcher: error: $*" >&2; exit 2; }
 say() { echo "launcher: $*" >&2; }
@@ -46,7 +54,7 @@ usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
 # Options shared with debug_tpu.sh (which sources this file)
 
 hosts_file="" tpu="" zone="" project="" internal_ips=0
-name="" port=$DEFAULT_PORT remote_dir=meshformer python=""
+name="" port=$DEFAULT_PORT ray_port=$DEFAULT_RAY_PORT remote_dir=meshformer python=""
 ssh_user=${LAUNCHER_SSH_USER:-} ssh_port=${LAUNCHER_SSH_PORT:-} ssh_key=${LAUNCHER_SSH_KEY:-}
 ssh_options=() connect_timeout=10
 action=start
@@ -79,6 +87,7 @@ check_options() {
   [[ -z $hosts_file || -z $tpu ]] || die "give --hosts or --tpu, not both"
   [[ -z $tpu || -n $zone ]] || die "--tpu $tpu needs --zone"
   [[ $port =~ ^[0-9]+$ ]] || die "--port must be a number, got '$port'"
+  [[ $ray_port =~ ^[0-9]+$ ]] || die "--ray-port must be a number, got '$ray_port'"
   [[ $connect_timeout =~ ^[0-9]+$ ]] || die "--connect-timeout must be a number of seconds, got '$connect_timeout'"
   [[ $remote_dir =~ ^[A-Za-z0-9_./-]+$ ]] || die "--remote-dir may only hold letters, digits and _ . / - (got '$remote_dir')"
   if [[ -z $name ]]; then
@@ -90,7 +99,7 @@ check_options() {
       esac
     done
     name=${name:-meshformer}
-  elif ! printf '%s\n' "${flags[@]}" | grep -q '^--run\.name'; then
+  elif [[ $action != ray-* ]] && ! printf '%s\n' "${flags[@]}" | grep -q '^--run\.name'; then
     flags+=(--run.name "$name")
   fi
   [[ $name =~ ^[A-Za-z0-9_-]+$ ]] || die "the run name may only hold letters, digits, _ and - (got '$name'): it names tmux sessions"
@@ -197,7 +206,7 @@ reach_host() {
     echo "cannot reach it over ssh: $(tail -n 1 <<<"${out:-no answer}")"
     return 1
   fi
-  [[ $action == start ]] || return 0
+  [[ $action == start || $action == ray-start ]] || return 0
   case $out in
     *tmux-ok) ;;
     *tmux-missing) echo "tmux is not installed there (launcher.sh --setup, or apt-get install tmux)"; return 1 ;;
@@ -235,7 +244,7 @@ chmod 755 "$t"; mv -T "$t" "$d" 2>/dev/null || rm -rf "$t"'
 # ----------------------------------------------------------------------------
 # Remote scripts, run with `bash -s` on the host; values are quoted here with %q
 
-session_of() { echo "$name-p$1"; }
+session_of() { if [[ $action == ray-* ]]; then echo "$name-ray-p$1"; else echo "$name-p$1"; fi; }
 
 # remote_prelude I [ANSWER]: into the remote dir, creating it; or, given ANSWER, print
 # that and stop when the dir does not exist (nothing was ever started there).
@@ -301,9 +310,89 @@ stop_host() {
   {
     remote_prelude "$1" "not running"
     # shellcheck disable=SC2016
-    printf '%s\n' 'if running; then tmux kill-session -t "=$session"; echo stopped > "$status_file"; echo stopped' \
+    printf '%s\n' 'if running; then' \
+      '  sid=$(tmux display-message -p -t "=$session" "#{pane_pid}" 2>/dev/null || true)  # the job leads its session' \
+      '  tmux kill-session -t "=$session" 2>/dev/null || true  # (it may have ended on its own meanwhile)' \
+      '  for signal in TERM KILL; do  # what outlived the hangup: e.g. Ray workers, in groups of their own' \
+      '    for _ in 1 2 3 4 5 6 7 8 9 10; do' \
+      '      [ -n "$sid" ] && pgrep -s "$sid" >/dev/null || break; pkill "-$signal" -s "$sid"; sleep 0.5' \
+      '    done' \
+      '  done' \
+      '  echo stopped > "$status_file"; echo stopped' \
       'else echo "not running"; fi'
   } | on_host "$1" bash -s
+}
+
+# ----------------------------------------------------------------------------
+# A Ray cluster (for data/tokenize.py --ray): `ray start --block` in a tmux session per host
+
+ray_token_file() { echo "ray/$name.token"; }  # under the remote dir; only this user can read it
+
+# The job in host I's tmux session: the head on process 0's host, a node joining it elsewhere.
+# Nodes and drivers authenticate with the cluster's token (RAY_AUTH_MODE=token).
+# shellcheck disable=SC2016  # $python, $PWD, ${PIPESTATUS} are for the job's shell
+ray_job_script() {
+  local i=$1 role=(--head --port "$ray_port")
+  ((i == 0)) || role=(--address "${addresses[0]}:$ray_port")
+  printf '#!/usr/bin/env bash\n# written by launcher.sh: Ray node %s of %s, cluster %s\n' "$i" "${#ssh_targets[@]}" "$name"
+  printf 'cd; cd %q\n' "$remote_dir"
+  printf 'export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$PWD/%s" RAY_USAGE_STATS_ENABLED=0\n' "$(ray_token_file)"
+  printf 'python=%q\n' "$python"  # as run.sh chooses it
+  printf '%s\n' 'venv=${MESHFORMER_VENV:-$HOME/.venvs/meshformer}' \
+    'if [[ -z $python && -x $venv/bin/python ]]; then python=$venv/bin/python; fi' 'python=${python:-python3}'
+  if ((i > 0)); then
+    printf 'for ((t = 0; t < %s; t++)); do (exec 3<>/dev/tcp/%s/%s) 2>/dev/null && break; sleep 1; done\n' \
+      "$RAY_HEAD_WAIT_S" "${addresses[0]}" "$ray_port"
+  fi
+  printf '"$python" -m ray.scripts.scripts start --block --disable-usage-stats --node-ip-address %q ' "${addresses[i]}"
+  printf '%q ' "${role[@]}" "${flags[@]}"
+  printf '2>&1 | tee -a %q\n' "logs/$(session_of "$i").log"
+  printf 'echo "exit ${PIPESTATUS[0]}" > %q\n' "logs/$(session_of "$i").status"
+}
+
+ray_start_host() {
+  local i=$1
+  {
+    remote_prelude "$i"
+    # shellcheck disable=SC2016
+    printf '%s\n' 'if running; then echo "Ray node already running here (tmux session $session): --ray-stop it first"; exit 3; fi' \
+      'mkdir -p logs jobs ray; (umask 077; cat > ray/.token.tmp) <<MESHFORMER_TOKEN'
+    printf '%s\nMESHFORMER_TOKEN\n' "$ray_token"
+    printf 'mv ray/.token.tmp %q\n' "$(ray_token_file)"
+    # shellcheck disable=SC2016
+    printf 'cat > jobs/$session.sh <<'\''MESHFORMER_JOB'\''\n%s\nMESHFORMER_JOB\n' "$(ray_job_script "$i")"
+    # shellcheck disable=SC2016
+    printf '%s\n' 'echo running > "$status_file"' \
+      'tmux new-session -d -s "$session" -c "$PWD" "bash $PWD/jobs/$session.sh"' \
+      'echo "started tmux session $session; log: $PWD/$log"'
+  } | on_host "$i" bash -s
+}
+
+# Waits (on the head's host) until the head listens.
+ray_wait_for_head() {
+  on_host 0 "for ((t = 0; t < $RAY_HEAD_WAIT_S; t++)); do (exec 3<>/dev/tcp/${addresses[0]}/$ray_port) 2>/dev/null && exit 0; sleep 1; done; exit 1"
+}
+
+ray_start() {
+  ray_token=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  say "Ray cluster $name: ${#ssh_targets[@]} node(s), head ${addresses[0]}:$ray_port"
+  for_all_hosts reach_host >&2 || die "some hosts cannot be used (see above); nothing was started"
+  local rest=("${!ssh_targets[@]}")
+  if ! for_all_hosts ray_start_host 0 || ! ray_wait_for_head; then
+    for_all_hosts stop_host 0 >/dev/null || true
+    die "the Ray head did not start on ${ssh_targets[0]} (its log: logs/$(session_of 0).log under --remote-dir)"
+  fi
+  if ((${#rest[@]} > 1)) && ! for_all_hosts ray_start_host "${rest[@]:1}"; then
+    say "not every node started: stopping the cluster"
+    for_all_hosts stop_host >/dev/null || true
+    exit 1
+  fi
+  local token_path
+  token_path=$remote_dir/$(ray_token_file)
+  [[ $remote_dir == /* ]] || token_path="\$HOME/$token_path"
+  echo "ray address: ${addresses[0]}:$ray_port"
+  say "tokenize on it from any host: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$token_path python data/tokenize.py --ray ${addresses[0]}:$ray_port ..."
+  say "stop it with: $0 ${hosts_file:+--hosts $hosts_file}${tpu:+--tpu $tpu --zone $zone} --name $name --ray-stop"
 }
 
 setup_host() {
@@ -320,6 +409,10 @@ main() {
       --status) action=status; shift ;;
       --stop) action=stop; shift ;;
       --setup) action=setup; shift ;;
+      --ray-start) action=ray-start; shift ;;
+      --ray-stop) action=ray-stop; shift ;;
+      --ray-status) action=ray-status; shift ;;
+      --ray-port) ray_port=${2:?--ray-port needs a number}; shift 2 ;;
       -h|--help) usage; exit 0 ;;
       --) shift; flags+=("$@"); break ;;
       *) die "unknown option '$1' (main.py flags go after --; see --help)" ;;
@@ -330,8 +423,9 @@ main() {
   ssh_base
 
   case $action in
-    status) for_all_hosts status_host; return ;;
-    stop) for_all_hosts stop_host; return ;;
+    status|ray-status) for_all_hosts status_host; return ;;
+    stop|ray-stop) for_all_hosts stop_host; return ;;
+    ray-start) ray_start; return ;;
   esac
   resolve_commit
   say "run $name: ${#ssh_targets[@]} process(es), coordinator ${addresses[0]}:$port, commit ${commit:0:12}"

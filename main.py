@@ -4,6 +4,7 @@
     python main.py --run.cpu_devices 8 --mesh.dp 2 --mesh.pp 2 --mesh.tp 2 --train.microbatches 2
     python main.py --mode sample --sample.prompt "JULIET:"
     python main.py --mode export                   # slim bfloat16 params in <run_dir>/export
+    python main.py --mode export_hf                # a Hugging Face directory in <run_dir>/hf
     python main.py --mode eval                     # restore, print val_loss=... (any mesh)
     python main.py --mode serve                    # OpenAI-compatible completions + a web page (serve.py)
 
@@ -24,6 +25,27 @@ import traceback
 # Config and devices (before JAX starts: fake CPU devices and collectives are set then)
 
 
+def skip_tpu_probe_without_tpu():
+    """Keep CPU runs quiet where libtpu is installed but no TPU is attached.
+
+    libtpu is a test and tooling dependency (planner.py --tpu compiles for TPU pods on
+    a CPU). Installed, it makes JAX try a TPU backend at start-up on any machine, and
+    libtpu then prints warnings about metadata it cannot find (and takes a lock file
+    that concurrent processes fight over). Where the machine shows no TPU chip and no
+    GPU (JAX's own PCI and /dev checks) and nobody chose a platform (JAX_PLATFORMS),
+    ask for the CPU backend only. A TPU VM or a GPU machine is left as it is.
+    Must run before JAX starts its backend."""
+    import jax
+    from jax._src import hardware_utils  # the checks JAX itself uses to suggest plugins
+
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return
+    if (hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu()
+            or hardware_utils.num_available_amd_gpus(stop_at=1)):
+        return
+    jax.config.update("jax_platforms", "cpu")
+
+
 def use_fake_cpu_devices(n_devices, timeout_s=600):
     """Split the CPU into `n_devices` fake devices, set up so that collectives between
     them cannot hang. Must run before JAX starts its backend.
@@ -41,6 +63,7 @@ def use_fake_cpu_devices(n_devices, timeout_s=600):
     has waited 40 s; give a slow thread `timeout_s` instead (a value in XLA_FLAGS wins)."""
     import jax
 
+    skip_tpu_probe_without_tpu()
     jax.config.update("jax_num_cpu_devices", n_devices)
     if "PJRT_NPROC" not in os.environ and "NPROC" not in os.environ:
         os.environ["PJRT_NPROC"] = str(max(os.cpu_count() or 1, 2 * n_devices))
@@ -55,6 +78,7 @@ def setup_devices(cfg):
     Returns whether this is one process of several."""
     import jax
 
+    skip_tpu_probe_without_tpu()
     if cfg.run.cpu_devices:
         use_fake_cpu_devices(cfg.run.cpu_devices)
     if cfg.run.compile_cache:
@@ -116,6 +140,8 @@ def main(argv):
             export_run(cfg)
         elif cfg.mode == "eval":
             eval_run(cfg)
+        elif cfg.mode == "export_hf":
+            export_hf_run(cfg)
         elif cfg.mode == "serve":
             from serve import serve_run
 
@@ -145,6 +171,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import checkpoint  # noqa: E402
+import hf_interop  # noqa: E402
 import parallel as par  # noqa: E402
 from dataset import get_tokenizer, open_data, check_tokenizer  # noqa: E402
 from model import decode_step, init_cache  # noqa: E402
@@ -281,6 +308,8 @@ def samples_from_params(cfg, params, graphdef, n):
 
 def train(cfg):
     run_dir = run_dir_of(cfg)
+    if hf_interop.hf_dir(cfg.train.init_from):  # the model is the one in that directory
+        cfg = hf_interop.adopt_hf_config(cfg, hf_interop.hf_dir(cfg.train.init_from))
     os.makedirs(run_dir, exist_ok=True)
     mesh = par.make_mesh(cfg.mesh)
     data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
@@ -450,15 +479,22 @@ def show_sharding(batch, params):
 # Sampling and export from a finished (or running) run
 
 
-def load_run_params(cfg, devices=None):
-    """The run's saved config and latest params, on the current mesh (over `devices`, default all)."""
+def load_run_params(cfg, devices=None, check=None):
+    """The run's saved config and latest params, on the current mesh (over `devices`,
+    default all), or the model of --train.init_from hf:DIR. `check(cfg)` runs on the
+    resolved config, before any init."""
     run_dir = run_dir_of(cfg)
     config_path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(config_path):
+    if hf_interop.hf_dir(cfg.train.init_from):
+        cfg = hf_interop.adopt_hf_config(cfg, hf_interop.hf_dir(cfg.train.init_from))
+    elif not os.path.exists(config_path):
         raise ConfigError(f"no run at {run_dir} (missing config.json): train first, or pass --run.name/--run.out_dir")
-    with open(config_path) as f:
-        saved = config_from_dict(json.load(f))
-    cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
+    else:
+        with open(config_path) as f:
+            saved = config_from_dict(json.load(f))
+        cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
+    if check is not None:
+        check(cfg)
     mesh = par.make_mesh(cfg.mesh, devices)
     graphdef, params = par.init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
     source = cfg.train.init_from or run_dir
@@ -474,6 +510,18 @@ def export_run(cfg):
     cfg, graphdef, params = load_run_params(cfg)
     out = checkpoint.export_slim(params, config_to_dict(cfg), os.path.join(run_dir_of(cfg), "export"))
     say(f"slim export (bfloat16 params + config.json): {out}, {human(checkpoint.directory_bytes(out))}B")
+
+
+def export_hf_run(cfg):
+    """<run_dir>/hf: the run's latest params as a Hugging Face directory (hf_interop.py)."""
+    cfg, graphdef, params = load_run_params(cfg, check=lambda cfg: hf_interop.check_exportable(cfg.model))
+    host = host_params(params)
+    out = os.path.join(run_dir_of(cfg), "hf")
+    if is_main_process():
+        tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
+        hf_interop.write_hf_dir(out, host, cfg.model, tokenizer, cfg.export.dtype)
+        say(f"Hugging Face export ({hf_interop.architecture_of(cfg.model)[1]}, {cfg.export.dtype}): {out}, "
+            f"{human(checkpoint.directory_bytes(out))}B")
 
 
 def eval_run(cfg):

@@ -58,6 +58,13 @@ def project(x, w, n_in=1):
     return y_NO.reshape(*lead, *w.shape[n_in:])
 
 
+def is_auto_axis(axis):
+    """Is `axis` a mesh axis that the compiler partitions (jit under auto axes, as in
+    auto_sharding.py) rather than one that shard_map makes manual?"""
+    mesh = jax.sharding.get_abstract_mesh()
+    return dict(zip(mesh.axis_names, mesh.axis_types)).get(axis) == jax.sharding.AxisType.Auto
+
+
 def psum_if(x, axis):
     """Sum over a mesh axis inside shard_map; on one device (axis None) a no-op."""
     return x if axis is None else jax.lax.psum(x, axis)
@@ -350,6 +357,13 @@ class MoE(nnx.Module):
         x_GECD = jax.vmap(fill_slots)(x_GSD, slot_GSX).reshape(G, n_experts, capacity, D)
         if ep_axis is None:
             y_GECD = self.expert_ffn(x_GECD)
+        elif is_auto_axis(ep_axis):
+            # Automatic sharding (auto_sharding.py): only say that each expert's slots
+            # should sit where the expert lives (experts over ep_axis, every group);
+            # the compiler inserts the dispatch there and back.
+            by_expert = jax.sharding.PartitionSpec(None, ep_axis)
+            x_GECD = jax.lax.with_sharding_constraint(x_GECD, by_expert)
+            y_GECD = jax.lax.with_sharding_constraint(self.expert_ffn(x_GECD), by_expert)
         else:
             # Expert parallelism: this device holds E/dp experts. all_to_all sends each
             # expert's slots to the device that owns it (split E, stack groups), the
@@ -542,7 +556,8 @@ class Transformer(nnx.Module):
         # Scaled by 1/sqrt(D): the normed x has norm sqrt(D) and the rows norm ~1, so at
         # init a logit is ~N(0, 1/D), and ~cos(x, own row) <= 1 for the input token.
         x_BTD = self.final_norm(x_BTD) / math.sqrt(x_BTD.shape[-1])
-        return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...], preferred_element_type=ACC_DTYPE)
+        # (in x's dtype: the sharded step hands the table over in float32, parallel.gather_for_use)
+        return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...].astype(x_BTD.dtype), preferred_element_type=ACC_DTYPE)
 
     def loss_sum(self, x_BTD, targets_BT, tp_axis=None):
         """Summed token cross-entropy with vocab-parallel logits [B, T, V/tp].

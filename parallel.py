@@ -13,20 +13,24 @@ Mesh axes:
   Experts may also be split over dp (expert parallelism, all-to-all in model.MoE).
 
 The whole train step is one `jax.shard_map` over the mesh, so every collective is
-written out. Gradients of weights that are replicated over an axis (norm scales
+written out (auto_sharding.py has the same step partitioned by the compiler instead,
+--mesh.sharding auto). Gradients of weights that are replicated over an axis (norm scales
 over dp, the router over tp, the embedding over pp, ...) come out summed over that
 axis without any code here: shard_map tracks which values vary over which axes
 (check_vma), and the transpose of "use a replicated value with varying data" is a
 psum. tests/test_parallel.py proves each layout equals one device.
 """
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model import Transformer, apply_blocks, rope_angles
@@ -56,11 +60,59 @@ def resolve_mesh_shape(mesh_cfg, n_devices):
 
 
 def make_mesh(mesh_cfg, devices=None):
-    devices = jax.devices() if devices is None else devices
+    """The (dp, pp, tp) mesh over `devices` (default: all), the same for training and
+    for planner.py --tpu.
+
+    Device order, and why: tp is innermost, so a tp group is the closest chips (one
+    host's, which talk most: two all-reduces per layer); dp is outermost, so each
+    host's chips share as few dp coordinates as possible, and a host loads only the
+    rows of those (process_rows). On TPU, jax's topology-aware assignment
+    (mesh_utils.create_device_mesh, which maps mesh axes onto torus axes for short
+    rings, splitting a physical axis where needed) is used when it keeps both
+    properties; where it cannot map the shape at all (jax.make_mesh raises
+    NotImplementedError for dp8 x pp2 x tp2 on a v4-64's 2x4x4 chips) or would put a tp
+    group across hosts, the fallback is an explicit order: host by host, each host's
+    chips in a snake (consecutive chips are neighbours). CPU and GPU devices keep
+    jax's order (process-major, which already gives both properties)."""
+    devices = jax.devices() if devices is None else list(devices)
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
-    # dp is the outermost axis, so a process's devices share dp coordinates: each
-    # process then loads only its own rows of the batch.
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * 3, devices=devices)
+    grid = tpu_device_grid(shape, devices) if devices[0].platform == "tpu" else mesh_utils.create_device_mesh(shape, devices)
+    return Mesh(grid, AXES, axis_types=(AxisType.Explicit,) * 3)
+
+
+def tpu_device_grid(shape, devices):
+    """[dp, pp, tp] array of TPU devices: jax's topology-aware order if it keeps tp
+    groups on as few hosts and hosts on as few dp rows as the host-major order does,
+    else the host-major order."""
+    fallback = host_major_grid(shape, devices)
+    try:
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (NotImplementedError, ValueError, AssertionError):
+        return fallback
+    keeps_both = all(a <= b for a, b in zip(host_spread(grid), host_spread(fallback)))
+    return grid if keeps_both else fallback
+
+
+def host_major_grid(shape, devices):
+    """Devices sorted host by host (process index), within a host in snake order over
+    its chip coordinates (x reversed on odd rows, so consecutive chips are ICI
+    neighbours; on a 2x2 host the order is a ring), both cores of a chip together."""
+    def key(d):
+        x, y, z = d.coords
+        return d.process_index, z, y, -x if y % 2 else x, d.core_on_chip
+    return np.array(sorted(devices, key=key), dtype=object).reshape(shape)
+
+
+def host_spread(grid):
+    """(most hosts one tp group spans, most dp rows one host's devices lie in): the two
+    things make_mesh keeps small."""
+    dp, pp, tp = grid.shape
+    tp_hosts = max(len({d.process_index for d in grid[i, j]}) for i in range(dp) for j in range(pp))
+    rows_of = {}
+    for i in range(dp):
+        for d in grid[i].flat:
+            rows_of.setdefault(d.process_index, set()).add(i)
+    return tp_hosts, max(len(rows) for rows in rows_of.values())
 
 
 # ----------------------------------------------------------------------------
@@ -208,22 +260,56 @@ def param_bytes_on_device(tree, device):
 # Inside shard_map: FSDP gather, the pipeline, the loss
 
 
-def gather_for_use(params, expert_parallel, dtype, one_block=False):
+def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype=jnp.float32):
     """FSDP: cast local weights to the compute dtype and all-gather their storage-only
     split (the FSDP dim). Casting first halves the bytes sent in bfloat16. In the
     backward pass each all_gather becomes a reduce-scatter (psum_scatter): every device
     gets its shard of the gradient summed over all devices that used the weight.
+
+    Gradients are reduced in `reduce_dtype` (--model.grad_reduce_dtype, float32 by
+    default): summing dp x tp bfloat16 partial gradients loses precision, and TPU and
+    GPU, unlike XLA:CPU, reduce in the dtype they are given. So the reduce-scatter
+    runs in reduce_dtype (gather_weight), weights replicated over an axis (norm
+    scales) are typed as varying over it before the cast (the psum autodiff inserts
+    for them then sums reduce_dtype values), and the top-level weights (one_block
+    False: the tied embedding and the final norm, gathered once per step and used by
+    every microbatch) come out in reduce_dtype, so that their gradient accumulates
+    over the microbatches in it; their users cast them to the compute dtype.
     one_block: the weights of one block, sliced out of the stack (no N dim)."""
+    out_dtype = jnp.dtype(dtype) if one_block else jnp.promote_types(dtype, reduce_dtype)
+
     def gather(path, w):
-        w = w.astype(dtype)
         _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
+        replicated = tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying)
+        if replicated:  # (in the wider of the two: the forward values must not change)
+            w = jax.lax.pcast(w.astype(jnp.promote_types(dtype, reduce_dtype)), replicated, to="varying")
         # Axes of size 1 hold the whole dim already; XLA:CPU would still run (and copy
         # through) an all_gather over them: 3 ms of a 200 ms one-device step (shakespeare).
         fsdp_axes = tuple(a for a in fsdp_axes if jax.lax.axis_size(a) > 1)
-        if fsdp_axes:  # inside a block the stacked N dim is already sliced away
-            w = jax.lax.all_gather(w, fsdp_axes, axis=fsdp_dim - one_block, tiled=True)
-        return w
+        if not fsdp_axes:
+            return w.astype(dtype).astype(out_dtype)
+        # inside a block the stacked N dim is already sliced away
+        return gather_weight(w, fsdp_axes, fsdp_dim - one_block, jnp.dtype(dtype), jnp.dtype(reduce_dtype), out_dtype)
     return jax.tree_util.tree_map_with_path(gather, params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def gather_weight(w, axes, dim, dtype, reduce_dtype, out_dtype):
+    """all_gather of w's shards over `axes` in the compute dtype (then out_dtype); its
+    transpose, the reduce-scatter of the gradient, in reduce_dtype."""
+    return jax.lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True).astype(out_dtype)
+
+
+def _gather_weight_fwd(w, axes, dim, dtype, reduce_dtype, out_dtype):
+    return gather_weight(w, axes, dim, dtype, reduce_dtype, out_dtype), jnp.zeros((0,), w.dtype)
+
+
+def _gather_weight_bwd(axes, dim, dtype, reduce_dtype, out_dtype, like, g):
+    g = jax.lax.psum_scatter(g.astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
+    return (g.astype(like.dtype),)
+
+
+gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
 
 
 def varying_over(x, axis):
@@ -246,7 +332,8 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     M, b, T1 = tokens_MbT1.shape
     inputs_MbT, targets_MbT = tokens_MbT1[..., :-1], tokens_MbT1[..., 1:]
     angles = rope_angles(jnp.arange(T1 - 1)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
-    x0_MbTD = jax.vmap(lambda t: model.embed(t, TP))(inputs_MbT)
+    # (the embedding comes in float32, see gather_for_use: the stream runs in the compute dtype)
+    x0_MbTD = jax.vmap(lambda t: model.embed(t, TP))(inputs_MbT).astype(m_cfg.dtype)
     ep_axis = DP if cfg.mesh.expert_parallel else None
 
     blocks_def, blocks_state = nnx.split(model.blocks)
@@ -305,9 +392,10 @@ def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
     dtype = jnp.dtype(m_cfg.dtype)
     ep = cfg.mesh.expert_parallel
     top = {k: v for k, v in params.items() if k != "blocks"}
-    top = gather_for_use(top, ep, dtype)  # embedding + final norm: gathered once per step
+    reduce_dtype = jnp.dtype(m_cfg.grad_reduce_dtype)
+    top = gather_for_use(top, ep, dtype, reduce_dtype=reduce_dtype)  # embedding + final norm: gathered once per step
     model = nnx.merge(graphdef, {**top, "blocks": params["blocks"]})
-    blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype, one_block=True)  # noqa: E731
+    blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype, one_block=True, reduce_dtype=reduce_dtype)  # noqa: E731
     M = t_cfg.microbatches
     tokens_MbT1 = tokens_bT1.reshape(M, tokens_bT1.shape[0] // M, tokens_bT1.shape[1])
     ce_sum, stats_N = pipeline_loss(model, blocks_fn, tokens_MbT1, cfg, rng)
@@ -378,7 +466,11 @@ def batch_spec():
 
 def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
     """One jitted function over the mesh: loss, grads, clip, AdamW. Donates the old
-    params and optimizer state (updated in place)."""
+    params and optimizer state (updated in place). --mesh.sharding auto: the same step
+    partitioned by the compiler (auto_sharding.py)."""
+    if cfg.mesh.sharding == "auto":
+        import auto_sharding
+        return auto_sharding.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     param_spec_tree, opt_spec_tree = specs_of(params), specs_of(opt_state)
     clip = cfg.train.grad_clip
 
@@ -420,6 +512,9 @@ def make_eval_step(graphdef, cfg, mesh, params):
     attribute of the MoE layers, so the eval graphdef is built anew (same params)."""
     cfg = eval_model_config(cfg)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
+    if cfg.mesh.sharding == "auto":
+        import auto_sharding
+        return auto_sharding.make_eval_step(graphdef, cfg, mesh, params)
 
     def eval_fn(params, tokens_bT1):
         _, metrics = sharded_loss(params, tokens_bT1, graphdef, cfg, None)
@@ -452,13 +547,18 @@ def global_batch(mesh, rows_for_process, batch_size):
     return jax.make_array_from_process_local_data(sharding, rows_for_process, (batch_size, rows_for_process.shape[1]))
 
 
-def process_rows(mesh, batch_size):
-    """The global batch rows this process's devices own (a contiguous range)."""
-    sharding = NamedSharding(mesh, batch_spec())
-    indices = sharding.addressable_devices_indices_map((batch_size, 1))
-    starts = sorted({idx[0].start or 0 for idx in indices.values()})
-    stops = sorted({idx[0].stop or batch_size for idx in indices.values()})
-    return range(starts[0], stops[-1])
+def process_rows(mesh, batch_size, process=None):
+    """The global batch rows that the devices of `process` (default: this one) own,
+    sorted: a range when they are contiguous (make_mesh's order makes them so), else a
+    tuple. Read off the sharding itself, so it is exact for any device order;
+    make_array_from_process_local_data takes a process's rows in this sorted order."""
+    process = jax.process_index() if process is None else process
+    indices = NamedSharding(mesh, batch_spec()).devices_indices_map((batch_size, 1))
+    rows = sorted({r for d, idx in indices.items() if d.process_index == process
+                   for r in range(*idx[0].indices(batch_size))})
+    if rows and rows == list(range(rows[0], rows[-1] + 1)):
+        return range(rows[0], rows[-1] + 1)
+    return tuple(rows)
 
 
 def bubble_fraction(pp, microbatches):

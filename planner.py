@@ -13,6 +13,12 @@ rest of `--devices N`). Takes every main.py flag, plus:
     --devices N       devices in the run (needed with --mesh.dp -1)
     --efficiency X    assumed fraction of peak FLOP/s the matmuls reach (default 0.5)
     --json PATH       also write the plan as JSON
+    --tpu TYPE        compile the real train and eval steps for that TPU slice (gcloud's
+                      accelerator type, below) with the TPU compiler, on this CPU, and print
+                      its per-device bytes beside the estimate, whether it fits the chip's
+                      HBM, and the compiled program's collectives. Needs libtpu
+                      (requirements-test.txt). Sets --hardware and --devices. Last line:
+                      tpu_bytes_per_device=<int> planner_bytes_per_device=<int> fits=<true|false>
 
 Memory per device:
   params       float32 master weights, this device's storage shard (exact)
@@ -46,7 +52,7 @@ GiB = 2**30
 # device. Interconnect figures are approximate, from public spec sheets:
 #   TPU: the Cloud TPU pages give v5p 4800 Gb/s of ICI per chip (1200 GB/s counted both
 #     ways) over 6 links (3-D torus) and v5e 1600 Gb/s over 4 links (2-D torus): 100 and
-#     50 GB/s per link each way; v4 has 6 links of about 50 GB/s (the TPU v4 paper; the
+#     50 GB/s per link each way (v6e: 3584 Gb/s over 4 links, 112 GB/s); v4 has 6 links of about 50 GB/s (the TPU v4 paper; the
 #     JAX scaling book quotes 45 / 90 / 45 GB/s per link for v4 / v5p / v5e). A
 #     collective along one mesh axis runs as a bidirectional ring on one torus axis and
 #     receives over 2 links: ring_bw = 2 links; a ppermute uses 1 link: p2p_bw.
@@ -74,6 +80,7 @@ HARDWARE = {
     "tpu-v4": Hardware("TPU v4", 275e12, 32 * GiB, ring_bw=100 * GB, p2p_bw=50 * GB),
     "tpu-v5e": Hardware("TPU v5e", 197e12, 16 * GiB, ring_bw=100 * GB, p2p_bw=50 * GB),
     "tpu-v5p": Hardware("TPU v5p", 459e12, 95 * GiB, ring_bw=200 * GB, p2p_bw=100 * GB),
+    "tpu-v6e": Hardware("TPU v6e", 918e12, 32 * GiB, ring_bw=224 * GB, p2p_bw=112 * GB),
     "h100": Hardware("H100 SXM", 989e12, 80 * GiB, ring_bw=450 * GB, p2p_bw=450 * GB, node_size=8, cross_node_bw=50 * GB),
     "h200": Hardware("H200 SXM", 989e12, 141 * GiB, ring_bw=450 * GB, p2p_bw=450 * GB, node_size=8, cross_node_bw=50 * GB),
     "cpu": Hardware("CPU (this machine, 2 cores)", 0.0, 24 * GiB, ring_bw=10 * GB, p2p_bw=10 * GB),
@@ -435,13 +442,18 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
 # The plan
 
 
+def plan_config(cfg):
+    if cfg.model.vocab_size == 0:  # the byte tokenizer of the embedded default
+        cfg = apply_overrides(cfg, {"model": {"vocab_size": 257}})
+    return cfg
+
+
 def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     """Everything the planner prints, as a dict (bytes, seconds)."""
     if hw_name not in HARDWARE:
         raise ValueError(f"unknown --hardware {hw_name!r}; choose one of {', '.join(HARDWARE)}")
     hw = HARDWARE[hw_name]
-    if cfg.model.vocab_size == 0:  # the byte tokenizer of the embedded default
-        cfg = apply_overrides(cfg, {"model": {"vocab_size": 257}})
+    cfg = plan_config(cfg)
     if cfg.mesh.dp == -1 and not devices:
         raise ConfigError("--mesh.dp -1 takes the devices left by pp and tp: say how many with --devices N")
     n_devices = devices or cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
@@ -465,7 +477,11 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # gather one block at a time (again in the backward pass).
     ticks, blocks_here = pipeline_loops(cfg, shape[1])
     n_gathered = blocks_here if cfg.model.remat in ("none", "layer", "stage") else 1
-    memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, c, one_block=False)
+    # The embedding and final norm come out of their gather in the gradient-reduction
+    # dtype (float32 by default), so that their gradient accumulates over microbatches
+    # in it (parallel.gather_for_use).
+    top_bytes = max(c, 4 if cfg.model.grad_reduce_dtype == "float32" else 2)
+    memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, top_bytes, one_block=False)
     fsdp = fsdp_traffic(params, ep, mesh_shape, c, one_block=False)
     if not fsdp and c == F32:  # nothing to gather or cast: the weights in use are the params themselves
         memory["gathered weights"] = 0
@@ -501,6 +517,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         remat=cfg.model.remat, microbatches=cfg.train.microbatches, expert_parallel=ep,
         params_total=total_params, params_active=active_params,
         memory=memory, activations=activations, temp_bytes=temp, total_bytes=total_bytes,
+        batch_bytes=cfg.train.batch_size // shape[0] * (cfg.model.seq_len + 1) * 4,  # int32 tokens, not in the total
         loss_phase_bytes=int(next(v for k, v in phases.items() if k.startswith("loss"))), gpu=bool(hw.node_size),
         available_bytes=available, fits=total_bytes <= available,
         peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
@@ -594,7 +611,7 @@ def report(p):
 
 def split_planner_flags(argv):
     """Pull out the planner's own flags; the rest are main.py's config flags."""
-    own, rest, i = {"hardware": "tpu-v5p", "devices": "0", "efficiency": str(DEFAULT_EFFICIENCY), "json": ""}, [], 0
+    own, rest, i = {"hardware": "tpu-v5p", "devices": "0", "efficiency": str(DEFAULT_EFFICIENCY), "json": "", "tpu": ""}, [], 0
     while i < len(argv):
         name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
         if name in own:
@@ -610,20 +627,51 @@ def split_planner_flags(argv):
     return own, rest
 
 
+def tpu_check(cfg, tpu_name, p):
+    """Compile the train and eval steps for a TPU slice (tpu_compile.py); print the
+    compiler's bytes beside the plan's, the collectives, and the contract's last line."""
+    import tpu_compile
+
+    pod = tpu_compile.pod_type(tpu_name)
+    mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(tpu_name))
+    compiled = tpu_compile.compile_steps(plan_config(cfg), mesh)
+    tpu = tpu_compile.memory_bytes(compiled["train"])
+    hbm = HARDWARE[pod.hardware].memory_bytes
+    lines = [""] + tpu_compile.memory_report(p, tpu, hbm, pod, compiled["seconds"]) + [""]
+    for name in ("train", "eval"):
+        lines += tpu_compile.collectives_report(tpu_compile.collectives(compiled[name].as_text(), tuple(mesh.shape.values())),
+                                                f"{name} step") + [""]
+    fits = tpu["total"] <= hbm
+    lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()}")
+    return lines
+
+
 def main(argv):
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
+        import tpu_compile
+
+        print("--tpu TYPE, known types:\n  " + " ".join(tpu_compile.POD_TYPES))
         print("main.py's flags (python main.py --help) are accepted too.")
         return
+    from main import skip_tpu_probe_without_tpu
+
+    skip_tpu_probe_without_tpu()
     try:
         own, rest = split_planner_flags(argv)
         cfg = parse_args(rest)
         devices, efficiency = int(own["devices"]), float(own["efficiency"])
+        if own["tpu"]:
+            import tpu_compile
+
+            pod = tpu_compile.pod_type(own["tpu"])
+            own["hardware"], devices = pod.hardware, pod.chips
         p = plan(cfg, devices, own["hardware"], efficiency)
+        tpu_lines = tpu_check(cfg, own["tpu"], p) if own["tpu"] else []
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
     print("\n".join(report(p)))
-    if not p["fits"]:
+    if not p["fits"] and not tpu_lines:
         fitting = suggestions(cfg, devices, own["hardware"], efficiency, p["peak_flops"])
         if fitting:
             print("try (on the same devices, these fit):")
@@ -634,6 +682,8 @@ def main(argv):
     if own["json"]:
         with open(own["json"], "w") as f:
             json.dump(p, f, indent=2)
+    if tpu_lines:
+        print("\n".join(tpu_lines))
 
 
 if __name__ == "__main__":

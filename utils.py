@@ -66,11 +66,16 @@ class ModelConfig:
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss")
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
+    grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
+                                               "weights): float32 | bfloat16 (halves their bytes, loses precision)")
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
     remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
                                 "block (each block from its input) | block_dots (each block, keeping its matmul outputs) | "
                                 "stage (all of a pipeline stage's blocks, per microbatch, from the stage input)")
     unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
+
+
+SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: parallel.make_train_step dispatches on it
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,8 @@ class MeshConfig:
     pp: int = option(1, "pipeline stages")
     tp: int = option(1, "tensor parallel degree")
     expert_parallel: bool = option(False, "shard routed experts over dp (all-to-all dispatch)")
+    sharding: str = option("manual", "manual: one shard_map, every collective written out (parallel.py) | "
+                                     "auto: jax.jit with the same shardings, the compiler inserts the collectives (auto_sharding.py; pp = 1)")
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,8 @@ class TrainConfig:
     checkpoint_every: int = option(500, "checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
     resume_step: int = option(-1, "resume from this checkpoint step; -1 = the latest")
-    init_from: str = option("", "start from these params (export or checkpoint dir) with a fresh optimizer")
+    init_from: str = option("", "start from these params (export or checkpoint dir, or hf:DIR, a Hugging Face "
+                                "DeepseekV3-format directory whose architecture the model takes) with a fresh optimizer")
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,11 @@ class SampleConfig:
 
 
 @dataclass(frozen=True)
+class ExportConfig:
+    dtype: str = option("bfloat16", "--mode export_hf: dtype of model.safetensors, float32 | bfloat16")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     host: str = option("127.0.0.1", "address --mode serve listens on (0.0.0.0 = every interface; set MESHFORMER_API_KEY then)")
     port: int = option(8000, "port --mode serve listens on")
@@ -161,11 +174,12 @@ class Config:
     log: LogConfig = LogConfig()
     sample: SampleConfig = SampleConfig()
     serve: ServeConfig = ServeConfig()
+    export: ExportConfig = ExportConfig()
     preset: str = "shakespeare"
     mode: str = "train"
 
 
-MODES = ("train", "sample", "export", "eval", "serve")
+MODES = ("train", "sample", "export", "eval", "serve", "export_hf")
 
 # ----------------------------------------------------------------------------
 # Presets: overrides of the defaults above (which are `shakespeare`).
@@ -174,11 +188,14 @@ PRESETS = {
     "shakespeare": {},
     # Small enough that one train step compiles and runs in well under a second:
     # for tests. 8 blocks so that pp can be 8; 8 experts so that dp can be 8 with
-    # expert parallelism; widths divisible by 8 for tp and FSDP.
+    # expert parallelism; widths divisible by 8 for tp and FSDP. Sigmoid router and
+    # MoE in every layer: a DeepSeek-V3 in every respect, so its Hugging Face export
+    # loads with transformers' AutoModelForCausalLM (hf_interop.py).
     "tiny": {
         "model": dict(vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
                       rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
-                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, unroll_blocks=False, remat="block", dtype="float32"),
+                      n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, router_score="sigmoid",
+                      unroll_blocks=False, remat="block", dtype="float32"),
         "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10,
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
@@ -305,13 +322,18 @@ def validate_model(cfg):
         (m.ffn_activation in ("swiglu", "gelu"), f"--model.ffn_activation must be swiglu or gelu, got {m.ffn_activation!r}"),
         (m.router_score in ("softmax", "sigmoid"), f"--model.router_score must be softmax or sigmoid, got {m.router_score!r}"),
         (m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
+        (m.grad_reduce_dtype in ("float32", "bfloat16"), f"--model.grad_reduce_dtype must be float32 or bfloat16, got {m.grad_reduce_dtype!r}"),
         (m.attention in ("matmul", "dot_product_attention"), f"--model.attention must be matmul or dot_product_attention, got {m.attention!r}"),
+        (cfg.export.dtype in ("float32", "bfloat16"), f"--export.dtype must be float32 or bfloat16, got {cfg.export.dtype!r}"),
         (m.remat in REMAT_POLICIES, f"--model.remat must be one of {', '.join(REMAT_POLICIES)}, got {m.remat!r}"),
         (m.rope_dim % 2 == 0, f"--model.rope_dim must be even (RoPE rotates pairs), got {m.rope_dim}"),
         (1 <= m.top_k <= m.n_experts, f"--model.top_k ({m.top_k}) must be between 1 and --model.n_experts ({m.n_experts})"),
         (m.capacity_factor >= 0, "--model.capacity_factor must be >= 0 (0 = dropless)"),
         (m.seq_len % (m.routing_group or m.seq_len) == 0, f"--model.routing_group ({m.routing_group}) must divide --model.seq_len ({m.seq_len})"),
         (0 <= m.dropout < 1, "--model.dropout must be in [0, 1)"),
+        (cfg.mesh.sharding in SHARDING_MODES, f"--mesh.sharding must be manual or auto, got {cfg.mesh.sharding!r}"),
+        (cfg.mesh.sharding != "auto" or cfg.mesh.pp == 1, f"--mesh.sharding auto does not pipeline (--mesh.pp {cfg.mesh.pp}): "
+                                                           "use --mesh.pp 1, or --mesh.sharding manual for pipeline stages"),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
         (t.eval_capacity_factor >= 0, "--train.eval_capacity_factor must be >= 0 (0 = dropless)"),

@@ -2,6 +2,8 @@
 
     python data/tokenize.py --input 'corpus/*.jsonl' --out DIR [--encoding cl100k_base]
     python data/tokenize.py --hf_dataset NAME --out DIR       (needs `datasets` + network)
+    python data/tokenize.py --hf_dataset parquet --hf_data_files 'dump/*.parquet' --out DIR
+    python data/tokenize.py ... --out gs://bucket/prefix --ray auto    (on a Ray cluster)
 
 Documents: a .jsonl file holds one per line (its --text_field); any other file is one
 document; .gz files are read decompressed; directories are searched for files. Every
@@ -14,6 +16,11 @@ the token stream stands (document index, offset into that document) and which do
 every finished shard holds. Rerunning the same command after an interruption continues
 from there and writes exactly what an uninterrupted run would have. manifest.json is
 written last.
+
+With --ray ADDRESS (a running cluster's address, `auto` for the one this machine is part
+of, `local` to start one in this process) Ray tasks spread over the cluster do the
+encoding and the writing instead (data/tokenize_ray.py), to the same bytes; --out may then
+be gs://bucket/prefix. Start a cluster on a pod with ./launcher.sh ... --ray-start.
 """
 
 import argparse
@@ -78,19 +85,55 @@ def iter_file_documents(files: list[str], text_field: str) -> Iterator[str]:
                     yield _text_of(json.loads(line), text_field, where=f"{path}:{line_number}")
 
 
-def hf_documents(name: str, config: str | None, split: str, text_field: str) -> Iterator[str]:
-    """Stream a Hugging Face dataset; opened here, so that a failure comes before any output."""
+def hf_documents(name: str, config: str | None, split: str, text_field: str,
+                 data_files: list[str] | None = None) -> Iterator[str]:
+    """Stream a Hugging Face dataset (from the hub, or a builder such as "parquet" or "json"
+    over data_files); opened here, so that a failure comes before any output."""
     try:
         import datasets
     except ImportError:
         raise SystemExit("--hf_dataset needs the Hugging Face `datasets` package "
                          "(pip install datasets) and network access to huggingface.co") from None
+    import huggingface_hub
+    # no retry chatter or logged errors before the one-line error
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    huggingface_hub.logging.set_verbosity(huggingface_hub.logging.CRITICAL)
     try:
-        stream = datasets.load_dataset(name, config, split=split, streaming=True)
+        stream = datasets.load_dataset(name, config, split=split, streaming=True, data_files=data_files)
     except (OSError, ConnectionError, ValueError) as e:
-        raise SystemExit(f"could not stream {name!r} from the Hugging Face hub: {e}. Without "
-                         "network access, export it to JSONL elsewhere and pass --input.") from e
-    return (_text_of(record, text_field, where=f"{name} record {i}") for i, record in enumerate(stream))
+        why = " ".join(str(e).split()).rstrip(".")
+        if data_files:
+            raise SystemExit(f"error: could not load {name!r} from {data_files}: {why}") from e
+        raise SystemExit(f"error: could not stream {name!r} from the Hugging Face hub: {why}. Without "
+                         "network access, export it to JSONL or parquet elsewhere and pass --input "
+                         "or --hf_dataset parquet --hf_data_files.") from e
+    return _stream_texts(stream, name, text_field)
+
+
+def _stream_texts(stream, name: str, text_field: str) -> Iterator[str]:
+    records = enumerate(stream)
+    while True:
+        try:
+            i, record = next(records)
+        except StopIteration:
+            return
+        except (OSError, ValueError) as e:  # e.g. a file that is not parquet, a dropped connection
+            raise SystemExit(f"error: reading {name!r}: {' '.join(str(e).split())}") from None
+        yield _text_of(record, text_field, where=f"{name} record {i}")
+
+
+def count_file_documents(files: list[str]) -> int:
+    """How many documents iter_file_documents will yield (for the progress bar's ETA):
+    one quick pass over the files, far cheaper than encoding them."""
+    count = 0
+    for path in files:
+        if not path.endswith(JSONL_SUFFIXES):
+            count += 1
+            continue
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            count += sum(1 for line in f if line.strip())
+    return count
 
 
 def _text_of(record: dict, text_field: str, where: str) -> str:
@@ -246,34 +289,67 @@ def tokenize_corpus(documents: Iterable[str], out_dir: str, tokenizer: dataset.T
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", default=[], help="files, globs or directories")
-    parser.add_argument("--hf_dataset", default="", help="Hugging Face dataset name (streamed)")
+    parser.add_argument("--hf_dataset", default="", help="Hugging Face dataset name (streamed), or a "
+                        "builder such as parquet or json with --hf_data_files")
     parser.add_argument("--hf_config", default=None)
     parser.add_argument("--hf_split", default="train")
+    parser.add_argument("--hf_data_files", nargs="+", default=[], help="local files for --hf_dataset")
     parser.add_argument("--text_field", default="text", help="JSON field holding the text")
-    parser.add_argument("--out", required=True, help="output data directory")
+    parser.add_argument("--out", required=True, help="output data directory (gs://bucket/prefix with --ray)")
     parser.add_argument("--encoding", default="cl100k_base", help="tiktoken encoding name, or 'bytes'")
     parser.add_argument("--encoding_file", default="", help="local .tiktoken rank file (offline)")
     parser.add_argument("--shard_tokens", type=int, default=SHARD_TOKENS)
     parser.add_argument("--val_tokens", type=int, default=VAL_TOKENS,
                         help="the first documents, until they hold this many tokens, form val")
-    parser.add_argument("--workers", type=int, default=os.cpu_count())
+    parser.add_argument("--workers", type=int, default=os.cpu_count(),
+                        help="processes (or, with --ray local, the local cluster's CPUs)")
+    parser.add_argument("--ray", default="", metavar="ADDRESS",
+                        help="tokenize on a Ray cluster: HOST:PORT, auto (the one this machine is in) "
+                             "or local (start one here)")
+    parser.add_argument("--docs_per_task", type=int, default=256,
+                        help="with --ray: documents per Ray task (does not change the output)")
     args = parser.parse_args()
     if bool(args.input) == bool(args.hf_dataset):
         parser.error("give exactly one of --input and --hf_dataset")
+    if args.hf_data_files and not args.hf_dataset:
+        parser.error("--hf_data_files goes with --hf_dataset (e.g. --hf_dataset parquet)")
+    if args.out.startswith("gs://") and not args.ray:
+        parser.error("--out gs://... needs --ray (--ray local on one machine), or tokenize to a "
+                     "directory and upload it with data/upload_gcs.py")
 
     tokenizer = dataset.get_tokenizer(args.encoding, args.encoding_file)
+    total_docs = None
+    try:
+        data_files = expand_inputs(args.hf_data_files) if args.hf_data_files else None
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {str(e).replace('--input', '--hf_data_files', 1)}") from None
     if args.hf_dataset:
-        documents = hf_documents(args.hf_dataset, args.hf_config, args.hf_split, args.text_field)
+        documents = hf_documents(args.hf_dataset, args.hf_config, args.hf_split, args.text_field, data_files)
         source = {"hf_dataset": args.hf_dataset, "hf_config": args.hf_config, "hf_split": args.hf_split}
+        if data_files:
+            source["hf_data_files"] = data_files
     else:
-        files = expand_inputs(args.input)
+        try:
+            files = expand_inputs(args.input)
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: {e}") from None
         documents = iter_file_documents(files, args.text_field)
         source = {"inputs": files}
+        total_docs = count_file_documents(files) if args.ray else None
     settings = {**source, "text_field": args.text_field, "tokenizer": tokenizer.name,
                 "vocab_size": tokenizer.vocab_size, "shard_tokens": args.shard_tokens,
                 "val_tokens": args.val_tokens}
-    manifest = tokenize_corpus(documents, args.out, tokenizer, settings,
-                               args.shard_tokens, args.val_tokens, max(1, args.workers))
+    if args.ray:
+        from data import tokenize_ray
+        try:
+            manifest = tokenize_ray.tokenize_corpus(documents, args.out, tokenizer, settings, args.shard_tokens,
+                                                    args.val_tokens, args.ray, max(1, args.workers), total_docs,
+                                                    args.docs_per_task)
+        except tokenize_ray.TokenizeError as e:
+            raise SystemExit(f"error: {e}") from None
+    else:
+        manifest = tokenize_corpus(documents, args.out, tokenizer, settings,
+                                   args.shard_tokens, args.val_tokens, max(1, args.workers))
     for split, shards in manifest["splits"].items():
         print(f"{split}: {sum(e['tokens'] for e in shards):,} tokens in {len(shards)} shards")
 

@@ -42,6 +42,15 @@ def test_figures_are_consistent_and_the_last_line_is_machine_readable(tmp_path, 
     for key in ("params_bytes", "opt_bytes", "temp_bytes"):
         assert figures[key] > 0, key
     assert figures["opt_bytes"] == pytest.approx(2 * figures["params_bytes"], rel=1e-3)  # AdamW: two float32 moments per weight
+    # The collectives of the compiled step (auto_sharding.collective_table), printed too
+    collectives = figures["collectives"]
+    assert figures["sharding"] == "manual"
+    if mesh == (2, 2, 2):  # FSDP gathers over dp, the pipeline's ppermute along pp, Megatron's psums over tp
+        assert {"all-gather over dp", "collective-permute over pp", "all-reduce over tp"} <= set(collectives), collectives
+    else:
+        assert set(collectives) <= {"all-reduce over none", "collective-permute over none"}, collectives  # one device
+    for name, c in collectives.items():
+        assert re.search(rf"{re.escape(name)}:\s+{c['count']}x", stdout), name
 
 
 def test_profile_prints_device_time_by_op_kind(tmp_path):

@@ -96,6 +96,14 @@ def assert_tree_close(tree, reference, rtol=RTOL, what=""):
 assert_params_close = assert_tree_close
 
 
+def assert_same_step(metrics, params, ref_metrics, ref_params):
+    """One step's metrics and updated params (test_auto_sharding's comparison)."""
+    for key in ("loss", "aux_loss", "grad_norm"):
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=RTOL, err_msg=key)
+    np.testing.assert_array_equal(metrics["stats_N"]["tokens_per_expert"], ref_metrics["stats_N"]["tokens_per_expert"])
+    assert_tree_close(params, ref_params)
+
+
 def assert_same_steps(result, reference, rtol=RTOL):
     """Same loss, aux loss, grad norm and expert counts at every step, the same gradients
     (optimizer moments) per leaf after every step, and the same params at the end."""
@@ -112,14 +120,14 @@ def assert_same_steps(result, reference, rtol=RTOL):
 @pytest.fixture(scope="module")
 def reference():
     """One-device results, per model variant."""
-    return {variant: train_steps(tiny_config(**kwargs)) for variant, kwargs in VARIANTS.items()}
+    return {variant: train_steps(tiny_config(**kwargs)) for variant, kwargs in {**VARIANTS, "dropout": DROPOUT}.items()}
 
 
 VARIANTS = {
     "moe": {},
     "dense": dict(block_pattern="D", ffn_activation="gelu"),
-    "dropout": dict(dropout=0.1),
 }
+DROPOUT = dict(dropout=0.1)
 MESH_IDS = lambda s: "x".join(map(str, s))  # noqa: E731
 
 
@@ -140,7 +148,7 @@ def test_dropout_equals_one_device(reference, mesh_shape):
     (seed, step, global row, block, layer, branch) only, never on which device, stage
     or microbatch holds the row (parallel.dropout_rng). Dropout really acts: the
     loss differs from the run without it."""
-    assert_same_steps(train_steps(tiny_config(mesh_shape, dropout=0.1)), reference["dropout"])
+    assert_same_steps(train_steps(tiny_config(mesh_shape, **DROPOUT)), reference["dropout"])
     dropped, plain = reference["dropout"][0], reference["moe"][0]
     assert abs(dropped[0]["loss"] - plain[0]["loss"]) > 1e-3
 

@@ -1,0 +1,366 @@
+"""Hugging Face interop (hf_interop.py), checked against transformers itself (torch, CPU).
+
+Exports are compared with our dropless forward: transformers never drops tokens.
+"""
+
+import copy
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import hf_interop  # noqa: E402
+import main  # noqa: E402
+import parallel as par  # noqa: E402
+from dataset import get_tokenizer  # noqa: E402
+from model import Transformer, init_cache  # noqa: E402
+from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BYTES = get_tokenizer("bytes")
+GREEDY_TOKENS = 40
+
+
+def model_cfg(preset, **overrides):
+    """A preset's model in float32, dropless, for the byte tokenizer, fields replaced."""
+    m = apply_overrides(Config(), PRESETS[preset]).model
+    return dataclasses.replace(m, vocab_size=BYTES.vocab_size, dtype="float32", dropout=0.0, capacity_factor=0.0, **overrides)
+
+
+def random_model(m, seed=0):
+    """(model, host params): our init with every norm scale drawn around 1 (an init of
+    ones would hide a norm mapped to the wrong place), a smaller embedding and larger
+    residual-branch outputs, so that the layers, not the input token's own embedding,
+    decide the next token and the greedy continuation varies."""
+    abstract = nnx.eval_shape(lambda: Transformer(m, nnx.Rngs(seed)))
+    graphdef = nnx.split(abstract)[0]
+    state = jax.jit(lambda: nnx.split(Transformer(m, nnx.Rngs(seed)))[1].to_pure_dict())()
+    rng = np.random.default_rng(seed)
+
+    def perturb(path, x):
+        name, x = jax.tree_util.keystr(path), np.asarray(x)
+        if "scale_D" in name:
+            return (1 + 0.3 * rng.standard_normal(x.shape)).astype(np.float32)
+        if "embed_VD" in name:
+            return 0.3 * x
+        return RESIDUAL_OUT_GAIN * x if ("wo_HKD" in name or "w_down" in name) else x
+
+    host = jax.tree_util.tree_map_with_path(perturb, state)
+    return nnx.merge(graphdef, jax.tree.map(jnp.asarray, host)), host
+
+
+def random_host(m, seed=0):
+    """Host params of model `m` drawn in numpy from its shapes alone (no compile): for
+    the tests that only move weights around."""
+    shapes = nnx.split(nnx.eval_shape(lambda: Transformer(m, nnx.Rngs(0))))[1].to_pure_dict()
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), shapes)
+
+
+RESIDUAL_OUT_GAIN = 8.0  # measured: at 2 and 4 a random tiny model repeats one token after a few
+
+
+def our_logits(model, tokens_BT):
+    graphdef, state = nnx.split(model)
+    return np.asarray(jax.jit(lambda state, t: nnx.merge(graphdef, state)(t)[0])(state, jnp.asarray(tokens_BT)))
+
+
+def load_hf(path):
+    """transformers' own class for the directory: AutoModelForCausalLM for deepseek_v3;
+    Mistral4ForCausalLM (not in transformers' AutoModelForCausalLM table) for mistral4."""
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f)["model_type"]
+    cls = transformers.AutoModelForCausalLM if model_type == "deepseek_v3" else transformers.Mistral4ForCausalLM
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def our_greedy(model, prompt, n):
+    """n greedy tokens from our latent-KV-cache decoder (padding ids never chosen)."""
+    graphdef, state = nnx.split(model)
+    cache = init_cache(model.cfg, 1, model.cfg.seq_len)
+    logits, cache = main.decode_jit(graphdef, state, jnp.asarray([prompt]), cache, 0)
+    tokens = []
+    for position in range(len(prompt), len(prompt) + n):
+        tokens.append(int(jnp.argmax(logits[0, -1, :model.cfg.vocab_size])))
+        logits, cache = main.decode_jit(graphdef, state, jnp.asarray([[tokens[-1]]]), cache, position)
+    return tokens
+
+
+def hf_greedy(hf, prompt, n):
+    config = copy.deepcopy(hf.generation_config)
+    config.eos_token_id = None  # ours does not stop at end-of-text either
+    config.max_new_tokens, config.do_sample = n, False
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def safetensors_of(path):
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def bits(a):
+    return np.asarray(a).view(np.uint16 if np.asarray(a).dtype == ml_dtypes.bfloat16 else np.uint32)
+
+
+# ----------------------------------------------------------------------------
+# Export: transformers computes what we compute
+
+
+EXPORT_CASES = {  # id: (preset, overrides, expected model_type)
+    "tiny-sigmoid-moe": ("tiny", dict(seq_len=64), "deepseek_v3"),
+    "tiny-softmax-dense-first": ("tiny", dict(seq_len=64, router_score="softmax", n_blocks=1, block_pattern="DDMM"), "mistral4"),
+    "tiny-sigmoid-top1": ("tiny", dict(seq_len=64, n_blocks=2, top_k=1), "deepseek_v3"),
+    "shakespeare-sigmoid-dense-first": ("shakespeare", dict(router_score="sigmoid", n_blocks=1, block_pattern="DMM"), "deepseek_v3"),
+    "shakespeare-softmax-moe": ("shakespeare", dict(block_pattern="M"), "mistral4"),
+    "shakespeare-dense": ("shakespeare", dict(block_pattern="D"), "deepseek_v3"),
+}
+FAST_EXPORT_CASES = ("tiny-sigmoid-moe", "tiny-softmax-dense-first")  # the rest: slow (20-40 s each here)
+
+
+@pytest.mark.parametrize("case", [c if c in FAST_EXPORT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in EXPORT_CASES])
+def test_export_gives_our_logits_and_greedy_tokens_in_transformers(case, tmp_path):
+    preset, overrides, model_type = EXPORT_CASES[case]
+    m = model_cfg(preset, **overrides)
+    model, host = random_model(m)
+    out = hf_interop.write_hf_dir(str(tmp_path / "hf"), host, m, BYTES, "float32")
+    hf = load_hf(out)
+    assert hf.config.model_type == model_type
+
+    tokens_BT = np.asarray(jax.random.randint(jax.random.key(7), (2, m.seq_len), 0, m.vocab_size))
+    ours_BTV = our_logits(model, tokens_BT)
+    with torch.no_grad():
+        theirs_BTV = hf(torch.tensor(tokens_BT)).logits.numpy()
+    assert theirs_BTV.shape == ours_BTV.shape  # the padded vocabulary, every row
+    np.testing.assert_allclose(theirs_BTV, ours_BTV, atol=1e-5, rtol=0)
+
+    prompt = BYTES.encode("ROMEO:\n")
+    ours = our_greedy(model, prompt, GREEDY_TOKENS)
+    assert len(set(ours)) > 3, f"a degenerate continuation tests little: {ours}"
+    assert hf_greedy(hf, prompt, GREEDY_TOKENS) == ours
+
+
+def test_export_files_config_and_tokenizer(tmp_path):
+    m = model_cfg("tiny")
+    out = hf_interop.write_hf_dir(str(tmp_path / "hf"), random_host(m), m, BYTES, "bfloat16")
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
+                                       "tokenizer.json", "tokenizer_config.json"]
+    config = transformers.AutoConfig.from_pretrained(out)
+    expected = dict(model_type="deepseek_v3", vocab_size=320, hidden_size=32, num_hidden_layers=8, first_k_dense_replace=0,
+                    num_attention_heads=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                    v_head_dim=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
+                    norm_topk_prob=True, routed_scaling_factor=1.0, tie_word_embeddings=True, rope_interleave=True)
+    assert {k: getattr(config, k) for k in expected} == expected
+    tensors = safetensors_of(out)
+    assert {a.dtype for a in tensors.values()} == {np.dtype(ml_dtypes.bfloat16)}
+    assert "lm_head.weight" not in tensors  # tied to the embedding
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert generation.suppress_tokens == list(range(257, 320)) and generation.eos_token_id == 256
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "JULIET: O Romeo, Romeo! wherefore art thou — «Roméo»?\n"
+    assert tokenizer(text).input_ids == BYTES.encode(text)
+    assert tokenizer.decode(BYTES.encode(text) + [BYTES.eot_id]) == text + "<|endoftext|>"
+
+
+def test_tiktoken_tokenizer_loads_in_transformers(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_data import tiny_encoding
+
+    tokenizer = get_tokenizer(tiny_encoding())
+    hf_interop.write_tokenizer(str(tmp_path), tokenizer, 64)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "in the end, and on the other hand: thé ünïcode 123 4567\n\n  the  end  "
+    assert theirs(text).input_ids == tokenizer.encode(text)
+    assert theirs.decode(tokenizer.encode(text)) == text
+    assert theirs.convert_tokens_to_ids("<|endoftext|>") == tokenizer.eot_id
+
+
+def test_layouts_hf_cannot_express_are_refused_with_the_pattern_that_would_export():
+    with pytest.raises(ConfigError, match=r"DMDM.*--model.n_blocks 1 --model.block_pattern DDMM"):
+        hf_interop.check_exportable(model_cfg("shakespeare"))
+    with pytest.raises(ConfigError, match=r"DDDDDMDDDDDM.*block_pattern M.*--model.n_blocks 1 --model.block_pattern D{40}M{8}"):
+        hf_interop.check_exportable(apply_overrides(Config(), PRESETS["moe1b"]).model)
+    with pytest.raises(ConfigError, match="ffn_activation"):
+        hf_interop.check_exportable(model_cfg("shakespeare", block_pattern="D", ffn_activation="gelu"))
+    for exportable in ("D", "M"):  # every layer of one kind, any number of blocks
+        hf_interop.check_exportable(model_cfg("shakespeare", block_pattern=exportable))
+    # a model without MoE layers has no router to tell the two classes apart
+    assert hf_interop.architecture_of(model_cfg("shakespeare", block_pattern="D"))[0] == "deepseek_v3"
+
+
+# ----------------------------------------------------------------------------
+# Import: a model that transformers made
+
+
+def hf_made_model(path, first_k_dense, n_layers, dtype=torch.float32, seed=0, **config):
+    """A random DeepseekV3ForCausalLM built and saved by transformers, every weight
+    drawn at a scale where all of them matter."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=n_layers,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
+        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=first_k_dense, routed_scaling_factor=1.0, tie_word_embeddings=True,
+        max_position_embeddings=64, **config)
+    torch.manual_seed(seed)
+    hf = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    hf = hf.to(dtype).eval()
+    hf.save_pretrained(path)
+    return hf
+
+
+def hf_loss(hf, tokens_BT):
+    with torch.no_grad():
+        ids = torch.tensor(np.asarray(tokens_BT, np.int64))
+        return float(hf(ids, labels=ids).loss)
+
+
+def test_transformers_model_imported_on_a_2x2x2_mesh_gives_transformers_loss(tmp_path):
+    path = str(tmp_path / "hf")
+    hf = hf_made_model(path, first_k_dense=0, n_layers=4)
+    tokens_BT = np.asarray(jax.random.randint(jax.random.key(3), (4, 33), 0, 300), np.int32)
+
+    cfg = apply_overrides(Config(), PRESETS["tiny"])
+    cfg = apply_overrides(cfg, {"model": dict(seq_len=32, capacity_factor=0.0), "train": dict(batch_size=4, microbatches=2),
+                                "mesh": dict(dp=2, pp=2, tp=2)})
+    cfg = hf_interop.adopt_hf_config(cfg, path)
+    assert (cfg.model.n_blocks, cfg.model.block_pattern, cfg.model.vocab_size) == (4, "M", 300)
+    mesh = par.make_mesh(cfg.mesh)
+    par.check_config_fits_mesh(cfg, mesh)
+    graphdef, params = par.init_params(cfg.model, mesh, False, 0)
+    params = hf_interop.load_params(path, params, cfg.model)
+    eval_step = par.make_eval_step(graphdef, cfg, mesh, params)
+    ours = float(eval_step(params, par.global_batch(mesh, tokens_BT, 4)))
+    assert ours == pytest.approx(hf_loss(hf, tokens_BT), abs=1e-5)
+
+
+def test_transformers_dense_first_model_imported_gives_transformers_loss(tmp_path):
+    path = str(tmp_path / "hf")
+    hf = hf_made_model(path, first_k_dense=1, n_layers=3, num_nextn_predict_layers=1)  # MTP: not a next-token weight
+    m = hf_interop.from_hf_config(hf_interop.read_hf_config(path), model_cfg("tiny", seq_len=32))
+    assert (m.n_blocks, m.block_pattern) == (1, "DMM")
+    abstract = nnx.eval_shape(lambda: Transformer(m, nnx.Rngs(0)))
+    graphdef, shapes = nnx.split(abstract)
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
+                          shapes.to_pure_dict())
+    params = hf_interop.load_params(path, target, m)
+    model = nnx.merge(graphdef, params)
+    tokens_BT = np.asarray(jax.random.randint(jax.random.key(4), (2, 33), 0, 300))
+    logits_BTV = model(jnp.asarray(tokens_BT[:, :-1]))[0]
+    ours = float(jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits_BTV), jnp.asarray(tokens_BT[:, 1:, None]), -1)))
+    assert ours == pytest.approx(hf_loss(hf, tokens_BT), abs=1e-5)
+
+
+def test_transformers_model_round_trips_through_import_and_export(tmp_path):
+    """bfloat16 (as checkpoints are usually published): every tensor bit for bit.
+    float32: every tensor bit for bit except the final norm, where our model's 1/sqrt(D)
+    can put a foreign weight between two float32 values it could export (one ulp off)."""
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        path = str(tmp_path / name)
+        hf_made_model(path, first_k_dense=1, n_layers=3, dtype=dtype)
+        m = hf_interop.from_hf_config(hf_interop.read_hf_config(path), model_cfg("tiny"))
+        original = safetensors_of(path)
+        host = hf_interop.from_hf_state(original, m)
+        again = hf_interop.to_hf_state(host, m, hf_interop.EXPORT_DTYPES[name])
+        assert sorted(again) == sorted(original)
+        for key in original:
+            if key == "model.norm.weight" and name == "float32":
+                ulps = np.abs(bits(again[key]).astype(np.int64) - bits(original[key]).astype(np.int64))
+                assert ulps.max() <= 1, key
+            else:
+                assert again[key].dtype == original[key].dtype and np.array_equal(bits(again[key]), bits(original[key])), key
+
+
+def test_our_export_round_trips_bit_for_bit(tmp_path):
+    """export -> import -> export writes the same bits, and the import is our model:
+    every weight equal, the final norm up to what the export's rounding of 1/sqrt(D)
+    cannot tell apart (one ulp)."""
+    m = model_cfg("tiny", n_blocks=4, block_pattern="MM")
+    host = random_host(m, seed=5)
+    out = hf_interop.write_hf_dir(str(tmp_path / "hf"), host, m, BYTES, "float32")
+    imported = hf_interop.from_hf_config(hf_interop.read_hf_config(out), model_cfg("shakespeare"))
+    arch = lambda c: {k: getattr(c, k) for k in hf_interop.ARCH_FIELDS}  # noqa: E731
+    assert arch(imported) == arch(m)  # the grouping into blocks and the padding come back too
+    written = safetensors_of(out)
+    back = hf_interop.from_hf_state(written, m)
+    again = hf_interop.to_hf_state(back, m)
+    assert sorted(again) == sorted(written)
+    for key in written:
+        assert np.array_equal(bits(again[key]), bits(written[key])), key
+    back_flat = dict(jax.tree_util.tree_flatten_with_path(back)[0])
+    for key, value in jax.tree_util.tree_flatten_with_path(host)[0]:
+        difference = np.abs(bits(back_flat[key]).astype(np.int64) - bits(value).astype(np.int64))
+        assert difference.max() <= (1 if "final_norm" in jax.tree_util.keystr(key) else 0), jax.tree_util.keystr(key)
+
+
+def test_configs_this_model_cannot_express_name_the_field(tmp_path):
+    path = str(tmp_path / "hf")
+    hf_made_model(path, first_k_dense=1, n_layers=2)
+    good = hf_interop.read_hf_config(path)
+    m = model_cfg("tiny")
+    hf_interop.from_hf_config(good, m)
+    for field, value in [("q_lora_rank", None), ("v_head_dim", 16), ("tie_word_embeddings", False),
+                         ("routed_scaling_factor", 2.5), ("n_group", 4), ("hidden_act", "gelu"),
+                         ("rope_parameters", {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}),
+                         ("norm_topk_prob", False), ("model_type", "llama")]:
+        with pytest.raises(ConfigError, match=field):
+            hf_interop.from_hf_config(dict(good, **{field: value}, topk_group=2), m)
+    tensors = safetensors_of(path)
+    tensors["model.layers.1.mlp.gate.e_score_correction_bias"] = np.full((8,), 0.1, np.float32)
+    with pytest.raises(ConfigError, match="e_score_correction_bias"):
+        hf_interop.from_hf_state(tensors, hf_interop.from_hf_config(good, m))
+
+
+# ----------------------------------------------------------------------------
+# The command line
+
+
+@pytest.mark.slow
+def test_command_line_export_loads_in_transformers_and_fine_tunes_from_hf(tmp_path):
+    def run(*args, check=True):
+        cmd = [sys.executable, os.path.join(REPO, "main.py"), "--preset", "tiny", "--run.out_dir", str(tmp_path / "runs"),
+               "--data.cache_dir", str(tmp_path / "data"), "--log.progress", "false", "--log.plots", "false", *args]
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+        if check:
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result
+
+    run("--train.steps", "20", "--run.name", "t")
+    run("--mode", "export_hf", "--run.name", "t", "--export.dtype", "float32")
+    hf_path = str(tmp_path / "runs" / "t" / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_path)
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    prompt = tokenizer("ROMEO:", return_tensors="pt").input_ids
+    assert hf.generate(prompt, max_new_tokens=8, do_sample=False).shape == (1, prompt.shape[1] + 8)
+
+    # the exported weights, evaluated here from hf: on another mesh, give the run's own val loss
+    own = run("--mode", "eval", "--run.name", "t")
+    from_hf = run("--mode", "eval", "--run.name", "t2", "--train.init_from", f"hf:{hf_path}",
+                  "--run.cpu_devices", "8", "--mesh.dp", "2", "--mesh.pp", "2", "--mesh.tp", "2", "--train.microbatches", "2")
+    value = lambda result: float(result.stdout.strip().splitlines()[-1].split("=")[1])  # noqa: E731
+    assert value(from_hf) == pytest.approx(value(own), abs=1e-5)
+    tuned = run("--run.name", "ft", "--train.init_from", f"hf:{hf_path}", "--train.steps", "2", "--sample.num_samples", "0")
+    assert "initialised params from hf:" in tuned.stdout
+
+    bad = run("--mode", "export_hf", "--run.name", "t", "--train.init_from", f"hf:{tmp_path}", check=False)
+    assert bad.returncode != 0 and "error: " in bad.stderr and "no config.json" in bad.stderr and "Traceback" not in bad.stderr

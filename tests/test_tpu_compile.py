@@ -1,0 +1,246 @@
+"""The real TPU compiler, on this CPU (libtpu, requirements-test.txt): every preset's
+mesh is valid on the pods people use, the train step compiles for them, fits their
+HBM, emits the collectives that parallel.py says it does, and the planner's bytes are
+within 15% of the compiler's. The devices are the pod slices' own (jax.experimental.
+topologies: real chip coordinates and process indices); nothing runs on them.
+"""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import parallel as par
+import planner
+import tpu_compile
+from utils import PRESETS, Config, MeshConfig, apply_overrides
+
+pytest.importorskip("libtpu")
+
+# (pod, mesh shapes): every preset mesh and the layouts people try on each slice.
+POD_MESHES = {
+    "v4-8": [(4, 1, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (2, 2, 1)],
+    "v4-64": [(8, 2, 2), (32, 1, 1), (16, 1, 2), (4, 2, 4), (8, 4, 1), (2, 2, 8), (1, 2, 16)],
+    "v5p-64": [(8, 2, 2), (32, 1, 1), (4, 2, 4), (16, 2, 1)],
+    "v5litepod-16": [(4, 2, 2), (16, 1, 1), (8, 1, 2), (4, 1, 4), (2, 8, 1)],
+    "v6e-16": [(4, 2, 2), (16, 1, 1), (8, 1, 2), (2, 2, 4), (8, 2, 1)],
+}
+
+
+@pytest.fixture(scope="module")
+def devices_of():
+    cache = {}
+
+    def get(pod):
+        if pod not in cache:
+            cache[pod] = tpu_compile.pod_devices(pod)
+        return cache[pod]
+    return get
+
+
+def chips_per_host(devices):
+    return max(sum(d.process_index == p for d in devices) for p in {d.process_index for d in devices})
+
+
+# ----------------------------------------------------------------------------
+# The mesh and each process's rows
+
+
+def test_jax_make_mesh_cannot_map_the_reference_mesh(devices_of):
+    """Why make_mesh does more than call jax.make_mesh: the reference 1B run's mesh
+    (dp8 x pp2 x tp2 on a v4-64) has no assignment there."""
+    with pytest.raises(NotImplementedError):
+        jax.make_mesh((8, 2, 2), par.AXES, devices=devices_of("v4-64"))
+
+
+@pytest.mark.parametrize("pod, shape", [(pod, shape) for pod, shapes in POD_MESHES.items() for shape in shapes],
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x)
+def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
+    """Every device once; tp groups on as few hosts as possible (one, when tp fits in a
+    host); each host's devices in as few dp rows as possible; and each process's rows
+    (from the topology's real process indices) are exactly the rows of the dp rows its
+    devices sit in."""
+    devices = devices_of(pod)
+    mesh = par.make_mesh(MeshConfig(*shape), devices)
+    dp, pp, tp = shape
+    grid = mesh.devices
+    assert grid.shape == shape and sorted(d.id for d in grid.flat) == sorted(d.id for d in devices)
+    per_host = chips_per_host(devices)
+    for i in range(dp):
+        for j in range(pp):
+            assert len({d.process_index for d in grid[i, j]}) == math.ceil(tp / per_host)
+    batch = 4 * dp
+    rows_per_dp = batch // dp
+    for process in sorted({d.process_index for d in devices}):
+        dp_rows = sorted({i for i in range(dp) for d in grid[i].flat if d.process_index == process})
+        assert len(dp_rows) == math.ceil(per_host / (pp * tp))
+        expected = [r for i in dp_rows for r in range(i * rows_per_dp, (i + 1) * rows_per_dp)]
+        assert list(par.process_rows(mesh, batch, process)) == expected
+
+
+# ----------------------------------------------------------------------------
+# Compiled steps: collectives, fits, the planner's bytes
+#
+# moe1b scaled down keeps its structure (MLA with 64-wide heads, DDDDDM blocks with 2
+# shared + top-2 of 8 routed experts, bfloat16, remat block, 4 microbatches). The
+# planner's bytes are checked against the compiler's on the full moe1b only (slow):
+# measured 0.95 on v4-64 dp8 x pp2 x tp2. At these small shapes they are not within 15%:
+# the TPU's (8, 128) tiles pad tiny's 8- to 32-wide dims 5-10x, and the scaled-down
+# moe1b measured 1.97 (v4-64 8x2x2) and 0.59 (v5p-64 8x1x4, one head per device) - the
+# planner's activation model is calibrated on XLA:CPU.
+
+SMALL_MOE1B = dict(vocab_size=8192, seq_len=256, d_model=256, n_heads=4, head_dim=64, rope_dim=64, q_latent=128,
+                   kv_latent=128, n_blocks=2, d_ff=1024, d_expert=256, n_experts=8)
+PLANNER_TOLERANCE = 0.15
+
+# name: (preset, pod, mesh, expert parallel)
+CASES = {
+    "tiny-v4-8-2x1x2": ("tiny", "v4-8", (2, 1, 2), False),
+    "tiny-v6e-16-8x1x2": ("tiny", "v6e-16", (8, 1, 2), False),
+    "moe-v4-64-8x2x2": ("moe1b-small", "v4-64", (8, 2, 2), False),
+    "moe-v5p-64-8x1x4-ep": ("moe1b-small", "v5p-64", (8, 1, 4), True),
+    "tiny-v5litepod-16-4x2x2": ("tiny", "v5litepod-16", (4, 2, 2), False),
+}
+SLOW_CASES = {
+    "moe1b-v4-64-8x2x2": ("moe1b", "v4-64", (8, 2, 2), False),
+    "moe1b-v5p-64-8x2x2": ("moe1b", "v5p-64", (8, 2, 2), False),
+}
+
+
+def case_config(preset, shape, expert_parallel, **model):
+    cfg = apply_overrides(Config(), PRESETS[preset.split("-")[0]])
+    dp, pp, tp = shape
+    train = {}
+    if preset == "tiny":
+        model = dict(dict(vocab_size=256, dtype="bfloat16"), **model)
+        train = dict(microbatches=max(pp, 1))
+    elif preset == "moe1b-small":
+        model = dict(SMALL_MOE1B, **model)
+        train = dict(batch_size=64, microbatches=4)
+    return apply_overrides(cfg, {"model": model, "train": train,
+                                 "mesh": dict(dp=dp, pp=pp, tp=tp, expert_parallel=expert_parallel)})
+
+
+def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True, **model):
+    """{"plan", "tpu" (memory), "collectives", "hbm", ...} of the compiled train step
+    (and the eval step's collectives)."""
+    cfg = case_config(preset, shape, expert_parallel, **model)
+    mesh = par.make_mesh(cfg.mesh, devices_of(pod))
+    compiled = tpu_compile.compile_steps(cfg, mesh, eval_step)
+    hardware = tpu_compile.pod_type(pod).hardware
+    params = planner.abstract_params(cfg.model)
+    gathered = {k: v for k, v in params.items() if k != "final_norm"}  # (norm scales are not FSDP-split)
+    return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]),
+                collectives=tpu_compile.collectives(compiled["train"].as_text(), shape),
+                eval_collectives=tpu_compile.collectives(compiled["eval"].as_text(), shape) if eval_step else None,
+                fsdp_gradient_bytes=planner.gathered_bytes(gathered, expert_parallel, dict(zip(par.AXES, shape)), 4, False),
+                hbm=planner.HARDWARE[hardware].memory_bytes, seconds=compiled["seconds"])
+
+
+@pytest.fixture(scope="module")
+def compiled_cases(devices_of):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = compile_case(devices_of, *CASES[name])
+        return cache[name]
+    return get
+
+
+def kinds_over(collectives):
+    """{kind: set of "over" entries} for ops that move data (a ppermute with no pairs,
+    pp = 1, moves none)."""
+    out = {}
+    for (kind, dtype, over), row in collectives.items():
+        if row["bytes"] and over != "-":
+            out.setdefault(kind, set()).add(over)
+    return out
+
+
+def gradient_reduction_bytes(collectives):
+    """{dtype: bytes} of reductions spanning dp: the FSDP reduce-scatters of the
+    gradients (which XLA turns into all-reduces where that is cheaper) and the loss
+    and norm psums."""
+    out = {}
+    for (kind, dtype, over), row in collectives.items():
+        if kind in ("reduce-scatter", "all-reduce") and "dp" in over:
+            out[dtype] = out.get(dtype, 0) + row["bytes"]
+    return out
+
+
+def check_collectives(case, shape, expert_parallel):
+    """What parallel.py says runs where: FSDP all-gathers over (axes with) dp and
+    reduces every weight's gradient over them, in float32 and none in bfloat16; TP
+    all-reduces over tp; the pipeline ppermutes over pp; expert parallelism all-to-alls
+    over dp."""
+    dp, pp, tp = shape
+    kinds = kinds_over(case["collectives"])
+    assert any("dp" in over for over in kinds["all-gather"])
+    reduced = gradient_reduction_bytes(case["collectives"])
+    assert reduced.get("f32", 0) >= case["fsdp_gradient_bytes"] and "bf16" not in reduced, reduced
+    assert ("tp" in kinds.get("all-reduce", set())) == (tp > 1)
+    assert ("collective-permute" in kinds) == (pp > 1)
+    if pp > 1:
+        assert kinds["collective-permute"] == {"pp"}
+    assert ("all-to-all" in kinds) == expert_parallel
+    if expert_parallel:
+        assert kinds["all-to-all"] == {"dp"}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_compiles_fits_and_emits_the_intended_collectives(compiled_cases, name):
+    preset, pod, shape, expert_parallel = CASES[name]
+    case = compiled_cases(name)
+    assert case["tpu"]["total"] <= case["hbm"]
+    check_collectives(case, shape, expert_parallel)
+    assert "reduce-scatter" not in kinds_over(case["eval_collectives"])  # no gradients in eval
+
+
+def test_bfloat16_gradient_reduction_is_what_the_flag_says(devices_of):
+    """--model.grad_reduce_dtype bfloat16 (half the bytes) reduces the gradients in
+    bfloat16; the float32 default reduces none in bfloat16 (check_collectives)."""
+    case = compile_case(devices_of, "tiny", "v4-8", (2, 1, 2), False, eval_step=False, grad_reduce_dtype="bfloat16")
+    reduced = gradient_reduction_bytes(case["collectives"])
+    assert reduced.get("bf16", 0) >= 0.4 * case["fsdp_gradient_bytes"] and reduced["bf16"] > reduced.get("f32", 0), reduced
+
+
+def test_embedding_gradient_accumulates_in_float32_over_microbatches():
+    """The tied embedding is gathered once per step and used by every microbatch's
+    loss; the loop over microbatches carries its gradient in float32 (a bfloat16 carry
+    rounds at every microbatch). Read off the train step's jaxpr on 8 CPU devices."""
+    cfg = apply_overrides(case_config("tiny", (2, 2, 2), False), {"train": dict(microbatches=4)})
+    mesh = par.make_mesh(cfg.mesh, jax.devices()[:8])
+    optimizer, params, opt_state = tpu_compile.abstract_state(cfg, mesh)
+    step = par.make_train_step(planner.abstract_model(cfg.model)[0], cfg, mesh, optimizer, params, opt_state)
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
+                                  sharding=jax.sharding.NamedSharding(mesh, par.batch_spec()))
+    jaxpr = jax.make_jaxpr(step)(params, opt_state, tokens, np.int32(0))
+    embed_shape = (params["embed_VD"].shape[0] // 2, params["embed_VD"].shape[1])  # V/tp x D
+    carries = [aval for aval in scan_carries(jaxpr.jaxpr) if tuple(aval.shape) == embed_shape]
+    assert carries and {str(aval.dtype) for aval in carries} == {"float32"}
+
+
+def scan_carries(jaxpr):
+    """Avals of every scan's carry, in jaxpr and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            body = eqn.params["jaxpr"].jaxpr
+            n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+            yield from (v.aval for v in body.invars[n_consts:n_consts + n_carry])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from scan_carries(inner)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_CASES))
+def test_full_moe1b_compiles_fits_and_the_planner_is_within_15_percent(devices_of, name):
+    preset, pod, shape, expert_parallel = SLOW_CASES[name]
+    case = compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=False)
+    assert case["tpu"]["total"] <= case["hbm"]
+    check_collectives(case, shape, expert_parallel)
+    assert abs(case["plan"]["total_bytes"] / case["tpu"]["total"] - 1) <= PLANNER_TOLERANCE

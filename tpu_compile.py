@@ -1,0 +1,381 @@
+"""Compile the real train step for a TPU pod, on this CPU (no TPU needed).
+
+libtpu (requirements-test.txt) holds the TPU compiler. `jax.experimental.topologies`
+describes a pod slice's chips (real coordinates, real hosts) without any hardware;
+`jit(f).lower(ShapeDtypeStructs with shardings).compile()` then gives the executable a
+TPU pod would run, its per-device memory (`memory_analysis()`) and its optimized HLO,
+from which the collectives are read. planner.py --tpu TYPE prints all of it.
+
+    python planner.py --preset moe1b --mesh.dp 8 --mesh.pp 2 --mesh.tp 2 --tpu v4-64
+"""
+
+import math
+import os
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import parallel as par
+from utils import ConfigError
+
+GiB = 2**30
+LIBTPU_HINT = ("planner.py --tpu needs the TPU compiler: pip install libtpu==0.0.42.1 (it is in requirements-test.txt; "
+               "a test and tooling dependency, not needed to train on CPU or GPU)")
+
+# ----------------------------------------------------------------------------
+# Pod slices, as gcloud names them (--accelerator-type)
+
+
+@dataclass(frozen=True)
+class PodType:
+    name: str  # gcloud accelerator type, e.g. v4-64
+    topology: str  # e.g. v4:2x4x4 (chips per torus axis)
+    chip_config: str  # megacore: one JAX device per chip (v4, v5p fuse their two TensorCores)
+    host_bounds: tuple  # chips per host along each axis
+    hardware: str  # planner.HARDWARE key (peak FLOP/s, HBM)
+    wrap: tuple  # which torus axes wrap around
+
+    @property
+    def chips(self):
+        return math.prod(int(n) for n in self.topology.split(":")[1].split("x"))
+
+
+# v4 and v5p: 3-D torus, 4 chips per host (2x2x1), the type counts TensorCores (2 per
+# chip); slices whose sides are all multiples of 4 are full tori (wraparound links).
+# v5e (v5litepod) and v6e: 2-D, the type counts chips; up to 8 chips is one host,
+# larger slices have 4 chips (2x2) per host.
+CUBE_SHAPES = ["2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16"]
+PLANE_SHAPES = ["1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"]
+
+
+def pod_types():
+    out = {}
+    for gen, hardware in (("v4", "tpu-v4"), ("v5p", "tpu-v5p")):
+        for shape in CUBE_SHAPES:
+            dims = [int(n) for n in shape.split("x")]
+            torus = all(n % 4 == 0 for n in dims)
+            out[f"{gen}-{2 * math.prod(dims)}"] = PodType(f"{gen}-{2 * math.prod(dims)}", f"{gen}:{shape}", "megacore",
+                                                          (2, 2, 1), hardware, (torus,) * 3)
+    for gen, prefix, hardware in (("v5litepod", "v5e", "tpu-v5e"), ("v6e", "v6e", "tpu-v6e")):
+        for shape in PLANE_SHAPES:
+            x, y = (int(n) for n in shape.split("x"))
+            host = (x, y, 1) if x * y <= 8 else (2, 2, 1)
+            out[f"{gen}-{x * y}"] = PodType(f"{gen}-{x * y}", f"{prefix}:{shape}", "default", host, hardware, (False,) * 3)
+    return out
+
+
+POD_TYPES = pod_types()
+
+
+def pod_type(name):
+    if name not in POD_TYPES:
+        raise ConfigError(f"unknown --tpu {name!r}; known accelerator types: {', '.join(POD_TYPES)}")
+    return POD_TYPES[name]
+
+
+def pod_devices(name):
+    """The slice's devices (compile-only: real ids, coordinates and process indices)."""
+    pod = pod_type(name)
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise ConfigError(LIBTPU_HINT) from None
+    # Compile-only use: say which slice this is and that no metadata server or peer
+    # hosts are to be found, or libtpu prints warnings; several processes may load it.
+    if not os.environ.get("TPU_WORKER_HOSTNAMES"):
+        os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", pod.name)
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=pod.topology, chip_config_name=pod.chip_config,
+                                            chips_per_host_bounds=pod.host_bounds, num_slices=1, wrap=pod.wrap)
+    return list(topology.devices)
+
+
+# ----------------------------------------------------------------------------
+# The steps, from shapes only
+
+
+def abstract_state(cfg, mesh):
+    """(optimizer, params, opt_state): params and AdamW state as ShapeDtypeStructs laid
+    out exactly as parallel.init_params / init_opt_state lay out the real ones."""
+    import planner
+
+    shapes = planner.abstract_params(cfg.model)
+    specs = par.param_specs(shapes, cfg.mesh.expert_parallel)
+    par.check_divisible(shapes, specs, mesh)
+    params = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
+                          shapes, specs)
+    optimizer = par.make_optimizer(cfg.train)
+    with jax.set_mesh(mesh):
+        opt_shapes = jax.eval_shape(jax.jit(optimizer.init), params)
+    opt_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+        s.shape, s.dtype, sharding=NamedSharding(mesh, s.sharding.spec if s.sharding is not None else P())), opt_shapes)
+    return optimizer, params, opt_state
+
+
+def compile_steps(cfg, mesh, eval_step=True):
+    """{"train": compiled, "eval": compiled, "seconds": {name: compile seconds}}: the
+    real train and eval steps (parallel.make_train_step / make_eval_step)."""
+    import planner
+
+    par.check_config_fits_mesh(cfg, mesh)
+    optimizer, params, opt_state = abstract_state(cfg, mesh)
+    graphdef = planner.abstract_model(cfg.model)[0]
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
+                                  sharding=NamedSharding(mesh, par.batch_spec()))
+    step = jax.ShapeDtypeStruct((), jnp.int32)
+    out, seconds = {}, {}
+    t0 = time.perf_counter()
+    out["train"] = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state).lower(
+        params, opt_state, tokens, step).compile()
+    seconds["train"] = time.perf_counter() - t0
+    if eval_step:
+        t0 = time.perf_counter()
+        out["eval"] = par.make_eval_step(graphdef, cfg, mesh, params).lower(params, tokens).compile()
+        seconds["eval"] = time.perf_counter() - t0
+    out["seconds"] = seconds
+    return out
+
+
+def memory_bytes(compiled):
+    """Per-device bytes from the TPU compiler. total = what the step holds at once:
+    arguments + outputs - aliased (donated arguments the outputs overwrite) + temporaries."""
+    m = compiled.memory_analysis()
+    out = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
+               temporaries=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes)
+    out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Collectives, read from the optimized HLO
+#
+# Counted per step: an op inside a loop counts once per trip (the trip count is the
+# constant its loop condition compares the counter with; JAX's scans count 0..N-1).
+# Bytes per device: the op's full buffer (all-gather: its output; reduce-scatter: its
+# input, i.e. output x group size; the rest: their output). Async pairs count once (at
+# -done); "over" names the mesh axes its device groups span.
+
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+               "s64": 8, "u64": 8, "f64": 8}
+ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
+COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
+
+
+def split_computations(hlo):
+    """{name: [instruction lines]} and the entry computation's name."""
+    comps, entry, name = {}, None, None
+    for line in hlo.splitlines():
+        head = COMPUTATION.match(line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            comps[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            comps[name].append(line)
+    return comps, entry
+
+
+def trip_count(condition_lines):
+    constants = [int(c) for line in condition_lines for c in re.findall(r"constant\((\d+)\)", line)]
+    return constants[0] if len(constants) == 1 else 1
+
+
+def executions(comps, entry):
+    """{computation: times it runs per call of the entry computation}."""
+    callees = defaultdict(list)  # name -> [(callee, multiplier)]
+    for name, lines in comps.items():
+        for line in lines:
+            body = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
+            if body:
+                callees[name].append((body.group(2), trip_count(comps.get(body.group(1), []))))
+                continue
+            for callee in re.findall(r"(?:calls|to_apply)=%([^\s,}]+)", line):
+                callees[name].append((callee, 1))
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                callees[name] += [(c.strip().lstrip("%"), 1) for c in group.split(",")]
+    runs = defaultdict(int)
+
+    def visit(name, times):
+        runs[name] += times
+        for callee, n in callees[name]:
+            visit(callee, times * n)
+
+    visit(entry, 1)
+    return runs
+
+
+def device_groups(line):
+    """Lists of device (partition) ids that an op's groups hold (None: not found)."""
+    if "source_target_pairs={}" in line:  # a ppermute with nothing to send (pp = 1)
+        return []
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+    if pairs:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(0))]
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:
+        shape = [int(n) for n in iota.group(1).split(",")]
+        dims = [int(n) for n in iota.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(n) for n in iota.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    groups = re.search(r"replica_groups=\{(.*?)\}\}", line)
+    if groups:
+        return [[int(n) for n in g.split(",")] for g in re.findall(r"\{([\d,]+)", groups.group(0))]
+    return None
+
+
+def axes_spanned(groups, mesh_shape):
+    """The mesh axes along which the devices of a group differ ("dp+tp", ...)."""
+    varying = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(group, mesh_shape)).T
+        varying |= {par.AXES[i] for i in range(len(mesh_shape)) if len(set(coords[:, i])) > 1}
+    return "+".join(a for a in par.AXES if a in varying) or "-"
+
+
+def collectives(hlo, mesh_shape):
+    """{(kind, dtype, over): {"count": per step, "bytes": per device per step}}."""
+    comps, entry = split_computations(hlo)
+    runs = executions(comps, entry)
+    table = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for name, lines in comps.items():
+        if not runs.get(name):
+            continue
+        for line in lines:
+            m = INSTRUCTION.match(line)
+            if not m:
+                continue
+            result, op = m.group(1), m.group(2)
+            kind = op[:-len("-done")] if op.endswith("-done") else op
+            if kind not in COLLECTIVE_KINDS or op.endswith("-start"):
+                continue
+            start_line = line
+            if op.endswith("-done"):  # the groups sit on the matching -start
+                operand = re.match(r"%([^\s,)]+)", m.group(3))
+                start_line = next((s for s in lines if operand and s.lstrip().startswith(f"%{operand.group(1)} =")), line)
+            groups = device_groups(start_line)
+            over = "?" if groups is None else axes_spanned(groups, mesh_shape)
+            group_size = len(groups[0]) if groups and kind == "reduce-scatter" else 1
+            for dtype, dims in ARRAY.findall(result):
+                nbytes = DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d) * group_size
+                row = table[(kind, dtype, over)]
+                row["count"] += runs[name]
+                row["bytes"] += runs[name] * nbytes
+    return dict(table)
+
+
+# ----------------------------------------------------------------------------
+# Printing (planner.py --tpu)
+
+
+def gib(n):
+    return f"{n / GiB:9.3f} GiB"
+
+
+def memory_report(planned, tpu, hbm_bytes, pod, compile_seconds):
+    """Lines: the planner's estimate and the TPU compiler's bytes, row by row."""
+    mem = planned["memory"]
+    batch = planned.get("batch_bytes", 0)
+    rows = [
+        ("arguments (params + optimizer + batch)", mem["params"] + mem["optimizer"] + batch, tpu["arguments"]),
+        ("outputs (new params + optimizer + metrics)", mem["params"] + mem["optimizer"], tpu["outputs"]),
+        ("aliased (donated: outputs written over inputs)", mem["params"] + mem["optimizer"], tpu["aliased"]),
+        ("temporaries (activations, gathered weights, grads)", planned["temp_bytes"], tpu["temporaries"]),
+        ("total = arguments + outputs - aliased + temporaries", planned["total_bytes"], tpu["total"]),
+    ]
+    width = max(len(r[0]) for r in rows) + 2
+    lines = [f"TPU compiler, {pod.name} ({pod.topology}, {pod.chips} chips), per device "
+             f"(train step compiled in {compile_seconds['train']:.0f}s, eval step in {compile_seconds['eval']:.0f}s):",
+             f"{'':<{width}}{'planner':>13} {'TPU compiler':>13} {'ratio':>6}"]
+    for label, plan_bytes, tpu_bytes in rows:
+        ratio = f"{plan_bytes / tpu_bytes:6.2f}" if tpu_bytes else "     -"
+        lines.append(f"{label:<{width}}{gib(plan_bytes)} {gib(tpu_bytes)} {ratio}")
+    lines.append(f"{'program code (not in the total)':<{width}}{'':>13} {gib(tpu['code'])}")
+    verdict = "fits" if tpu["total"] <= hbm_bytes else "does NOT fit"
+    lines.append(f"{verdict}: {tpu['total'] / GiB:.2f} GiB per device of {hbm_bytes / GiB:.0f} GiB HBM")
+    return lines
+
+
+def collectives_report(table, title):
+    lines = [f"collectives of the {title} (per step, per device):",
+             f"  {'kind':<20}{'dtype':<7}{'over':<10}{'count':>7}{'bytes':>14}"]
+    for (kind, dtype, over), row in sorted(table.items(), key=lambda kv: (COLLECTIVE_KINDS.index(kv[0][0]), kv[0][1:])):
+        lines.append(f"  {kind:<20}{dtype:<7}{over:<10}{row['count']:>7}{row['bytes'] / 2**20:>10.1f} MiB")
+    return lines
+
+
+# ----------------------------------------------------------------------------
+# The README's table: every preset on the pods people use
+#
+#     python tpu_compile.py [--presets shakespeare,tiny,moe1b] [--pods v4-8,v4-64,...]
+
+# preset -> pod -> mesh flags (dp, pp, tp, microbatches); None: the preset's own.
+TABLE_MESHES = {
+    "shakespeare": {"v4-8": (4, 1, 1, 1), "v4-64": (16, 1, 2, 1), "v5p-64": (16, 1, 2, 1), "v5litepod-16": (16, 1, 1, 1),
+                    "v6e-16": (16, 1, 1, 1)},
+    "tiny": {"v4-8": (4, 1, 1, 1), "v4-64": (8, 2, 2, 2), "v5p-64": (8, 2, 2, 2), "v5litepod-16": (4, 2, 2, 2),
+             "v6e-16": (4, 2, 2, 2)},
+    "moe1b": {"v4-8": (1, 2, 2, 4), "v4-64": (8, 2, 2, 4), "v5p-64": (8, 2, 2, 4), "v5litepod-16": (4, 2, 2, 4),
+              "v6e-16": (4, 2, 2, 4)},
+}
+
+
+def table_row(preset, pod_name):
+    import planner
+    from utils import PRESETS, Config, apply_overrides
+
+    dp, pp, tp, microbatches = TABLE_MESHES[preset][pod_name]
+    cfg = planner.plan_config(apply_overrides(apply_overrides(Config(), PRESETS[preset]), {
+        "mesh": dict(dp=dp, pp=pp, tp=tp), "train": dict(microbatches=microbatches)}))
+    pod = pod_type(pod_name)
+    mesh = par.make_mesh(cfg.mesh, pod_devices(pod_name))
+    compiled = compile_steps(cfg, mesh, eval_step=False)
+    tpu = memory_bytes(compiled["train"])
+    planned = planner.plan(cfg, 0, pod.hardware)
+    hbm = planner.HARDWARE[pod.hardware].memory_bytes
+    return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", tpu_bytes=tpu["total"], planner_bytes=planned["total_bytes"],
+                fits=tpu["total"] <= hbm, compile_s=compiled["seconds"]["train"])
+
+
+def main(argv):
+    import json
+
+    from main import skip_tpu_probe_without_tpu
+
+    skip_tpu_probe_without_tpu()
+    args = dict(zip(argv[::2], argv[1::2]))
+    presets = args.get("--presets", ",".join(TABLE_MESHES)).split(",")
+    pods = args.get("--pods", "v4-8,v4-64,v5p-64,v5litepod-16,v6e-16").split(",")
+    print("| preset | pod | mesh dp x pp x tp | TPU compiler GiB/device | planner GiB/device | planner / TPU | fits | compile s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for preset in presets:
+        for pod_name in pods:
+            r = table_row(preset, pod_name)
+            print(f"| {r['preset']} | {r['pod']} | {r['mesh']} | {r['tpu_bytes'] / GiB:.2f} | {r['planner_bytes'] / GiB:.2f} | "
+                  f"{r['planner_bytes'] / r['tpu_bytes']:.2f} | {'yes' if r['fits'] else 'no'} | {r['compile_s']:.0f} |", flush=True)
+            if "--json" in args:
+                with open(args["--json"], "a") as f:
+                    f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
