@@ -94,6 +94,8 @@ def auto_loss(params, tokens_BT1, graphdef, cfg, rng):
     B, T1 = tokens_BT1.shape
     tokens_MbT1 = tokens_BT1.reshape(B // M, M, T1).swapaxes(0, 1)
     angles = rope_angles(jnp.arange(T1 - 1)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
+    # Dropout keys per global row (parallel.dropout_rows), so masks equal the manual step's.
+    keys_Mb = None if rng is None else par.dropout_rows(rng, 0, B).reshape(B // M, M).swapaxes(0, 1)
 
     def run_blocks(x_bTD, micro_rng):
         return apply_blocks(model.blocks, x_bTD, angles, None, ep_axis, micro_rng, remat=m_cfg.remat,
@@ -105,7 +107,7 @@ def auto_loss(params, tokens_BT1, graphdef, cfg, rng):
     def microbatch(ce_sum, tokens_and_index):
         tokens_bT1, index = tokens_and_index
         x_bTD = residual(model.embed(tokens_bT1[:, :-1]))
-        micro_rng = None if rng is None else jax.random.fold_in(rng, index)
+        micro_rng = None if keys_Mb is None else keys_Mb[index]
         y_bTD, stats_N = run_blocks(x_bTD, micro_rng)
         return ce_sum + loss_sum(model, residual(y_bTD), tokens_bT1[:, 1:], M > 1), stats_N
 

@@ -121,6 +121,37 @@ def check_model_config(saved_model_cfg, model_cfg, where):
                           f"use the same --model.* flags, or another --run.name")
 
 
+def schedule_of(train):
+    """What fixes the learning rate of every step: (lr, warmup, end of the cosine
+    decay, final ratio). train: a TrainConfig or its dict."""
+    t = train if isinstance(train, dict) else vars(train)
+    return dict(lr=t["lr"], warmup_steps=t["warmup_steps"], decay_steps=t["decay_steps"] or t["steps"],
+                min_lr_ratio=t["min_lr_ratio"])
+
+
+def check_resume_config(saved_train, train_cfg, where):
+    """A resumed run must read the data and follow the schedule it was started with.
+
+    The data position of step s is s x batch_size sequences, so another batch size
+    would skip or repeat data; the cosine schedule ends at --train.decay_steps (0 =
+    --train.steps), so another --train.steps would change the learning rate of steps
+    already planned. Both are refused, naming the flags that keep the run whole."""
+    if saved_train["batch_size"] != train_cfg.batch_size:
+        raise ConfigError(f"the checkpoint in {where} was trained with --train.batch_size {saved_train['batch_size']}, "
+                          f"not {train_cfg.batch_size}: a step's data position is step x batch size, so resuming with "
+                          f"another batch size would skip or repeat data. Resume with --train.batch_size "
+                          f"{saved_train['batch_size']}, or start another --run.name (--train.init_from this run keeps its weights)")
+    saved, now = schedule_of(saved_train), schedule_of(train_cfg)
+    if saved != now:
+        diffs = "; ".join(f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in saved if saved[k] != now[k])
+        hint = (f" To train longer on the same schedule, pass --train.decay_steps {saved['decay_steps']} (after it the "
+                f"learning rate stays at its final value)." if saved["decay_steps"] != now["decay_steps"] else "")
+        raise ConfigError(f"the checkpoint in {where} follows another learning-rate schedule ({diffs}, decay_steps 0 "
+                          f"meaning --train.steps): resuming would change the learning rate of steps already planned.{hint} "
+                          f"Otherwise resume with the same --train.lr/warmup_steps/decay_steps/min_lr_ratio/steps, "
+                          f"or start another --run.name")
+
+
 def check_fingerprint(expected, tree, what):
     """Raise if restored arrays differ from what was saved (a damaged file)."""
     if expected is None:  # written before fingerprints existed
@@ -160,9 +191,10 @@ def set_aside(manager, steps, suffix, log):
     manager.reload()
 
 
-def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=None, log=warn):
+def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=None, log=warn, train_cfg=None):
     """Restore (params, opt_state, meta) into the shardings of the given trees, or None
-    when there is no checkpoint.
+    when there is no checkpoint. With train_cfg, refuse a changed batch size or
+    learning-rate schedule (check_resume_config).
 
     `step` None = the latest. A checkpoint that fails to read or to match its
     fingerprint is reported, moved aside (<step>.unreadable) and the previous one is
@@ -188,6 +220,8 @@ def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=No
                 raise ConfigError(f"the checkpoint in {manager.directory} was written with --run.seed {meta['seed']}, "
                                   f"not {seed}: the seed fixes the data order, so resume with --run.seed {meta['seed']} "
                                   f"or start another --run.name")
+            if train_cfg is not None and "train" in meta["config"]:
+                check_resume_config(meta["config"]["train"], train_cfg, manager.directory)
             try:
                 restored = manager.restore(s, args=ocp.args.Composite(
                     params=ocp.args.StandardRestore(abstract_like(params)),

@@ -327,7 +327,8 @@ def train(cfg):
     manager = checkpoint.checkpoint_manager(run_dir, cfg.train.keep_checkpoints)
     start_step, wandb_id = 0, None
     resume_step = None if cfg.train.resume_step < 0 else cfg.train.resume_step
-    restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, cfg.run.seed, log=say)
+    restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, cfg.run.seed, log=say,
+                                            train_cfg=cfg.train)
     if restored is not None:
         params, opt_state, meta = restored
         start_step, wandb_id = meta["step"], meta.get("wandb_id")

@@ -523,6 +523,14 @@ class MoE(nnx.Module):
 # Block: a short pattern of layers, e.g. "DDDDDM" = five dense layers, then one MoE.
 
 
+def fold_in_rows(keys_B, data):
+    """fold_in for a batch of keys, one per sequence: the dropout keys of a row are
+    derived from (seed, step, global row) by parallel.dropout_rows, then from the block,
+    the layer and the branch here. So a mask never depends on the mesh or the pipeline
+    schedule, only on what it masks."""
+    return jax.vmap(jax.random.fold_in, (0, None))(keys_B, data)
+
+
 def empty_moe_stats(n_experts, sequence_loss=False):
     z = jnp.zeros((), jnp.float32)
     stats = dict(aux_loss_sum=z, tokens_per_expert=jnp.zeros((n_experts,), jnp.int32),
@@ -543,14 +551,18 @@ class Layer(nnx.Module):
         self.ffn = MoE(cfg, rngs) if kind == "M" else DenseFFN(cfg.d_model, cfg.d_ff, cfg.ffn_activation, rngs, residual_scale(cfg))
         self.dropout = cfg.dropout
 
-    def drop(self, x, rng):
-        if self.dropout == 0 or rng is None:
-            return x
-        keep = jax.random.bernoulli(rng, 1 - self.dropout, x.shape)
-        return jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
+    def drop(self, x_BTD, keys_B):
+        """Dropout on a residual branch's output. The mask of row b is drawn from its own
+        key over the whole [T, D] of that row: every tp device holds the same residual
+        stream and the same keys, so it draws the same mask (no tp-varying rng)."""
+        if self.dropout == 0 or keys_B is None:
+            return x_BTD
+        keep_BTD = jax.vmap(lambda key: jax.random.bernoulli(key, 1 - self.dropout, x_BTD.shape[1:]))(keys_B)
+        return jnp.where(keep_BTD, x_BTD / (1 - self.dropout), 0).astype(x_BTD.dtype)
 
     def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None):
-        rngs = jax.random.split(rng) if rng is not None else (None, None)
+        """rng: dropout keys, one per batch row [B] (see fold_in_rows), or None = no dropout."""
+        rngs = (fold_in_rows(rng, 0), fold_in_rows(rng, 1)) if rng is not None else (None, None)
         x_BTD = x_BTD + self.drop(self.attn(self.attn_norm(x_BTD), angles, tp_axis), rngs[0])
         h_BTD = self.ffn_norm(x_BTD)
         if self.kind == "M":
@@ -576,7 +588,7 @@ class Block(nnx.Module):
         if remat_layers:
             run_layer = nnx.remat(run_layer)
         for i, layer in enumerate(self.layers):
-            x_BTD, layer_stats = run_layer(layer, x_BTD, None if rng is None else jax.random.fold_in(rng, i))
+            x_BTD, layer_stats = run_layer(layer, x_BTD, None if rng is None else fold_in_rows(rng, i))
             if layer_stats is not None:
                 stats = jax.tree.map(jnp.add, stats, layer_stats)
                 tokens_per_expert_LE.append(layer_stats["tokens_per_expert"])
@@ -624,7 +636,7 @@ class MTPModule(nnx.Module):
         return self.block(x_BTD, angles, tp_axis, None, rng)[0]
 
 
-MTP_RNG_SALT = 2**31 - 1  # dropout keys of the MTP blocks: fold_in(rng, salt + depth), apart from the blocks' own
+MTP_RNG_SALT = 2**31 - 1  # dropout keys of the MTP blocks: each row's key folded with salt + depth, apart from the blocks' own
 
 
 # ----------------------------------------------------------------------------
@@ -641,8 +653,13 @@ class Transformer(nnx.Module):
     def __init__(self, cfg, rngs):
         self.cfg = cfg
         V = padded_vocab(cfg.vocab_size, cfg.vocab_multiple)
-        # Tied embedding: rows are token vectors in, and the output layer out.
-        self.embed_VD = nnx.Param(jax.random.normal(rngs.params(), (V, cfg.d_model), jnp.float32))
+        # Tied embedding: rows are token vectors in, and the output layer out. Rows of
+        # norm ~1 (std 1/sqrt(D)), small next to what the first layers add to the
+        # residual stream. With unit-variance rows (norm sqrt(D)) the stream at the
+        # last layer was still mostly the input token's own row, whose logit is then
+        # ~sqrt(D) (10 at D = 128): the untrained model predicted "the next token is
+        # this one" and started at loss 10.15 instead of ln(384) = 5.95.
+        self.embed_VD = init_normal(rngs, (V, cfg.d_model), cfg.d_model)
 
         @nnx.split_rngs(splits=cfg.n_blocks)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -667,7 +684,8 @@ class Transformer(nnx.Module):
     def logits(self, x_BTD, norm=None):
         """Output layer of the tied embedding (the local vocabulary rows under tp).
         `norm`: the final norm to apply (an MTP depth has its own)."""
-        # Scaled by 1/sqrt(D): the table has unit-variance rows, logits start near 0.
+        # Scaled by 1/sqrt(D): the normed x has norm sqrt(D) and the rows norm ~1, so at
+        # init a logit is ~N(0, 1/D), and ~cos(x, own row) <= 1 for the input token.
         x_BTD = (norm or self.final_norm)(x_BTD) / math.sqrt(x_BTD.shape[-1])
         # (in x's dtype: the sharded step hands the table over in float32, parallel.gather_for_use)
         return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...].astype(x_BTD.dtype), preferred_element_type=ACC_DTYPE)
@@ -694,7 +712,7 @@ class Transformer(nnx.Module):
         ce_BT = jnp.log(sum_exp_BT) + max_BT - target_logit_BT
         return jnp.sum(ce_BT if mask_BT is None else jnp.where(mask_BT, ce_BT, 0.0))
 
-    def mtp_loss_sum(self, h_BTD, tokens_BT1, angles, tp_axis=None, rng=None):
+    def mtp_loss_sum(self, h_BTD, tokens_BT1, angles, tp_axis=None, keys_B=None):
         """Summed cross-entropy of every MTP depth, given the main model's last hidden
         state h_BTD (before the final norm) of inputs tokens_BT1[:, :-1].
 
@@ -707,8 +725,8 @@ class Transformer(nnx.Module):
         total = jnp.zeros((), jnp.float32)
         for k, module in enumerate(self.mtp, start=1):
             shifted_BT1 = jnp.pad(tokens_BT1[:, k:], ((0, 0), (0, k)))  # token i+k at position i
-            depth_rng = None if rng is None else jax.random.fold_in(rng, MTP_RNG_SALT + k)
-            h_BTD = module(h_BTD, self.embed(shifted_BT1[:, :T], tp_axis), angles, tp_axis, depth_rng)
+            depth_keys_B = None if keys_B is None else fold_in_rows(keys_B, MTP_RNG_SALT + k)
+            h_BTD = module(h_BTD, self.embed(shifted_BT1[:, :T], tp_axis), angles, tp_axis, depth_keys_B)
             valid_BT = jnp.broadcast_to(jnp.arange(T) < T - k, (B, T))
             total += self.loss_sum(h_BTD, shifted_BT1[:, 1:], tp_axis, norm=module.final_norm, mask_BT=valid_BT)
         return total
@@ -725,8 +743,13 @@ class Transformer(nnx.Module):
         return (self.logits(x_BTD), stats_N) + ((x_BTD,) if return_hidden else ())
 
 
-def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat="none", prepare=None, unroll=False):
+def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat="none", prepare=None, unroll=False,
+                 first_block=0):
     """Run stacked blocks in order with lax.scan (one compiled body whatever N is).
+
+    rng: dropout keys, one per row of x [B] (None = no dropout); each block folds in its
+    index in the whole model, first_block + i (a pipeline stage holds blocks from
+    first_block on), so its masks are the same whichever stage runs it.
 
     `blocks` is a Block whose weights carry a leading axis N. `prepare` maps one
     block's weights just before use (cast to the compute dtype; under FSDP, all-gather).
@@ -749,7 +772,7 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
                 # Without remat, hoisting is what we want: one gather, not one per tick.
                 state = jax.lax.optimization_barrier((state, x_BTD))[0]
             state = prepare(state)
-        block_rng = None if rng is None else jax.random.fold_in(rng, index)
+        block_rng = None if rng is None else fold_in_rows(rng, first_block + index)
         return nnx.merge(block_def, state)(x_BTD, angles, tp_axis, ep_axis, block_rng, remat_layers=remat == "layer")
 
     if remat == "block":  # keep only each block's input; recompute its insides in the backward pass

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from model import Transformer, apply_blocks, balance_router_biases, rope_angles, router_biases
 from pipeline import formula_bubble, scheduled_value_and_grad, when
-from utils import ConfigError
+from utils import ConfigError, apply_overrides
 
 DP, PP, TP = "dp", "pp", "tp"
 AXES = (DP, PP, TP)
@@ -335,6 +335,7 @@ def varying_over(x, axis):
 def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     """GPipe over pp: returns (summed cross-entropy of this device's rows, MoE stats of
     this stage's blocks [N/pp, ...], summed MTP cross-entropy). Runs inside shard_map.
+    rng: the step's dropout key (dropout_rng), or None.
 
     At tick t stage s works on microbatch m = t - s: stage 0 embeds microbatch t,
     every other stage takes what its left neighbour produced at tick t-1 (ppermute).
@@ -353,10 +354,14 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     ep_axis = DP if cfg.mesh.expert_parallel else None
 
     blocks_def, blocks_state = nnx.split(model.blocks)
+    first_block = stage * jax.tree.leaves(blocks_state)[0].shape[0]
+    # Dropout keys of this device's rows: rows [dp_index * M * b, ...) of the global
+    # batch, microbatch m holding the m-th b of them (sharded_loss's reshape).
+    keys_Mb = None if rng is None else dropout_rows(rng, jax.lax.axis_index(DP) * M * b, M * b).reshape(M, b)
 
-    def run_stage(blocks_state, x_bTD, tick_rng):
-        return apply_blocks(nnx.merge(blocks_def, blocks_state), x_bTD, angles, TP, ep_axis, tick_rng,
-                            remat=m_cfg.remat, prepare=params_fn, unroll=m_cfg.unroll_blocks)
+    def run_stage(blocks_state, x_bTD, keys_b):
+        return apply_blocks(nnx.merge(blocks_def, blocks_state), x_bTD, angles, TP, ep_axis, keys_b,
+                            remat=m_cfg.remat, prepare=params_fn, unroll=m_cfg.unroll_blocks, first_block=first_block)
 
     if m_cfg.remat == "stage":  # keep only the stage's input per tick
         run_stage = jax.checkpoint(run_stage)
@@ -364,8 +369,8 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     def tick(carry, t):
         received_bTD = carry
         x_bTD = jnp.where(stage == 0, x0_MbTD[jnp.minimum(t, M - 1)], received_bTD)
-        tick_rng = None if rng is None else jax.random.fold_in(rng, t)
-        y_bTD, stats_N = run_stage(blocks_state, x_bTD, tick_rng)
+        keys_b = None if keys_Mb is None else keys_Mb[jnp.clip(t - stage, 0, M - 1)]  # this tick's microbatch
+        y_bTD, stats_N = run_stage(blocks_state, x_bTD, keys_b)
         valid = (t - stage >= 0) & (t - stage < M)  # is this stage working on a real microbatch?
         stats_N = jax.tree.map(lambda s: jnp.where(valid, s, jnp.zeros_like(s)), stats_N)
         # Hand the activation to the next stage; the last stage's output is kept as ys.
@@ -376,13 +381,14 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     first_received = varying_over(jnp.zeros_like(x0_MbTD[0]), PP)  # the carry differs per stage from tick 1 on
     _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
     outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
-    ce_sum, mtp_sum = when(n_stages == 1 or stage == n_stages - 1, lambda y: last_stage_loss_sums(model, y, tokens_MbT1, angles, rng), outputs_MbTD)
+    ce_sum, mtp_sum = when(n_stages == 1 or stage == n_stages - 1, lambda y: last_stage_loss_sums(model, y, tokens_MbT1, angles, keys_Mb), outputs_MbTD)
     return ce_sum, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN), mtp_sum
 
 
-def last_stage_loss_sums(model, outputs_MbTD, tokens_MbT1, angles, rng):
+def last_stage_loss_sums(model, outputs_MbTD, tokens_MbT1, angles, keys_Mb):
     """(summed cross-entropy, summed MTP cross-entropy over its depths; 0 without MTP)
-    of the finished microbatches, whatever schedule produced them.
+    of the finished microbatches, whatever schedule produced them. keys_Mb: the dropout
+    keys of each microbatch's rows (dropout_rows), or None.
 
     One microbatch at a time: the float32 logits [b, T, V/tp] of only one microbatch
     exist at once (the backward pass recomputes them per microbatch), instead of
@@ -392,7 +398,7 @@ def last_stage_loss_sums(model, outputs_MbTD, tokens_MbT1, angles, rng):
         ce = model.loss_sum(x_bTD, tokens_bT1[:, 1:], TP)
         if model.mtp is None:
             return ce, jnp.zeros((), jnp.float32)
-        return ce, model.mtp_loss_sum(x_bTD, tokens_bT1, angles, TP, None if rng is None else jax.random.fold_in(rng, m))
+        return ce, model.mtp_loss_sum(x_bTD, tokens_bT1, angles, TP, None if keys_Mb is None else keys_Mb[m])
 
     if outputs_MbTD.shape[0] == 1:  # nothing to split: skip the recomputation
         return microbatch_losses(outputs_MbTD[0], tokens_MbT1[0], 0)
@@ -520,7 +526,7 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
             (_, metrics), grads = jax.value_and_grad(sharded_loss, has_aux=True)(params, tokens_bT1, graphdef, cfg, rng)
         else:  # 1f1b / interleaved: the backward written by hand, tick by tick (pipeline.py)
             (_, metrics), grads = scheduled_value_and_grad(
-                params, tokens_bT1, graphdef, cfg, rng, axes=AXES,
+                params, tokens_bT1, graphdef, cfg, rng, axes=AXES, dropout_rows=dropout_rows,
                 gather=lambda tree, one_block: gather_for_use(tree, cfg.mesh.expert_parallel, jnp.dtype(cfg.model.dtype), one_block,
                                                               reduce_dtype=jnp.dtype(cfg.model.grad_reduce_dtype)),
                 loss_and_metrics=lambda ce_sum, stats_N: loss_and_metrics(ce_sum, stats_N, cfg))
@@ -556,8 +562,25 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
     return jax.jit(sharded, donate_argnums=(0, 1))
 
 
+def eval_model_config(cfg):
+    """The model that evaluation measures: training's, with --train.eval_capacity_factor
+    (0 = dropless, the function that sampling computes, so val_loss counts no token
+    whose expert output was dropped). Expert parallelism needs fixed-size buffers, so
+    there "dropless" is the capacity factor E / top_k: C = the group size, room for
+    every token in every expert, nothing dropped."""
+    m = cfg.model
+    factor = cfg.train.eval_capacity_factor
+    if factor == 0 and cfg.mesh.expert_parallel:
+        factor = m.n_experts / m.top_k
+    return apply_overrides(cfg, {"model": {"capacity_factor": factor}})
+
+
 def make_eval_step(graphdef, cfg, mesh, params):
-    """Summed validation cross-entropy of one batch (dropout off)."""
+    """Mean validation cross-entropy of one batch (dropout off), with the eval
+    capacity (eval_model_config). graphdef: training's; the capacity is a static
+    attribute of the MoE layers, so the eval graphdef is built anew (same params)."""
+    cfg = eval_model_config(cfg)
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
     if cfg.mesh.sharding == "auto":
         import auto_sharding
         return auto_sharding.make_eval_step(graphdef, cfg, mesh, params)
@@ -570,14 +593,21 @@ def make_eval_step(graphdef, cfg, mesh, params):
 
 
 def dropout_rng(cfg, step):
-    """Dropout masks differ per device and step (they depend on the mesh: runs with
-    dropout are not mesh-invariant, which is why the invariance tests use dropout 0)."""
+    """The dropout key of a step, from (seed, step) alone: the same on every device
+    (None without dropout). Masks are drawn from it per global batch row
+    (dropout_rows), then per block, layer and branch (model.fold_in_rows), so a run
+    with dropout takes the same steps on every mesh. Megatron-style per-tp-rank keys
+    are not needed: dropout only masks the residual stream, which every tp device
+    holds whole."""
     if cfg.model.dropout == 0:
         return None
-    key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
-    for axis in AXES:
-        key = jax.random.fold_in(key, jax.lax.axis_index(axis))
-    return key
+    return jax.random.fold_in(jax.random.key(cfg.run.seed), step)
+
+
+def dropout_rows(rng, first_row, n_rows):
+    """Keys [n_rows] for global batch rows first_row, first_row + 1, ...: each device
+    derives only the keys of the rows it holds."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(rng, first_row + jnp.arange(n_rows))
 
 
 def global_batch(mesh, rows_for_process, batch_size):

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import rope_angles
+from model import fold_in_rows, rope_angles
 from utils import PIPELINE_SCHEDULES as SCHEDULES  # (one source of truth: the config)
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
@@ -279,13 +279,14 @@ def widen(tree, avals):
 # The executor
 
 
-def scheduled_value_and_grad(params, tokens_bT1, graphdef, cfg, rng, *, gather, loss_and_metrics, axes):
+def scheduled_value_and_grad(params, tokens_bT1, graphdef, cfg, rng, *, gather, loss_and_metrics, axes, dropout_rows):
     """((loss, metrics), grads) of one step under --train.pipeline 1f1b | interleaved,
     from inside shard_map; the same numbers autodiff of parallel.sharded_loss gives.
 
     gather(tree, one_block) is parallel.gather_for_use (FSDP all-gather + cast; its vjp
     reduce-scatters the gradient); loss_and_metrics(ce_sum, stats_N) is the loss of
-    parallel.sharded_loss from the per-device sums.
+    parallel.sharded_loss from the per-device sums; dropout_rows(rng, first_row, n)
+    is parallel.dropout_rows (the per-row dropout keys GPipe uses too).
     """
     DP, PP, TP = axes
     m_cfg, t_cfg = cfg.model, cfg.train
@@ -298,6 +299,10 @@ def scheduled_value_and_grad(params, tokens_bT1, graphdef, cfg, rng, *, gather, 
 
     tokens_MbT1 = tokens_bT1.reshape(M, tokens_bT1.shape[0] // M, tokens_bT1.shape[1])
     T = tokens_MbT1.shape[2] - 1
+    b = tokens_MbT1.shape[1]
+    # Dropout keys of this device's rows, as parallel.pipeline_loss derives them: rows
+    # [dp_index * M * b, ...) of the global batch, microbatch m holding the m-th b.
+    keys_Mb = None if rng is None else dropout_rows(rng, jax.lax.axis_index(DP) * M * b, M * b).reshape(M, b)
     angles = rope_angles(jnp.arange(T)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
 
     # The embedding and final norm, gathered once per step; their gradient is summed
@@ -320,7 +325,7 @@ def scheduled_value_and_grad(params, tokens_bT1, graphdef, cfg, rng, *, gather, 
         # Tie the weights to this block's input so the gather stays in the loop
         # (see model.apply_blocks) instead of all blocks' gathers being hoisted.
         state = jax.lax.optimization_barrier((state, x_bTD))[0]
-        block_rng = None if rng is None else jax.random.fold_in(jax.random.fold_in(rng, m), n)
+        block_rng = None if keys_Mb is None else fold_in_rows(keys_Mb[m], n)  # as model.apply_blocks folds block n
         block = nnx.merge(block_def, gather(state, True))
         return block(x_bTD, angles, TP, ep_axis, block_rng, remat_layers=remat == "layer")
 

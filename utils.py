@@ -122,6 +122,8 @@ class TrainConfig:
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off")
     eval_every: int = option(200, "evaluate every N steps (and at the end)")
     eval_batches: int = option(8, "validation batches per evaluation")
+    eval_capacity_factor: float = option(0.0, "expert capacity factor of evaluation (val_loss); 0 = dropless, "
+                                              "the function that sampling computes")
     checkpoint_every: int = option(500, "checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
     resume_step: int = option(-1, "resume from this checkpoint step; -1 = the latest")
@@ -375,6 +377,7 @@ def validate_model(cfg):
          f"--model.mtp_depth and --model.seq_aux_loss_weight are not in the hand-written backward of --train.pipeline "
          f"{t.pipeline} yet: use --train.pipeline gpipe, or set them to 0"),
         (t.virtual_stages >= 1, f"--train.virtual_stages must be >= 1, got {t.virtual_stages}"),
+        (t.eval_capacity_factor >= 0, "--train.eval_capacity_factor must be >= 0 (0 = dropless)"),
         (cfg.serve.slots >= 1 and cfg.serve.max_tokens >= 1 and cfg.serve.queue >= 0,
          "--serve.slots and --serve.max_tokens must be >= 1, --serve.queue >= 0"),
         (0 <= cfg.serve.port < 65536, f"--serve.port must be in 0..65535, got {cfg.serve.port}"),
@@ -642,7 +645,9 @@ def draw_loss(fig, rows, cfg):
         (raw,) = ax.plot(tokens, loss, color="tab:blue", lw=1.5, label="train")
     drawn["train"] = line_data(raw)
     val_tokens = [s * tokens_per_step for s in val_steps]
-    (val,) = ax.plot(val_tokens, val_loss, "o-", color="tab:orange", ms=4, label="validation")
+    eval_capacity = cfg["train"].get("eval_capacity_factor")  # (absent in runs older than the flag)
+    val_label = {None: "validation", 0: "validation (dropless)"}.get(eval_capacity, f"validation (capacity factor {eval_capacity})")
+    (val,) = ax.plot(val_tokens, val_loss, "o-", color="tab:orange", ms=4, label=val_label)
     drawn["val"] = line_data(val)
     human_ticks(ax.xaxis)
     step_axis = ax.secondary_xaxis("top", functions=(lambda t: t / tokens_per_step, lambda s: s * tokens_per_step))

@@ -192,6 +192,27 @@ def test_restore_refuses_another_model_another_seed_and_missing_steps(saved_on_2
     assert checkpoint.restore_checkpoint(fresh, params, opt_state, cfg.model) is None
 
 
+def test_resume_refuses_another_batch_size_or_schedule(saved_on_2x2x2):
+    """The checkpoint was written at batch size 16 on the tiny schedule (100 steps,
+    cosine to step 100). Another batch size would skip or repeat data, another
+    --train.steps would change the lr of planned steps: both are refused with the flags
+    that fix it. The same schedule with more steps (--train.decay_steps 100), or
+    another number of microbatches, resumes."""
+    run_dir, _, _ = saved_on_2x2x2
+    cfg = tiny_config(dp=1, pp=1, tp=1)
+    params, opt_state = abstract_state(cfg, mesh_of((1, 1, 1)))
+    manager = checkpoint.checkpoint_manager(str(run_dir), keep=3)
+    resume = lambda **train: checkpoint.restore_checkpoint(  # noqa: E731
+        manager, params, opt_state, cfg.model, seed=0, train_cfg=apply_overrides(cfg, {"train": train}).train)
+    with pytest.raises(ConfigError, match=r"trained with --train\.batch_size 16, not 32: .*skip or repeat data"):
+        resume(batch_size=32)
+    with pytest.raises(ConfigError, match=r"decay_steps: checkpoint 100 vs now 200.*pass --train\.decay_steps 100"):
+        resume(steps=200)
+    with pytest.raises(ConfigError, match=r"lr: checkpoint 0\.003 vs now 0\.001"):
+        resume(lr=1e-3)
+    assert resume(steps=200, decay_steps=100, microbatches=4)[2]["step"] == 5
+
+
 # ----------------------------------------------------------------------------
 # main.py: resume after a kill mid-write, damaged checkpoints, errors
 

@@ -136,6 +136,22 @@ def test_2x2x2_mesh_trains_like_one_device(tmp_path, data_cache):
     np.testing.assert_allclose(val(tmp_path / "mesh"), val(tmp_path / "one"), rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_dropout_run_on_2x2x2_trains_like_one_device(tmp_path, data_cache):
+    """The issue's command: dropout 0.1 on dp2 x pp2 x tp2 with two microbatches, 20
+    steps, against one device with the same dropout: the same losses (float32, the tiny
+    preset). Masks are drawn per global row, block, layer and step, never per device."""
+    common = ["--model.dropout", "0.1", "--train.steps", "20", "--train.eval_every", "10", "--train.checkpoint_every", "1000"]
+    main_py([*common, "--run.name", "one"], tmp_path, data_cache)
+    main_py([*common, "--run.name", "mesh", "--run.cpu_devices", "8", "--mesh.dp", "2", "--mesh.pp", "2", "--mesh.tp", "2",
+             "--train.microbatches", "2"], tmp_path, data_cache)
+    one, _ = train_losses(tmp_path / "one")
+    mesh, _ = train_losses(tmp_path / "mesh")
+    assert sorted(one) == sorted(mesh) == list(range(1, 21))
+    np.testing.assert_allclose([mesh[s] for s in sorted(mesh)], [one[s] for s in sorted(one)], rtol=1e-5)
+    assert one[20] < one[1] - 0.5
+
+
 @pytest.mark.parametrize("environ, threads", [({}, str(max(os.cpu_count(), 16))), ({"PJRT_NPROC": "3"}, "3"),
                                               ({"NPROC": "5"}, None)])
 def test_fake_devices_get_two_pool_threads_each_unless_the_user_chose(environ, threads):

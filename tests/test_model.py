@@ -211,24 +211,62 @@ def test_mla_queries_and_keys_rotate_with_the_same_frequencies():
     np.testing.assert_allclose(run(37, 0)[1], out_BTD, atol=1e-5)
 
 
+def reference_rms_norm(x, scale, eps=1e-6):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def reference_rope(x, positions_BT, theta):
+    """Rotate each pair (x[2i], x[2i+1]) by position x theta^(-2i/R); x is [B, T, R] or [B, T, H, R]."""
+    R = x.shape[-1]
+    angle = positions_BT[..., None] * theta ** (-np.arange(0, R, 2) / R)  # [B, T, R/2]
+    if x.ndim == 4:
+        angle = angle[:, :, None, :]
+    out = np.empty_like(x)
+    out[..., 0::2] = x[..., 0::2] * np.cos(angle) - x[..., 1::2] * np.sin(angle)
+    out[..., 1::2] = x[..., 0::2] * np.sin(angle) + x[..., 1::2] * np.cos(angle)
+    return out
+
+
+def reference_mla(w, x_BTD, positions_BT, theta):
+    """MLA (DeepSeek-V2 section 2.1) written out in float64 from the weights alone:
+    normed query and key/value latents, content queries/keys/values up-projected from
+    them, the decoupled RoPE query (per head, from the query latent) and key (shared,
+    from x), causal softmax over the summed scores, output projection."""
+    q_BTQ = reference_rms_norm(x_BTD @ w["wq_down_DQ"], w["q_scale"])
+    kv_BTA = reference_rms_norm(x_BTD @ w["wkv_down_DA"], w["kv_scale"])
+    q_BTHK = np.einsum("btq,qhk->bthk", q_BTQ, w["wq_up_QHK"])
+    q_rope_BTHR = reference_rope(np.einsum("btq,qhr->bthr", q_BTQ, w["wq_rope_QHR"]), positions_BT, theta)
+    k_BSHK = np.einsum("bsa,ahk->bshk", kv_BTA, w["wk_up_AHK"])
+    v_BSHK = np.einsum("bsa,ahk->bshk", kv_BTA, w["wv_up_AHK"])
+    k_rope_BSR = reference_rope(x_BTD @ w["wk_rope_DR"], positions_BT, theta)
+    K, R = q_BTHK.shape[-1], q_rope_BTHR.shape[-1]
+    scores_BHTS = (np.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK) + np.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)) / np.sqrt(K + R)
+    T = x_BTD.shape[1]
+    scores_BHTS = np.where(np.tril(np.ones((T, T), bool)), scores_BHTS, -np.inf)
+    probs_BHTS = np.exp(scores_BHTS - scores_BHTS.max(-1, keepdims=True))
+    probs_BHTS /= probs_BHTS.sum(-1, keepdims=True)
+    return np.einsum("bthk,hkd->btd", np.einsum("bhts,bshk->bthk", probs_BHTS, v_BSHK), w["wo_HKD"])
+
+
 @pytest.mark.parametrize("implementation", ["matmul", "dot_product_attention"])
 def test_attention_equals_a_plain_reference(implementation):
-    """Both attention kernels against MLA written out with einsums over [B, T, H, K]:
-    content and RoPE scores added, causal softmax, values, output projection."""
+    """Both attention kernels against MLA written out in numpy from the weights alone
+    (reference_mla: its own norms, projections and RoPE, nothing of MLAttention's), at
+    positions 5.., with norm scales that are not all ones."""
     cfg = tiny(attention=implementation)
     attn = MLAttention(cfg, nnx.Rngs(0))
-    B, T = 2, cfg.seq_len
+    attn.q_norm.scale_D[...] = 1 + 0.5 * jax.random.normal(jax.random.key(2), (cfg.q_latent,))
+    attn.kv_norm.scale_D[...] = 1 + 0.5 * jax.random.normal(jax.random.key(3), (cfg.kv_latent,))
+    B, T, start = 2, cfg.seq_len, 5
     x_BTD = jax.random.normal(jax.random.key(1), (B, T, cfg.d_model))
-    angles = angles_for(cfg, B, T, 0)
-    q_nope_BTHK, q_rope_BTHR = attn.queries(x_BTD, angles)
-    kv_BSA, k_rope_BSR = attn.latents(x_BTD, angles)
-    k_nope_BSHK = jnp.einsum("bsa,ahk->bshk", kv_BSA, attn.wk_up_AHK[...])
-    v_BSHK = jnp.einsum("bsa,ahk->bshk", kv_BSA, attn.wv_up_AHK[...])
-    scores_BHTS = jnp.einsum("bthk,bshk->bhts", q_nope_BTHK, k_nope_BSHK) + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)
-    scores_BHTS = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BHTS / np.sqrt(cfg.head_dim + cfg.rope_dim), -jnp.inf)
-    out_BTHK = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores_BHTS, axis=-1), v_BSHK)
-    expected_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK, attn.wo_HKD[...])
-    np.testing.assert_allclose(attn(x_BTD, angles), expected_BTD, rtol=1e-5, atol=1e-5)
+    w = {name: np.asarray(getattr(attn, name)[...], np.float64) for name in (
+        "wq_down_DQ", "wq_up_QHK", "wq_rope_QHR", "wkv_down_DA", "wk_rope_DR", "wk_up_AHK", "wv_up_AHK", "wo_HKD")}
+    w.update(q_scale=np.asarray(attn.q_norm.scale_D[...], np.float64), kv_scale=np.asarray(attn.kv_norm.scale_D[...], np.float64))
+    positions_BT = start + np.broadcast_to(np.arange(T), (B, T)).astype(np.float64)
+    expected_BTD = reference_mla(w, np.asarray(x_BTD, np.float64), positions_BT, cfg.rope_theta)
+    got_BTD = nnx.jit(lambda attn, x_BTD, angles: attn(x_BTD, angles))(attn, x_BTD, angles_for(cfg, B, T, start))
+    np.testing.assert_allclose(got_BTD, expected_BTD, rtol=1e-4, atol=1e-5)
+    assert np.abs(expected_BTD).mean() > 1e-2  # a real output, not a near-zero one
 
 
 def test_whole_model_is_invariant_to_a_position_offset():
@@ -324,6 +362,27 @@ def test_loss_sum_is_the_cross_entropy_of_the_logits():
     assert 0.9 * np.log(TINY.vocab_size) < float(ce) < 1.5 * np.log(TINY.vocab_size)  # untrained: near uniform
 
 
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_initial_loss_is_that_of_a_uniform_guess(preset):
+    """Untrained, every preset's cross-entropy is within 0.5 of ln(padded vocabulary),
+    and the input token gets no special logit. (With unit-variance embedding rows the
+    last layer's stream was mostly the input token's own row, whose tied logit is then
+    ~sqrt(D): the shakespeare preset started at 9.93 against ln 384 = 5.95.) moe1b
+    keeps its widths and vocabulary but has one block here (170M weights, not 1B); the
+    whole of it starts at 11.516, ln 100352 = 11.516."""
+    cfg = apply_overrides(Config(), PRESETS[preset]).model
+    shrink = dict(n_blocks=1, seq_len=64) if preset == "moe1b" else {}
+    cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size or BYTE_VOCAB + 1, dtype="float32", **shrink)  # bytes + end-of-text
+    model = Transformer(cfg, nnx.Rngs(0))
+    tokens_BT1 = random_tokens(1, (2, cfg.seq_len + 1), cfg.vocab_size)
+    logits_BTV, _ = nnx.jit(lambda model, tokens_BT: model(tokens_BT))(model, tokens_BT1[:, :-1])
+    loss = float(optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:]).mean())
+    padded = model.embed_VD.shape[0]
+    assert abs(loss - np.log(padded)) < 0.5, f"initial loss {loss:.3f}, ln(padded vocab {padded}) = {np.log(padded):.3f}"
+    own_logit = jnp.take_along_axis(logits_BTV, tokens_BT1[:, :-1, None], -1).mean()
+    assert float(own_logit) < 1.0
+
+
 def test_every_parameter_gets_a_gradient():
     """Every element of every parameter (shared experts, router, norms, both halves of
     MLA, dense and routed FFNs, every row of the tied embedding, every block and every
@@ -345,8 +404,8 @@ def test_every_parameter_gets_a_gradient():
 
 def test_training_lowers_the_loss():
     """200 AdamW steps on the tiny preset (here with a dense and an MoE layer per block,
-    capacity 1.5) over a repeating 12-token cycle cut the training loss (about ln 256 +
-    0.5 at init) at least tenfold."""
+    capacity 1.5) over a repeating 12-token cycle cut the training loss (about ln 256
+    at init, plus the weighted load-balance loss) at least tenfold."""
     cycle = jnp.array([3, 141, 59, 26, 53, 58, 97, 93, 238, 46, 64, 33])
     starts_B1 = jnp.arange(8)[:, None]  # each row starts elsewhere in the cycle
     tokens_BT1 = cycle[(starts_B1 + jnp.arange(TINY.seq_len + 1)) % len(cycle)]
@@ -442,16 +501,22 @@ def test_router_learns_from_the_task_loss(top_k):
 
 
 def test_routing_groups_never_straddle_sequences():
-    """A forward whose length routing_group does not divide either refuses with a
-    ValueError or routes each sequence on its own: the batch equals its rows run alone."""
-    moe = MoE(tiny(routing_group=4, capacity_factor=0.5), nnx.Rngs(0))
-    x_BTD = jax.random.normal(jax.random.key(1), (2, 6, TINY.d_model))
-    try:
-        y_BTD, _ = moe_forward(moe, x_BTD)
-        rows = [moe_forward(moe, x_BTD[b:b + 1])[0] for b in range(2)]
-    except ValueError:
-        return
-    np.testing.assert_allclose(jnp.concatenate(rows), y_BTD, atol=1e-6)
+    """Capacity is decided per group of routing_group consecutive tokens of one
+    sequence. With a capacity that drops tokens, a batch of two sequences equals each
+    sequence run alone, and each group run alone; a length that the group does not
+    divide is refused (a group would straddle two sequences)."""
+    cfg = tiny(routing_group=4, capacity_factor=0.5)  # C = ceil(0.5 * 4 * 2 / 8) = 1 slot per expert and group
+    moe = MoE(cfg, nnx.Rngs(0))
+    x_BTD = jax.random.normal(jax.random.key(1), (2, 8, TINY.d_model))
+    y_BTD, stats = moe_forward(moe, x_BTD)
+    if int(stats["dropped"]) == 0:
+        raise RuntimeError("premise lost: nothing is dropped, so capacity would not see a straddling group")
+    rows_BTD = jnp.concatenate([moe_forward(moe, x_BTD[b:b + 1])[0] for b in range(2)])
+    groups_BTD = jnp.concatenate([moe_forward(moe, x_BTD[:, g:g + 4])[0] for g in (0, 4)], axis=1)
+    np.testing.assert_allclose(rows_BTD, y_BTD, atol=1e-6)
+    np.testing.assert_allclose(groups_BTD, y_BTD, atol=1e-6)
+    with pytest.raises(ValueError, match="must divide the sequence length 6"):
+        moe_forward(moe, x_BTD[:, :6])
 
 
 # Eight tokens, top-2, capacity 2. (first, second) choice of each token:
@@ -533,6 +598,47 @@ def test_expert_capacity_counts_top_k():
     y_BTD, stats = moe_forward(moe, x_BTD)
     assert int(stats["dropped"]) == 0
     np.testing.assert_allclose(y_BTD, reference_moe(moe, x_BTD)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("router_score", ["softmax", "sigmoid"])
+def test_load_balance_loss_gradient_equals_a_plain_reference(router_score):
+    """d(aux loss)/d(router) of the MoE layer against the Switch formula written out
+    here (E * sum_e f_e P_e per group, f_e from the chosen experts, counts with no
+    gradient, P_e the mean normalised router score), and against a central finite
+    difference along a random direction (small enough that no token changes experts).
+    A stop_gradient on the router probabilities would give the layer a zero gradient."""
+    cfg = tiny(routing_group=8, router_score=router_score)
+    moe = MoE(cfg, nnx.Rngs(0))
+    x_BTD = jax.random.normal(jax.random.key(1), (2, cfg.seq_len, cfg.d_model))
+    E, X = cfg.n_experts, cfg.top_k
+    graphdef, state = nnx.split(moe)
+    weights = nnx.to_pure_dict(state)
+
+    def layer_aux(router_DE):
+        _, stats = nnx.merge(graphdef, {**weights, "router_DE": router_DE})(x_BTD)
+        return stats["aux_loss_sum"], stats["tokens_per_expert"]
+
+    def reference_aux(router_DE):
+        x_GSD = x_BTD.reshape(-1, 8, cfg.d_model)
+        logits_GSE = x_GSD @ router_DE
+        scores_GSE = jax.nn.softmax(logits_GSE, -1) if router_score == "softmax" else jax.nn.sigmoid(logits_GSE)
+        probs_GSE = scores_GSE / scores_GSE.sum(-1, keepdims=True)
+        chosen_GSX = jax.lax.top_k(scores_GSE, X)[1]
+        fraction_GE = jax.nn.one_hot(chosen_GSX, E).sum((1, 2)) / (8 * X)
+        return jnp.sum(E * jnp.sum(fraction_GE * probs_GSE.mean(1), -1))
+
+    router_DE = moe.router_DE[...]
+    (aux, _), grad_DE = jax.jit(jax.value_and_grad(layer_aux, has_aux=True))(router_DE)
+    ref_aux, ref_grad_DE = jax.jit(jax.value_and_grad(reference_aux))(router_DE)
+    assert float(aux) == pytest.approx(float(ref_aux), rel=1e-6)
+    np.testing.assert_allclose(grad_DE, ref_grad_DE, rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(grad_DE).max()) > 1e-3
+    direction_DE = jax.random.normal(jax.random.key(2), router_DE.shape)
+    h = 1e-3
+    (up, counts_up), (down, counts_down) = jax.jit(layer_aux)(router_DE + h * direction_DE), jax.jit(layer_aux)(router_DE - h * direction_DE)
+    np.testing.assert_array_equal(counts_up, counts_down)  # no token changed experts: f is constant
+    finite_difference = (float(up) - float(down)) / (2 * h)
+    assert finite_difference == pytest.approx(float(jnp.sum(grad_DE * direction_DE)), rel=2e-2)
 
 
 def test_load_balance_loss_values():

@@ -273,6 +273,7 @@ def resumed_run(tmp_path_factory):
     common = [sys.executable, "main.py", "--preset", "tiny", "--model.n_blocks", "2", "--run.out_dir", str(tmp),
               "--run.name", "r", "--data.cache_dir", str(tmp / "data_cache"), "--log.progress", "false",
               "--log.every", "1", "--train.eval_every", "4", "--train.checkpoint_every", "4", "--log.wandb",
+              "--train.decay_steps", "12",  # one schedule for both parts: a resume may not change it
               # HOME is a temporary one for wandb's sake; keep the user's compilation cache all the same
               "--run.compile_cache", os.path.expanduser(parse_args([]).run.compile_cache)]
     outs = []
