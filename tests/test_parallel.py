@@ -153,6 +153,14 @@ def test_dropout_equals_one_device(reference, mesh_shape):
     assert abs(dropped[0]["loss"] - plain[0]["loss"]) > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["1f1b", pytest.param("interleaved", marks=pytest.mark.slow)])
+def test_dropout_under_the_hand_written_schedules_equals_one_device(reference, kind):
+    """The 1f1b / interleaved executor derives each block's masks from the same per-row
+    keys as GPipe (it once folded a scalar key per microbatch and block)."""
+    cfg = apply_overrides(tiny_config((1, 4, 2), **DROPOUT), {"train": dict(pipeline=kind, microbatches=4, virtual_stages=2)})
+    assert_same_steps(train_steps(cfg), reference["dropout"])
+
+
 @pytest.mark.parametrize("mesh_shape, microbatches", [((1, 1, 1), 4), ((4, 1, 2), 2)], ids=["1x1x1-M4", "4x1x2-M2"])
 def test_gradient_accumulation_equals_one_microbatch(reference, mesh_shape, microbatches):
     """pp = 1 with several microbatches accumulates the gradient over them: the same
