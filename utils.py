@@ -277,7 +277,7 @@ def parse_value(flag, text, kind):
 
 
 def help_text():
-    lines = ["usage: python main.py [--preset NAME] [--mode train|sample|export|eval] [--section.field=value ...]", "",
+    lines = [f"usage: python main.py [--preset NAME] [--mode {'|'.join(MODES)}] [--section.field=value ...]", "",
              f"  --preset NAME   one of {', '.join(PRESETS)} (default shakespeare)",
              f"  --mode MODE     {' | '.join(MODES)} (default train)", ""]
     section = None
