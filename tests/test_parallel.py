@@ -96,6 +96,13 @@ def assert_tree_close(tree, reference, rtol=RTOL, what=""):
 assert_params_close = assert_tree_close
 
 
+def one_step(cfg):
+    """(metrics, params after it) of one train step from the initial params (the
+    single-step comparisons of test_pipeline and test_auto_sharding)."""
+    metrics, _, params = train_steps(cfg, n_steps=1)
+    return metrics[0], params
+
+
 def assert_same_step(metrics, params, ref_metrics, ref_params):
     """One step's metrics and updated params (test_auto_sharding's comparison)."""
     for key in ("loss", "aux_loss", "grad_norm"):
