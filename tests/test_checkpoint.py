@@ -149,7 +149,7 @@ def test_restore_onto_another_mesh_is_bit_exact(saved_on_2x2x2, shape):
     manager = checkpoint.checkpoint_manager(str(run_dir), keep=3)
     restored_params, restored_opt, meta = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, seed=0)
     assert meta["step"] == 5 and meta["data_position"] == 5 and meta["seed"] == 0
-    assert meta["config"]["mesh"] == dict(dp=2, pp=2, tp=2, expert_parallel=False)
+    assert meta["config"]["mesh"] == dict(dp=2, pp=2, tp=2, expert_parallel=False, sharding="manual")
     for restored, saved, target in [(restored_params, params_saved, params), (restored_opt, opt_saved, opt_state)]:
         assert jax.tree.structure(restored) == jax.tree.structure(saved)
         for r, s, t in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(target)):
@@ -364,11 +364,12 @@ def logits_of(source, cfg):
 
 
 @pytest.mark.slow
-def test_slim_export_is_a_sixth_of_a_checkpoint_and_samples_the_same_text(reference, exported, data_cache):
+def test_slim_export_is_a_sixth_of_a_checkpoint_and_gives_close_logits(reference, exported, data_cache):
     """bfloat16 params + config.json: at most a sixth of the full checkpoint's bytes
-    (measured 0.146 here). Sampling (temperature 0.8, top-k 40, seed 0) prints the same
-    100 tokens as the float32 checkpoint (with the window-restarting sampler a bf16
-    near-tie flipped one token at ~150 here: that is the tolerance). Logits: for the median token the largest
+    (measured 0.146 here). --mode sample runs from it. Sampled text is not compared
+    token for token with the float32 checkpoint's: this 30-step model's distributions
+    are nearly flat, and a bf16 near-tie flipped the 2nd sampled token (tiny with the
+    sigmoid router and the N(0, 1/D) embedding), after which the texts part. Logits: for the median token the largest
     difference is ~0.01 (bf16 rounding), but where rounding flips a router's top-k
     choice a token's logits move by up to ~0.3; so the bounds below are on the median,
     on probabilities and on how often the most likely token agrees."""
@@ -380,7 +381,8 @@ def test_slim_export_is_a_sixth_of_a_checkpoint_and_samples_the_same_text(refere
     sample = ["--mode", "sample", "--run.name", "ref", "--sample.max_tokens", "100"]
     from_checkpoint = main_py(sample, reference.parent, data_cache).stdout
     from_export = main_py([*sample, "--train.init_from", str(exported)], reference.parent, data_cache).stdout
-    assert from_export == from_checkpoint and from_checkpoint.startswith("ROMEO:") and len(from_checkpoint) > 75
+    for text in (from_export, from_checkpoint):
+        assert text.startswith("ROMEO:") and len(text) > 75
 
     cfg = apply_overrides(tiny_config(), {"data": {"cache_dir": data_cache}})
     logits_full, logits_slim = logits_of(reference, cfg), logits_of(exported, cfg)
