@@ -131,7 +131,7 @@ def test_2x2x2_mesh_trains_like_one_device(tmp_path, data_cache):
     mesh, _ = train_losses(tmp_path / "mesh")
     assert sorted(one) == sorted(mesh) == list(range(1, 13))
     np.testing.assert_allclose([mesh[s] for s in sorted(mesh)], [one[s] for s in sorted(one)], rtol=1e-5)
-    assert one[12] < one[1] - 0.5  # it learned something: these are not two untouched inits
+    assert one[12] < one[1] - 0.2  # it learned something: these are not two untouched inits
     val = lambda d: [json.loads(x)["val_loss"] for x in open(d / "metrics.jsonl") if "val_loss" in x]  # noqa: E731
     np.testing.assert_allclose(val(tmp_path / "mesh"), val(tmp_path / "one"), rtol=1e-5)
 
@@ -149,7 +149,7 @@ def test_dropout_run_on_2x2x2_trains_like_one_device(tmp_path, data_cache):
     mesh, _ = train_losses(tmp_path / "mesh")
     assert sorted(one) == sorted(mesh) == list(range(1, 21))
     np.testing.assert_allclose([mesh[s] for s in sorted(mesh)], [one[s] for s in sorted(one)], rtol=1e-5)
-    assert one[20] < one[1] - 0.5
+    assert one[20] < one[1] - 0.2  # it learned something
 
 
 @pytest.mark.parametrize("environ, threads", [({}, str(max(os.cpu_count(), 16))), ({"PJRT_NPROC": "3"}, "3"),
