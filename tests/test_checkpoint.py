@@ -398,15 +398,16 @@ def test_slim_export_is_a_sixth_of_a_checkpoint_and_gives_close_logits(reference
 @pytest.mark.parametrize("kind", ["export", "run_dir"])
 def test_fine_tune_starts_from_the_source_runs_loss_with_a_fresh_optimizer(tmp_path, reference, exported, data_cache, kind):
     """--train.init_from (a slim export or a run directory): the new run's first loss is
-    where the 30-step source run ended (~4.4), not where a fresh init starts (~6.3:
-    the source's own first loss, same seed and data); its optimizer counts from 0."""
+    where the 30-step source run ended (~5.0), not where a fresh init starts (~5.76,
+    the uniform guess: the source's own first loss, same seed and data); its optimizer
+    counts from 0."""
     source = exported if kind == "export" else reference
     result = main_py([*SCHEDULE, "--train.steps", "2", "--run.name", "ft", "--train.init_from", str(source)], tmp_path, data_cache)
     assert f"initialised params from {source} (fresh optimizer)" in result.stdout and "resumed" not in result.stdout
     tuned, _ = train_losses(tmp_path / "ft")
     straight, _ = train_losses(reference)
     source_end = np.mean([straight[s] for s in range(26, 31)])
-    assert straight[1] - tuned[1] > 1.5, (straight[1], tuned[1])
+    assert straight[1] - tuned[1] > 0.5, (straight[1], tuned[1])
     assert abs(tuned[1] - source_end) < 0.3, (tuned[1], source_end)
 
     import orbax.checkpoint as ocp
