@@ -6,6 +6,7 @@ topologies: real chip coordinates and process indices); nothing runs on them.
 """
 
 import math
+import os
 
 import jax
 import numpy as np
@@ -237,6 +238,8 @@ def scan_carries(jaxpr):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("MESHFORMER_FULL_TPU_COMPILE"),
+                    reason="the full moe1b compiles take ~5 min each on 2 cores: set MESHFORMER_FULL_TPU_COMPILE=1")
 @pytest.mark.parametrize("name", list(SLOW_CASES))
 def test_full_moe1b_compiles_fits_and_the_planner_is_within_15_percent(devices_of, name):
     preset, pod, shape, expert_parallel = SLOW_CASES[name]
