@@ -279,14 +279,14 @@ def widen(tree, avals):
 # The executor
 
 
-def scheduled_value_and_grad(params, tokens_bT1, graphdef, cfg, rng, *, gather, loss_and_metrics, axes, dropout_rows):
+def scheduled_value_and_grad(params, tokens_bT1, graphdef, cfg, rng, *, gather, loss_and_metrics, axes, dropout_rows=None):
     """((loss, metrics), grads) of one step under --train.pipeline 1f1b | interleaved,
     from inside shard_map; the same numbers autodiff of parallel.sharded_loss gives.
 
     gather(tree, one_block) is parallel.gather_for_use (FSDP all-gather + cast; its vjp
     reduce-scatters the gradient); loss_and_metrics(ce_sum, stats_N) is the loss of
     parallel.sharded_loss from the per-device sums; dropout_rows(rng, first_row, n)
-    is parallel.dropout_rows (the per-row dropout keys GPipe uses too).
+    is parallel.dropout_rows (the per-row dropout keys GPipe uses too; needed when rng is not None).
     """
     DP, PP, TP = axes
     m_cfg, t_cfg = cfg.model, cfg.train
