@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import parallel as par
 import planner
+import tpu_compile
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides, flops_per_token, parse_args
 
 SMALL_MOE1B = dict(vocab_size=1024, seq_len=128, d_model=128, n_heads=4, head_dim=32, rope_dim=16, q_latent=64,
@@ -57,25 +57,11 @@ def plan_for(cfg):
     return planner.plan(cfg, 0, "cpu", peak=1e11)  # a nominal peak: no timed matmul in tests
 
 
-def abstract_state(cfg, mesh):
-    """Params and AdamW state as ShapeDtypeStructs laid out as the real ones are."""
-    shapes = planner.abstract_params(cfg.model)
-    specs = par.param_specs(shapes, cfg.mesh.expert_parallel)
-    params = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
-                          shapes, specs)
-    optimizer = par.make_optimizer(cfg.train)
-    with jax.set_mesh(mesh):
-        opt_shapes = jax.eval_shape(jax.jit(optimizer.init), params)
-    opt_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
-        s.shape, s.dtype, sharding=NamedSharding(mesh, s.sharding.spec if s.sharding is not None else P())), opt_shapes)
-    return optimizer, params, opt_state
-
-
 def compiled_temp_bytes(cfg):
     """temp_size_in_bytes of the real train step, compiled for cfg's mesh."""
     mesh = mesh_for(cfg)
     par.check_config_fits_mesh(cfg, mesh)
-    optimizer, params, opt_state = abstract_state(cfg, mesh)
+    optimizer, params, opt_state = tpu_compile.abstract_state(cfg, mesh)
     graphdef = planner.abstract_model(cfg.model)[0]
     step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
