@@ -31,12 +31,13 @@ import sys
 import time
 
 
-def split_bench_flags(argv):
-    """Pull out bench.py's own flags; the rest are main.py's config flags."""
-    own, rest, i = {"json": "", "steps": "10", "warmup": "2", "profile": "", "show-schedule": ""}, [], 0
+def split_own_flags(argv, own, switches=()):
+    """Pull a script's own flags (`own`: {name: default text}; `switches`: names that
+    take no value) out of argv: ({name: text}, the rest, main.py's config flags)."""
+    own, rest, i = dict(own), [], 0
     while i < len(argv):
         name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
-        if name == "show-schedule":
+        if name in switches:
             own[name] = "true"
         elif name in own:
             if "=" in argv[i]:
@@ -46,6 +47,13 @@ def split_bench_flags(argv):
         else:
             rest.append(argv[i])
         i += 1
+    return own, rest
+
+
+def split_bench_flags(argv):
+    """bench.py's own flags; the rest are main.py's config flags."""
+    own, rest = split_own_flags(argv, {"json": "", "steps": "10", "warmup": "2", "profile": "", "show-schedule": ""},
+                                switches=("show-schedule",))
     return own["json"], int(own["steps"]), int(own["warmup"]), own["profile"], bool(own["show-schedule"]), rest
 
 

@@ -17,21 +17,13 @@ import sys
 import threading
 import time
 
+from bench import split_own_flags
+
 PROMPT_TOKENS = 8
 
 
 def split_bench_flags(argv):
-    own, rest, i = {"tokens": "0", "repeats": "3"}, [], 0
-    while i < len(argv):
-        name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
-        if name in own:
-            if "=" in argv[i]:
-                own[name] = argv[i].split("=", 1)[1]
-            else:
-                own[name], i = argv[i + 1], i + 1
-        else:
-            rest.append(argv[i])
-        i += 1
+    own, rest = split_own_flags(argv, {"tokens": "0", "repeats": "3"})
     return int(own["tokens"]), int(own["repeats"]), rest
 
 
