@@ -205,18 +205,17 @@ def test_reference_step_changes_params(reference):
 # the bound is on each run's error *against float32*: on a correct mesh it is one
 # device's, and a bf16 bug on the tp path adds to it. The quantity is every gradient
 # leaf of step 0 (forward and backward, all 256 tokens), not the mean loss: the mean
-# averages a bug away (its error ranged from 0.05x to 6.6x one device's on correct
-# meshes, from chance alone).
+# averages a bug away (on correct meshes its error was 0.05x to 6.6x one device's,
+# by chance alone).
 #
 # The model is dense, with wide contractions on the tp path:
 # - dense: in bf16 an MoE router picks other experts for the tokens near a tie, and
-#   capacity then drops others; one device's bf16 gradients are 19% off float32's
-#   (dense: 1.7%), which would hide any rounding bug;
-# - wide: a sum accumulated in bf16 loses about sqrt(n) roundings over n terms. At the
-#   tiny preset's widths (4 heads x 8 per device, F/tp = 32) such a bug moved the error
-#   by under 20% and could not be told from a correct mesh; with 4 x HEAD_DIM summed per
-#   device in the attention's output projection and D_FF / tp in the FFN's down
-#   projection it multiplies the error (figures below).
+#   capacity then drops others; one device's bf16 gradients were about 19% off
+#   float32's (dense: 1.7%), which would hide any rounding bug;
+# - wide: a sum accumulated in bf16 rounds about sqrt(n) times over n terms. At the
+#   tiny preset's widths (4 heads of 8 per device at tp 2 in the attention's output
+#   projection, F/tp = 32) such a bug moved the forward's error only 1.2-1.4x, too close to a
+#   correct mesh's; with head_dim 64 and d_ff 512 below it multiplies it (figures below).
 BF16_MODEL = dict(block_pattern="D", ffn_activation="gelu", head_dim=64, d_ff=512)
 BF16_MESHES = [(2, 2, 2), (2, 1, 4), (1, 1, 8)]
 # Bounds (measured on BF16_MESHES; "bug" = the output projections of attention or of
