@@ -175,8 +175,8 @@ import hf_interop  # noqa: E402
 import parallel as par  # noqa: E402
 from dataset import get_tokenizer, open_data, check_tokenizer  # noqa: E402
 from model import decode_step, init_cache  # noqa: E402
-from utils import (ConfigError, MetricsLog, apply_overrides, config_from_dict, config_to_dict, count_params,  # noqa: E402
-                   flops_per_token, human, truncate_metrics)
+from metrics import MetricsLog, truncate_metrics  # noqa: E402
+from utils import ConfigError, apply_overrides, config_from_dict, config_to_dict, count_params, flops_per_token, human  # noqa: E402
 
 
 def is_main_process():
@@ -401,7 +401,7 @@ def train(cfg):
             say("sample:\n" + samples[0])
     log.close()
     if cfg.log.plots and is_main_process():
-        from utils import plot_run
+        from plots import plot_run
 
         plot_run(run_dir)
     return run_dir

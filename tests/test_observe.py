@@ -15,8 +15,9 @@ import sys
 import numpy as np
 import pytest
 
-from utils import (HEATMAP_COLUMNS, MetricsLog, config_to_dict, parse_args, plot_run, read_metrics, smoothed,
-                   truncate_metrics, wandb_row)
+from metrics import MetricsLog, read_metrics, truncate_metrics, wandb_row
+from plots import HEATMAP_COLUMNS, plot_run, smoothed
+from utils import config_to_dict, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -208,7 +209,8 @@ def test_wandb_offline_gets_the_rows_and_samples_and_a_resume_continues_the_run(
     """MetricsLog alone (fast): two rows, an eval row, a samples table; then a second
     MetricsLog given the first one's id, as main.py does on resume."""
     code = f"""
-from utils import MetricsLog, parse_args
+from metrics import MetricsLog
+from utils import parse_args
 cfg = parse_args(["--preset", "tiny", "--run.name", "w", "--log.wandb"])
 log = MetricsLog({str(tmp_path)!r}, cfg)
 log.write(dict(step=1, loss=5.5, mfu=0.25, expert_load=[[0.75, 0.25], [0.0, 0.0]]))
@@ -251,7 +253,7 @@ log.close()
 
 def test_wandb_online_without_a_key_says_how_to_fix(tmp_path):
     (tmp_path / "home").mkdir()
-    code = ("from utils import MetricsLog, parse_args\n"
+    code = ("from metrics import MetricsLog\nfrom utils import parse_args\n"
             f"MetricsLog({str(tmp_path)!r}, parse_args(['--preset', 'tiny', '--log.wandb']))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env=wandb_env(tmp_path, WANDB_MODE=None), stdin=subprocess.DEVNULL)

@@ -197,41 +197,77 @@ def test_reference_step_changes_params(reference):
 
 
 # ----------------------------------------------------------------------------
-# bfloat16: not bit-equal across meshes, but within a stated bound
+# bfloat16: not bit-equal across meshes, but no further from float32 than one device
+#
+# A mesh rounds at other places than one device (a tp psum adds partial outputs each
+# rounded to bf16), so in bfloat16 nothing is equal, and a mesh's loss or gradients
+# differ from one device's bf16 ones about as much as those differ from float32's. So
+# the bound is on each run's error *against float32*: on a correct mesh it is one
+# device's, and a bf16 bug on the tp path adds to it. The quantity is every gradient
+# leaf of step 0 (forward and backward, all 256 tokens), not the mean loss: the mean
+# averages a bug away (on correct meshes its error was 0.05x to 6.6x one device's,
+# by chance alone).
+#
+# The model is dense, with wide contractions on the tp path:
+# - dense: in bf16 an MoE router picks other experts for the tokens near a tie, and
+#   capacity then drops others; one device's bf16 gradients were about 19% off
+#   float32's (dense: 1.7%), which would hide any rounding bug;
+# - wide: a sum accumulated in bf16 rounds about sqrt(n) times over n terms. At the
+#   tiny preset's widths (4 heads of 8 per device at tp 2 in the attention's output
+#   projection, F/tp = 32) such a bug moved the forward's error only 1.2-1.4x, too close to a
+#   correct mesh's; with head_dim 64 and d_ff 512 below it multiplies it (figures below).
+BF16_MODEL = dict(block_pattern="D", ffn_activation="gelu", head_dim=64, d_ff=512)
+BF16_MESHES = [(2, 2, 2), (2, 1, 4), (1, 1, 8)]
+# Bounds (measured on BF16_MESHES; "bug" = the output projections of attention or of
+# the FFN accumulated in bf16 when tp > 1, emulated with lax.reduce_precision after
+# every add, since XLA:CPU accumulates a bf16 dot in float32 whatever it is told):
+BF16_GRAD_ERROR_RATIO = 1.2  # |g_mesh - g_f32| / |g_f32| over all leaves, over one device's: correct 0.98-1.08;
+#                              attention bug 1.35 (tp 8) - 2.12 (tp 2), FFN bug 1.29 (tp 8) - 1.57 (tp 2)
+BF16_LEAF_ERROR_RATIO = 1.6  # the same per leaf: correct <= 1.28 (a norm scale; small leaves vary most)
+BF16_MIN_ERROR = 5e-3  # premise: one device's bf16 gradients are really off float32's (measured 1.7e-2)
+BF16_LOSS_RTOL = 2e-4  # the loss of step 0 against float32's: correct <= 3e-5; the loss summed in bf16 4e-4 - 1.8e-3
 
-BF16_STEPS = 3
-# Relative bounds against one device's bfloat16 run (measured on the meshes below, and
-# for comparison one device in float32 against bfloat16):
-BF16_FIRST_LOSS_RTOL = 2e-4  # step 0, the forward of the same weights: measured <= 4.6e-5 (float32: 1.1e-4)
-BF16_FIRST_GRAD_NORM_RTOL = 3e-2  # step 0: measured <= 6.9e-3
-BF16_LOSS_RTOL = 2e-3  # steps 1, 2: measured <= 4.2e-4. Adam's first steps are about lr x sign(g), and
-#                        a rounding that flips the sign of a tiny gradient entry moves that weight by 2 lr
-BF16_PARAMS_RTOL = 5e-2  # each leaf after BF16_STEPS steps: measured <= 9.4e-3 (float32: 1.2e-2)
-BF16_VS_FLOAT32_FIRST_LOSS_RTOL = 5e-4  # any mesh in bf16 against one device in float32, step 0: measured <= 1.1e-4
+
+def first_gradients(cfg):
+    """(loss, gradient per leaf) of step 0 on cfg's mesh, unclipped: with clipping off
+    AdamW's first moment after one step is exactly (1 - beta1) x the gradient."""
+    cfg = apply_overrides(cfg, {"train": dict(grad_clip=0.0)})
+    metrics, opt_states, _ = train_steps(cfg, n_steps=1)
+    adam = opt_states[0][0]  # optax.adamw = chain(scale_by_adam, ...)
+    return float(metrics[0]["loss"]), jax.tree.map(lambda mu: mu / (1 - cfg.train.beta1), adam.mu)
+
+
+def relative_errors(grads, reference):
+    """(over all leaves, per leaf): norm of the difference over norm of the reference."""
+    pairs = list(zip(jax.tree.leaves(grads), jax.tree.leaves(reference)))
+    total = np.sqrt(sum(np.sum((g - r) ** 2) for g, r in pairs) / sum(np.sum(r ** 2) for _, r in pairs))
+    return total, [np.linalg.norm(g - r) / np.linalg.norm(r) for g, r in pairs]
 
 
 @pytest.fixture(scope="module")
 def bf16_reference():
-    """One device in bfloat16, and its first loss in float32."""
-    return train_steps(tiny_config(dtype="bfloat16"), BF16_STEPS), train_steps(tiny_config(), 1)[0][0]["loss"]
+    """Step 0 on one device in float32, and the same one device's error in bfloat16."""
+    float32 = first_gradients(tiny_config(dtype="float32", **BF16_MODEL))
+    _, grads = first_gradients(tiny_config(dtype="bfloat16", **BF16_MODEL))
+    return float32, relative_errors(grads, float32[1])
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 1, 8), (8, 1, 1)], ids=MESH_IDS)
-def test_bfloat16_steps_stay_within_a_bound_of_one_device(bf16_reference, mesh_shape):
-    """In bfloat16 a mesh rounds at other places than one device (a tp psum adds
-    partial outputs rounded to bf16, an FSDP reduce-scatter sums bf16 gradients), so
-    the losses differ in the 4th-5th digit: not equal, but within the bounds above.
-    The first loss is also held to float32's. A bfloat16 bug larger than bf16's own
-    rounding does not stay within them, e.g. the cross-entropy summed in bf16 on each
-    device (README, "What is guaranteed")."""
-    metrics, _, params = train_steps(tiny_config(mesh_shape, dtype="bfloat16"), BF16_STEPS)
-    (ref_metrics, _, ref_params), float32_first_loss = bf16_reference
-    np.testing.assert_allclose(metrics[0]["loss"], float32_first_loss, rtol=BF16_VS_FLOAT32_FIRST_LOSS_RTOL)
-    np.testing.assert_allclose(metrics[0]["loss"], ref_metrics[0]["loss"], rtol=BF16_FIRST_LOSS_RTOL)
-    np.testing.assert_allclose(metrics[0]["grad_norm"], ref_metrics[0]["grad_norm"], rtol=BF16_FIRST_GRAD_NORM_RTOL)
-    for s in range(1, BF16_STEPS):
-        np.testing.assert_allclose(metrics[s]["loss"], ref_metrics[s]["loss"], rtol=BF16_LOSS_RTOL, err_msg=f"step {s}")
-    assert_tree_close(params, ref_params, BF16_PARAMS_RTOL)
+@pytest.mark.parametrize("mesh_shape", BF16_MESHES, ids=MESH_IDS)
+def test_bfloat16_mesh_is_no_further_from_float32_than_one_device(bf16_reference, mesh_shape):
+    """Every gradient leaf of a bf16 step on the mesh is within BF16_GRAD_ERROR_RATIO
+    (all leaves together) and BF16_LEAF_ERROR_RATIO (each leaf) of one bf16 device's
+    distance to float32, and the loss within BF16_LOSS_RTOL of float32's. Sums
+    accumulated in bf16 on the tp path fail it (the bounds above), as does the loss
+    summed in bf16 (README, "What is guaranteed")."""
+    (float32_loss, float32_grads), (one_device_total, one_device_leaves) = bf16_reference
+    assert one_device_total > BF16_MIN_ERROR
+    loss, grads = first_gradients(tiny_config(mesh_shape, dtype="bfloat16", **BF16_MODEL))
+    np.testing.assert_allclose(loss, float32_loss, rtol=BF16_LOSS_RTOL)
+    total, leaves = relative_errors(grads, float32_grads)
+    assert total < BF16_GRAD_ERROR_RATIO * one_device_total, f"{total:.3e} vs one device {one_device_total:.3e}"
+    names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(float32_grads)[0]]
+    for name, error, one_device in zip(names, leaves, one_device_leaves):
+        assert error < BF16_LEAF_ERROR_RATIO * one_device, f"{name}: {error:.3e} vs one device {one_device:.3e}"
 
 
 # ----------------------------------------------------------------------------

@@ -29,7 +29,9 @@ from model import MoE, balance_router_biases, balanced_bias, load_balance_loss, 
 from test_checkpoint import REPO, data_cache, main_cmd, main_py  # noqa: F401  (data_cache: a fixture)
 from test_model import tiny
 from test_parallel import assert_same_step, mesh_for, tiny_config, token_batch
-from utils import ConfigError, MetricsLog, config_to_dict, parse_args, plot_run, read_metrics
+from metrics import MetricsLog, read_metrics
+from plots import plot_run
+from utils import ConfigError, config_to_dict, parse_args
 
 # ----------------------------------------------------------------------------
 # The bias update and what the bias does to routing

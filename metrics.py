@@ -1,0 +1,126 @@
+"""Run metrics: <run_dir>/metrics.jsonl, one JSON object per logged step, and its
+wandb mirror (--log.wandb). main.py writes the rows (MetricsLog) and drops the ones
+after the checkpoint on resume (truncate_metrics); plots.py and the tests read them
+back (read_metrics).
+"""
+
+import json
+import os
+
+import numpy as np
+
+from utils import ConfigError, config_to_dict
+
+
+class MetricsLog:
+    """Appends one JSON object per line to <run_dir>/metrics.jsonl and, with
+    --log.wandb, mirrors each row to wandb (see wandb_row).
+
+    On resume, `wandb_id` (kept in the checkpoint's meta) continues the same wandb run.
+    The steps between that checkpoint and a crash reached wandb once already; online,
+    wandb continues from the run's last step and ignores steps that do not increase,
+    and resume repeats them bit for bit, so the history stays whole. Offline, each start
+    writes its own offline-run-*-<id> directory; `wandb sync` uploads them in turn.
+    """
+
+    def __init__(self, run_dir, cfg, enabled=True, wandb_id=None):
+        self.enabled, self.wandb = enabled, None
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+        self.prompt = cfg.sample.prompt
+        if enabled and cfg.log.wandb:
+            self.wandb = start_wandb(run_dir, cfg, wandb_id)
+
+    @property
+    def wandb_id(self):
+        return self.wandb.id if self.wandb else None
+
+    def write(self, row):
+        if not self.enabled:
+            return
+        row = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb:
+            self.wandb.log(wandb_row(row, self.tokens_per_step), step=row["step"])
+
+    def log_samples(self, step, samples):
+        if self.wandb:
+            import wandb
+
+            table = wandb.Table(columns=["step", "prompt", "text"], data=[[step, self.prompt, s] for s in samples])
+            self.wandb.log({"samples": table}, step=step)
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+
+
+def start_wandb(run_dir, cfg, wandb_id):
+    """A wandb run in <run_dir>/wandb holding the resolved config; `wandb_id` continues
+    that run. WANDB_MODE=offline needs no key and no network (`wandb sync` uploads later)."""
+    import wandb
+
+    try:
+        run = wandb.init(project=cfg.log.wandb_project, name=cfg.run.name, dir=run_dir, config=config_to_dict(cfg),
+                         id=wandb_id, resume="allow")
+    except wandb.errors.Error as e:
+        raise ConfigError(f"--log.wandb: wandb could not start ({type(e).__name__}: {e}). Log in with `wandb login` "
+                          "(or set WANDB_API_KEY), or set WANDB_MODE=offline and upload later with "
+                          f"`wandb sync {os.path.join(run_dir, 'wandb', 'offline-run-*')}`") from e
+    run.define_metric("val_loss", summary="min")
+    print(f"wandb: {'continuing' if wandb_id else 'new'} run {run.id} ({'offline' if run.offline else 'online'}) "
+          f"in {run.dir}", flush=True)
+    return run
+
+
+def wandb_row(row, tokens_per_step):
+    """One metrics.jsonl row as flat wandb keys. expert_load [blocks x experts] becomes
+    expert_load/block{n}/expert{e} (blocks without routed experts are left out); `tokens`
+    (step x tokens per step) lets wandb chart against tokens, as the PNGs do. `step`
+    itself is wandb's x axis, not a metric."""
+    flat = {"tokens": row["step"] * tokens_per_step}
+    for key, value in row.items():
+        if key == "expert_load":
+            for n, load_E in enumerate(value):
+                if any(load_E):
+                    flat.update({f"expert_load/block{n}/expert{e}": x for e, x in enumerate(load_E)})
+        elif isinstance(value, list):
+            flat.update({f"{key}/" + "/".join(map(str, i)): x for i, x in np.ndenumerate(np.asarray(value))})
+        elif key != "step":
+            flat[key] = value
+    return flat
+
+
+def read_metrics(run_dir):
+    """The rows of <run_dir>/metrics.jsonl. A last line cut short (the process was
+    killed while writing it; resume redoes that step) is left out; a damaged line
+    anywhere else is an error."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path) as f:
+        lines = f.readlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines) and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}, line {number} is not JSON: {line[:80]!r}") from None
+    return rows
+
+
+def truncate_metrics(run_dir, after_step):
+    """On resume, drop rows logged after the checkpoint so no step appears twice.
+    Rewrites a copy and renames it, so a kill meanwhile loses nothing."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    rows = read_metrics(run_dir)
+    with open(path + ".tmp", "w") as f:
+        for row in rows:
+            if row["step"] <= after_step:
+                f.write(json.dumps(row) + "\n")
+    os.replace(path + ".tmp", path)
