@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 # tokens of the tiny model took 7.3 s with the default threads here, 0.6 s with one.
 torch.set_num_threads(1)
 
+import checkpoint  # noqa: E402
 import hf_interop  # noqa: E402
 import main  # noqa: E402
 import parallel as par  # noqa: E402
@@ -389,8 +390,8 @@ def test_configs_this_model_cannot_express_name_the_field(tmp_path):
 # The command line
 
 
-@pytest.mark.slow
-def test_command_line_export_loads_in_transformers_and_fine_tunes_from_hf(tmp_path):
+def command_line(tmp_path):
+    """run(*args): `python main.py --preset tiny ...` in tmp_path, checked unless check=False."""
     def run(*args, check=True):
         cmd = [sys.executable, os.path.join(REPO, "main.py"), "--preset", "tiny", "--run.out_dir", str(tmp_path / "runs"),
                "--data.cache_dir", str(tmp_path / "data"), "--log.progress", "false", "--log.plots", "false", *args]
@@ -398,7 +399,17 @@ def test_command_line_export_loads_in_transformers_and_fine_tunes_from_hf(tmp_pa
         if check:
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return result
+    return run
 
+
+def val_loss(result):
+    """The value `--mode eval` prints."""
+    return float(result.stdout.strip().splitlines()[-1].split("=")[1])
+
+
+@pytest.mark.slow
+def test_command_line_export_loads_in_transformers_and_evaluates_from_hf_on_another_mesh(tmp_path):
+    run = command_line(tmp_path)
     run("--train.steps", "20", "--run.name", "t")
     run("--mode", "export_hf", "--run.name", "t", "--export.dtype", "float32")
     hf_path = str(tmp_path / "runs" / "t" / "hf")
@@ -412,10 +423,44 @@ def test_command_line_export_loads_in_transformers_and_fine_tunes_from_hf(tmp_pa
     own = run("--mode", "eval", "--run.name", "t")
     from_hf = run("--mode", "eval", "--run.name", "t2", "--train.init_from", f"hf:{hf_path}",
                   "--run.cpu_devices", "8", "--mesh.dp", "2", "--mesh.pp", "2", "--mesh.tp", "2", "--train.microbatches", "2")
-    value = lambda result: float(result.stdout.strip().splitlines()[-1].split("=")[1])  # noqa: E731
-    assert value(from_hf) == pytest.approx(value(own), abs=1e-5)
-    tuned = run("--run.name", "ft", "--train.init_from", f"hf:{hf_path}", "--train.steps", "2", "--sample.num_samples", "0")
-    assert "initialised params from hf:" in tuned.stdout
+    assert val_loss(from_hf) == pytest.approx(val_loss(own), abs=1e-5)
 
     bad = run("--mode", "export_hf", "--run.name", "t", "--train.init_from", f"hf:{tmp_path}", check=False)
     assert bad.returncode != 0 and "error: " in bad.stderr and "no config.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_command_line_transformers_model_exports_bit_for_bit_and_fine_tunes_resumes_exports(tmp_path):
+    """A float32 model made by transformers, through the command line: exported straight
+    from hf: it is its own files bit for bit; fine-tuned from hf:, resumed from a
+    checkpoint and exported, it keeps HF's final norm representation (final_norm_folded)
+    and the export evaluates to the run's loss."""
+    run = command_line(tmp_path)
+    foreign = str(tmp_path / "foreign")
+    hf_made_model(foreign, first_k_dense=1, n_layers=3)
+    runs = tmp_path / "runs"
+    run("--mode", "export_hf", "--run.name", "imp", "--train.init_from", f"hf:{foreign}", "--export.dtype", "float32")
+    original, again = safetensors_of(foreign), safetensors_of(str(runs / "imp" / "hf"))
+    assert sorted(again) == sorted(original)
+    for key in original:
+        assert np.array_equal(bits(again[key]), bits(original[key])), key
+
+    fine_tune = ("--run.name", "ft", "--train.init_from", f"hf:{foreign}", "--train.steps", "4", "--train.checkpoint_every", "2",
+                 "--sample.num_samples", "0")
+    assert "initialised params from hf:" in run(*fine_tune).stdout
+    assert "resumed from" in run(*fine_tune, "--train.resume_step", "2").stdout  # steps 3 and 4 again
+    run("--mode", "export_hf", "--run.name", "ft", "--export.dtype", "float32")
+    with open(runs / "ft" / "hf" / "config.json") as f:
+        assert json.load(f)[hf_interop.OURS_KEY]["final_norm_folded"] is True
+    own = run("--mode", "eval", "--run.name", "ft")
+    exported = run("--mode", "eval", "--run.name", "ft2", "--train.init_from", f"hf:{runs / 'ft' / 'hf'}")
+    assert val_loss(exported) == pytest.approx(val_loss(own), abs=1e-5)
+
+    # the run's checkpoint refuses the preset's own model (the final norm means another thing) in one line
+    with open(runs / "ft" / "config.json") as f:
+        saved = json.load(f)["model"]
+    preset = dataclasses.replace(apply_overrides(Config(), PRESETS["tiny"]).model, **{k: saved[k] for k in hf_interop.ARCH_FIELDS
+                                                                                      if k != "final_norm_folded"})
+    with pytest.raises(ConfigError, match=r"--model.final_norm_folded: checkpoint True vs now False") as error:
+        checkpoint.check_model_config(saved, preset, "runs/ft")
+    assert "\n" not in str(error.value)
