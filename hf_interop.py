@@ -2,8 +2,8 @@
 
 The model here is arithmetically a DeepSeek-V3 (MLA attention with decoupled RoPE,
 shared + routed SwiGLU experts, RMSNorm, tied embedding), so a run leaves the repo as a
-directory that `transformers.AutoModelForCausalLM.from_pretrained` loads with its own,
-built-in classes (no remote code):
+directory that transformers loads with its own, built-in classes (no remote code),
+through `AutoModelForCausalLM.from_pretrained` for the first two rows:
 
   router_score sigmoid (or no MoE layer) -> deepseek_v3 (DeepseekV3ForCausalLM, AutoModelForCausalLM)
   router_score softmax, top_k 1           -> deepseek_v2 (DeepseekV2ForCausalLM, AutoModelForCausalLM)
@@ -201,6 +201,7 @@ def from_hf_config(hf, m):
          "MLA here has one key/value head per query head")
     need(hf.get("hidden_act", "silu") == "silu", "hidden_act", "experts and dense layers here are SwiGLU (silu)")
     need(not hf.get("attention_bias", False), "attention_bias", "projections here have no bias")
+    need(not hf.get("mlp_bias", False), "mlp_bias", "projections here have no bias")
     need(hf.get("tie_word_embeddings", False), "tie_word_embeddings", "the output layer here is the input embedding")
     need(math.isclose(hf.get("rms_norm_eps", RMS_EPS), RMS_EPS), "rms_norm_eps", f"RMSNorm here uses eps {RMS_EPS}")
     need(hf.get("rope_interleave", True), "rope_interleave", "RoPE here rotates interleaved pairs (x[2i], x[2i+1])")
@@ -220,7 +221,6 @@ def from_hf_config(hf, m):
             need(top_k == 1, "num_experts_per_tok", "HF's DeepseekV2 gates are the top-k softmax scores, not "
                  "renormalised (it ignores norm_topk_prob); gates here are renormalised over the top k when k > 1")
             need(hf.get("topk_method", "greedy") == "greedy", "topk_method", "group-limited routing is not in this model yet")
-            need(not hf.get("mlp_bias", False), "mlp_bias", "projections here have no bias")
         else:
             need(bool(hf.get("norm_topk_prob", True)) == (top_k > 1), "norm_topk_prob", "gates here are renormalised "
                  "over the top k when k > 1 and are the raw score when k = 1")
