@@ -653,13 +653,16 @@ class Transformer(nnx.Module):
     def __init__(self, cfg, rngs):
         self.cfg = cfg
         V = padded_vocab(cfg.vocab_size, cfg.vocab_multiple)
-        # Tied embedding: rows are token vectors in, and the output layer out. Rows of
-        # norm ~1 (std 1/sqrt(D)), small next to what the first layers add to the
-        # residual stream. With unit-variance rows (norm sqrt(D)) the stream at the
-        # last layer was still mostly the input token's own row, whose logit is then
-        # ~sqrt(D) (10 at D = 128): the untrained model predicted "the next token is
-        # this one" and started at loss 10.15 instead of ln(384) = 5.95.
-        self.embed_VD = init_normal(rngs, (V, cfg.d_model), cfg.d_model)
+        # Tied embedding: rows are token vectors in, and the output layer out. A logit
+        # is at most its row's norm (see `logits`), so rows of norm `embed_row_norm`
+        # (2 by default, std 2/sqrt(D)) keep the untrained model near a uniform guess
+        # while letting it express confident predictions early: the default run's
+        # val loss at step 1000 was 1.646 with norm 1 and 1.622 with norm 2 (4: 1.623).
+        # With unit-variance rows (norm sqrt(D)) the stream at the last layer was still
+        # mostly the input token's own row, whose logit is then ~sqrt(D) (10 at D = 128):
+        # the untrained model predicted "the next token is this one" and started at loss
+        # 10.15 instead of ln(384) = 5.95.
+        self.embed_VD = init_normal(rngs, (V, cfg.d_model), cfg.d_model, cfg.embed_row_norm)
 
         @nnx.split_rngs(splits=cfg.n_blocks)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -684,8 +687,8 @@ class Transformer(nnx.Module):
     def logits(self, x_BTD, norm=None):
         """Output layer of the tied embedding (the local vocabulary rows under tp).
         `norm`: the final norm to apply (an MTP depth has its own)."""
-        # Scaled by 1/sqrt(D): the normed x has norm sqrt(D) and the rows norm ~1, so at
-        # init a logit is ~N(0, 1/D), and ~cos(x, own row) <= 1 for the input token.
+        # Scaled by 1/sqrt(D): the normed x has norm sqrt(D), so a logit is the row's
+        # norm (embed_row_norm at init) times cos(x, row): ~N(0, norm^2/D) at init.
         # A model imported from Hugging Face (final_norm_folded) has that factor in its
         # final norm's scale, HF's weight as it was: x 1/sqrt(D) does not round-trip.
         if norm is None and self.cfg.final_norm_folded:

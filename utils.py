@@ -54,6 +54,8 @@ class ModelConfig:
     q_latent: int = option(64, "MLA query latent width (Q)")
     kv_latent: int = option(32, "MLA key/value latent width (A); with R, all the KV cache stores")
     rope_theta: float = option(10000.0, "RoPE base")
+    embed_row_norm: float = option(2.0, "norm of the tied embedding's rows at init (std = this / sqrt(D)); "
+                                        "the untrained output logits are at most this (model.py)")
     n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
     block_pattern: str = option("DM", "layers of one block: D = dense FFN, M = MoE FFN")
     d_ff: int = option(512, "hidden units of dense FFN layers (F)")
@@ -111,12 +113,12 @@ class DistConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = option(1000, "optimizer steps")
+    steps: int = option(1200, "optimizer steps")
     batch_size: int = option(16, "global sequences per step")
     microbatches: int = option(1, "split each step's batch (pipeline microbatches; accumulation when pp=1)")
-    lr: float = option(3e-3, "peak learning rate")
-    min_lr_ratio: float = option(0.1, "final lr as a fraction of the peak")
-    warmup_steps: int = option(100, "linear warmup steps")
+    lr: float = option(5e-3, "peak learning rate")
+    min_lr_ratio: float = option(0.0, "final lr as a fraction of the peak")
+    warmup_steps: int = option(50, "linear warmup steps")
     decay_steps: int = option(0, "cosine decay ends here; 0 = train.steps")
     weight_decay: float = option(0.1, "AdamW weight decay (matrices only)")
     beta1: float = option(0.9, "AdamW beta1")
@@ -207,12 +209,14 @@ PRESETS = {
     # expert parallelism; widths divisible by 8 for tp and FSDP. Sigmoid router and
     # MoE in every layer: a DeepSeek-V3 in every respect, so its Hugging Face export
     # loads with transformers' AutoModelForCausalLM (hf_interop.py).
+    # Embedding rows of norm 1 (at D = 32 with 8 blocks, norm 2 gives the input token
+    # a logit of 1.06 at init) and min_lr_ratio 0.1: the tests' calibrated figures.
     "tiny": {
         "model": dict(vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
                       rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
                       n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, router_score="sigmoid",
-                      unroll_blocks=False, remat="block", dtype="float32"),
-        "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10,
+                      embed_row_norm=1.0, unroll_blocks=False, remat="block", dtype="float32"),
+        "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10, min_lr_ratio=0.1,
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
     },
@@ -231,7 +235,7 @@ PRESETS = {
                       n_experts=16, n_shared=2, top_k=2, d_expert=2048, capacity_factor=1.5,
                       dtype="bfloat16", unroll_blocks=False, remat="block"),
         "mesh": dict(dp=8, pp=2, tp=2),
-        "train": dict(steps=75000, batch_size=256, microbatches=4, lr=6e-4, warmup_steps=5000,
+        "train": dict(steps=75000, batch_size=256, microbatches=4, lr=6e-4, warmup_steps=5000, min_lr_ratio=0.1,
                       eval_every=1000, eval_batches=32, checkpoint_every=1000, weight_decay=0.1),
         "data": dict(tokenizer="cl100k_base", source="gs://YOUR_BUCKET/fineweb-edu-cl100k"),
     },
