@@ -2,17 +2,20 @@
 
 The model here is arithmetically a DeepSeek-V3 (MLA attention with decoupled RoPE,
 shared + routed SwiGLU experts, RMSNorm, tied embedding), so a run leaves the repo as a
-directory that `transformers.AutoModelForCausalLM.from_pretrained` loads with its own,
-built-in classes (no remote code):
+directory that transformers loads with its own, built-in classes (no remote code),
+through `AutoModelForCausalLM.from_pretrained` for the first two rows:
 
-  router_score sigmoid -> model_type deepseek_v3 (DeepseekV3ForCausalLM)
-  router_score softmax -> model_type mistral4    (Mistral4ForCausalLM)
+  router_score sigmoid (or no MoE layer) -> deepseek_v3 (DeepseekV3ForCausalLM, AutoModelForCausalLM)
+  router_score softmax, top_k 1           -> deepseek_v2 (DeepseekV2ForCausalLM, AutoModelForCausalLM)
+  router_score softmax, top_k > 1         -> mistral4    (Mistral4ForCausalLM; not AutoModelForCausalLM)
 
-Why two: transformers' DeepseekV3 router always scores experts with a sigmoid; its
-Mistral4 is the same architecture (same weight names and shapes, MLA, shared experts,
-dense-first layers) with softmax scores renormalised over the top k, which is exactly
-this repo's softmax router. Both are DeepSeek-V3-format checkpoints to the tools that
-read them.
+Why three: transformers' DeepseekV3 router always scores experts with a sigmoid. Its
+DeepseekV2 scores with a softmax but never renormalises the top k (its router deletes
+norm_topk_prob: gate = softmax score x routed_scaling_factor), which is ours only when
+k = 1, where our gate is the raw score too. Its Mistral4 is the same architecture (MLA,
+shared experts, dense-first layers) with softmax scores renormalised over the top k,
+exactly this repo's softmax router, but transformers 5.24 maps it to
+AutoModelForImageTextToText, not AutoModelForCausalLM.
 
 How the pieces map (ours -> HF, per layer l = block n x len(pattern) + position i):
 
@@ -21,12 +24,14 @@ How the pieces map (ours -> HF, per layer l = block n x len(pattern) + position 
   wkv_down_DA | wk_rope_DR      kv_a_proj_with_mqa [A + R, D]
   wk_up_AHK | wv_up_AHK         kv_b_proj [H (K + K), A]   per head: K key dims, then K value dims
   wo_HKD                        o_proj [D, H K]
-  final_norm / sqrt(D)          model.norm                 (our logits are scaled by 1/sqrt(D))
+  final_norm / sqrt(D)          model.norm                 (our logits are scaled by 1/sqrt(D); a model
+                                                           imported from HF keeps HF's weight: final_norm_folded)
   embed_VD (padded rows too)    embed_tokens, tied to lm_head
 
 RoPE: ours rotates pairs (x[2i], x[2i+1]); HF's `rope_interleave: true` rotates the same
 pairs (it writes them out de-interleaved, to queries and keys alike, which leaves every
-score unchanged), so RoPE weights copy as they are. Softmax scale 1/sqrt(K + R) on both.
+score unchanged), and DeepseekV2 rotates them as complex numbers in place, so RoPE
+weights copy as they are. Softmax scale 1/sqrt(K + R) on all three.
 
 Vocabulary: the exported vocab_size is our padded one, so HF's logits and loss are ours
 over every row; generation_config.json suppresses the padding ids, as our sampler does.
@@ -53,16 +58,17 @@ from model import padded_vocab
 from utils import ConfigError
 
 HF_PREFIX = "hf:"
-ARCHITECTURES = {  # router score -> (model_type, class)
-    "sigmoid": ("deepseek_v3", "DeepseekV3ForCausalLM"),
-    "softmax": ("mistral4", "Mistral4ForCausalLM"),
+ARCHITECTURES = {  # model_type -> (class, the router score it computes); see architecture_of
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "sigmoid"),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "softmax"),
+    "mistral4": ("Mistral4ForCausalLM", "softmax"),
 }
 RMS_EPS = 1e-6  # model.RMSNorm's
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 # Fields of our ModelConfig that no HF field carries, kept in config.json under this key
 # so that our own export imports back as exactly the model it came from.
 OURS_KEY = "meshformer"
-OURS_FIELDS = ("vocab_size", "vocab_multiple", "n_blocks", "block_pattern")
+OURS_FIELDS = ("vocab_size", "vocab_multiple", "n_blocks", "block_pattern", "final_norm_folded")
 
 
 def hf_dir(init_from):
@@ -121,7 +127,7 @@ def to_hf_config(m, tokenizer, dtype):
         n_routed_experts=m.n_experts, n_shared_experts=m.n_shared, moe_intermediate_size=m.d_expert,
         num_experts_per_tok=m.top_k,
         # Ours renormalises the top-k scores to sum to 1, except with one expert, whose
-        # gate is its raw score.
+        # gate is its raw score (DeepseekV2 ignores the field: it exports only k = 1).
         norm_topk_prob=m.top_k > 1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
         max_position_embeddings=m.seq_len, rms_norm_eps=RMS_EPS, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=tokenizer.eot_id, pad_token_id=None, use_cache=True,
@@ -130,6 +136,9 @@ def to_hf_config(m, tokenizer, dtype):
     if model_type == "deepseek_v3":
         config.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
                       num_nextn_predict_layers=0)
+    elif model_type == "deepseek_v2":  # "default" RoPE spans head_dim, which its config sets to qk_rope_head_dim
+        config.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, topk_method="greedy",
+                      mlp_bias=False)
     else:
         # Mistral4's "default" RoPE would take its frequencies over the whole head (K + R);
         # "linear" with factor 1 honours partial_rotary_factor, i.e. spans the R RoPE dims
@@ -143,8 +152,13 @@ def to_hf_config(m, tokenizer, dtype):
 
 
 def architecture_of(m):
-    """(model_type, class) of the export; a model without MoE layers has no router."""
-    return ARCHITECTURES[m.router_score if "M" in layer_kinds(m) else "sigmoid"]
+    """(model_type, class) of the export: the one transformers class that computes this
+    router (module docstring). A model without MoE layers has no router: deepseek_v3."""
+    if "M" not in layer_kinds(m) or m.router_score == "sigmoid":
+        model_type = "deepseek_v3"
+    else:
+        model_type = "deepseek_v2" if m.top_k == 1 else "mistral4"
+    return model_type, ARCHITECTURES[model_type][0]
 
 
 def rope_fraction(head_dim, rope_dim):
@@ -161,7 +175,7 @@ def rope_fraction(head_dim, rope_dim):
 
 ARCH_FIELDS = ("vocab_size", "vocab_multiple", "d_model", "n_heads", "head_dim", "rope_dim", "q_latent", "kv_latent",
                "rope_theta", "n_blocks", "block_pattern", "d_ff", "ffn_activation", "n_experts", "n_shared", "top_k",
-               "d_expert", "router_score")
+               "d_expert", "router_score", "final_norm_folded")
 
 
 def from_hf_config(hf, m):
@@ -169,10 +183,9 @@ def from_hf_config(hf, m):
     What this model cannot express is a ConfigError naming the HF field."""
 
     model_type = hf.get("model_type")
-    routers = {t: score for score, (t, _) in ARCHITECTURES.items()}
-    if model_type not in routers:
+    if model_type not in ARCHITECTURES:
         raise ConfigError(f"config.json has model_type {model_type!r}; this model imports "
-                          f"{' or '.join(routers)} (MLA + DeepSeek MoE) checkpoints")
+                          f"{', '.join(ARCHITECTURES)} (MLA + DeepSeek MoE) checkpoints")
 
     def need(ok, field, why):
         if not ok:
@@ -188,10 +201,11 @@ def from_hf_config(hf, m):
          "MLA here has one key/value head per query head")
     need(hf.get("hidden_act", "silu") == "silu", "hidden_act", "experts and dense layers here are SwiGLU (silu)")
     need(not hf.get("attention_bias", False), "attention_bias", "projections here have no bias")
+    need(not hf.get("mlp_bias", False), "mlp_bias", "projections here have no bias")
     need(hf.get("tie_word_embeddings", False), "tie_word_embeddings", "the output layer here is the input embedding")
     need(math.isclose(hf.get("rms_norm_eps", RMS_EPS), RMS_EPS), "rms_norm_eps", f"RMSNorm here uses eps {RMS_EPS}")
     need(hf.get("rope_interleave", True), "rope_interleave", "RoPE here rotates interleaved pairs (x[2i], x[2i+1])")
-    if model_type == "deepseek_v3":
+    if model_type != "mistral4":
         need(rope_type == "default", "rope_parameters", f"rope_type {rope_type!r}: RoPE here is unscaled (no YaRN)")
     else:
         need(rope_type in ("default", "linear") and rope.get("factor", 1.0) == 1.0 and not rope.get("llama_4_scaling_beta"),
@@ -203,8 +217,13 @@ def from_hf_config(hf, m):
              "rescaled (DeepSeek-V3 routing options are not in this model yet)")
         need(hf.get("n_group", 1) in (1, None) or hf.get("topk_group") == hf.get("n_group"), "n_group",
              f"with topk_group {hf.get('topk_group')}: group-limited routing is not in this model yet")
-        need(bool(hf.get("norm_topk_prob", True)) == (top_k > 1), "norm_topk_prob", "gates here are renormalised over "
-             "the top k when k > 1 and are the raw score when k = 1")
+        if model_type == "deepseek_v2":  # its router never renormalises, whatever norm_topk_prob says
+            need(top_k == 1, "num_experts_per_tok", "HF's DeepseekV2 gates are the top-k softmax scores, not "
+                 "renormalised (it ignores norm_topk_prob); gates here are renormalised over the top k when k > 1")
+            need(hf.get("topk_method", "greedy") == "greedy", "topk_method", "group-limited routing is not in this model yet")
+        else:
+            need(bool(hf.get("norm_topk_prob", True)) == (top_k > 1), "norm_topk_prob", "gates here are renormalised "
+                 "over the top k when k > 1 and are the raw score when k = 1")
     kinds = "D" * k + "M" * (L - k)
     ours = hf.get(OURS_KEY, {})
     if ours and ours.get("block_pattern", "") * ours.get("n_blocks", 0) == kinds:
@@ -221,7 +240,10 @@ def from_hf_config(hf, m):
         head_dim=hf["qk_nope_head_dim"], rope_dim=hf["qk_rope_head_dim"], q_latent=hf["q_lora_rank"],
         kv_latent=hf["kv_lora_rank"], rope_theta=float(rope.get("rope_theta", 10000.0)), n_blocks=n_blocks,
         block_pattern=pattern, d_ff=hf.get("intermediate_size", m.d_ff), ffn_activation="swiglu",
-        router_score=routers[model_type])
+        router_score=ARCHITECTURES[model_type][1],
+        # HF's norm weight kept as it is, bit for bit (times 1/sqrt(D) it would not map
+        # back); our own export says which way its model had it.
+        final_norm_folded=ours.get("final_norm_folded", not ours))
     if moe:
         new.update(n_experts=hf["n_routed_experts"], n_shared=hf.get("n_shared_experts", 0), top_k=hf["num_experts_per_tok"],
                    d_expert=hf["moe_intermediate_size"])
@@ -250,29 +272,38 @@ def adopt_hf_config(cfg, path):
 # Weights: ours <-> HF state dict (numpy, float32)
 
 
-def final_norm_out(scale_D, d_model, dtype=np.float32):
-    """HF's final norm weight: ours times our logits' 1/sqrt(D), rounded once into `dtype`."""
-    return (scale_D.astype(np.float64) / math.sqrt(d_model)).astype(np.float32).astype(dtype)
+def final_norm_out(scale_D, m, dtype=np.float32):
+    """HF's final norm weight: ours times our logits' 1/sqrt(D), rounded once into `dtype`
+    (ours as it is when it already holds that factor, m.final_norm_folded)."""
+    scale_D = np.asarray(scale_D, np.float32)
+    if not m.final_norm_folded:
+        scale_D = (scale_D.astype(np.float64) / math.sqrt(m.d_model)).astype(np.float32)
+    return scale_D.astype(dtype)
 
 
-def final_norm_in(weight_D, d_model):
-    """Our final norm scale for HF's weight: the float32 nearest weight x sqrt(D).
-    A weight that an export wrote exports back from it to exactly itself (every one of
-    10^5 draws at D = 32, 128 and 768), and so does every bfloat16 weight. A foreign
-    float32 weight can fall between two values an export can write (1/sqrt(D) is not a
-    power of two, so no float32 scale maps onto it; 11-13% of random draws): exporting
-    it again moves it by one ulp."""
-    return (np.asarray(weight_D).astype(np.float64) * math.sqrt(d_model)).astype(np.float32)
+def final_norm_in(weight_D, m):
+    """Our final norm scale for HF's weight: the weight itself with m.final_norm_folded
+    (what an import from a foreign model sets), else the float32 nearest weight x sqrt(D).
+    The latter is for our own exports: a weight that an export wrote exports back from
+    it to exactly itself (every one of 10^5 draws at D = 32, 128 and 768), and so does
+    every bfloat16 weight. A foreign float32 weight can fall between two values an
+    export can write (1/sqrt(D) is not a power of two, so no float32 scale maps onto
+    it; 11-13% of random draws), hence the folded representation for those."""
+    weight_D = np.asarray(weight_D).astype(np.float32)
+    if m.final_norm_folded:
+        return weight_D
+    return (weight_D.astype(np.float64) * math.sqrt(m.d_model)).astype(np.float32)
 
 
 def to_hf_state(params, m, dtype=np.float32):
     """{HF name: array} from our params (a pure dict of host arrays, the stacked blocks'
     leading axis N included). Per-expert names (experts.{e}.gate_proj...) for
-    deepseek_v3, as DeepSeek's own checkpoints and vLLM/SGLang have them; mistral4's
-    fused expert tensors, as its transformers class stores them."""
+    deepseek_v3 and deepseek_v2, as DeepSeek's own checkpoints and vLLM/SGLang have them;
+    mistral4's fused expert tensors, as its transformers class stores them."""
     check_exportable(m)
     H, K, R, Q, A, D = m.n_heads, m.head_dim, m.rope_dim, m.q_latent, m.kv_latent, m.d_model
-    fused_experts = architecture_of(m)[0] == "mistral4"
+    model_type = architecture_of(m)[0]
+    fused_experts = model_type == "mistral4"
     out = {"model.embed_tokens.weight": params["embed_VD"]}
     P = len(m.block_pattern)
     for n in range(m.n_blocks):
@@ -297,8 +328,9 @@ def to_hf_state(params, m, dtype=np.float32):
                         L + "mlp.down_proj.weight": f["w_down_FD"].T}
                 continue
             out[L + "mlp.gate.weight"] = f["router_DE"].T
-            if not fused_experts:
+            if model_type == "deepseek_v3":  # selection bias (ours would be router_bias_rate > 0, refused above)
                 out[L + "mlp.gate.e_score_correction_bias"] = np.zeros((m.n_experts,), np.float32)
+            if not fused_experts:
                 for e in range(m.n_experts):
                     E = f"{L}mlp.experts.{e}."
                     out |= {E + "gate_proj.weight": f["w_gate_EDF"][e].T, E + "up_proj.weight": f["w_up_EDF"][e].T,
@@ -311,7 +343,7 @@ def to_hf_state(params, m, dtype=np.float32):
             out |= {L + "mlp.shared_experts.gate_proj.weight": shared["w_gate_DF"].T,
                     L + "mlp.shared_experts.up_proj.weight": shared["w_up_DF"].T,
                     L + "mlp.shared_experts.down_proj.weight": shared["w_down_FD"].T}
-    out["model.norm.weight"] = final_norm_out(np.asarray(params["final_norm"]["scale_D"]), D, dtype)
+    out["model.norm.weight"] = final_norm_out(params["final_norm"]["scale_D"], m, dtype)
     return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in out.items()}
 
 
@@ -373,7 +405,7 @@ def from_hf_state(tensors, m):
     V = padded_vocab(m.vocab_size, m.vocab_multiple)
     if embed.shape[0] != V:
         raise ConfigError(f"the checkpoint's embedding has {embed.shape[0]} rows, the model {V}")
-    params = {"embed_VD": embed, "final_norm": {"scale_D": final_norm_in(np.asarray(tensors["model.norm.weight"]), D)},
+    params = {"embed_VD": embed, "final_norm": {"scale_D": final_norm_in(tensors["model.norm.weight"], m)},
               "blocks": {"layers": {i: w for i, w in enumerate(stacked)}}}
     used.add("model.norm.weight")
     # Multi-token-prediction layers (DeepSeek-V3's extra layers after the last) and an

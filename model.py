@@ -689,7 +689,12 @@ class Transformer(nnx.Module):
         `norm`: the final norm to apply (an MTP depth has its own)."""
         # Scaled by 1/sqrt(D): the normed x has norm sqrt(D), so a logit is the row's
         # norm (embed_row_norm at init) times cos(x, row): ~N(0, norm^2/D) at init.
-        x_BTD = (norm or self.final_norm)(x_BTD) / math.sqrt(x_BTD.shape[-1])
+        # A model imported from Hugging Face (final_norm_folded) has that factor in its
+        # final norm's scale, HF's weight as it was: x 1/sqrt(D) does not round-trip.
+        if norm is None and self.cfg.final_norm_folded:
+            x_BTD = self.final_norm(x_BTD)
+        else:
+            x_BTD = (norm or self.final_norm)(x_BTD) / math.sqrt(x_BTD.shape[-1])
         # (in x's dtype: the sharded step hands the table over in float32, parallel.gather_for_use)
         return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...].astype(x_BTD.dtype), preferred_element_type=ACC_DTYPE)
 

@@ -71,6 +71,8 @@ class ModelConfig:
     n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
     topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
     routed_scale: float = option(1.0, "multiply the routed experts' output by this (DeepSeek-V3 routed_scaling_factor)")
+    final_norm_folded: bool = option(False, "the final norm's scale holds the logits' 1/sqrt(D) (set by --train.init_from hf:, "
+                                            "which keeps HF's norm weight bit for bit); false = logits of final_norm(x) / sqrt(D)")
     mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): extra blocks predicting tokens 2..depth+1 ahead, "
                                "trained with the rest, ignored by sampling and eval; 0 = off")
     mtp_loss_weight: float = option(0.3, "weight of the MTP loss (mean over depths; V3 used 0.3, later 0.1)")
