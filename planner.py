@@ -118,30 +118,60 @@ def abstract_mesh(shape):
     return AbstractMesh(tuple(shape), par.AXES)
 
 
-def shard_bytes(shape, itemsize, spec, mesh_shape):
-    """Bytes of one device's shard of an array laid out by `spec`."""
-    size = 1
-    for i, dim in enumerate(shape):
-        ways = math.prod(mesh_shape[a] for a in par.axes_of(spec[i] if i < len(spec) else None))
-        size *= dim // ways
-    return size * itemsize
+# TPU memory is tiled (the layouts in the TPU compiler's optimized HLO, e.g.
+# f32[8,16,8]{1,2,0:T(8,128)}): an array's two minor dims are padded to whole tiles of
+# 8 sublanes x 128 lanes (a second-minor dim under 8 gets a 4-, 2- or 1-row tile), a
+# 1-D array to 512 bytes, a scalar to 512 bytes. The compiler picks which dims are
+# minor (the layout {1,2,0} above puts the 16 on the lanes), so of the orders that
+# exist the least padded is taken. Exact for every argument of the tiny and the
+# scaled-down moe1b steps (tests/test_tpu_compile.py); negligible at moe1b's widths
+# (multiples of 128), 2-8x at tiny's 8- to 32-wide dims.
+TPU_LANES, TPU_SUBLANES, TPU_VECTOR_BYTES = 128, 8, 512
 
 
-def layout_bytes(tree, expert_parallel, mesh_shape, itemsize=None):
+def tpu_tiled_bytes(shape, itemsize):
+    """Bytes of an array of this shape in TPU memory."""
+    if len(shape) < 2:
+        return -(-math.prod(shape) * itemsize // TPU_VECTOR_BYTES) * TPU_VECTOR_BYTES
+    best = None
+    for minor in range(len(shape)):
+        for second in range(len(shape)):
+            if second == minor:
+                continue
+            rows = min(TPU_SUBLANES, 1 << (shape[second] - 1).bit_length())  # the tile's sublanes
+            rest = math.prod(d for i, d in enumerate(shape) if i not in (minor, second))
+            size = rest * -(-shape[second] // rows) * rows * -(-shape[minor] // TPU_LANES) * TPU_LANES
+            best = size if best is None else min(best, size)
+    return best * itemsize
+
+
+def shard_shape(shape, spec, mesh_shape):
+    """One device's shard of an array laid out by `spec`."""
+    return tuple(dim // math.prod(mesh_shape[a] for a in par.axes_of(spec[i] if i < len(spec) else None))
+                 for i, dim in enumerate(shape))
+
+
+def shard_bytes(shape, itemsize, spec, mesh_shape, tiled=False):
+    """Bytes of one device's shard of an array laid out by `spec` (tiled: in TPU memory)."""
+    local = shard_shape(shape, spec, mesh_shape)
+    return tpu_tiled_bytes(local, itemsize) if tiled else math.prod(local) * itemsize
+
+
+def layout_bytes(tree, expert_parallel, mesh_shape, itemsize=None, tiled=False):
     """Per-device bytes of a params-shaped tree (params, or AdamW's mu / nu), each leaf
     laid out by the sharding table. Scalars (optimizer step counts) are replicated."""
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         size = itemsize or leaf.dtype.itemsize
         if not leaf.shape:
-            total += size
+            total += tpu_tiled_bytes((), size) if tiled else size
             continue
         dims = par.weight_layout(par.weight_name(path), par.is_stacked(path), expert_parallel)[0]
-        total += shard_bytes(leaf.shape, size, dims, mesh_shape)
+        total += shard_bytes(leaf.shape, size, dims, mesh_shape, tiled)
     return total
 
 
-def gathered_bytes(tree, expert_parallel, mesh_shape, itemsize, one_block):
+def gathered_bytes(tree, expert_parallel, mesh_shape, itemsize, one_block, tiled=False):
     """Per-device bytes of weights after the FSDP all-gather (gather_for_use): still split
     over their compute axes (tp, experts over dp), whole along the storage-only axes.
     one_block: a block's weights (the stacked N dim sliced away)."""
@@ -151,7 +181,7 @@ def gathered_bytes(tree, expert_parallel, mesh_shape, itemsize, one_block):
         shape = leaf.shape[1:] if one_block else leaf.shape
         dims = dims[1:] if one_block else dims
         compute_dims = tuple(None if d == fsdp_axes and fsdp_axes else d for d in dims)
-        total += shard_bytes(shape, itemsize, compute_dims, mesh_shape)
+        total += shard_bytes(shape, itemsize, compute_dims, mesh_shape, tiled)
     return total
 
 

@@ -332,6 +332,8 @@ TABLE_MESHES = {
                     "v6e-16": (16, 1, 1, 1)},
     "tiny": {"v4-8": (4, 1, 1, 1), "v4-64": (8, 2, 2, 2), "v5p-64": (8, 2, 2, 2), "v5litepod-16": (4, 2, 2, 2),
              "v6e-16": (4, 2, 2, 2)},
+    "deepseek_v3": {"v4-8": (4, 1, 1, 1), "v4-64": (16, 1, 2, 1), "v5p-64": (16, 1, 2, 1), "v5litepod-16": (16, 1, 1, 1),
+                    "v6e-16": (16, 1, 1, 1)},
     "moe1b": {"v4-8": (1, 2, 2, 4), "v4-64": (8, 2, 2, 4), "v5p-64": (8, 2, 2, 4), "v5litepod-16": (4, 2, 2, 4),
               "v6e-16": (4, 2, 2, 4)},
 }
@@ -350,8 +352,9 @@ def table_row(preset, pod_name):
     tpu = memory_bytes(compiled["train"])
     planned = planner.plan(cfg, 0, pod.hardware)
     hbm = planner.HARDWARE[pod.hardware].memory_bytes
-    return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", tpu_bytes=tpu["total"], planner_bytes=planned["total_bytes"],
-                fits=tpu["total"] <= hbm, compile_s=compiled["seconds"]["train"])
+    return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", microbatches=microbatches, tpu_bytes=tpu["total"],
+                planner_bytes=planned["total_bytes"], fits=tpu["total"] <= hbm, compile_s=compiled["seconds"]["train"],
+                tpu=tpu, planner_temp_bytes=planned["temp_bytes"])
 
 
 def main(argv):
