@@ -758,7 +758,7 @@ def tpu_check(cfg, tpu_name, p):
     for name in ("train", "eval"):
         lines += tpu_compile.collectives_report(tpu_compile.collectives(compiled[name].as_text(), tuple(mesh.shape.values())),
                                                 f"{name} step") + [""]
-    fits = tpu["total"] <= hbm
+    fits = tpu_compile.fits(tpu, compiled["log"]["train"], hbm)
     lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()}")
     return lines
 

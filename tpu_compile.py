@@ -253,6 +253,13 @@ def live_temporaries(logged):
     return logged["hbm live temporaries"] + logged.get("cmem temporaries", 0) + logged.get("vmem temporaries", 0)
 
 
+def fits(tpu, logged, hbm_bytes):
+    """The step's bytes (memory_analysis) and the HBM the TPU runtime keeps for itself
+    on every program (libtpu's log: 1.25 GiB on v4, 263 MiB on v5p, 260 MiB on v6e)
+    within the chip's HBM."""
+    return tpu["total"] + (logged or {}).get("runtime reserved", 0) <= hbm_bytes
+
+
 def memory_bytes(compiled):
     """Per-device bytes from the TPU compiler. total = what the step holds at once:
     arguments + outputs - aliased (donated arguments the outputs overwrite) + temporaries."""
@@ -266,8 +273,9 @@ def memory_bytes(compiled):
 # ----------------------------------------------------------------------------
 # Collectives, read from the optimized HLO
 #
-# Counted per step: an op inside a loop counts once per trip (the trip count is the
-# constant its loop condition compares the counter with; JAX's scans count 0..N-1).
+# Counted per step: an op inside a loop counts once per trip (XLA's known_trip_count,
+# else the constant its loop condition compares the counter with; JAX's scans count
+# 0..N-1). auto_sharding.collective_table reads the same ops (one parser for both).
 # Bytes per device: the op's full buffer (all-gather: its output; reduce-scatter: its
 # input, i.e. output x group size; the rest: their output). Async pairs count once (at
 # -done); "over" names the mesh axes its device groups span.
@@ -297,7 +305,12 @@ def split_computations(hlo):
     return comps, entry
 
 
-def trip_count(condition_lines):
+def trip_count(loop_line, condition_lines):
+    """Trips of a while loop: XLA's known_trip_count where it says it, else the one
+    constant its condition compares the counter with (1 when that is not clear)."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop_line)
+    if known:
+        return int(known.group(1))
     constants = [int(c) for line in condition_lines for c in re.findall(r"constant\((\d+)\)", line)]
     return constants[0] if len(constants) == 1 else 1
 
@@ -309,7 +322,7 @@ def executions(comps, entry):
         for line in lines:
             body = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
             if body:
-                callees[name].append((body.group(2), trip_count(comps.get(body.group(1), []))))
+                callees[name].append((body.group(2), trip_count(line, comps.get(body.group(1), []))))
                 continue
             for callee in re.findall(r"(?:calls|to_apply)=%([^\s,}]+)", line):
                 callees[name].append((callee, 1))
@@ -326,13 +339,16 @@ def executions(comps, entry):
     return runs
 
 
-def device_groups(line):
-    """Lists of device (partition) ids that an op's groups hold (None: not found)."""
+def device_groups(line, n_devices):
+    """Lists of device (partition) ids that an op's groups hold (None: a spelling this
+    parser does not know). No groups ({}) means one group of every device."""
     if "source_target_pairs={}" in line:  # a ppermute with nothing to send (pp = 1)
         return []
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(0))]
+    if re.search(r"replica_groups=\{\}", line):
+        return [list(range(n_devices))]
     iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if iota:
         shape = [int(n) for n in iota.group(1).split(",")]
@@ -341,14 +357,30 @@ def device_groups(line):
         if iota.group(3):
             ids = ids.transpose([int(n) for n in iota.group(3).split(",")])
         return ids.reshape(shape).tolist()
-    groups = re.search(r"replica_groups=\{(.*?)\}\}", line)
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}", line)
+    if named:  # mesh['dp'=2,'tp'=4] {'tp'}: groups along the named axes
+        axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
+        if len(axes) != named.group(1).count("="):
+            return None
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = np.arange(math.prod(sizes))
+        if named.group(2):
+            ids = ids.reshape([int(d) for d in named.group(2).split(",")])
+            ids = ids.transpose([int(p) for p in named.group(3).split(",")]) if named.group(3) else ids
+        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", named.group(4))]
+        kept = [i for i in range(len(names)) if i not in grouped]
+        return ids.reshape(sizes).transpose(kept + grouped).reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
+    groups = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
     if groups:
-        return [[int(n) for n in g.split(",")] for g in re.findall(r"\{([\d,]+)", groups.group(0))]
+        return [[int(n) for n in g.split(",") if n] for g in re.findall(r"\{([\d,]*)\}", groups.group(1))]
     return None
 
 
 def axes_spanned(groups, mesh_shape):
-    """The mesh axes along which the devices of a group differ ("dp+tp", ...)."""
+    """The mesh axes along which the devices of a group differ ("dp+tp", ...; "-": none,
+    "?": groups not understood)."""
+    if groups is None:
+        return "?"
     varying = set()
     for group in groups:
         coords = np.array(np.unravel_index(group, mesh_shape)).T
@@ -356,11 +388,21 @@ def axes_spanned(groups, mesh_shape):
     return "+".join(a for a in par.AXES if a in varying) or "-"
 
 
-def collectives(hlo, mesh_shape):
-    """{(kind, dtype, over): {"count": per step, "bytes": per device per step}}."""
+@dataclass(frozen=True)
+class CollectiveOp:
+    kind: str  # one of COLLECTIVE_KINDS
+    over: str  # axes_spanned
+    runs: int  # times per step
+    group_size: int
+    arrays: tuple  # ((dtype, bytes), ...) of its result on one device
+
+
+def collective_ops(hlo, mesh_shape):
+    """Every collective of an optimized HLO module, once each (async pairs at -done)."""
     comps, entry = split_computations(hlo)
     runs = executions(comps, entry)
-    table = defaultdict(lambda: {"count": 0, "bytes": 0})
+    n_devices = math.prod(mesh_shape)
+    ops = []
     for name, lines in comps.items():
         if not runs.get(name):
             continue
@@ -376,14 +418,22 @@ def collectives(hlo, mesh_shape):
             if op.endswith("-done"):  # the groups sit on the matching -start
                 operand = re.match(r"%([^\s,)]+)", m.group(3))
                 start_line = next((s for s in lines if operand and s.lstrip().startswith(f"%{operand.group(1)} =")), line)
-            groups = device_groups(start_line)
-            over = "?" if groups is None else axes_spanned(groups, mesh_shape)
-            group_size = len(groups[0]) if groups and kind == "reduce-scatter" else 1
-            for dtype, dims in ARRAY.findall(result):
-                nbytes = DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d) * group_size
-                row = table[(kind, dtype, over)]
-                row["count"] += runs[name]
-                row["bytes"] += runs[name] * nbytes
+            groups = device_groups(start_line, n_devices)
+            arrays = tuple((dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+                           for dtype, dims in ARRAY.findall(result))
+            ops.append(CollectiveOp(kind, axes_spanned(groups, mesh_shape), runs[name],
+                                    len(groups[0]) if groups else 1, arrays))
+    return ops
+
+
+def collectives(hlo, mesh_shape):
+    """{(kind, dtype, over): {"count": per step, "bytes": per device per step}}."""
+    table = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for op in collective_ops(hlo, mesh_shape):
+        for dtype, nbytes in op.arrays:
+            row = table[(op.kind, dtype, op.over)]
+            row["count"] += op.runs
+            row["bytes"] += op.runs * nbytes * (op.group_size if op.kind == "reduce-scatter" else 1)
     return dict(table)
 
 
@@ -422,8 +472,10 @@ def memory_report(planned, tpu, hbm_bytes, pod, compile_seconds, logged=None):
         ratio = f"{plan_bytes / tpu_bytes:6.2f}" if tpu_bytes and plan_bytes else "     -"
         lines.append(f"{label:<{width}}{gib(plan_bytes) if plan_bytes else '':>13} {gib(tpu_bytes)} {ratio}")
     lines.append(f"{'program code (not in the total)':<{width}}{'':>13} {gib(tpu['code'])}")
-    verdict = "fits" if tpu["total"] <= hbm_bytes else "does NOT fit"
-    lines.append(f"{verdict}: {tpu['total'] / GiB:.2f} GiB per device of {hbm_bytes / GiB:.0f} GiB HBM")
+    reserved = (logged or {}).get("runtime reserved", 0)
+    verdict = "fits" if fits(tpu, logged, hbm_bytes) else "does NOT fit"
+    lines.append(f"{verdict}: {tpu['total'] / GiB:.2f} GiB per device"
+                 + (f" + the runtime's {reserved / GiB:.2f} GiB" if reserved else "") + f" of {hbm_bytes / GiB:.0f} GiB HBM")
     return lines
 
 
@@ -467,7 +519,7 @@ def table_row(preset, pod_name):
     planned = planner.plan(cfg, 0, pod.hardware)
     hbm = planner.HARDWARE[pod.hardware].memory_bytes
     return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", microbatches=microbatches, tpu_bytes=tpu["total"],
-                planner_bytes=planned["total_bytes"], fits=tpu["total"] <= hbm, compile_s=compiled["seconds"]["train"],
+                planner_bytes=planned["total_bytes"], fits=fits(tpu, compiled["log"]["train"], hbm), compile_s=compiled["seconds"]["train"],
                 tpu=tpu, planner_temp_bytes=planned["temp_bytes"], log=compiled["log"]["train"])
 
 
@@ -493,6 +545,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])
