@@ -133,8 +133,10 @@ def captured_stderr():
                 print("\n".join(other), file=sys.stderr)
 
 
-# glog's lines (I/W/E/F + MMDD) and the continuation lines of libtpu's memory summary
-LIBTPU_LOG_LINE = re.compile(r"^([IWEF]\d{4} |\s|Output size |Total \w+ usage |Program \w+ requirement )")
+# glog's lines (I/W/E/F + MMDD), the continuation lines of libtpu's memory summary, and
+# XLA's slow-compile banner (it fires after a few minutes on a loaded CPU)
+LIBTPU_LOG_LINE = re.compile(r"^([IWEF]\d{4} |\s|Output size |Total \w+ usage |Program \w+ requirement |\*+$"
+                             r"|Slow compilation warning:|\[Run backend for module\] Very slow compile)")
 
 
 # ----------------------------------------------------------------------------
