@@ -29,13 +29,8 @@ out_sharding written into model.py: the model code would have to know the mesh, 
 is what this mode is meant to avoid.
 """
 
-import itertools
-import math
-import re
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -179,114 +174,20 @@ def make_eval_step(graphdef, cfg, mesh, params):
 
 
 # ----------------------------------------------------------------------------
-# What the compiler chose: the collectives of a compiled step, from its optimized HLO.
-# (A small parser of our own, for bench.py; a TPU compile check that reads the same
-# HLO text could share it.)
-
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-               "f64": 8, "s64": 8, "u64": 8}
-COLLECTIVE_RE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
-SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
-COMPUTATION_RE = re.compile(r"^(?:ENTRY )?%(\S+) ")
-CALLEE_RE = re.compile(r"\b(body|condition|to_apply|calls)=%([\w.\-]+)|branch_computations=\{([^}]*)\}")
-TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def shape_bytes(text, largest_only=False):
-    sizes = [DTYPE_BYTES[d] * math.prod(int(n) for n in dims.split(",") if n) for d, dims in SHAPE_RE.findall(text)]
-    return max(sizes, default=0) if largest_only else sum(sizes)
-
-
-def replica_groups(line):
-    """The device groups of one collective as a set of frozensets of partition ids, or
-    None when the line spells them in a form this parser does not know."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}", line)
-    if m:
-        named = re.findall(r"'(\w+)'=(\d+)", m[1])
-        if len(named) != m[1].count("="):
-            return None
-        names, sizes = [n for n, _ in named], [int(s) for _, s in named]
-        ids = np.arange(math.prod(sizes))
-        if m[2]:
-            ids = ids.reshape([int(d) for d in m[2].split(",")])
-            ids = ids.transpose([int(p) for p in m[3].split(",")]) if m[3] else ids
-        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", m[4])]
-        kept = [i for i in range(len(names)) if i not in grouped]
-        ids = ids.reshape(sizes).transpose(kept + grouped).reshape(-1, math.prod(sizes[i] for i in grouped))
-        return {frozenset(g.tolist()) for g in ids}
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if m:
-        ids = np.arange(int(m[1]) * int(m[2])).reshape([int(d) for d in m[3].split(",")])
-        ids = ids.transpose([int(p) for p in m[4].split(",")]) if m[4] else ids
-        return {frozenset(g.tolist()) for g in ids.reshape(int(m[1]), int(m[2]))}
-    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)?\}", line)
-    if m:
-        return {frozenset(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m[1] or "")}
-    return None
-
-
-def axes_of_groups(groups, mesh):
-    """Name the mesh axes a collective runs over ("dp", "tp", "dp+tp", ...): the set of
-    axes whose device groups are exactly `groups` (partition i = mesh.devices.flat[i])."""
-    if groups is None:
-        return "?"
-    n = mesh.devices.size
-    if groups in (set(), {frozenset()}) or groups == {frozenset(range(n))}:
-        groups = {frozenset(range(n))}
-    coords = np.array(np.unravel_index(np.arange(n), mesh.devices.shape)).T
-    names = [a for a in mesh.axis_names if mesh.shape[a] > 1]
-    for k in range(len(names) + 1):
-        for subset in itertools.combinations(names, k):
-            fixed = [i for i, a in enumerate(mesh.axis_names) if a not in subset]
-            expected = {}
-            for d in range(n):
-                expected.setdefault(tuple(coords[d][fixed]), set()).add(d)
-            if {frozenset(g) for g in expected.values()} == groups:
-                return "+".join(subset) or "none"
-    return "?"
-
-
-def axes_of_pairs(line, mesh):
-    """The mesh axes a collective-permute moves data along ("none": no pairs)."""
-    pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=", 1)[-1].split("}}", 1)[0] + "}")
-    moved = set()
-    for source, target in pairs:
-        a, b = (np.unravel_index(int(d), mesh.devices.shape) for d in (source, target))
-        moved |= {name for name, i, j in zip(mesh.axis_names, a, b) if i != j}
-    return "+".join(a for a in mesh.axis_names if a in moved) or "none"
+# What the compiler chose: the collectives of a compiled step, from its optimized HLO
+# (tpu_compile's parser, which planner.py --tpu prints from too).
 
 
 def collective_table(hlo_text, mesh):
-    """{(kind, axes): [count, bytes]} per step per device: each collective in the
+    """{(kind, axes): (count, bytes)} per step per device: each collective in the
     optimized HLO, times the trip count of the loops around it. Bytes are the
     collective's result on one device (for an all-gather the gathered array, for a
-    reduce-scatter the scattered shard)."""
-    computations, current = {}, None
-    for line in hlo_text.splitlines():
-        m = COMPUTATION_RE.match(line)
-        if m and line.rstrip().endswith("{"):
-            current = computations.setdefault(m[1], [])
-            if line.startswith("ENTRY"):
-                entry = m[1]
-        elif current is not None:
-            current.append(line)
-    times = {entry: 1}
-    for name in reversed(list(computations)):  # callers come after their callees in HLO text
-        for line in computations[name]:
-            trips = TRIP_RE.search(line)
-            for role, callee, branches in CALLEE_RE.findall(line):
-                calls = [callee] if callee else re.findall(r"%([\w.\-]+)", branches)
-                for c in calls:
-                    factor = int(trips[1]) if role == "body" and trips else 1
-                    times[c] = times.get(c, 0) + times.get(name, 0) * factor
+    reduce-scatter the scattered shard); axes "none": it moves nothing."""
+    import tpu_compile
+
     table = {}
-    for name, lines in computations.items():
-        for line in lines:
-            m = COLLECTIVE_RE.match(line)
-            if not m or not times.get(name):
-                continue
-            key = (m[2], axes_of_pairs(line, mesh) if m[2] == "collective-permute" else axes_of_groups(replica_groups(line), mesh))
-            count, nbytes = table.get(key, (0, 0))
-            table[key] = (count + times[name], nbytes + times[name] * shape_bytes(m[1], largest_only=bool(m[3])))
+    for op in tpu_compile.collective_ops(hlo_text, mesh.devices.shape):
+        key = (op.kind, "none" if op.over == "-" else op.over)
+        count, nbytes = table.get(key, (0, 0))
+        table[key] = (count + op.runs, nbytes + op.runs * sum(b for _, b in op.arrays))
     return dict(sorted(table.items()))

@@ -118,30 +118,64 @@ def abstract_mesh(shape):
     return AbstractMesh(tuple(shape), par.AXES)
 
 
-def shard_bytes(shape, itemsize, spec, mesh_shape):
-    """Bytes of one device's shard of an array laid out by `spec`."""
-    size = 1
-    for i, dim in enumerate(shape):
-        ways = math.prod(mesh_shape[a] for a in par.axes_of(spec[i] if i < len(spec) else None))
-        size *= dim // ways
-    return size * itemsize
+# TPU memory is tiled (the layouts in the TPU compiler's optimized HLO, e.g.
+# f32[8,16,8]{1,2,0:T(8,128)}): an array's two minor dims are padded to whole tiles of
+# 8 sublanes x 128 lanes (a second-minor dim under 8 gets a 4-, 2- or 1-row tile), a
+# 1-D array to 512 bytes, a scalar to 512 bytes. The compiler picks which dims are
+# minor (the layout {1,2,0} above puts the 16 on the lanes), so of the orders that
+# exist the least padded is taken. Exact for every argument of the tiny and the
+# scaled-down moe1b steps (tests/test_tpu_compile.py); negligible at moe1b's widths
+# (multiples of 128), 2-8x at tiny's 8- to 32-wide dims.
+TPU_LANES, TPU_SUBLANES, TPU_VECTOR_BYTES = 128, 8, 512
 
 
-def layout_bytes(tree, expert_parallel, mesh_shape, itemsize=None):
+def tpu_tiled_bytes(shape, itemsize):
+    """Bytes of an array of this shape in TPU memory."""
+    if len(shape) < 2:
+        return -(-math.prod(shape) * itemsize // TPU_VECTOR_BYTES) * TPU_VECTOR_BYTES
+    best = None
+    for minor in range(len(shape)):
+        for second in range(len(shape)):
+            if second == minor:
+                continue
+            rows = min(TPU_SUBLANES, 1 << (shape[second] - 1).bit_length())  # the tile's sublanes
+            rest = math.prod(d for i, d in enumerate(shape) if i not in (minor, second))
+            size = rest * -(-shape[second] // rows) * rows * -(-shape[minor] // TPU_LANES) * TPU_LANES
+            best = size if best is None else min(best, size)
+    return best * itemsize
+
+
+def array_bytes(shape, itemsize, tiled=False):
+    """Bytes of an array (tiled: in TPU memory)."""
+    return tpu_tiled_bytes(shape, itemsize) if tiled else math.prod(shape) * itemsize
+
+
+def shard_shape(shape, spec, mesh_shape):
+    """One device's shard of an array laid out by `spec`."""
+    return tuple(dim // math.prod(mesh_shape[a] for a in par.axes_of(spec[i] if i < len(spec) else None))
+                 for i, dim in enumerate(shape))
+
+
+def shard_bytes(shape, itemsize, spec, mesh_shape, tiled=False):
+    """Bytes of one device's shard of an array laid out by `spec` (tiled: in TPU memory)."""
+    return array_bytes(shard_shape(shape, spec, mesh_shape), itemsize, tiled)
+
+
+def layout_bytes(tree, expert_parallel, mesh_shape, itemsize=None, tiled=False):
     """Per-device bytes of a params-shaped tree (params, or AdamW's mu / nu), each leaf
     laid out by the sharding table. Scalars (optimizer step counts) are replicated."""
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         size = itemsize or leaf.dtype.itemsize
         if not leaf.shape:
-            total += size
+            total += array_bytes((), size, tiled)
             continue
         dims = par.weight_layout(par.weight_name(path), par.is_stacked(path), expert_parallel)[0]
-        total += shard_bytes(leaf.shape, size, dims, mesh_shape)
+        total += shard_bytes(leaf.shape, size, dims, mesh_shape, tiled)
     return total
 
 
-def gathered_bytes(tree, expert_parallel, mesh_shape, itemsize, one_block):
+def gathered_bytes(tree, expert_parallel, mesh_shape, itemsize, one_block, tiled=False):
     """Per-device bytes of weights after the FSDP all-gather (gather_for_use): still split
     over their compute axes (tp, experts over dp), whole along the storage-only axes.
     one_block: a block's weights (the stacked N dim sliced away)."""
@@ -151,7 +185,7 @@ def gathered_bytes(tree, expert_parallel, mesh_shape, itemsize, one_block):
         shape = leaf.shape[1:] if one_block else leaf.shape
         dims = dims[1:] if one_block else dims
         compute_dims = tuple(None if d == fsdp_axes and fsdp_axes else d for d in dims)
-        total += shard_bytes(shape, itemsize, compute_dims, mesh_shape)
+        total += shard_bytes(shape, itemsize, compute_dims, mesh_shape, tiled)
     return total
 
 
@@ -256,16 +290,17 @@ def layer_bytes(s, kind, m):
     return attention_bytes(s) + ffn
 
 
-def matmul_output_bytes(s, kind, m):
+def matmul_output_bytes(s, kind, m, itemsize=F32):
     """What remat block_dots keeps of a layer, per token: every matmul's output, in
-    float32 (model.project accumulates in float32 and casts after)."""
+    float32 (model.project accumulates in float32 and casts after; on TPU the cast is
+    fused into the matmul: itemsize = the compute dtype's)."""
     attention = (s.Q + s.H * s.K + s.H * s.R + s.A + s.R + 2 * s.H * s.K  # down, up and RoPE projections
                  + 2 * s.H * s.T + s.H * s.K + s.D)  # two score products, probs x values, output projection
     if kind == "M":
         ffn = s.E + s.E * s.C / s.S * (2 * s.Fe + s.D) + (2 * s.Fs + s.D if m.n_shared else 0)  # router, experts, shared
     else:
         ffn = (2 * s.F if m.ffn_activation == "swiglu" else s.F) + s.D
-    return (attention + ffn) * F32
+    return (attention + ffn) * itemsize
 
 
 def local_sizes(cfg, mesh_shape, compute_bytes=None):
@@ -301,7 +336,25 @@ BACKWARD_WORKING_FRACTION = 0.75
 SPLIT_MESH_RECOMPUTE_FRACTION = 0.85
 
 
-def activation_bytes(cfg, mesh_shape, compute_bytes=None):
+# XLA:TPU fuses a block's elementwise work (norms and their float32 copies, SwiGLU's
+# pieces, softmax, RoPE) into the matmuls around it, so a block recomputed for its
+# backward pass holds at once little more than its matmul outputs in the compute dtype:
+# the largest buffers at the peak of the compiled step (the live-range dump of
+# --xla_dump_to) are dot and convolution fusions. With this, the planner's temporaries
+# are 0.91-0.95 of the compiler's live ones on the scaled-down moe1b (v4-64 8x2x2, v5p-64
+# 8x1x4 with expert parallelism; tests/test_tpu_compile.py), where the per-layer sums
+# calibrated on XLA:CPU gave 1.5-1.6.
+def recomputed_block_bytes(cfg, mesh_shape, s, fused):
+    """Bytes a block recomputed by remat holds at once in its backward pass."""
+    m = cfg.model
+    tokens = s.b * s.T
+    if fused:
+        return tokens * sum(matmul_output_bytes(s, kind, m, itemsize=s.c) for kind in m.block_pattern)
+    per_block = tokens * sum(layer_bytes(s, kind, m) for kind in m.block_pattern)
+    return SPLIT_MESH_RECOMPUTE_FRACTION * per_block if math.prod(mesh_shape.values()) > 1 else per_block
+
+
+def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
     """{component: bytes} of activations at the peak of the train step, per device.
 
     GPipe here runs M + pp - 1 ticks and every stage computes at every tick (bubble
@@ -322,7 +375,7 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None):
         into its own stacked buffer, which is then copied into the per-tick stack.
     """
     if cfg.train.pipeline != "gpipe":
-        return scheduled_activation_bytes(cfg, mesh_shape, compute_bytes)
+        return scheduled_activation_bytes(cfg, mesh_shape, compute_bytes, fused)
     m, t = cfg.model, cfg.train
     pp = mesh_shape["pp"]
     s = local_sizes(cfg, mesh_shape, compute_bytes)
@@ -338,8 +391,7 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None):
         if ticks > 1 and blocks_here > 1:
             block_phase += blocks_here * kept
     else:
-        split_mesh = math.prod(mesh_shape.values()) > 1
-        recomputed_block = SPLIT_MESH_RECOMPUTE_FRACTION * per_block if split_mesh else per_block
+        recomputed_block = recomputed_block_bytes(cfg, mesh_shape, s, fused)
         if m.remat == "stage":  # one tick's blocks recomputed, then walked back through
             out["saved: the stage's input, every tick"] = ticks * x_bytes
             block_phase = (blocks_here + BACKWARD_WORKING_FRACTION) * per_block if blocks_here > 1 else recomputed_block
@@ -370,7 +422,7 @@ def schedule_of(cfg, pp):
     return pipeline.schedule(cfg.train.pipeline, pp, cfg.train.microbatches, cfg.train.virtual_stages)
 
 
-def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None):
+def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
     """{component: bytes} of activations at the peak, per device, for 1f1b and
     interleaved: the ring of saved block inputs (a slot per microbatch-chunk in
     flight: pp for 1f1b, whatever GPipe's M), the ring of incoming gradients, and the
@@ -388,8 +440,7 @@ def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None):
     out = {f"saved: {'each chunk' if m.remat == 'stage' else 'each block'}'s input, {sched.res_slots} slots in flight (+1 spare)":
            (sched.res_slots + 1) * saved_per_slot * x_bytes,
            f"incoming gradients, {sched.grad_slots} slots (+1 spare), and the tick's sends and receipts": (sched.grad_slots + 5) * x_bytes}
-    split_mesh = math.prod(mesh_shape.values()) > 1
-    recomputed_block = SPLIT_MESH_RECOMPUTE_FRACTION * per_block if split_mesh else per_block
+    recomputed_block = recomputed_block_bytes(cfg, mesh_shape, s, fused)
     block_phase = blocks_per_chunk * per_block if m.remat == "stage" else recomputed_block
     loss_phase = 2 * tokens * s.V * F32 + tokens * (norm_bytes(s.D) + s.D * s.c)
     phases = {"loss: float32 logits + their gradient": loss_phase,
@@ -525,11 +576,13 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     ep = cfg.mesh.expert_parallel
     c = 2 if cfg.model.dtype == "bfloat16" else 4
     opt_state = jax.eval_shape(par.make_optimizer(cfg.train).init, params)
-    memory = dict(params=layout_bytes(params, ep, mesh_shape), optimizer=layout_bytes(opt_state, ep, mesh_shape))
-    memory["gradients"] = layout_bytes(params, ep, mesh_shape, itemsize=F32)
+    tiled = hw_name.startswith("tpu")  # TPU memory pads arrays to whole tiles (tpu_tiled_bytes)
+    memory = dict(params=layout_bytes(params, ep, mesh_shape, tiled=tiled),
+                  optimizer=layout_bytes(opt_state, ep, mesh_shape, tiled=tiled))
+    memory["gradients"] = layout_bytes(params, ep, mesh_shape, itemsize=F32, tiled=tiled)
     blocks = {"blocks": params["blocks"]}
     top = {k: v for k, v in params.items() if k != "blocks"}
-    one_block = gathered_bytes(blocks, ep, mesh_shape, c, one_block=True)
+    one_block = gathered_bytes(blocks, ep, mesh_shape, c, one_block=True, tiled=tiled)
     # remat none and layer keep every local block's gathered weights for the backward
     # pass, and stage holds them all while it recomputes a tick; block and block_dots
     # gather one block at a time (again in the backward pass).
@@ -539,13 +592,13 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # dtype (float32 by default), so that their gradient accumulates over microbatches
     # in it (parallel.gather_for_use).
     top_bytes = max(c, 4 if cfg.model.grad_reduce_dtype == "float32" else 2)
-    memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, top_bytes, one_block=False)
+    memory["gathered weights"] = n_gathered * one_block + gathered_bytes(top, ep, mesh_shape, top_bytes, one_block=False, tiled=tiled)
     fsdp = fsdp_traffic(params, ep, mesh_shape, c, one_block=False)
     if not fsdp and c == F32:  # nothing to gather or cast: the weights in use are the params themselves
         memory["gathered weights"] = 0
     # XLA:CPU has no bfloat16 arithmetic: it computes in float32, and the intermediates
     # it keeps are float32 (measured: a bfloat16 step's temp bytes equal float32's).
-    activations, phases = activation_bytes(cfg, mesh_shape, compute_bytes=F32 if hw_name == "cpu" else None)
+    activations, phases = activation_bytes(cfg, mesh_shape, compute_bytes=F32 if hw_name == "cpu" else None, fused=tiled)
     activations = {name: int(value) for name, value in activations.items()}
     memory["activations"] = sum(activations.values())
     # The gradient of one block's gathered weights, whole along the FSDP axes, exists
@@ -556,12 +609,12 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # of a tick writes its blocks' gradients into a stack of their own, which is then
     # added to the running sum over ticks: two copies of the blocks' gradients.
     if cfg.train.pipeline != "gpipe":  # a backward tick's gradient of one chunk, added to the step's sum
-        memory["a backward tick's gradient of one chunk"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32) // schedule_of(cfg, shape[1]).virtual_stages
+        memory["a backward tick's gradient of one chunk"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled) // schedule_of(cfg, shape[1]).virtual_stages
         # the embedding's and final norm's gradient, gathered, summed over the step in float32
         # (the sum, and a forward and a backward tick's contributions)
-        memory["gradient of the gathered embedding (float32, 3 copies)"] = 3 * gathered_bytes(top, ep, mesh_shape, F32, one_block=False)
+        memory["gradient of the gathered embedding (float32, 3 copies)"] = 3 * gathered_bytes(top, ep, mesh_shape, F32, one_block=False, tiled=tiled)
     elif ticks > 1 and blocks_here > 1:
-        memory["this tick's gradient of the stage's blocks"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32)
+        memory["this tick's gradient of the stage's blocks"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled)
     temp = sum(v for k, v in memory.items() if k not in ("params", "optimizer"))  # all that the step allocates
     total_bytes = memory["params"] + memory["optimizer"] + temp
 
@@ -580,7 +633,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         remat=cfg.model.remat, microbatches=cfg.train.microbatches, expert_parallel=ep,
         params_total=total_params, params_active=active_params,
         memory=memory, activations=activations, temp_bytes=temp, total_bytes=total_bytes,
-        batch_bytes=cfg.train.batch_size // shape[0] * (cfg.model.seq_len + 1) * 4,  # int32 tokens, not in the total
+        batch_bytes=array_bytes((cfg.train.batch_size // shape[0], cfg.model.seq_len + 1), 4, tiled),  # int32 tokens, not in the total
         loss_phase_bytes=int(next(v for k, v in phases.items() if k.startswith("loss"))), gpu=bool(hw.node_size),
         available_bytes=available, fits=total_bytes <= available,
         peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
@@ -701,11 +754,11 @@ def tpu_check(cfg, tpu_name, p):
     compiled = tpu_compile.compile_steps(plan_config(cfg), mesh)
     tpu = tpu_compile.memory_bytes(compiled["train"])
     hbm = HARDWARE[pod.hardware].memory_bytes
-    lines = [""] + tpu_compile.memory_report(p, tpu, hbm, pod, compiled["seconds"]) + [""]
+    lines = [""] + tpu_compile.memory_report(p, tpu, hbm, pod, compiled["seconds"], compiled["log"]["train"]) + [""]
     for name in ("train", "eval"):
         lines += tpu_compile.collectives_report(tpu_compile.collectives(compiled[name].as_text(), tuple(mesh.shape.values())),
                                                 f"{name} step") + [""]
-    fits = tpu["total"] <= hbm
+    fits = tpu_compile.fits(tpu, compiled["log"]["train"], hbm)
     lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()}")
     return lines
 

@@ -9,9 +9,12 @@ from which the collectives are read. planner.py --tpu TYPE prints all of it.
     python planner.py --preset moe1b --mesh.dp 8 --mesh.pp 2 --mesh.tp 2 --tpu v4-64
 """
 
+import contextlib
 import math
 import os
 import re
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -94,11 +97,46 @@ def pod_devices(name):
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", pod.name)
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # libtpu's own log (glog, to fd 2) is the only place that splits a program's HBM
+    # into live temporaries, fragmentation and code (compiler_log_memory): turn it on
+    # for this process, and keep it off the terminal (captured_stderr).
+    for name in ("TPU_STDERR_LOG_LEVEL", "TPU_MIN_LOG_LEVEL"):
+        os.environ.setdefault(name, "0")
     from jax.experimental import topologies
 
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=pod.topology, chip_config_name=pod.chip_config,
-                                            chips_per_host_bounds=pod.host_bounds, num_slices=1, wrap=pod.wrap)
+    with captured_stderr():
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=pod.topology, chip_config_name=pod.chip_config,
+                                                chips_per_host_bounds=pod.host_bounds, num_slices=1, wrap=pod.wrap)
     return list(topology.devices)
+
+
+@contextlib.contextmanager
+def captured_stderr():
+    """Yields a list that holds, afterwards, the lines written to fd 2 meanwhile
+    (libtpu writes its log there from C++, past sys.stderr); libtpu's log lines are
+    dropped, anything else is written through."""
+    lines = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            lines += f.read().decode(errors="replace").splitlines()
+            other = [line for line in lines if line.strip() and not LIBTPU_LOG_LINE.match(line)]
+            if other:
+                print("\n".join(other), file=sys.stderr)
+
+
+# glog's lines (I/W/E/F + MMDD), the continuation lines of libtpu's memory summary, and
+# XLA's slow-compile banner (it fires after a few minutes on a loaded CPU)
+LIBTPU_LOG_LINE = re.compile(r"^([IWEF]\d{4} |\s|Output size |Total \w+ usage |Program \w+ requirement |\*+$"
+                             r"|Slow compilation warning:|\[Run backend for module\] Very slow compile)")
 
 
 # ----------------------------------------------------------------------------
@@ -134,17 +172,94 @@ def compile_steps(cfg, mesh, eval_step=True):
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
                                   sharding=NamedSharding(mesh, par.batch_spec()))
     step = jax.ShapeDtypeStruct((), jnp.int32)
-    out, seconds = {}, {}
+    out, seconds, logged = {}, {}, {}
     t0 = time.perf_counter()
-    out["train"] = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state).lower(
-        params, opt_state, tokens, step).compile()
+    with captured_stderr() as log:
+        out["train"] = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state).lower(
+            params, opt_state, tokens, step).compile()
     seconds["train"] = time.perf_counter() - t0
+    logged["train"] = compiler_log_memory(log)
     if eval_step:
         t0 = time.perf_counter()
-        out["eval"] = par.make_eval_step(graphdef, cfg, mesh, params).lower(params, tokens).compile()
+        with captured_stderr() as log:
+            out["eval"] = par.make_eval_step(graphdef, cfg, mesh, params).lower(params, tokens).compile()
         seconds["eval"] = time.perf_counter() - t0
-    out["seconds"] = seconds
+        logged["eval"] = compiler_log_memory(log)
+    out["seconds"], out["log"] = seconds, logged
     return out
+
+
+# What memory_analysis() does not say. libtpu logs, for each program it compiles:
+#
+#   Program hbm requirement 80.33M:
+#       global           912.5K
+#       scoped            1.00M
+#       HLO temp         42.97M (98.9% utilization: Unpadded (23.89M) Padded (24.14M), 43.8% fragmentation (18.82M))
+#       overlays         35.47M
+#   Program cmem requirement 25.51M:        (v4 only: its 128 MiB common memory)
+#       HLO temp         25.51M (...)
+#   Program vmem requirement 9.02M: ...
+#   Total hbm usage >= 1.27G:
+#       reserved          1.25G             (the runtime's, on every program)
+#
+# The HLO temp allocation is the live temporaries at their peak ("Padded") plus the
+# holes between them: every HBM buffer starts at a multiple of 16 KiB (all offsets in
+# the buffer assignment, --xla_dump_to), and nested loops leave gaps. On the scaled-down
+# moe1b those holes are 44-59% of the allocation, on tiny 96-99%. memory_analysis()'s
+# temp_size_in_bytes is that allocation plus the fragmentation once more (to the
+# printed digit on all 5 programs checked: 2 tiny steps, 2 scaled-down moe1b steps, a
+# scan); its figure is kept as the conservative one, and the log's split is printed
+# beside it. A small program also keeps temporaries in v4's CMEM or v5e/v6e's VMEM,
+# which on a large one spill to HBM.
+
+LOG_SIZE = r"([\d.]+)([BKMG])"
+LOG_UNITS = {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def log_bytes(number, unit):
+    return int(float(number) * LOG_UNITS[unit])
+
+
+def compiler_log_memory(lines):
+    """{"hbm live temporaries", "hbm fragmentation", "hbm program", "code overlays",
+    "cmem temporaries", "vmem temporaries", "runtime reserved"} in bytes, from the log
+    of one compile; None where libtpu logged none (it was loaded with logging off)."""
+    out, memory = {}, None
+    for line in lines:
+        head = re.match(r".*Program (\w+) requirement " + LOG_SIZE, line)
+        if head:
+            memory = head.group(1)
+            if memory == "hbm":
+                out["hbm program"] = log_bytes(*head.group(2, 3))
+            continue
+        temp = re.match(r"\s+HLO temp\s+" + LOG_SIZE + r" \(.*Padded \(" + LOG_SIZE + r"\), .*fragmentation \(" + LOG_SIZE, line)
+        if temp and memory == "hbm":
+            out["hbm live temporaries"] = log_bytes(*temp.group(3, 4))
+            out["hbm fragmentation"] = log_bytes(*temp.group(5, 6))
+        elif temp and memory in ("cmem", "vmem"):
+            out[f"{memory} temporaries"] = log_bytes(*temp.group(1, 2))
+        overlays = re.match(r"\s+overlays\s+" + LOG_SIZE, line)
+        if overlays and memory == "hbm":
+            out["code overlays"] = log_bytes(*overlays.groups())
+        reserved = re.match(r"\s+reserved\s+" + LOG_SIZE + r"\s*$", line)
+        if reserved and memory is None and "runtime reserved" not in out:
+            out["runtime reserved"] = log_bytes(*reserved.groups())
+        if line.startswith("Program host") or "Total host usage" in line:
+            memory = None
+    return out if "hbm live temporaries" in out else None
+
+
+def live_temporaries(logged):
+    """The compiler's temporaries without holes: live at the peak in HBM, plus those it
+    placed in CMEM (v4) or VMEM (v5e, v6e, v5p)."""
+    return logged["hbm live temporaries"] + logged.get("cmem temporaries", 0) + logged.get("vmem temporaries", 0)
+
+
+def fits(tpu, logged, hbm_bytes):
+    """The step's bytes (memory_analysis) and the HBM the TPU runtime keeps for itself
+    on every program (libtpu's log: 1.25 GiB on v4, 263 MiB on v5p, 260 MiB on v6e)
+    within the chip's HBM."""
+    return tpu["total"] + (logged or {}).get("runtime reserved", 0) <= hbm_bytes
 
 
 def memory_bytes(compiled):
@@ -160,8 +275,9 @@ def memory_bytes(compiled):
 # ----------------------------------------------------------------------------
 # Collectives, read from the optimized HLO
 #
-# Counted per step: an op inside a loop counts once per trip (the trip count is the
-# constant its loop condition compares the counter with; JAX's scans count 0..N-1).
+# Counted per step: an op inside a loop counts once per trip (XLA's known_trip_count,
+# else the constant its loop condition compares the counter with; JAX's scans count
+# 0..N-1). auto_sharding.collective_table reads the same ops (one parser for both).
 # Bytes per device: the op's full buffer (all-gather: its output; reduce-scatter: its
 # input, i.e. output x group size; the rest: their output). Async pairs count once (at
 # -done); "over" names the mesh axes its device groups span.
@@ -191,7 +307,12 @@ def split_computations(hlo):
     return comps, entry
 
 
-def trip_count(condition_lines):
+def trip_count(loop_line, condition_lines):
+    """Trips of a while loop: XLA's known_trip_count where it says it, else the one
+    constant its condition compares the counter with (1 when that is not clear)."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop_line)
+    if known:
+        return int(known.group(1))
     constants = [int(c) for line in condition_lines for c in re.findall(r"constant\((\d+)\)", line)]
     return constants[0] if len(constants) == 1 else 1
 
@@ -203,7 +324,7 @@ def executions(comps, entry):
         for line in lines:
             body = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
             if body:
-                callees[name].append((body.group(2), trip_count(comps.get(body.group(1), []))))
+                callees[name].append((body.group(2), trip_count(line, comps.get(body.group(1), []))))
                 continue
             for callee in re.findall(r"(?:calls|to_apply)=%([^\s,}]+)", line):
                 callees[name].append((callee, 1))
@@ -220,13 +341,16 @@ def executions(comps, entry):
     return runs
 
 
-def device_groups(line):
-    """Lists of device (partition) ids that an op's groups hold (None: not found)."""
+def device_groups(line, n_devices):
+    """Lists of device (partition) ids that an op's groups hold (None: a spelling this
+    parser does not know). No groups ({}) means one group of every device."""
     if "source_target_pairs={}" in line:  # a ppermute with nothing to send (pp = 1)
         return []
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(0))]
+    if re.search(r"replica_groups=\{\}", line):
+        return [list(range(n_devices))]
     iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if iota:
         shape = [int(n) for n in iota.group(1).split(",")]
@@ -235,14 +359,30 @@ def device_groups(line):
         if iota.group(3):
             ids = ids.transpose([int(n) for n in iota.group(3).split(",")])
         return ids.reshape(shape).tolist()
-    groups = re.search(r"replica_groups=\{(.*?)\}\}", line)
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}", line)
+    if named:  # mesh['dp'=2,'tp'=4] {'tp'}: groups along the named axes
+        axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
+        if len(axes) != named.group(1).count("="):
+            return None
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = np.arange(math.prod(sizes))
+        if named.group(2):
+            ids = ids.reshape([int(d) for d in named.group(2).split(",")])
+            ids = ids.transpose([int(p) for p in named.group(3).split(",")]) if named.group(3) else ids
+        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", named.group(4))]
+        kept = [i for i in range(len(names)) if i not in grouped]
+        return ids.reshape(sizes).transpose(kept + grouped).reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
+    groups = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
     if groups:
-        return [[int(n) for n in g.split(",")] for g in re.findall(r"\{([\d,]+)", groups.group(0))]
+        return [[int(n) for n in g.split(",") if n] for g in re.findall(r"\{([\d,]*)\}", groups.group(1))]
     return None
 
 
 def axes_spanned(groups, mesh_shape):
-    """The mesh axes along which the devices of a group differ ("dp+tp", ...)."""
+    """The mesh axes along which the devices of a group differ ("dp+tp", ...; "-": none,
+    "?": groups not understood)."""
+    if groups is None:
+        return "?"
     varying = set()
     for group in groups:
         coords = np.array(np.unravel_index(group, mesh_shape)).T
@@ -250,11 +390,21 @@ def axes_spanned(groups, mesh_shape):
     return "+".join(a for a in par.AXES if a in varying) or "-"
 
 
-def collectives(hlo, mesh_shape):
-    """{(kind, dtype, over): {"count": per step, "bytes": per device per step}}."""
+@dataclass(frozen=True)
+class CollectiveOp:
+    kind: str  # one of COLLECTIVE_KINDS
+    over: str  # axes_spanned
+    runs: int  # times per step
+    group_size: int
+    arrays: tuple  # ((dtype, bytes), ...) of its result on one device
+
+
+def collective_ops(hlo, mesh_shape):
+    """Every collective of an optimized HLO module, once each (async pairs at -done)."""
     comps, entry = split_computations(hlo)
     runs = executions(comps, entry)
-    table = defaultdict(lambda: {"count": 0, "bytes": 0})
+    n_devices = math.prod(mesh_shape)
+    ops = []
     for name, lines in comps.items():
         if not runs.get(name):
             continue
@@ -270,14 +420,22 @@ def collectives(hlo, mesh_shape):
             if op.endswith("-done"):  # the groups sit on the matching -start
                 operand = re.match(r"%([^\s,)]+)", m.group(3))
                 start_line = next((s for s in lines if operand and s.lstrip().startswith(f"%{operand.group(1)} =")), line)
-            groups = device_groups(start_line)
-            over = "?" if groups is None else axes_spanned(groups, mesh_shape)
-            group_size = len(groups[0]) if groups and kind == "reduce-scatter" else 1
-            for dtype, dims in ARRAY.findall(result):
-                nbytes = DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d) * group_size
-                row = table[(kind, dtype, over)]
-                row["count"] += runs[name]
-                row["bytes"] += runs[name] * nbytes
+            groups = device_groups(start_line, n_devices)
+            arrays = tuple((dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+                           for dtype, dims in ARRAY.findall(result))
+            ops.append(CollectiveOp(kind, axes_spanned(groups, mesh_shape), runs[name],
+                                    len(groups[0]) if groups else 1, arrays))
+    return ops
+
+
+def collectives(hlo, mesh_shape):
+    """{(kind, dtype, over): {"count": per step, "bytes": per device per step}}."""
+    table = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for op in collective_ops(hlo, mesh_shape):
+        for dtype, nbytes in op.arrays:
+            row = table[(op.kind, dtype, op.over)]
+            row["count"] += op.runs
+            row["bytes"] += op.runs * nbytes * (op.group_size if op.kind == "reduce-scatter" else 1)
     return dict(table)
 
 
@@ -289,8 +447,9 @@ def gib(n):
     return f"{n / GiB:9.3f} GiB"
 
 
-def memory_report(planned, tpu, hbm_bytes, pod, compile_seconds):
-    """Lines: the planner's estimate and the TPU compiler's bytes, row by row."""
+def memory_report(planned, tpu, hbm_bytes, pod, compile_seconds, logged=None):
+    """Lines: the planner's estimate and the TPU compiler's bytes, row by row (logged:
+    compiler_log_memory of the train step)."""
     mem = planned["memory"]
     batch = planned.get("batch_bytes", 0)
     rows = [
@@ -300,16 +459,25 @@ def memory_report(planned, tpu, hbm_bytes, pod, compile_seconds):
         ("temporaries (activations, gathered weights, grads)", planned["temp_bytes"], tpu["temporaries"]),
         ("total = arguments + outputs - aliased + temporaries", planned["total_bytes"], tpu["total"]),
     ]
+    if logged:
+        live = live_temporaries(logged)
+        rows += [("libtpu's log: temporaries live at the peak", planned["temp_bytes"], live),
+                 ("  their holes (memory_analysis counts them twice)", 0, logged["hbm fragmentation"]),
+                 ("total with the live temporaries", planned["total_bytes"], tpu["total"] - tpu["temporaries"] + live),
+                 ("code overlays in HBM (not in the totals)", 0, logged.get("code overlays", 0)),
+                 ("runtime's HBM reserve (not in the totals)", 0, logged.get("runtime reserved", 0))]
     width = max(len(r[0]) for r in rows) + 2
     lines = [f"TPU compiler, {pod.name} ({pod.topology}, {pod.chips} chips), per device "
              f"(train step compiled in {compile_seconds['train']:.0f}s, eval step in {compile_seconds['eval']:.0f}s):",
              f"{'':<{width}}{'planner':>13} {'TPU compiler':>13} {'ratio':>6}"]
     for label, plan_bytes, tpu_bytes in rows:
-        ratio = f"{plan_bytes / tpu_bytes:6.2f}" if tpu_bytes else "     -"
-        lines.append(f"{label:<{width}}{gib(plan_bytes)} {gib(tpu_bytes)} {ratio}")
+        ratio = f"{plan_bytes / tpu_bytes:6.2f}" if tpu_bytes and plan_bytes else "     -"
+        lines.append(f"{label:<{width}}{gib(plan_bytes) if plan_bytes else '':>13} {gib(tpu_bytes)} {ratio}")
     lines.append(f"{'program code (not in the total)':<{width}}{'':>13} {gib(tpu['code'])}")
-    verdict = "fits" if tpu["total"] <= hbm_bytes else "does NOT fit"
-    lines.append(f"{verdict}: {tpu['total'] / GiB:.2f} GiB per device of {hbm_bytes / GiB:.0f} GiB HBM")
+    reserved = (logged or {}).get("runtime reserved", 0)
+    verdict = "fits" if fits(tpu, logged, hbm_bytes) else "does NOT fit"
+    lines.append(f"{verdict}: {tpu['total'] / GiB:.2f} GiB per device"
+                 + (f" + the runtime's {reserved / GiB:.2f} GiB" if reserved else "") + f" of {hbm_bytes / GiB:.0f} GiB HBM")
     return lines
 
 
@@ -332,6 +500,8 @@ TABLE_MESHES = {
                     "v6e-16": (16, 1, 1, 1)},
     "tiny": {"v4-8": (4, 1, 1, 1), "v4-64": (8, 2, 2, 2), "v5p-64": (8, 2, 2, 2), "v5litepod-16": (4, 2, 2, 2),
              "v6e-16": (4, 2, 2, 2)},
+    "deepseek_v3": {"v4-8": (4, 1, 1, 1), "v4-64": (16, 1, 2, 1), "v5p-64": (16, 1, 2, 1), "v5litepod-16": (16, 1, 1, 1),
+                    "v6e-16": (16, 1, 1, 1)},
     "moe1b": {"v4-8": (1, 2, 2, 4), "v4-64": (8, 2, 2, 4), "v5p-64": (8, 2, 2, 4), "v5litepod-16": (4, 2, 2, 4),
               "v6e-16": (4, 2, 2, 4)},
 }
@@ -350,8 +520,9 @@ def table_row(preset, pod_name):
     tpu = memory_bytes(compiled["train"])
     planned = planner.plan(cfg, 0, pod.hardware)
     hbm = planner.HARDWARE[pod.hardware].memory_bytes
-    return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", tpu_bytes=tpu["total"], planner_bytes=planned["total_bytes"],
-                fits=tpu["total"] <= hbm, compile_s=compiled["seconds"]["train"])
+    return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", microbatches=microbatches, tpu_bytes=tpu["total"],
+                planner_bytes=planned["total_bytes"], fits=fits(tpu, compiled["log"]["train"], hbm), compile_s=compiled["seconds"]["train"],
+                tpu=tpu, planner_temp_bytes=planned["temp_bytes"], log=compiled["log"]["train"])
 
 
 def main(argv):
@@ -376,6 +547,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])

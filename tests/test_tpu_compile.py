@@ -84,12 +84,21 @@ def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
 # Compiled steps: collectives, fits, the planner's bytes
 #
 # moe1b scaled down keeps its structure (MLA with 64-wide heads, DDDDDM blocks with 2
-# shared + top-2 of 8 routed experts, bfloat16, remat block, 4 microbatches). The
-# planner's bytes are checked against the compiler's on the full moe1b only (slow):
-# measured 0.95 on v4-64 dp8 x pp2 x tp2. At these small shapes they are not within 15%:
-# the TPU's (8, 128) tiles pad tiny's 8- to 32-wide dims 5-10x, and the scaled-down
-# moe1b measured 1.97 (v4-64 8x2x2) and 0.59 (v5p-64 8x1x4, one head per device) - the
-# planner's activation model is calibrated on XLA:CPU.
+# shared + top-2 of 8 routed experts, bfloat16, remat block, 4 microbatches).
+#
+# What the compiler's bytes are made of (libtpu's log, tpu_compile.compiler_log_memory):
+# memory_analysis()'s temporaries are the live ones plus twice the holes between them
+# (every HBM buffer starts at a multiple of 16 KiB; nested loops leave gaps). On these
+# small steps the holes are most of it (tiny: 4-5 MiB of holes around 0.07-0.18 MiB of
+# live HBM temporaries; scaled-down moe1b: 19-38 MiB around 24-26 MiB), so the planner,
+# which models live bytes, is compared with the live temporaries: those in HBM plus
+# those the compiler placed in v4's CMEM or v5p/v6e's VMEM (measured 0.95 on v4-64 8x2x2,
+# 0.93 on v5p-64 8x1x4 with expert parallelism; 1.48-1.52 before the planner modelled
+# XLA:TPU's fusion, planner.recomputed_block_bytes). The full moe1b (slow) is held to
+# 15% of memory_analysis itself too (0.89 on v4-64, 0.90 on v5p-64).
+# tiny's temporaries cannot be held to 15%: the compiler keeps almost all of them in
+# CMEM/VMEM, whose log gives the region reserved (1.5-5.8 MiB), not what is live in it;
+# the planner's lie between the live HBM bytes and those plus the whole region.
 
 SMALL_MOE1B = dict(vocab_size=8192, seq_len=256, d_model=256, n_heads=4, head_dim=64, rope_dim=64, q_latent=128,
                    kv_latent=128, n_blocks=2, d_ff=1024, d_expert=256, n_experts=8)
@@ -132,7 +141,7 @@ def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True
     hardware = tpu_compile.pod_type(pod).hardware
     params = planner.abstract_params(cfg.model)
     gathered = {k: v for k, v in params.items() if k != "final_norm"}  # (norm scales are not FSDP-split)
-    return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]),
+    return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]), log=compiled["log"]["train"],
                 collectives=tpu_compile.collectives(compiled["train"].as_text(), shape),
                 eval_collectives=tpu_compile.collectives(compiled["eval"].as_text(), shape) if eval_step else None,
                 fsdp_gradient_bytes=planner.gathered_bytes(gathered, expert_parallel, dict(zip(par.AXES, shape)), 4, False),
@@ -191,10 +200,46 @@ def check_collectives(case, shape, expert_parallel):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_planner_arguments_are_the_compilers_to_the_byte(compiled_cases, name):
+    """Params, AdamW state and the batch, tiled as TPU memory tiles them (planner.
+    tpu_tiled_bytes): the compiler's argument bytes exactly, from tiny's 8-wide dims
+    (padded up to 16x) to the scaled-down moe1b's."""
+    case = compiled_cases(name)
+    mem = case["plan"]["memory"]
+    assert mem["params"] + mem["optimizer"] + case["plan"]["batch_bytes"] == case["tpu"]["arguments"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compilers_temporaries_are_the_live_ones_plus_twice_the_holes(compiled_cases, name):
+    """What memory_analysis() reports, from libtpu's log of the same compile (printed to
+    3 digits: within 0.5%)."""
+    case = compiled_cases(name)
+    log = case["log"]
+    assert log is not None, "libtpu logged no memory summary (loaded before tpu_compile.pod_devices turned its log on?)"
+    expected = log["hbm live temporaries"] + 2 * log["hbm fragmentation"]
+    assert abs(case["tpu"]["temporaries"] / expected - 1) < 0.005
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_planner_against_the_compilers_live_bytes(compiled_cases, name):
+    """Scaled-down moe1b: within 15% of the compiler's total with its live temporaries.
+    tiny: between the live HBM temporaries and those plus the CMEM/VMEM region (see
+    above: what is live in that region is not logged)."""
+    preset = CASES[name][0]
+    case, plan = compiled_cases(name), compiled_cases(name)["plan"]
+    live = tpu_compile.live_temporaries(case["log"])
+    if preset == "tiny":
+        assert case["log"]["hbm live temporaries"] <= plan["temp_bytes"] <= live
+    else:
+        live_total = case["tpu"]["total"] - case["tpu"]["temporaries"] + live
+        assert abs(plan["total_bytes"] / live_total - 1) <= PLANNER_TOLERANCE, (plan["total_bytes"], live_total)
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_step_compiles_fits_and_emits_the_intended_collectives(compiled_cases, name):
     preset, pod, shape, expert_parallel = CASES[name]
     case = compiled_cases(name)
-    assert case["tpu"]["total"] <= case["hbm"]
+    assert tpu_compile.fits(case["tpu"], case["log"], case["hbm"])
     check_collectives(case, shape, expert_parallel)
     assert "reduce-scatter" not in kinds_over(case["eval_collectives"])  # no gradients in eval
 
@@ -244,6 +289,8 @@ def scan_carries(jaxpr):
 def test_full_moe1b_compiles_fits_and_the_planner_is_within_15_percent(devices_of, name):
     preset, pod, shape, expert_parallel = SLOW_CASES[name]
     case = compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=False)
-    assert case["tpu"]["total"] <= case["hbm"]
+    assert tpu_compile.fits(case["tpu"], case["log"], case["hbm"])
     check_collectives(case, shape, expert_parallel)
     assert abs(case["plan"]["total_bytes"] / case["tpu"]["total"] - 1) <= PLANNER_TOLERANCE
+    live_total = case["tpu"]["total"] - case["tpu"]["temporaries"] + tpu_compile.live_temporaries(case["log"])
+    assert abs(case["plan"]["total_bytes"] / live_total - 1) <= PLANNER_TOLERANCE
