@@ -458,7 +458,7 @@ def test_killed_worker_node_loses_no_shard(cluster, corpus, pool_out, tmp_path):
         while driver.poll() is None:
             titles = session_processes(extra.pid)
             seen.update(t.split()[0] for t in titles if t.strip())
-            if any(t.startswith("ray::encode_batch") for t in titles) and train_shards_done(out) >= 1:
+            if any(t.startswith("ray::encode_batch") for t in titles):  # killed while it encodes
                 break
             time.sleep(0.005)
         assert driver.poll() is None, f"the extra node was never busy while the run went on; it ran {seen}"
