@@ -50,6 +50,21 @@ def initial_params(model_cfg):
     return graphdef, jax.device_get(params)
 
 
+def placed_step(cfg):
+    """cfg's sharded train step, and its arguments placed on cfg's mesh: the initial
+    params, their optimizer state and the test batch."""
+    mesh = mesh_for(cfg)
+    par.check_config_fits_mesh(cfg, mesh)
+    graphdef, host_params = initial_params(cfg.model)
+    specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
+    par.check_divisible(host_params, specs, mesh)
+    params = jax.device_put(host_params, par.named(mesh, specs))
+    optimizer = par.make_optimizer(cfg.train)
+    opt_state = par.init_opt_state(optimizer, params, mesh)
+    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    return step, (params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size))
+
+
 def train_steps(cfg, n_steps=2):
     """Place the initial params on cfg's mesh and take n_steps train steps (steps 0, 1,
     ... of one batch); return host copies of (metrics of each step, optimizer state
@@ -60,16 +75,7 @@ def train_steps(cfg, n_steps=2):
     together with grad_norm the raw one). Comparing the updated params alone would
     barely see a gradient's scale: Adam's first step is about lr x sign(g), and its
     later ones m / sqrt(v) are blind to a factor on a whole leaf."""
-    mesh = mesh_for(cfg)
-    par.check_config_fits_mesh(cfg, mesh)
-    graphdef, host_params = initial_params(cfg.model)
-    specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
-    par.check_divisible(host_params, specs, mesh)
-    params = jax.device_put(host_params, par.named(mesh, specs))
-    optimizer = par.make_optimizer(cfg.train)
-    opt_state = par.init_opt_state(optimizer, params, mesh)
-    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
-    batch = par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size)
+    step, (params, opt_state, batch) = placed_step(cfg)
     all_metrics, opt_states = [], []
     for s in range(n_steps):
         params, opt_state, metrics = step(params, opt_state, batch, jnp.asarray(s))

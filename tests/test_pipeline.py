@@ -14,7 +14,7 @@ import pytest
 
 import parallel as par
 import pipeline as pl
-from test_parallel import RTOL, assert_params_close, assert_same_step, initial_params, mesh_for, one_step, tiny_config, token_batch
+from test_parallel import RTOL, assert_params_close, assert_same_step, initial_params, mesh_for, one_step, placed_step, tiny_config, token_batch
 from utils import ConfigError, apply_overrides, parse_args
 
 TABLE_CASES = [(kind, pp, M, V) for kind, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
@@ -240,14 +240,7 @@ def test_embedding_and_head_only_run_inside_their_stage_cond(kind):
     """Every use of the [V, D] table sits in a cond on the stage (and chunk), so stages
     that have no use for it skip it; tp = 1 keeps the table whole ([256, 32]). Traced
     only (make_jaxpr), nothing compiled. (interleaved shares 1f1b's executor.)"""
-    cfg = schedule_config((1, 2, 1), kind, 2)
-    mesh = mesh_for(cfg)
-    graphdef, host_params = initial_params(cfg.model)
-    params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, False)))
-    optimizer = par.make_optimizer(cfg.train)
-    opt_state = par.init_opt_state(optimizer, params, mesh)
-    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
-    batch = par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size)
+    step, (params, opt_state, batch) = placed_step(schedule_config((1, 2, 1), kind, 2))
     jaxpr = jax.make_jaxpr(step)(params, opt_state, batch, jax.numpy.asarray(0)).jaxpr
     ops = vocab_ops(jaxpr, tuple(params["embed_VD"].shape))
     assert {name for name, _ in ops} == {"dot_general", "gather"}  # the lookup and the logits were found
@@ -268,13 +261,7 @@ def test_1f1b_temporaries_below_gpipe_and_planner_models_each_schedule():
     temps = {}
     for kind in pl.SCHEDULES:
         cfg = apply_overrides(schedule_config((1, 4, 2), kind, 8), {"train": dict(batch_size=16)})
-        mesh = mesh_for(cfg)
-        graphdef, host_params = initial_params(cfg.model)
-        params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, False)))
-        optimizer = par.make_optimizer(cfg.train)
-        opt_state = par.init_opt_state(optimizer, params, mesh)
-        step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
-        batch = par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size)
+        step, (params, opt_state, batch) = placed_step(cfg)
         compiled = step.lower(params, opt_state, batch, jax.numpy.asarray(0)).compile()
         temps[kind] = compiled.memory_analysis().temp_size_in_bytes
         estimate = planner.plan(cfg, 0, "cpu", peak=1e11)["temp_bytes"]
