@@ -306,12 +306,28 @@ status_host() {
   } | on_host "$1" bash -s
 }
 
+# Stopping takes two rounds over the hosts: which of them run RUN (running_ids), then
+# stop each. One host's processes, once their coordinator or a collective peer is gone,
+# abort on their own (exit 134) within moments, often before their own stop reaches
+# them: a host that ran RUN when --stop began counts as stopped, whichever came first.
+running_ids=()
+find_running_hosts() {
+  local line
+  running_ids=()
+  while IFS= read -r line; do
+    [[ $line =~ \(process\ ([0-9]+)\):\ running\; ]] && running_ids+=("${BASH_REMATCH[1]}")
+  done < <(for_all_hosts status_host 2>/dev/null)
+}
+
 stop_host() {
   {
     remote_prelude "$1" "not running"
+    local ran_at_start=0
+    [[ " ${running_ids[*]} " != *" $1 "* ]] || ran_at_start=1
+    printf 'ran_at_start=%s\n' "$ran_at_start"
     # shellcheck disable=SC2016
-    printf '%s\n' 'if running; then' \
-      '  sid=$(tmux display-message -p -t "=$session" "#{pane_pid}" 2>/dev/null || true)  # the job leads its session' \
+    printf '%s\n' 'if running || [ "$ran_at_start" = 1 ]; then' \
+      '  sid=$(tmux display-message -p -t "=$session:" "#{pane_pid}" 2>/dev/null || true)  # the job leads its session' \
       '  tmux kill-session -t "=$session" 2>/dev/null || true  # (it may have ended on its own meanwhile)' \
       '  for signal in TERM KILL; do  # what outlived the hangup: e.g. Ray workers, in groups of their own' \
       '    for _ in 1 2 3 4 5 6 7 8 9 10; do' \
@@ -424,7 +440,7 @@ main() {
 
   case $action in
     status|ray-status) for_all_hosts status_host; return ;;
-    stop|ray-stop) for_all_hosts stop_host; return ;;
+    stop|ray-stop) find_running_hosts; for_all_hosts stop_host; return ;;
     ray-start) ray_start; return ;;
   esac
   resolve_commit
