@@ -534,13 +534,20 @@ def main(argv):
     args = dict(zip(argv[::2], argv[1::2]))
     presets = args.get("--presets", ",".join(TABLE_MESHES)).split(",")
     pods = args.get("--pods", "v4-8,v4-64,v5p-64,v5litepod-16,v6e-16").split(",")
-    print("| preset | pod | mesh dp x pp x tp | TPU compiler GiB/device | planner GiB/device | planner / TPU | fits | compile s |")
+    print("| preset | pod | dp x pp x tp, microbatches | TPU compiler MiB/device (live) | planner MiB/device | planner / TPU (live) "
+          "| fits | train step compile s |")
     print("|---|---|---|---|---|---|---|---|")
     for preset in presets:
         for pod_name in pods:
             r = table_row(preset, pod_name)
-            print(f"| {r['preset']} | {r['pod']} | {r['mesh']} | {r['tpu_bytes'] / GiB:.2f} | {r['planner_bytes'] / GiB:.2f} | "
-                  f"{r['planner_bytes'] / r['tpu_bytes']:.2f} | {'yes' if r['fits'] else 'no'} | {r['compile_s']:.0f} |", flush=True)
+            tpu_mib, planner_mib = r["tpu_bytes"] / 2**20, r["planner_bytes"] / 2**20
+            tpu_col, ratio_col = f"{tpu_mib:.1f}", f"{planner_mib / tpu_mib:.2f}"
+            if r["log"]:  # the total with the live temporaries, the planner's model of them
+                t = r["tpu"]
+                live_mib = (t["arguments"] + t["outputs"] - t["aliased"] + live_temporaries(r["log"])) / 2**20
+                tpu_col, ratio_col = f"{tpu_mib:.1f} ({live_mib:.1f})", f"{ratio_col} ({planner_mib / live_mib:.2f})"
+            print(f"| {preset} | {pod_name} | {r['mesh'].replace('x', ' x ')}, {r['microbatches']} | {tpu_col} | {planner_mib:.1f} | "
+                  f"{ratio_col} | {'yes' if r['fits'] else 'no'} | {r['compile_s']:.0f} |", flush=True)
             if "--json" in args:
                 with open(args["--json"], "a") as f:
                     f.write(json.dumps(r) + "\n")
