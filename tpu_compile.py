@@ -92,22 +92,37 @@ def pod_devices(name):
         raise ConfigError(LIBTPU_HINT) from None
     # Compile-only use: say which slice this is and that no metadata server or peer
     # hosts are to be found, or libtpu prints warnings; several processes may load it.
-    if not os.environ.get("TPU_WORKER_HOSTNAMES"):
-        os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", pod.name)
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # libtpu's own log (glog, to fd 2) is the only place that splits a program's HBM
     # into live temporaries, fragmentation and code (compiler_log_memory): turn it on
-    # for this process, and keep it off the terminal (captured_stderr).
-    for name in ("TPU_STDERR_LOG_LEVEL", "TPU_MIN_LOG_LEVEL"):
-        os.environ.setdefault(name, "0")
+    # (libtpu reads it when it loads, here) and keep it off the terminal (captured_stderr).
+    # Only for this call: left in os.environ, TPU_WORKER_HOSTNAMES would tell every
+    # main.py this process starts afterwards that it runs on a TPU pod (main.setup_devices).
+    libtpu_environ = dict(TPU_WORKER_HOSTNAMES="localhost",
+                          TPU_ACCELERATOR_TYPE=pod.name, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+                          TPU_STDERR_LOG_LEVEL="0", TPU_MIN_LOG_LEVEL="0")
     from jax.experimental import topologies
 
-    with captured_stderr():
+    with environ_set_for_now(libtpu_environ), captured_stderr():
         topology = topologies.get_topology_desc(platform="tpu", topology_name=pod.topology, chip_config_name=pod.chip_config,
                                                 chips_per_host_bounds=pod.host_bounds, num_slices=1, wrap=pod.wrap)
     return list(topology.devices)
+
+
+@contextlib.contextmanager
+def environ_set_for_now(values):
+    """os.environ with `values` where it does not say otherwise already (unset or
+    empty), then as before."""
+    saved = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        os.environ[name] = os.environ.get(name) or value
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
