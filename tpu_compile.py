@@ -270,6 +270,12 @@ def live_temporaries(logged):
     return logged["hbm live temporaries"] + logged.get("cmem temporaries", 0) + logged.get("vmem temporaries", 0)
 
 
+def live_total(tpu, logged):
+    """The step's bytes (memory_bytes) with the log's live temporaries in place of
+    memory_analysis's (which count the holes twice): what the planner models."""
+    return tpu["total"] - tpu["temporaries"] + live_temporaries(logged)
+
+
 def fits(tpu, logged, hbm_bytes):
     """The step's bytes (memory_analysis) and the HBM the TPU runtime keeps for itself
     on every program (libtpu's log: 1.25 GiB on v4, 263 MiB on v5p, 260 MiB on v6e)
@@ -478,7 +484,7 @@ def memory_report(planned, tpu, hbm_bytes, pod, compile_seconds, logged=None):
         live = live_temporaries(logged)
         rows += [("libtpu's log: temporaries live at the peak", planned["temp_bytes"], live),
                  ("  their holes (memory_analysis counts them twice)", 0, logged["hbm fragmentation"]),
-                 ("total with the live temporaries", planned["total_bytes"], tpu["total"] - tpu["temporaries"] + live),
+                 ("total with the live temporaries", planned["total_bytes"], live_total(tpu, logged)),
                  ("code overlays in HBM (not in the totals)", 0, logged.get("code overlays", 0)),
                  ("runtime's HBM reserve (not in the totals)", 0, logged.get("runtime reserved", 0))]
     width = max(len(r[0]) for r in rows) + 2
@@ -558,8 +564,7 @@ def main(argv):
             tpu_mib, planner_mib = r["tpu_bytes"] / 2**20, r["planner_bytes"] / 2**20
             tpu_col, ratio_col = f"{tpu_mib:.1f}", f"{planner_mib / tpu_mib:.2f}"
             if r["log"]:  # the total with the live temporaries, the planner's model of them
-                t = r["tpu"]
-                live_mib = (t["arguments"] + t["outputs"] - t["aliased"] + live_temporaries(r["log"])) / 2**20
+                live_mib = live_total(r["tpu"], r["log"]) / 2**20
                 tpu_col, ratio_col = f"{tpu_mib:.1f} ({live_mib:.1f})", f"{ratio_col} ({planner_mib / live_mib:.2f})"
             print(f"| {preset} | {pod_name} | {r['mesh'].replace('x', ' x ')}, {r['microbatches']} | {tpu_col} | {planner_mib:.1f} | "
                   f"{ratio_col} | {'yes' if r['fits'] else 'no'} | {r['compile_s']:.0f} |", flush=True)
