@@ -33,6 +33,7 @@ def main(argv):
 
     jax.config.update("jax_num_cpu_devices", 1)
     import checkpoint
+    import optimizers
     import parallel as par
     from utils import ConfigError, MeshConfig, apply_overrides, count_params, human, parse_args
 
@@ -44,7 +45,7 @@ def main(argv):
         cfg = apply_overrides(cfg, {"model": {"vocab_size": BYTES_VOCAB}})
     mesh = par.make_mesh(MeshConfig(dp=1, pp=1, tp=1), devices=jax.devices()[:1])
     _, params = par.init_params(cfg.model, mesh, False, cfg.run.seed)
-    opt_state = par.init_opt_state(par.make_optimizer(cfg.train), params, mesh)
+    opt_state = optimizers.init_opt_state(optimizers.make_optimizer(cfg.train), params, mesh)
     # Fresh AdamW moments are zeros, which compress to nothing: give them values of the
     # size they have in training so that the bytes written are the real ones.
     keys = iter(jax.random.split(jax.random.key(cfg.run.seed), len(jax.tree.leaves(opt_state))))

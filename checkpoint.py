@@ -2,7 +2,7 @@
 
 A checkpoint (<run_dir>/checkpoints/<step>/) holds three items:
   params     float32 weights            (restored straight into the new mesh's shardings)
-  opt_state  AdamW moments and count
+  opt_state  the optimizer's state (Muon momentum and AdamW moments, or AdamW's alone; the step count)
   meta       JSON: step, data position, seed, resolved config, wandb run id, and a
              fingerprint of every array (see `fingerprint`)
 Orbax writes each checkpoint into a temporary directory and renames it when complete,
@@ -135,12 +135,18 @@ def check_resume_config(saved_train, train_cfg, where):
     The data position of step s is s x batch_size sequences, so another batch size
     would skip or repeat data; the cosine schedule ends at --train.decay_steps (0 =
     --train.steps), so another --train.steps would change the learning rate of steps
-    already planned. Both are refused, naming the flags that keep the run whole."""
+    already planned; another --train.optimizer has another state. All are refused,
+    naming the flags that keep the run whole."""
     if saved_train["batch_size"] != train_cfg.batch_size:
         raise ConfigError(f"the checkpoint in {where} was trained with --train.batch_size {saved_train['batch_size']}, "
                           f"not {train_cfg.batch_size}: a step's data position is step x batch size, so resuming with "
                           f"another batch size would skip or repeat data. Resume with --train.batch_size "
                           f"{saved_train['batch_size']}, or start another --run.name (--train.init_from this run keeps its weights)")
+    saved_optimizer = saved_train.get("optimizer", "adamw")  # checkpoints from before Muon: AdamW
+    if saved_optimizer != train_cfg.optimizer:
+        raise ConfigError(f"the checkpoint in {where} was trained with --train.optimizer {saved_optimizer}, not "
+                          f"{train_cfg.optimizer}: its optimizer state is {saved_optimizer}'s. Resume with --train.optimizer "
+                          f"{saved_optimizer}, or start another --run.name (--train.init_from this run keeps its weights)")
     saved, now = schedule_of(saved_train), schedule_of(train_cfg)
     if saved != now:
         diffs = "; ".join(f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in saved if saved[k] != now[k])

@@ -172,6 +172,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import checkpoint  # noqa: E402
 import hf_interop  # noqa: E402
+import optimizers  # noqa: E402
 import parallel as par  # noqa: E402
 from dataset import get_tokenizer, open_data, check_tokenizer  # noqa: E402
 from model import decode_step, init_cache  # noqa: E402
@@ -233,8 +234,8 @@ def describe_mesh(mesh):
 def build_state(cfg, mesh):
     """Fresh params (same values on every mesh) and optimizer state, in their shards."""
     graphdef, params = par.init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
-    optimizer = par.make_optimizer(cfg.train)
-    opt_state = par.init_opt_state(optimizer, params, mesh)
+    optimizer = optimizers.make_optimizer(cfg.train, par.specs_of(params))
+    opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     return graphdef, params, optimizer, opt_state
 
 
@@ -413,7 +414,7 @@ class Reporter:
 
     def __init__(self, cfg, log, progress, manager, mesh):
         self.cfg, self.log, self.progress, self.manager = cfg, log, progress, manager
-        self.schedule = par.lr_schedule(cfg.train)
+        self.schedule = optimizers.lr_schedule(cfg.train)
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
         self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
         self.peak_flops = measure_peak_flops(jnp.dtype(cfg.model.dtype)) * mesh.devices.size

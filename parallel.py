@@ -477,29 +477,7 @@ def global_grad_norm(grads, specs):
 
 
 # ----------------------------------------------------------------------------
-# Optimizer and steps
-
-
-def lr_schedule(train_cfg):
-    decay = train_cfg.decay_steps or train_cfg.steps
-    # Warmup starts at lr / warmup_steps rather than 0, so that step 0 already learns.
-    return optax.warmup_cosine_decay_schedule(
-        train_cfg.lr / max(train_cfg.warmup_steps, 1), train_cfg.lr, max(train_cfg.warmup_steps, 1), max(decay, train_cfg.warmup_steps + 1),
-        end_value=train_cfg.lr * train_cfg.min_lr_ratio)
-
-
-def make_optimizer(train_cfg):
-    """AdamW on float32 master weights. No weight decay on norm scales. Clipping is done
-    by hand in train_step (it needs a mesh-wide norm)."""
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: weight_name(p) not in ("scale_D", *UNTRAINED), params)  # noqa: E731
-    return optax.adamw(lr_schedule(train_cfg), b1=train_cfg.beta1, b2=train_cfg.beta2,
-                       weight_decay=train_cfg.weight_decay, mask=decay_mask)
-
-
-def init_opt_state(optimizer, params, mesh):
-    """Optimizer state born with the params' shardings (zeros_like keeps them)."""
-    with jax.set_mesh(mesh):
-        return jax.jit(optimizer.init)(params)
+# Steps (the optimizer: optimizers.py)
 
 
 def specs_of(tree):
@@ -511,7 +489,7 @@ def batch_spec():
 
 
 def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
-    """One jitted function over the mesh: loss, grads, clip, AdamW. Donates the old
+    """One jitted function over the mesh: loss, grads, clip, the optimizer. Donates the old
     params and optimizer state (updated in place). --mesh.sharding auto: the same step
     partitioned by the compiler (auto_sharding.py)."""
     if cfg.mesh.sharding == "auto":

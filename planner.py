@@ -22,7 +22,7 @@ rest of `--devices N`). Takes every main.py flag, plus:
 
 Memory per device:
   params       float32 master weights, this device's storage shard (exact)
-  optimizer    AdamW mu + nu (float32 shards) and its step counts (exact)
+  optimizer    its state: AdamW mu + nu, or Muon's momentum for the matrices (float32 shards); step counts (exact)
   gradients    float32 gradient shards, alive from the backward pass to the update
   gathered     weights all-gathered for use in the compute dtype (FSDP)
   activations  what the backward pass keeps, by remat policy (the formula below)
@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh
 
+import optimizers
 import parallel as par
 import pipeline
 from model import Transformer, expert_capacity, padded_vocab
@@ -575,7 +576,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
 
     ep = cfg.mesh.expert_parallel
     c = 2 if cfg.model.dtype == "bfloat16" else 4
-    opt_state = jax.eval_shape(par.make_optimizer(cfg.train).init, params)
+    opt_state = jax.eval_shape(optimizers.make_optimizer(cfg.train).init, params)
     tiled = hw_name.startswith("tpu")  # TPU memory pads arrays to whole tiles (tpu_tiled_bytes)
     memory = dict(params=layout_bytes(params, ep, mesh_shape, tiled=tiled),
                   optimizer=layout_bytes(opt_state, ep, mesh_shape, tiled=tiled))

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import optimizers
 import parallel as par
 from utils import ConfigError
 
@@ -159,7 +160,7 @@ LIBTPU_LOG_LINE = re.compile(r"^([IWEF]\d{4} |\s|Output size |Total \w+ usage |P
 
 
 def abstract_state(cfg, mesh):
-    """(optimizer, params, opt_state): params and AdamW state as ShapeDtypeStructs laid
+    """(optimizer, params, opt_state): params and optimizer state as ShapeDtypeStructs laid
     out exactly as parallel.init_params / init_opt_state lay out the real ones."""
     import planner
 
@@ -168,7 +169,7 @@ def abstract_state(cfg, mesh):
     par.check_divisible(shapes, specs, mesh)
     params = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
                           shapes, specs)
-    optimizer = par.make_optimizer(cfg.train)
+    optimizer = optimizers.make_optimizer(cfg.train, specs)
     with jax.set_mesh(mesh):
         opt_shapes = jax.eval_shape(jax.jit(optimizer.init), params)
     opt_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(

@@ -117,7 +117,9 @@ class TrainConfig:
     min_lr_ratio: float = option(0.0, "final lr as a fraction of the peak")
     warmup_steps: int = option(50, "linear warmup steps")
     decay_steps: int = option(0, "cosine decay ends here; 0 = train.steps")
-    weight_decay: float = option(0.1, "AdamW weight decay (matrices only)")
+    optimizer: str = option("muon", "muon (Muon on the weight matrices, AdamW on the embedding, norms and routers: optimizers.py) | adamw")
+    muon_momentum: float = option(0.95, "Muon's Nesterov momentum")
+    weight_decay: float = option(0.1, "decoupled weight decay (every weight but the norm scales)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off")
@@ -207,13 +209,14 @@ PRESETS = {
     # MoE in every layer: a DeepSeek-V3 in every respect, so its Hugging Face export
     # loads with transformers' AutoModelForCausalLM (hf_interop.py).
     # Embedding rows of norm 1 (at D = 32 with 8 blocks, norm 2 gives the input token
-    # a logit of 1.06 at init) and min_lr_ratio 0.1: the tests' calibrated figures.
+    # a logit of 1.06 at init), min_lr_ratio 0.1 and AdamW: the tests' calibrated
+    # figures (tests/test_optimizers.py proves Muon on the meshes).
     "tiny": {
         "model": dict(vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
                       rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
                       n_experts=8, n_shared=1, top_k=2, d_expert=16, capacity_factor=1.5, router_score="sigmoid",
                       embed_row_norm=1.0, unroll_blocks=False, remat="block", dtype="float32"),
-        "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10, min_lr_ratio=0.1,
+        "train": dict(steps=100, batch_size=16, microbatches=1, lr=3e-3, warmup_steps=10, min_lr_ratio=0.1, optimizer="adamw",
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
     },
@@ -232,8 +235,10 @@ PRESETS = {
                       n_experts=16, n_shared=2, top_k=2, d_expert=2048, capacity_factor=1.5,
                       dtype="bfloat16", unroll_blocks=False, remat="block"),
         "mesh": dict(dp=8, pp=2, tp=2),
+        # AdamW: Muon would orthogonalize every matrix on each of the dp x tp devices
+        # that share it (optimizers.py), and the pod figures (README) are AdamW's.
         "train": dict(steps=75000, batch_size=256, microbatches=4, lr=6e-4, warmup_steps=5000, min_lr_ratio=0.1,
-                      eval_every=1000, eval_batches=32, checkpoint_every=1000, weight_decay=0.1),
+                      eval_every=1000, eval_batches=32, checkpoint_every=1000, weight_decay=0.1, optimizer="adamw"),
         "data": dict(tokenizer="cl100k_base", source="gs://YOUR_BUCKET/fineweb-edu-cl100k"),
     },
 }
@@ -375,6 +380,8 @@ def validate_model(cfg):
          "(its step has no bias update, sequence-wise loss or MTP): use --mesh.sharding manual, or set them to 0"),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
+        (t.optimizer in ("muon", "adamw"), f"--train.optimizer must be muon or adamw, got {t.optimizer!r}"),
+        (0 <= t.muon_momentum < 1, f"--train.muon_momentum must be in [0, 1), got {t.muon_momentum}"),
         (t.pipeline in PIPELINE_SCHEDULES, f"--train.pipeline must be one of {', '.join(PIPELINE_SCHEDULES)}, got {t.pipeline!r}"),
         (t.pipeline == "gpipe" or not (m.mtp_depth or m.seq_aux_loss_weight),
          f"--model.mtp_depth and --model.seq_aux_loss_weight are not in the hand-written backward of --train.pipeline "

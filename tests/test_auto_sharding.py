@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import auto_sharding as auto
 import checkpoint
+import optimizers
 import parallel as par
 from test_parallel import VARIANTS, assert_params_close, assert_same_step, initial_params, mesh_for, tiny_config, token_batch
 from utils import ConfigError, apply_overrides, config_to_dict, parse_args
@@ -41,7 +42,7 @@ def compiled_step(cfg):
     mesh = mesh_for(cfg)
     graphdef, _ = initial_params(cfg.model)
     params, opt_state = fresh_state(cfg)
-    optimizer = par.make_optimizer(cfg.train)
+    optimizer = optimizers.make_optimizer(cfg.train)
     step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     return step.lower(params, opt_state, batch_for(cfg, 0), jnp.asarray(0)).compile()
 
@@ -51,7 +52,7 @@ def fresh_state(cfg):
     mesh = mesh_for(cfg)
     _, host_params = initial_params(cfg.model)
     params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, cfg.mesh.expert_parallel)))
-    return params, par.init_opt_state(par.make_optimizer(cfg.train), params, mesh)
+    return params, optimizers.init_opt_state(optimizers.make_optimizer(cfg.train), params, mesh)
 
 
 def batch_for(cfg, step):

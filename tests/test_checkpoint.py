@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import checkpoint
+import optimizers
 import parallel as par
 from model import Transformer
 from utils import ConfigError, MeshConfig, apply_overrides, config_to_dict, parse_args
@@ -114,7 +115,7 @@ def abstract_state(cfg, mesh):
     shardings = par.named(mesh, par.param_specs(shapes, False))
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     with jax.set_mesh(mesh):
-        opt_state = jax.eval_shape(par.make_optimizer(cfg.train).init, params)
+        opt_state = jax.eval_shape(optimizers.make_optimizer(cfg.train).init, params)
     spec = lambda a: a.sharding.spec if a.sharding is not None else P()  # noqa: E731  (the step count: replicated)
     return params, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec(a))), opt_state)
 
@@ -195,8 +196,8 @@ def test_restore_refuses_another_model_another_seed_and_missing_steps(saved_on_2
 def test_resume_refuses_another_batch_size_or_schedule(saved_on_2x2x2):
     """The checkpoint was written at batch size 16 on the tiny schedule (100 steps,
     cosine to step 100). Another batch size would skip or repeat data, another
-    --train.steps would change the lr of planned steps: both are refused with the flags
-    that fix it. The same schedule with more steps (--train.decay_steps 100), or
+    --train.steps would change the lr of planned steps, another optimizer has another
+    state: all are refused with the flags that fix it. The same schedule with more steps (--train.decay_steps 100), or
     another number of microbatches, resumes."""
     run_dir, _, _ = saved_on_2x2x2
     cfg = tiny_config(dp=1, pp=1, tp=1)
@@ -210,6 +211,8 @@ def test_resume_refuses_another_batch_size_or_schedule(saved_on_2x2x2):
         resume(steps=200)
     with pytest.raises(ConfigError, match=r"lr: checkpoint 0\.003 vs now 0\.001"):
         resume(lr=1e-3)
+    with pytest.raises(ConfigError, match=r"trained with --train\.optimizer adamw, not muon: .*Resume with --train\.optimizer adamw"):
+        resume(optimizer="muon")
     assert resume(steps=200, decay_steps=100, microbatches=4)[2]["step"] == 5
 
 

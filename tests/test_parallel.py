@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import optimizers
 import parallel as par
 from model import Transformer
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides
@@ -59,8 +60,8 @@ def placed_step(cfg):
     specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
     par.check_divisible(host_params, specs, mesh)
     params = jax.device_put(host_params, par.named(mesh, specs))
-    optimizer = par.make_optimizer(cfg.train)
-    opt_state = par.init_opt_state(optimizer, params, mesh)
+    optimizer = optimizers.make_optimizer(cfg.train, specs)
+    opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     return step, (params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size))
 
@@ -388,7 +389,7 @@ def test_state_bytes_per_device_fall_as_one_over_devices():
     cfg = tiny_config((2, 2, 2))
     mesh = mesh_for(cfg)
     _, params = par.init_params(cfg.model, mesh, False, 0)
-    opt_state = par.init_opt_state(par.make_optimizer(cfg.train), params, mesh)
+    opt_state = optimizers.init_opt_state(optimizers.make_optimizer(cfg.train), params, mesh)
     device0 = mesh.devices.flat[0]
     held = par.param_bytes_on_device(params, device0) + par.param_bytes_on_device(opt_state, device0)
     total = sum(x.nbytes for x in jax.tree.leaves(params) + jax.tree.leaves(opt_state))

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+import optimizers
 import parallel as par
 import planner
 import tpu_compile
@@ -85,7 +86,7 @@ def test_params_and_optimizer_bytes_are_exact(preset, mesh_shape, expert_paralle
     shapes = planner.abstract_params(cfg.model)
     specs = par.param_specs(shapes, expert_parallel)
     params = jax.tree.map(lambda s, spec: jax.device_put(np.zeros(s.shape, s.dtype), NamedSharding(mesh, spec)), shapes, specs)
-    opt_state = par.init_opt_state(par.make_optimizer(cfg.train), params, mesh)
+    opt_state = optimizers.init_opt_state(optimizers.make_optimizer(cfg.train), params, mesh)
     plan = plan_for(cfg)
     for device in mesh.devices.flat:  # every device, not just the first: the layout is even
         assert plan["memory"]["params"] == par.param_bytes_on_device(params, device)

@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 
 import checkpoint
+import optimizers
 import parallel as par
 from model import MoE, balance_router_biases, balanced_bias, load_balance_loss, rope_angles, top_k_routing
 from test_checkpoint import REPO, data_cache, main_cmd, main_py  # noqa: F401  (data_cache: a fixture)
@@ -229,8 +230,8 @@ def one_step_from(cfg, host_params, graphdef):
     mesh = mesh_for(cfg)
     par.check_config_fits_mesh(cfg, mesh)
     params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, cfg.mesh.expert_parallel)))
-    optimizer = par.make_optimizer(cfg.train)
-    opt_state = par.init_opt_state(optimizer, params, mesh)
+    optimizer = optimizers.make_optimizer(cfg.train)
+    opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     params, _, metrics = step(params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size), jnp.asarray(0))
     return jax.device_get(metrics), jax.tree.map(np.asarray, params)
@@ -284,16 +285,16 @@ def test_bias_checkpoint_restores_onto_another_mesh(tmp_path, deepseek_start):
     cfg = tiny_config((2, 2, 2), **DEEPSEEK_V3)
     mesh = mesh_for(cfg)
     params = jax.device_put(start, par.named(mesh, par.param_specs(start, False)))
-    optimizer = par.make_optimizer(cfg.train)
+    optimizer = optimizers.make_optimizer(cfg.train)
     manager = checkpoint.checkpoint_manager(str(tmp_path), keep=2)
-    checkpoint.save_checkpoint(manager, 3, params, par.init_opt_state(optimizer, params, mesh),
+    checkpoint.save_checkpoint(manager, 3, params, optimizers.init_opt_state(optimizer, params, mesh),
                                dict(seed=cfg.run.seed, data_position=3, config=config_to_dict(cfg)))
     manager.wait_until_finished()
 
     other = tiny_config((8, 1, 1), True, **DEEPSEEK_V3)
     other_mesh = mesh_for(other)
     target = jax.device_put(jax.tree.map(np.zeros_like, start), par.named(other_mesh, par.param_specs(start, True)))
-    restored, _, meta = checkpoint.restore_checkpoint(manager, target, par.init_opt_state(optimizer, target, other_mesh), other.model)
+    restored, _, meta = checkpoint.restore_checkpoint(manager, target, optimizers.init_opt_state(optimizer, target, other_mesh), other.model)
     assert meta["step"] == 3
     for got, want in zip(biases_of(jax.device_get(restored)), biases_of(start)):
         np.testing.assert_array_equal(got, want)

@@ -1,0 +1,115 @@
+"""Muon (optimizers.py): the orthogonalization does what it claims, Muon trains exactly
+the weight matrices, and a Muon step is the same on every mesh as on one device
+(each matrix is orthogonalized whole wherever its shards live)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optimizers
+import parallel as par
+from test_parallel import MESH_IDS, VARIANTS, assert_same_step, assert_same_steps, mesh_for, one_step, tiny_config, train_steps
+from utils import PRESETS, Config, apply_overrides
+
+
+def muon_config(mesh_shape=(1, 1, 1), expert_parallel=False, **model):
+    return apply_overrides(tiny_config(mesh_shape, expert_parallel, **model), {"train": dict(optimizer="muon")})
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One-device Muon results, per model variant."""
+    return {variant: train_steps(muon_config(**kwargs)) for variant, kwargs in VARIANTS.items()}
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 1, 8), (2, 2, 2), (2, 1, 4), (1, 4, 2)], ids=MESH_IDS)
+@pytest.mark.parametrize("variant", ["moe", "dense"])
+def test_muon_steps_equal_one_device(reference, variant, mesh_shape):
+    """Loss, grad norm, momentum and AdamW moments after each of 2 steps, and the
+    params: the same as one device. The matrices here are split over dp (FSDP), tp
+    (heads, hidden units) and both. Orthogonalizing each shard alone instead of the
+    whole matrix fails this on 8x1x1, 1x1x8 and 2x1x4 (step 1's loss is already off by
+    1e-4 to 5e-4)."""
+    assert_same_steps(train_steps(muon_config(mesh_shape, **VARIANTS[variant])), reference[variant])
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)], ids=MESH_IDS)
+def test_muon_with_expert_parallelism_equals_one_device(reference, mesh_shape):
+    """Experts split over dp are a batch of matrices each device holds whole (but for
+    tp): the experts' dim is not gathered, the rest is."""
+    assert_same_steps(train_steps(muon_config(mesh_shape, expert_parallel=True)), reference["moe"])
+
+
+def test_muon_under_automatic_sharding_equals_one_device():
+    """--mesh.sharding auto: the update runs on global arrays (nothing to gather by hand)."""
+    cfg = apply_overrides(muon_config((2, 1, 4)), {"mesh": dict(sharding="auto")})
+    assert_same_step(*one_step(cfg), *one_step(muon_config()))
+
+
+def test_muon_inside_shard_map_needs_the_param_specs():
+    """Without the specs the update would orthogonalize each shard alone: an error, not a wrong step."""
+    cfg = muon_config((2, 1, 1))
+    mesh = mesh_for(cfg)
+    graphdef, params = par.init_params(cfg.model, mesh, False, cfg.run.seed)
+    optimizer = optimizers.make_optimizer(cfg.train)  # no param_specs
+    opt_state = optimizers.init_opt_state(optimizer, params, mesh)
+    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    batch = par.global_batch(mesh, np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32), cfg.train.batch_size)
+    with pytest.raises(ValueError, match="PartitionSpecs"):
+        step.lower(params, opt_state, batch, jnp.asarray(0))
+
+
+def singular_values(x):
+    return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
+
+
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (3, 48, 48)], ids=["tall", "wide", "batch"])
+def test_orthogonalize_gives_about_the_polar_factor(shape):
+    """Newton-Schulz on a matrix with singular values spread over 30x: every singular
+    value of the result in Jordan's about [0.7, 1.2] (the plain SVD would give 1), and
+    the result points where U V^T does."""
+    rng = np.random.default_rng(0)
+    *batch, m, n = shape
+    k = min(m, n)
+    u = np.linalg.qr(rng.normal(size=(*batch, m, k)))[0]
+    v = np.linalg.qr(rng.normal(size=(*batch, n, k)))[0]
+    s = np.geomspace(30, 1, k)
+    g = np.einsum("...ik,k,...jk->...ij", u, s, v).astype(np.float32)
+    got = np.asarray(optimizers.orthogonalize(jnp.asarray(g.reshape(-1, m, n)))).reshape(shape)
+    assert got.shape == g.shape
+    for one, u_, v_ in zip(got.reshape(-1, m, n), u.reshape(-1, m, k), v.reshape(-1, n, k)):
+        sv = singular_values(one)
+        assert 0.65 < sv.min() and sv.max() < 1.25, sv
+        polar = u_ @ v_.T
+        cosine = np.sum(one * polar) / (np.linalg.norm(one) * np.linalg.norm(polar))
+        assert cosine > 0.98
+
+
+def test_muon_update_has_rms_0_2_times_the_learning_rate():
+    """One Muon step on a weight matrix (no decay, warmup done): each element moves by
+    about lr x 0.2 in RMS, whatever the gradient's scale (AdamW's first step: ~lr)."""
+    cfg = apply_overrides(Config(), {"train": dict(optimizer="muon", weight_decay=0.0, warmup_steps=0, lr=1e-2)})
+    params = dict(w_up_DF=jnp.zeros((32, 128)), embed_VD=jnp.zeros((64, 32)))
+    optimizer = optimizers.make_optimizer(cfg.train)
+    grads = dict(w_up_DF=1e-4 * jax.random.normal(jax.random.key(1), (32, 128)), embed_VD=jax.random.normal(jax.random.key(2), (64, 32)))
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    rms = float(jnp.sqrt(jnp.mean(jnp.square(updates["w_up_DF"]))))
+    assert 0.8 * 0.2e-2 < rms < 1.2 * 0.2e-2, rms
+    # the embedding is AdamW's: its first step is lr x sign(g) (bias-corrected moments)
+    np.testing.assert_allclose(np.abs(updates["embed_VD"]), 1e-2, rtol=1e-4)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_weight_matrix_is_muons(preset):
+    """Muon trains every weight with 2+ dims but the embedding and the routers (the
+    table MATRICES); a new weight matrix missing from it would silently fall to AdamW."""
+    import planner
+
+    cfg = apply_overrides(Config(), PRESETS[preset])
+    cfg = apply_overrides(cfg, {"model": dict(mtp_depth=1, vocab_size=cfg.model.vocab_size or 256)})
+    shapes = planner.abstract_params(cfg.model)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        name = par.weight_name(path)
+        matrix = leaf.ndim - par.is_stacked(path) >= 2 and name not in ("embed_VD", "router_DE")
+        assert optimizers.is_matrix(path) == matrix, name
