@@ -110,7 +110,7 @@ class DistConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = option(1200, "optimizer steps")
+    steps: int = option(1000, "optimizer steps")
     batch_size: int = option(16, "global sequences per step")
     microbatches: int = option(1, "split each step's batch (pipeline microbatches; accumulation when pp=1)")
     lr: float = option(5e-3, "peak learning rate")
