@@ -68,6 +68,8 @@ def test_cli_preset_then_overrides():
     (["--train.steps"], "--train.steps needs a value"),
     (["--mode", "serve", "--serve.slots", "0"], "--serve.slots and --serve.max_tokens must be >= 1"),
     (["--serve.port", "70000"], "--serve.port must be in 0..65535"),
+    (["--train.optimizer", "sgd"], "--train.optimizer must be muon or adamw, got 'sgd'"),
+    (["--train.muon_momentum", "1"], "--train.muon_momentum must be in"),
 ])
 def test_cli_rejects_bad_input_with_a_clear_message(argv, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
