@@ -234,7 +234,7 @@ def describe_mesh(mesh):
 def build_state(cfg, mesh):
     """Fresh params (same values on every mesh) and optimizer state, in their shards."""
     graphdef, params = par.init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
-    optimizer = optimizers.make_optimizer(cfg.train, par.specs_of(params))
+    optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     return graphdef, params, optimizer, opt_state
 

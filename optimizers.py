@@ -21,6 +21,8 @@ result) and keeps its own shard. Dims that only batch matrices, the stacked bloc
 device orthogonalizes the matrices it holds a part of. That work is repeated on the
 dp x tp devices that share a matrix; a pod-sized run would rather give each matrix to
 one device and scatter the results (not done here: the moe1b preset trains with AdamW).
+The step, which knows the layout, passes it to the update:
+`optimizer.update(grads, state, params, param_specs=...)` (parallel.make_train_step).
 Clipping is done before the optimizer, by hand in the train step (it needs a
 mesh-wide norm).
 """
@@ -91,7 +93,7 @@ def orthogonal_update(path, momentum, spec):
     manual = manual_axis_sizes()
     if any(size > 1 for size in manual.values()) and spec is None:
         raise ValueError("Muon inside shard_map needs the params' PartitionSpecs: "
-                         "optimizers.make_optimizer(train_cfg, param_specs=parallel.specs_of(params))")
+                         "optimizer.update(grads, state, params, param_specs=parallel.specs_of(params))")
     gathered = []  # (dim, axes): undone in reverse after orthogonalizing
     for dim in in_dims + out_dims:
         axes = tuple(a for a in axes_of(spec[dim] if spec is not None else None) if manual.get(a, 1) > 1)
@@ -108,27 +110,29 @@ def orthogonal_update(path, momentum, spec):
     return update
 
 
-def scale_by_muon(beta, param_specs=None):
+def scale_by_muon(beta):
     """optax transform: Nesterov momentum (`beta`), then each matrix's update
     orthogonalized and scaled to RMS 0.2 (learning rate and weight decay come after,
-    in make_optimizer). param_specs: the params' PartitionSpecs, needed when the update
-    runs on shards inside shard_map; None when it runs on whole (global) arrays."""
-    specs = {} if param_specs is None else {
-        jax.tree_util.keystr(path): spec
-        for path, spec in jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
+    in make_optimizer). Its update takes the params' PartitionSpecs (`param_specs`, a
+    tree like the params'), needed when it runs on shards inside shard_map; None when
+    it runs on whole (global) arrays."""
+    ema = lambda m, g: beta * m + (1 - beta) * g  # noqa: E731
 
     def init(params):
         return jax.tree.map(jnp.zeros_like, params)  # the momentum, in the params' shardings
 
-    def update(grads, momentum, params=None):
+    def update(grads, momentum, params=None, param_specs=None):
         del params
-        momentum = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g, momentum, grads)
-        nesterov = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g, momentum, grads)
+        specs = {} if param_specs is None else {
+            jax.tree_util.keystr(path): spec
+            for path, spec in jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
+        momentum = jax.tree.map(ema, momentum, grads)
+        nesterov = jax.tree.map(ema, momentum, grads)  # Nesterov: one more step ahead
         updates = jax.tree_util.tree_map_with_path(
             lambda path, m: orthogonal_update(path, m, specs.get(jax.tree_util.keystr(path))), nesterov)
         return updates, momentum
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def lr_schedule(train_cfg):
@@ -139,17 +143,15 @@ def lr_schedule(train_cfg):
         end_value=train_cfg.lr * train_cfg.min_lr_ratio)
 
 
-def make_optimizer(train_cfg, param_specs=None):
+def make_optimizer(train_cfg):
     """--train.optimizer on float32 master weights: adamw, or muon (Muon on the MATRICES,
-    AdamW on the rest). No weight decay on norm scales. param_specs: the params'
-    PartitionSpecs, which Muon needs when its update runs inside shard_map
-    (parallel.make_train_step); None for whole arrays (and for init alone)."""
+    AdamW on the rest). No weight decay on norm scales."""
     schedule = lr_schedule(train_cfg)
     decay_mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: weight_name(p) not in ("scale_D", *UNTRAINED), params)  # noqa: E731
     adamw = optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2, weight_decay=train_cfg.weight_decay, mask=decay_mask)
     if train_cfg.optimizer == "adamw":
         return adamw
-    muon = optax.chain(scale_by_muon(train_cfg.muon_momentum, param_specs),
+    muon = optax.chain(scale_by_muon(train_cfg.muon_momentum),
                        optax.add_decayed_weights(train_cfg.weight_decay),
                        optax.scale_by_learning_rate(schedule))
     labels = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: "muon" if is_matrix(p) else "adamw", params)  # noqa: E731

@@ -512,7 +512,8 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
         if clip > 0:
             scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        # the layout of these shards, for the optimizers that need whole matrices (Muon)
+        updates, opt_state = optimizer.update(grads, opt_state, params, param_specs=param_spec_tree)
         new_params = optax.apply_updates(params, updates)
         metrics = dict(metrics, grad_norm=grad_norm)
         if balancing:

@@ -169,7 +169,7 @@ def abstract_state(cfg, mesh):
     par.check_divisible(shapes, specs, mesh)
     params = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
                           shapes, specs)
-    optimizer = optimizers.make_optimizer(cfg.train, specs)
+    optimizer = optimizers.make_optimizer(cfg.train)
     with jax.set_mesh(mesh):
         opt_shapes = jax.eval_shape(jax.jit(optimizer.init), params)
     opt_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(

@@ -60,7 +60,7 @@ def placed_step(cfg):
     specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
     par.check_divisible(host_params, specs, mesh)
     params = jax.device_put(host_params, par.named(mesh, specs))
-    optimizer = optimizers.make_optimizer(cfg.train, specs)
+    optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     return step, (params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size))
