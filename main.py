@@ -329,7 +329,7 @@ def train(cfg):
     start_step, wandb_id = 0, None
     resume_step = None if cfg.train.resume_step < 0 else cfg.train.resume_step
     restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, cfg.run.seed, log=say,
-                                            train_cfg=cfg.train)
+                                            train_cfg=cfg.train, data_cfg=cfg.data)
     if restored is not None:
         params, opt_state, meta = restored
         start_step, wandb_id = meta["step"], meta.get("wandb_id")
