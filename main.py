@@ -464,10 +464,9 @@ class Reporter:
 
 
 def make_progress(cfg, start_step):
-    from tqdm import tqdm
+    import progress
 
-    disable = not (cfg.log.progress and is_main_process())
-    return tqdm(total=cfg.train.steps, initial=start_step, disable=disable, dynamic_ncols=True, desc="train")
+    return progress.make_progress(cfg.train.steps, start_step, cfg.log.every, cfg.log.progress and is_main_process())
 
 
 def show_sharding(batch, params):
