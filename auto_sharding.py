@@ -3,7 +3,7 @@
 parallel.py writes each device's program by hand (one jax.shard_map, every collective
 spelled out). Here the model code runs as it does on one device (tp_axis = ep_axis =
 None: no collectives at all, global shapes everywhere), the weights sit in the same
-storage shardings (parallel.WEIGHT_SPECS, placed by parallel.init_params), and a few
+storage shardings (weights.WEIGHTS, placed by parallel.init_params), and a few
 sharding constraints say how values should be laid out where they are used. XLA's
 partitioner then inserts the all-gathers, reduce-scatters, all-reduces and
 all-to-alls itself. Select it with --mesh.sharding auto.
