@@ -17,7 +17,8 @@ shared experts, dense-first layers) with softmax scores renormalised over the to
 exactly this repo's softmax router, but transformers 5.24 maps it to
 AutoModelForImageTextToText, not AutoModelForCausalLM.
 
-How the pieces map (ours -> HF, per layer l = block n x len(pattern) + position i):
+How the pieces map (ours -> HF, per layer l = block n x len(pattern) + position i; the
+names and layouts are the rows of weights.WEIGHTS, under HF_MODULES):
 
   wq_down_DQ                    q_a_proj [Q, D]            (transposed: torch stores [out, in])
   wq_up_QHK | wq_rope_QHR       q_b_proj [H (K + R), Q]    per head: K content dims, then R RoPE dims
@@ -338,9 +339,10 @@ def to_hf_tensors(tree, prefix, fused_experts):
     out = {}
     for name, parts in hf_layout(tree, prefix, fused_experts).items():
         weight = row(parts[0][-1])
-        x = np.concatenate([leaf_at(tree, keys) for keys in parts], -1) if len(parts) > 1 else leaf_at(tree, keys=parts[0])
-        shape = torch_shape(x.shape, weight)
-        x = np.swapaxes(x.reshape(*shape[:-2], shape[-1], shape[-2]), -1, -2) if weight.fan_in is not None else x
+        x = np.concatenate([leaf_at(tree, keys) for keys in parts], -1)
+        if weight.fan_in is not None:  # ours [E.., in.., out..] -> torch's [E.., out, in]
+            out_size, in_size = torch_shape(x.shape, weight)[-2:]
+            x = np.swapaxes(x.reshape(*x.shape[:int(weight.routed)], in_size, out_size), -1, -2)
         if "{e}" in name:  # one tensor per expert
             out |= {name.format(e=e): x[e] for e in range(x.shape[0])}
         else:
