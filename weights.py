@@ -127,6 +127,10 @@ def row(name):
     return WEIGHTS[name]
 
 
+def is_trained(name):
+    return row(name).trained
+
+
 def shape_letters(name):
     return name.rsplit("_", 1)[1]
 
