@@ -17,7 +17,8 @@ shared experts, dense-first layers) with softmax scores renormalised over the to
 exactly this repo's softmax router, but transformers 5.24 maps it to
 AutoModelForImageTextToText, not AutoModelForCausalLM.
 
-How the pieces map (ours -> HF, per layer l = block n x len(pattern) + position i):
+How the pieces map (ours -> HF, per layer l = block n x len(pattern) + position i; the
+names and layouts are the rows of weights.WEIGHTS, under HF_MODULES):
 
   wq_down_DQ                    q_a_proj [Q, D]            (transposed: torch stores [out, in])
   wq_up_QHK | wq_rope_QHR       q_b_proj [H (K + R), Q]    per head: K content dims, then R RoPE dims
@@ -58,9 +59,11 @@ import shutil
 import jax
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
-from model import padded_vocab
+from model import Transformer, padded_vocab
 from utils import ConfigError
+from weights import WEIGHTS, row
 
 HF_PREFIX = "hf:"
 ARCHITECTURES = {  # model_type -> (class, the router score it computes); see architecture_of
@@ -313,62 +316,114 @@ def final_norm_in(weight_D, m):
     return (weight_D.astype(np.float64) * math.sqrt(m.d_model)).astype(np.float32)
 
 
+# Our module names -> HF's (DeepseekV3's modeling code). Each weight's own tensor name
+# under its module, and how it is laid out there, is its row in weights.WEIGHTS.
+HF_MODULES = {"attn_norm": "input_layernorm", "attn": "self_attn", "q_norm": "q_a_layernorm", "kv_norm": "kv_a_layernorm",
+              "ffn_norm": "post_attention_layernorm", "ffn": "mlp", "shared": "shared_experts", "final_norm": "norm"}
+
+
+def hf_name(keys, prefix, fused_experts=False):
+    """The HF tensor of our weight at `keys` (module names, then the weight name) under
+    `prefix` ("model." or "model.layers.{l}."); routed experts' names hold `{e}`
+    unless fused_experts (one tensor for all experts)."""
+    hf = row(keys[-1]).hf
+    tensor = hf.fused if fused_experts and hf.fused else hf.name
+    return prefix + ".".join([*(HF_MODULES[k] for k in keys[:-1]), tensor])
+
+
+def hf_layout(tree, prefix, fused_experts):
+    """{HF tensor: [keys of our weights in it]} for a dict of our weights (one layer's, or
+    the top level's), the weights of one tensor in table order (concatenated along their
+    last dim)."""
+    layout = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = tuple(k.key for k in path)
+        layout.setdefault(hf_name(keys, prefix, fused_experts), []).append(keys)
+    order = list(WEIGHTS)
+    return {name: sorted(parts, key=lambda keys: order.index(keys[-1])) for name, parts in layout.items()}
+
+
+def torch_shape(shape, weight):
+    """HF's shape for ours: [E.., out, in] (nn.Linear's [out, in]) for a weight with
+    fan-in dims, whose fan-in and fan-out dims flatten into `in` and `out`."""
+    if weight.fan_in is None:
+        return tuple(shape)
+    b = int(weight.routed)
+    return (*shape[:b], math.prod(shape[b + weight.fan_in:]), math.prod(shape[b:b + weight.fan_in]))
+
+
+def to_hf_tensors(tree, prefix, fused_experts):
+    """{HF name: array} of a dict of our weights (numpy, no N dim)."""
+    out = {}
+    for name, parts in hf_layout(tree, prefix, fused_experts).items():
+        weight = row(parts[0][-1])
+        x = np.concatenate([leaf_at(tree, keys) for keys in parts], -1)
+        if weight.fan_in is not None:  # ours [E.., in.., out..] -> torch's [E.., out, in]
+            out_size, in_size = torch_shape(x.shape, weight)[-2:]
+            x = np.swapaxes(x.reshape(*x.shape[:int(weight.routed)], in_size, out_size), -1, -2)
+        if "{e}" in name:  # one tensor per expert
+            out |= {name.format(e=e): x[e] for e in range(x.shape[0])}
+        else:
+            out[name] = x
+    return out
+
+
+def from_hf_tensors(shapes, prefix, get, fused_experts):
+    """Our weights (a dict like `shapes`, a dict of ShapeDtypeStructs without N) from the
+    HF tensors under `prefix`; the inverse of to_hf_tensors. get(name): HF's tensor."""
+    out = {}
+    for name, parts in hf_layout(shapes, prefix, fused_experts).items():
+        weight = row(parts[0][-1])
+        part_shapes = [leaf_at(shapes, keys).shape for keys in parts]
+        whole = (*part_shapes[0][:-1], sum(s[-1] for s in part_shapes))  # ours, before the split
+        x = np.stack([get(name.format(e=e)) for e in range(whole[0])]) if "{e}" in name else get(name)
+        if x.shape != torch_shape(whole, weight):
+            raise ConfigError(f"{name} has shape {x.shape} in the checkpoint; this model's is {torch_shape(whole, weight)}")
+        x = (np.swapaxes(x, -1, -2) if weight.fan_in is not None else x).reshape(whole)
+        for keys, part in zip(parts, np.split(x, np.cumsum([s[-1] for s in part_shapes])[:-1], axis=-1)):
+            node = out
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = part
+    return out
+
+
+def leaf_at(tree, keys):
+    for k in keys:
+        tree = tree[k]
+    return tree
+
+
 def to_hf_state(params, m, dtype=np.float32):
     """{HF name: array} from our params (a pure dict of host arrays, the stacked blocks'
     leading axis N included). Per-expert names (experts.{e}.gate_proj...) for
     deepseek_v3 and deepseek_v2, as DeepSeek's own checkpoints and vLLM/SGLang have them;
-    mistral4's fused expert tensors, as its transformers class stores them."""
+    mistral4's fused expert tensors, as its transformers class stores them. Multi-token
+    prediction modules are not exported (num_nextn_predict_layers 0)."""
     check_exportable(m)
-    H, K, R, Q, A, D = m.n_heads, m.head_dim, m.rope_dim, m.q_latent, m.kv_latent, m.d_model
+    D = m.d_model
     model_type = architecture_of(m)[0]
     fused_experts = model_type == "mistral4"
-    out = {"model.embed_tokens.weight": params["embed_VD"]}
+    top = {"embed_VD": params["embed_VD"], "final_norm": {"scale_D": final_norm_out(params["final_norm"]["scale_D"], m, dtype)}}
+    out = to_hf_tensors(top, "model.", fused_experts)
     P = len(m.block_pattern)
     for n in range(m.n_blocks):
         for i, kind in enumerate(m.block_pattern):
             w = jax.tree.map(lambda a: np.asarray(a[n]), params["blocks"]["layers"][i])
-            at = w["attn"]
             L = f"model.layers.{n * P + i}."
-            out |= {
-                L + "input_layernorm.weight": w["attn_norm"]["scale_D"],
-                L + "post_attention_layernorm.weight": w["ffn_norm"]["scale_D"],
-                L + "self_attn.q_a_proj.weight": at["wq_down_DQ"].T,
-                L + "self_attn.q_a_layernorm.weight": at["q_norm"]["scale_D"],
-                L + "self_attn.q_b_proj.weight": np.concatenate([at["wq_up_QHK"], at["wq_rope_QHR"]], -1).reshape(Q, H * (K + R)).T,
-                L + "self_attn.kv_a_proj_with_mqa.weight": np.concatenate([at["wkv_down_DA"], at["wk_rope_DR"]], 1).T,
-                L + "self_attn.kv_a_layernorm.weight": at["kv_norm"]["scale_D"],
-                L + "self_attn.kv_b_proj.weight": np.concatenate([at["wk_up_AHK"], at["wv_up_AHK"]], -1).reshape(A, H * 2 * K).T,
-                L + "self_attn.o_proj.weight": at["wo_HKD"].reshape(H * K, D).T,
-            }
-            f = w["ffn"]
-            if kind == "D":
-                out |= {L + "mlp.gate_proj.weight": f["w_gate_DF"].T, L + "mlp.up_proj.weight": f["w_up_DF"].T,
-                        L + "mlp.down_proj.weight": f["w_down_FD"].T}
-                continue
-            out[L + "mlp.gate.weight"] = f["router_DE"].T
-            if model_type == "deepseek_v3":  # selection bias (ours would be router_bias_rate > 0, refused above)
-                out[L + "mlp.gate.e_score_correction_bias"] = np.zeros((m.n_experts,), np.float32)
-            if not fused_experts:
-                for e in range(m.n_experts):
-                    E = f"{L}mlp.experts.{e}."
-                    out |= {E + "gate_proj.weight": f["w_gate_EDF"][e].T, E + "up_proj.weight": f["w_up_EDF"][e].T,
-                            E + "down_proj.weight": f["w_down_EFD"][e].T}
-            else:
-                out[L + "mlp.experts.gate_up_proj"] = np.concatenate([f["w_gate_EDF"], f["w_up_EDF"]], -1).transpose(0, 2, 1)
-                out[L + "mlp.experts.down_proj"] = f["w_down_EFD"].transpose(0, 2, 1)
-            shared = f.get("shared") or {"w_gate_DF": np.zeros((D, 0), np.float32), "w_up_DF": np.zeros((D, 0), np.float32),
-                                         "w_down_FD": np.zeros((0, D), np.float32)}
-            out |= {L + "mlp.shared_experts.gate_proj.weight": shared["w_gate_DF"].T,
-                    L + "mlp.shared_experts.up_proj.weight": shared["w_up_DF"].T,
-                    L + "mlp.shared_experts.down_proj.weight": shared["w_down_FD"].T}
-    out["model.norm.weight"] = final_norm_out(params["final_norm"]["scale_D"], m, dtype)
+            if kind == "M" and "shared" not in w["ffn"]:  # HF's MoE layers always have shared experts: none = width 0
+                w["ffn"]["shared"] = {"w_gate_DF": np.zeros((D, 0), np.float32), "w_up_DF": np.zeros((D, 0), np.float32),
+                                      "w_down_FD": np.zeros((0, D), np.float32)}
+            out |= to_hf_tensors(w, L, fused_experts)
+            if kind == "M" and model_type == "deepseek_v3":  # its selection bias (ours, router_bias_rate > 0, is refused above)
+                out[hf_name(("ffn", "router_bias_E"), L)] = np.zeros((m.n_experts,), np.float32)
     return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in out.items()}
 
 
 def from_hf_state(tensors, m):
     """Our params (pure dict of float32 numpy arrays, stacked blocks) from an HF state
     dict; the inverse of `to_hf_state`. Accepts per-expert and fused expert tensors."""
-    H, K, R, Q, A, D = m.n_heads, m.head_dim, m.rope_dim, m.q_latent, m.kv_latent, m.d_model
+    shapes = nnx.state(nnx.eval_shape(lambda: Transformer(m, nnx.Rngs(0)))).to_pure_dict()  # no allocation
     used = set()
 
     def get(name):
@@ -377,55 +432,24 @@ def from_hf_state(tensors, m):
         used.add(name)
         return np.asarray(tensors[name], np.float32)
 
-    def layer(l, kind):
+    def layer(l, layer_shapes):
         L = f"model.layers.{l}."
-        q_b = get(L + "self_attn.q_b_proj.weight").T.reshape(Q, H, K + R)
-        kv_a = get(L + "self_attn.kv_a_proj_with_mqa.weight").T
-        kv_b = get(L + "self_attn.kv_b_proj.weight").T.reshape(A, H, 2 * K)
-        w = {"attn_norm": {"scale_D": get(L + "input_layernorm.weight")},
-             "ffn_norm": {"scale_D": get(L + "post_attention_layernorm.weight")},
-             "attn": {"wq_down_DQ": get(L + "self_attn.q_a_proj.weight").T,
-                      "q_norm": {"scale_D": get(L + "self_attn.q_a_layernorm.weight")},
-                      "wq_up_QHK": q_b[..., :K], "wq_rope_QHR": q_b[..., K:],
-                      "wkv_down_DA": kv_a[:, :A], "wk_rope_DR": kv_a[:, A:],
-                      "kv_norm": {"scale_D": get(L + "self_attn.kv_a_layernorm.weight")},
-                      "wk_up_AHK": kv_b[..., :K], "wv_up_AHK": kv_b[..., K:],
-                      "wo_HKD": get(L + "self_attn.o_proj.weight").T.reshape(H, K, D)}}
-        if kind == "D":
-            w["ffn"] = {"w_gate_DF": get(L + "mlp.gate_proj.weight").T, "w_up_DF": get(L + "mlp.up_proj.weight").T,
-                        "w_down_FD": get(L + "mlp.down_proj.weight").T}
-            return w
-        bias = L + "mlp.gate.e_score_correction_bias"
-        if bias in tensors:
-            if np.any(get(bias) != 0):
-                raise ConfigError(f"cannot import: {bias} is not zero: selecting experts with a score bias "
-                                  "(DeepSeek-V3's aux-loss-free balancing) is not in this model yet")
-        if L + "mlp.experts.gate_up_proj" in tensors:
-            gate_up = get(L + "mlp.experts.gate_up_proj").transpose(0, 2, 1)
-            F = gate_up.shape[-1] // 2
-            gate, up, down = gate_up[..., :F], gate_up[..., F:], get(L + "mlp.experts.down_proj").transpose(0, 2, 1)
-        else:
-            E = range(m.n_experts)
-            gate = np.stack([get(f"{L}mlp.experts.{e}.gate_proj.weight").T for e in E])
-            up = np.stack([get(f"{L}mlp.experts.{e}.up_proj.weight").T for e in E])
-            down = np.stack([get(f"{L}mlp.experts.{e}.down_proj.weight").T for e in E])
-        w["ffn"] = {"router_DE": get(L + "mlp.gate.weight").T, "w_gate_EDF": gate, "w_up_EDF": up, "w_down_EFD": down}
-        if m.n_shared:
-            w["ffn"]["shared"] = {"w_gate_DF": get(L + "mlp.shared_experts.gate_proj.weight").T,
-                                  "w_up_DF": get(L + "mlp.shared_experts.up_proj.weight").T,
-                                  "w_down_FD": get(L + "mlp.shared_experts.down_proj.weight").T}
-        return w
+        bias = hf_name(("ffn", "router_bias_E"), L)
+        if bias in tensors and np.any(get(bias) != 0):
+            raise ConfigError(f"cannot import: {bias} is not zero: selecting experts with a score bias "
+                              "(DeepSeek-V3's aux-loss-free balancing) is not in this model yet")
+        fused_only = hf_layout(layer_shapes, L, True).keys() - hf_layout(layer_shapes, L, False).keys()
+        return from_hf_tensors(layer_shapes, L, get, fused_experts=any(name in tensors for name in fused_only))
 
     P = len(m.block_pattern)
-    layers = [[layer(n * P + i, kind) for n in range(m.n_blocks)] for i, kind in enumerate(m.block_pattern)]
-    stacked = [jax.tree.map(lambda *xs: np.stack(xs), *per_block) for per_block in layers]
-    embed = get("model.embed_tokens.weight")
-    V = padded_vocab(m.vocab_size, m.vocab_multiple)
-    if embed.shape[0] != V:
-        raise ConfigError(f"the checkpoint's embedding has {embed.shape[0]} rows, the model {V}")
-    params = {"embed_VD": embed, "final_norm": {"scale_D": final_norm_in(tensors["model.norm.weight"], m)},
+    stacked = []
+    for i in range(P):
+        layer_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"]["layers"][i])
+        per_block = [layer(n * P + i, layer_shapes) for n in range(m.n_blocks)]
+        stacked.append(jax.tree.map(lambda *xs: np.stack(xs), *per_block))
+    top = from_hf_tensors({"embed_VD": shapes["embed_VD"], "final_norm": shapes["final_norm"]}, "model.", get, False)
+    params = {"embed_VD": top["embed_VD"], "final_norm": {"scale_D": final_norm_in(top["final_norm"]["scale_D"], m)},
               "blocks": {"layers": {i: w for i, w in enumerate(stacked)}}}
-    used.add("model.norm.weight")
     # Multi-token-prediction layers (DeepSeek-V3's extra layers after the last) and an
     # untied lm_head copy are not next-token weights of this model.
     n_layers = m.n_blocks * P

@@ -410,6 +410,7 @@ def count_params(model_cfg):
     from flax import nnx
 
     from model import Transformer
+    from weights import row, weight_name
 
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
     state = nnx.state(abstract, nnx.Param)
@@ -417,7 +418,7 @@ def count_params(model_cfg):
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         size = math.prod(leaf.shape)
         total += size
-        if any(getattr(k, "key", None) in ("w_gate_EDF", "w_up_EDF", "w_down_EFD") for k in path):
+        if row(weight_name(path)).routed:
             routed += size
     inactive = routed * (model_cfg.n_experts - model_cfg.top_k) / model_cfg.n_experts
     return total, int(total - inactive)

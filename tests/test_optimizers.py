@@ -110,7 +110,7 @@ def test_muon_update_has_rms_0_2_times_the_learning_rate():
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_weight_matrix_is_muons(preset):
     """Muon trains every weight with 2+ dims but the embedding and the routers (the
-    table MATRICES); a new weight matrix missing from it would silently fall to AdamW."""
+    muon flag in weights.WEIGHTS); a new weight matrix without it would silently fall to AdamW."""
     import planner
 
     cfg = apply_overrides(Config(), PRESETS[preset])
