@@ -17,7 +17,7 @@ Where the constraints are (everything else is propagated by the compiler):
   expert buffers  x_GECD with --mesh.expert_parallel: experts over dp, every group
                   (model.MoE.routed_with_capacity; the compiler picks the dispatch)
 Storage shardings are the jit's input and output shardings, so params, optimizer state
-and checkpoints are interchangeable with --mesh.sharding manual. The README's
+and checkpoints are interchangeable with --mesh.sharding manual. docs/parallelism.md's
 "Automatic vs explicit" compares what the compiler chose with parallel.py's choices.
 
 Axis types: the mesh keeps parallel.make_mesh's Explicit axes (one mesh, one set of
