@@ -47,7 +47,8 @@ PAGES = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.pa
 DEFAULT_RUN = os.path.join(REPO, "public", "default_run")
 RUNNABLE_LANGS = ("bash", "sh", "python")
 # Config fields the quick start overrides (or that name where a run lives): not compared.
-QUICK_START_FIELDS = {("train", "steps"), ("train", "eval_every"), ("train", "eval_batches"), ("run", "out_dir")}
+QUICK_START_FIELDS = {("train", "steps"), ("train", "eval_every"), ("train", "eval_batches"), ("sample", "max_tokens"),
+                      ("run", "out_dir")}
 COMMAND_TIMEOUT_S = 600
 
 
