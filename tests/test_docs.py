@@ -82,8 +82,9 @@ def blocks(page):
 
 def parse_marker(marker):
     """'run slow main.py+="--a 1"' -> ("run", slow, [(selector, [args])])."""
-    tokens = shlex.split(marker)
-    mode, slow, overrides = tokens[0], False, []
+    mode = marker.split(None, 1)[0]
+    tokens = shlex.split(marker) if mode == "run" else [mode]  # a skip's reason is prose
+    slow, overrides = False, []
     for token in tokens[1:] if mode == "run" else []:
         if token == "slow":
             slow = True
@@ -198,6 +199,8 @@ def test_every_code_block_says_what_the_test_does_with_it():
         for line, lang, body, marker in blocks(page):
             if lang in RUNNABLE_LANGS and marker is None:
                 problems.append(f"{page}:{line}: a ```{lang} block without a <!-- test: ... --> comment")
+            elif not lang and re.search(r"^(python|pip|\./|lm_eval|curl) ", body, re.M):
+                problems.append(f"{page}:{line}: commands in an unlabeled block: make it ```bash with a test comment")
             elif marker is not None:
                 mode = parse_marker(marker)[0]
                 if mode not in ("run", "skip", "ci", "files"):
