@@ -5,7 +5,7 @@ whose update for each weight matrix is orthogonalized, U V^T of the momentum's
 U S V^T, by a few Newton-Schulz iterations: every direction of the matrix moves by
 the same amount, where Adam's steps follow the few directions with the largest
 gradients. On the default run it reaches val loss 1.524 in 1000 steps where AdamW
-reached 1.604 in 1200, in the same wall time (README). AdamW still trains what is not
+reached 1.604 in 1200, in the same wall time (docs/benchmarks.md). AdamW still trains what is not
 a matrix (`--train.optimizer muon`): the embedding, norm scales and routers.
 
 Muon's update is scaled to an RMS of 0.2 per element (0.2 sqrt(max(fan_in, fan_out)),

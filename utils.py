@@ -236,7 +236,7 @@ PRESETS = {
                       dtype="bfloat16", unroll_blocks=False, remat="block"),
         "mesh": dict(dp=8, pp=2, tp=2),
         # AdamW: Muon would orthogonalize every matrix on each of the dp x tp devices
-        # that share it (optimizers.py), and the pod figures (README) are AdamW's.
+        # that share it (optimizers.py), and the pod figures (docs/pods.md) are AdamW's.
         "train": dict(steps=75000, batch_size=256, microbatches=4, lr=6e-4, warmup_steps=5000, min_lr_ratio=0.1,
                       eval_every=1000, eval_batches=32, checkpoint_every=1000, weight_decay=0.1, optimizer="adamw"),
         "data": dict(tokenizer="cl100k_base", source="gs://YOUR_BUCKET/fineweb-edu-cl100k"),
