@@ -524,7 +524,7 @@ def test_command_line_default_run_exports_a_model_auto_model_for_causal_lm_loads
     hf_path = str(tmp_path / "runs" / "d" / "hf")
     load = ("import sys, transformers; d = sys.argv[1]; "
             "m = transformers.AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True); "
-            "t = transformers.AutoTokenizer.from_pretrained(d); ids = t('ROMEO:', return_tensors='pt').input_ids; "
+            "t = transformers.AutoTokenizer.from_pretrained(d, trust_remote_code=True); ids = t('ROMEO:', return_tensors='pt').input_ids; "
             "print(type(m).__name__, m.generate(ids, max_new_tokens=8, do_sample=False).shape[1] - ids.shape[1])")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))  # nothing from the network
     loaded = subprocess.run([sys.executable, "-c", load, hf_path], capture_output=True, text=True, env=env, timeout=300)
