@@ -458,6 +458,16 @@ def test_configs_this_model_cannot_express_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="e_score_correction_bias"):
         hf_interop.from_hf_state(tensors, hf_interop.from_hf_config(good, m))
 
+    # meshformer (our remote code): the layout comes from mlp_layer_types, the score from scoring_func
+    ours = hf_interop.to_hf_config(model_cfg("tiny", n_blocks=2, block_pattern="DM", router_score="softmax"), BYTES, "float32")
+    del ours[hf_interop.OURS_KEY]  # as transformers' save_pretrained of a MeshformerForCausalLM would write it
+    imported = hf_interop.from_hf_config(ours, m)
+    assert (imported.n_blocks, imported.block_pattern, imported.router_score) == (1, "DMDM", "softmax")
+    for field, value in [("mlp_layer_types", ["dense", "sparse", "dense"]), ("mlp_layer_types", ["dense", "moe"] * 2),
+                         ("scoring_func", "sqrtsoftplus"), ("norm_topk_prob", False)]:
+        with pytest.raises(ConfigError, match=field):
+            hf_interop.from_hf_config(dict(ours, **{field: value}), m)
+
     # DeepseekV2: softmax gates that are never renormalised are ours only with one expert per token
     path = str(tmp_path / "v2")
     hf_made_model(path, first_k_dense=1, n_layers=2, kind="deepseek_v2")
