@@ -531,8 +531,10 @@ def export_hf_run(cfg):
     if is_main_process():
         tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
         hf_interop.write_hf_dir(out, host, cfg.model, tokenizer, cfg.export.dtype)
-        say(f"Hugging Face export ({hf_interop.architecture_of(cfg.model)[1]}, {cfg.export.dtype}): {out}, "
-            f"{human(checkpoint.directory_bytes(out))}B")
+        model_type, architecture = hf_interop.architecture_of(cfg.model)
+        remote = " with its modeling code: load it with trust_remote_code=True" if model_type == "meshformer" else ""
+        say(f"Hugging Face export ({architecture}, {cfg.export.dtype}): {out}, "
+            f"{human(checkpoint.directory_bytes(out))}B{remote}")
 
 
 def eval_run(cfg):
