@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+import hf_interop
 from utils import ConfigError
 
 ITEMS = ("params", "opt_state", "meta")
@@ -253,8 +254,6 @@ def find_params_source(path):
     """('export', dir) or ('run', run_dir) for --train.init_from / sampling; a clear
     error for a path that is neither (checked before anything compiles). `hf:DIR` is
     ('hf', DIR), a Hugging Face directory (hf_interop.py)."""
-    import hf_interop
-
     if hf_interop.hf_dir(path) is not None:
         hf_path = os.path.abspath(hf_interop.hf_dir(path))
         hf_interop.read_hf_config(hf_path)
@@ -278,8 +277,6 @@ def restore_params(path, params, model_cfg, log=warn):
     damaged checkpoint is reported and the previous one used, but nothing is moved."""
     kind, path = find_params_source(path)
     if kind == "hf":
-        import hf_interop
-
         return hf_interop.load_params(path, params, model_cfg)
     if kind == "export":
         with open(os.path.join(path, "config.json")) as f:

@@ -55,7 +55,7 @@ import ml_dtypes
 import numpy as np
 
 from model import padded_vocab
-from utils import ConfigError
+from utils import ConfigError, apply_overrides
 
 HF_PREFIX = "hf:"
 ARCHITECTURES = {  # model_type -> (class, the router score it computes); see architecture_of
@@ -262,8 +262,6 @@ def read_hf_config(path):
 def adopt_hf_config(cfg, path):
     """cfg with the model architecture of the HF directory `path` (training-time fields,
     such as seq_len, dtype and capacity_factor, stay as configured)."""
-    from utils import apply_overrides
-
     model = from_hf_config(read_hf_config(path), cfg.model)
     return apply_overrides(cfg, {"model": {k: getattr(model, k) for k in ARCH_FIELDS}})
 

@@ -158,10 +158,10 @@ def test_dropout_run_on_2x2x2_trains_like_one_device(tmp_path, data_cache):
                                               ({"NPROC": "5"}, None)])
 def test_fake_devices_get_two_pool_threads_each_unless_the_user_chose(environ, threads):
     """XLA:CPU sizes its thread pool max(cores, devices); with one thread per device a
-    2x2x2 step on 2 cores deadlocked in 7 of 9 runs (main.use_fake_cpu_devices). The
+    2x2x2 step on 2 cores deadlocked in 7 of 9 runs (devices.use_fake_cpu_devices). The
     variable must be set before the backend starts, and a user's own choice wins."""
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
-    code = ("import os, main; main.use_fake_cpu_devices(8); import jax; "
+    code = ("import os, devices; devices.use_fake_cpu_devices(8); import jax; "
             "print(os.environ.get('PJRT_NPROC'), len(jax.devices()))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env={**env, **environ})
