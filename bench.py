@@ -6,7 +6,7 @@
     python bench.py --preset tiny --run.cpu_devices 8 --mesh.dp 2 --mesh.tp 4 --mesh.sharding auto   # vs manual
 
 MFU = model FLOPs per step / (step time x devices x peak), where model FLOPs are
-utils.flops_per_token (matmuls of the active parameters, forward + backward, plus
+flops.flops_per_token (matmuls of the active parameters, forward + backward, plus
 attention scores) and peak is a large matmul in the compute dtype timed on this
 device in this run (the fastest of 5), so the figure is a ratio that survives a noisy
 machine; the step time is the median of the timed steps. With fake CPU devices all

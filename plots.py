@@ -1,5 +1,5 @@
 """Plots of a run: PNGs drawn from <run_dir>/metrics.jsonl and config.json, at the end
-of training (main.py) or again with `python utils.py plot RUN_DIR` (utils.py forwards
+of training (train.py) or again with `python utils.py plot RUN_DIR` (utils.py forwards
 to main below).
 
 Drawn on matplotlib Figure objects directly (no pyplot): no global backend or figure

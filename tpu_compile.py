@@ -98,7 +98,7 @@ def pod_devices(name):
     # into live temporaries, fragmentation and code (compiler_log_memory): turn it on
     # (libtpu reads it when it loads, here) and keep it off the terminal (captured_stderr).
     # Only for this call: left in os.environ, TPU_WORKER_HOSTNAMES would tell every
-    # main.py this process starts afterwards that it runs on a TPU pod (main.setup_devices).
+    # main.py this process starts afterwards that it runs on a TPU pod (devices.setup_devices).
     libtpu_environ = dict(TPU_WORKER_HOSTNAMES="localhost",
                           TPU_ACCELERATOR_TYPE=pod.name, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                           TPU_STDERR_LOG_LEVEL="0", TPU_MIN_LOG_LEVEL="0")
