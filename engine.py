@@ -127,7 +127,14 @@ class Engine:
             seq.emit(("done", "cancelled"))
 
     def admit(self):
-        """Waiting sequences take free slots: a fresh key and a prefill each."""
+        """Waiting sequences take free slots: a fresh key and a prefill each. Cancelled
+        ones (their client went away) leave the queue at once, slots free or not."""
+        with self.wakeup:
+            cancelled = [seq for seq in self.waiting if seq.cancelled]
+            if cancelled:
+                self.waiting = collections.deque(seq for seq in self.waiting if not seq.cancelled)
+        for seq in cancelled:
+            seq.emit(("done", "cancelled"))
         for i in range(self.n_slots):
             if self.slots[i] is not None:
                 continue

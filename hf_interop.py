@@ -33,6 +33,11 @@ pairs (it writes them out de-interleaved, to queries and keys alike, which leave
 score unchanged), and DeepseekV2 rotates them as complex numbers in place, so RoPE
 weights copy as they are. Softmax scale 1/sqrt(K + R) on all three.
 
+Routing fields: config.json states every one DeepSeek's own has (scoring_func,
+topk_method, norm_topk_prob, n_group, topk_group, routed_scaling_factor,
+first_k_dense_replace, moe_layer_freq, rope_theta), since vLLM reads some with other
+defaults than transformers (scoring_func defaults to softmax there).
+
 Vocabulary: the exported vocab_size is our padded one, so HF's logits and loss are ours
 over every row; generation_config.json suppresses the padding ids, as our sampler does.
 
@@ -129,6 +134,12 @@ def to_hf_config(m, tokenizer, dtype):
         # Ours renormalises the top-k scores to sum to 1, except with one expert, whose
         # gate is its raw score (DeepseekV2 ignores the field: it exports only k = 1).
         norm_topk_prob=m.top_k > 1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+        # Every routing field DeepSeek's own config.json states, so that a loader that
+        # reads them with other defaults (vLLM: getattr(config, "scoring_func",
+        # "softmax"), layer_idx % moe_layer_freq) routes as we do. noaux_tc: top k of the
+        # score plus e_score_correction_bias (written, zeros); greedy: top k of the score.
+        scoring_func=ARCHITECTURES[model_type][1], topk_method="noaux_tc" if model_type == "deepseek_v3" else "greedy",
+        moe_layer_freq=1, rope_theta=m.rope_theta,
         max_position_embeddings=m.seq_len, rms_norm_eps=RMS_EPS, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=tokenizer.eot_id, pad_token_id=None, use_cache=True,
         initializer_range=0.02,
@@ -137,8 +148,7 @@ def to_hf_config(m, tokenizer, dtype):
         config.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
                       num_nextn_predict_layers=0)
     elif model_type == "deepseek_v2":  # "default" RoPE spans head_dim, which its config sets to qk_rope_head_dim
-        config.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, topk_method="greedy",
-                      mlp_bias=False)
+        config.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, mlp_bias=False)
     else:
         # Mistral4's "default" RoPE would take its frequencies over the whole head (K + R);
         # "linear" with factor 1 honours partial_rotary_factor, i.e. spans the R RoPE dims
@@ -191,7 +201,12 @@ def from_hf_config(hf, m):
         if not ok:
             raise ConfigError(f"cannot import: config.json field {field} = {hf.get(field)!r}: {why}")
 
-    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+    # As transformers reads it (PreTrainedConfig.convert_rope_params_to_dict): the legacy
+    # `rope_scaling` (transformers 4.x's and DeepSeek's own configs) wins over
+    # `rope_parameters`, and rope_theta may sit beside it at the top level.
+    rope_field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = dict(hf.get(rope_field) or {"rope_type": "default"})
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     L, k = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 0)
     need(hf.get("q_lora_rank") is not None, "q_lora_rank", "this model always has a query latent (MLA's low-rank query)")
@@ -206,13 +221,16 @@ def from_hf_config(hf, m):
     need(math.isclose(hf.get("rms_norm_eps", RMS_EPS), RMS_EPS), "rms_norm_eps", f"RMSNorm here uses eps {RMS_EPS}")
     need(hf.get("rope_interleave", True), "rope_interleave", "RoPE here rotates interleaved pairs (x[2i], x[2i+1])")
     if model_type != "mistral4":
-        need(rope_type == "default", "rope_parameters", f"rope_type {rope_type!r}: RoPE here is unscaled (no YaRN)")
+        need(rope_type == "default", rope_field, f"rope_type {rope_type!r}: RoPE here is unscaled (no YaRN)")
     else:
         need(rope_type in ("default", "linear") and rope.get("factor", 1.0) == 1.0 and not rope.get("llama_4_scaling_beta"),
-             "rope_parameters", "RoPE here is unscaled (no YaRN, no llama-4 query scaling)")
+             rope_field, "RoPE here is unscaled (no YaRN, no llama-4 query scaling)")
     moe = k < L
     if moe:
         top_k = hf["num_experts_per_tok"]
+        score = ARCHITECTURES[model_type][1]
+        need(hf.get("scoring_func", score) == score, "scoring_func", f"{model_type}'s class in transformers scores "
+             f"experts with a {score}; a config that says otherwise is read one way by transformers, another by vLLM")
         need(hf.get("routed_scaling_factor", 1.0) == 1.0, "routed_scaling_factor", "routed expert outputs here are not "
              "rescaled (DeepSeek-V3 routing options are not in this model yet)")
         need(hf.get("n_group", 1) in (1, None) or hf.get("topk_group") == hf.get("n_group"), "n_group",

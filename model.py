@@ -130,7 +130,7 @@ def project(x, w, n_in=1):
 
 def is_auto_axis(axis):
     """Is `axis` a mesh axis that the compiler partitions (jit under auto axes, as in
-    auto_sharding.py) rather than one that shard_map makes manual?"""
+    executor_auto.py) rather than one that shard_map makes manual?"""
     mesh = jax.sharding.get_abstract_mesh()
     return dict(zip(mesh.axis_names, mesh.axis_types)).get(axis) == jax.sharding.AxisType.Auto
 
@@ -510,7 +510,7 @@ class MoE(nnx.Module):
         if ep_axis is None:
             y_GECD = self.expert_ffn(x_GECD)
         elif is_auto_axis(ep_axis):
-            # Automatic sharding (auto_sharding.py): only say that each expert's slots
+            # Automatic sharding (executor_auto.py): only say that each expert's slots
             # should sit where the expert lives (experts over ep_axis, every group);
             # the compiler inserts the dispatch there and back.
             by_expert = jax.sharding.PartitionSpec(None, ep_axis)

@@ -22,7 +22,7 @@ device orthogonalizes the matrices it holds a part of. That work is repeated on 
 dp x tp devices that share a matrix; a pod-sized run would rather give each matrix to
 one device and scatter the results (not done here: the moe1b preset trains with AdamW).
 The step, which knows the layout, passes it to the update:
-`optimizer.update(grads, state, params, param_specs=...)` (parallel.make_train_step).
+`optimizer.update(grads, state, params, param_specs=...)` (train_steps.make_train_step).
 Clipping is done before the optimizer, by hand in the train step (it needs a
 mesh-wide norm).
 """

@@ -17,6 +17,7 @@ import checkpoint
 import hf_interop
 import optimizers
 import parallel as par
+import train_steps
 from dataset import check_tokenizer, get_tokenizer, open_data
 from flops import human
 from sampling import generate
@@ -142,6 +143,6 @@ def eval_run(cfg):
     mesh = par.make_mesh(cfg.mesh)
     par.check_config_fits_mesh(cfg, mesh)
     data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
-    eval_step = par.make_eval_step(graphdef, cfg, mesh, params)
+    eval_step = train_steps.make_eval_step(graphdef, cfg, mesh, params)
     val = evaluate(eval_step, params, data, cfg, mesh, par.process_rows(mesh, cfg.train.batch_size))
     say(f"val_loss={val!r}")

@@ -13,13 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from tqdm import tqdm
 
 import checkpoint
 import flops
 import hf_interop
 import optimizers
 import parallel as par
+import progress
+import train_steps
 from dataset import open_data
 from metrics import MetricsLog, truncate_metrics
 from plots import plot_run
@@ -43,7 +44,7 @@ def train(cfg):
     rows = par.process_rows(mesh, cfg.train.batch_size)
     first_batch = train_batch(cfg, mesh, data, rows, start_step)
     compiled = compile_train_step(cfg, mesh, graphdef, optimizer, params, opt_state, first_batch, start_step)
-    eval_step = par.make_eval_step(graphdef, cfg, mesh, params)
+    eval_step = train_steps.make_eval_step(graphdef, cfg, mesh, params)
     reporter = Reporter(cfg, log, make_progress(cfg, start_step), manager, mesh)
     params, opt_state = train_loop(cfg, mesh, data, rows, compiled, eval_step, params, opt_state, first_batch, start_step,
                                    reporter, manager, wandb_id)
@@ -82,7 +83,7 @@ def init_or_resume(cfg, mesh, run_dir):
     start_step, wandb_id = 0, None
     resume_step = None if cfg.train.resume_step < 0 else cfg.train.resume_step
     restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, cfg.run.seed, log=say,
-                                            train_cfg=cfg.train)
+                                            train_cfg=cfg.train, data_cfg=cfg.data)
     if restored is not None:
         params, opt_state, meta = restored
         start_step, wandb_id = meta["step"], meta.get("wandb_id")
@@ -112,7 +113,7 @@ def train_batch(cfg, mesh, data, rows, step):
 
 def compile_train_step(cfg, mesh, graphdef, optimizer, params, opt_state, first_batch, start_step):
     """The train step, compiled ahead of the loop, with what device 0 will hold."""
-    train_step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    train_step = train_steps.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     t0 = time.perf_counter()
     compiled = train_step.lower(params, opt_state, first_batch, jnp.asarray(start_step)).compile()
     memory = par.memory_summary(params, opt_state, compiled, mesh.devices.flat[0])
@@ -227,8 +228,7 @@ class Reporter:
 
 
 def make_progress(cfg, start_step):
-    disable = not (cfg.log.progress and is_main_process())
-    return tqdm(total=cfg.train.steps, initial=start_step, disable=disable, dynamic_ncols=True, desc="train")
+    return progress.make_progress(cfg.train.steps, start_step, cfg.log.every, cfg.log.progress and is_main_process())
 
 
 def show_sharding(batch, params):

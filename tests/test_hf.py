@@ -30,6 +30,7 @@ import sampling  # noqa: E402
 from dataset import get_tokenizer  # noqa: E402
 from model import Transformer  # noqa: E402
 from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides  # noqa: E402
+from train_steps import make_eval_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BYTES = get_tokenizer("bytes")
@@ -209,6 +210,75 @@ def test_tiktoken_tokenizer_loads_in_transformers(tmp_path):
     assert theirs.convert_tokens_to_ids("<|endoftext|>") == tokenizer.eot_id
 
 
+# The config.json fields that the DeepseekV2/V3 loaders of other stacks read, each with
+# the value that means our model. From their source:
+# - vLLM, vllm/model_executor/models/deepseek_v2.py (commit 002d607): DeepseekV2MoE reads
+#   routed_scaling_factor, n_routed_experts, n_shared_experts, hidden_act, topk_method
+#   ("noaux_tc" -> e_score_correction_bias), num_experts_per_tok, moe_intermediate_size,
+#   norm_topk_prob (renormalize), n_group, topk_group and getattr(config, "scoring_func",
+#   "softmax"); DeepseekV2DecoderLayer reads moe_layer_freq (is_moe_layer = layer_idx >=
+#   first_k_dense_replace and layer_idx % moe_layer_freq == 0), first_k_dense_replace,
+#   max_position_embeddings, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank,
+#   q_lora_rank, num_attention_heads, intermediate_size, rms_norm_eps; the attention reads
+#   rope_parameters["rope_type"] (anything but "default" becomes deepseek_yarn).
+# - transformers 5.24, models/deepseek_v3/modeling_deepseek_v3.py: every config.X it
+#   reads (attention_bias, first_k_dense_replace, hidden_act, hidden_size, intermediate_size,
+#   kv_lora_rank, moe_intermediate_size, n_group, n_shared_experts, norm_topk_prob,
+#   num_attention_heads, num_experts_per_tok, num_hidden_layers, num_key_value_heads,
+#   n_routed_experts (its num_local_experts), q_lora_rank, qk_nope_head_dim,
+#   qk_rope_head_dim, rms_norm_eps, rope_interleave, rope_parameters,
+#   routed_scaling_factor, topk_group, v_head_dim, vocab_size); its router is always a
+#   sigmoid with e_score_correction_bias.
+# - DeepSeek-V3's own config.json states scoring_func, topk_method, norm_topk_prob,
+#   n_group, topk_group, routed_scaling_factor, first_k_dense_replace, moe_layer_freq and
+#   rope_theta at the top level.
+def loader_fields(m, score, topk_method, n_dense):
+    return dict(
+        scoring_func=score, topk_method=topk_method, norm_topk_prob=m.top_k > 1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, first_k_dense_replace=n_dense, moe_layer_freq=1, rope_theta=m.rope_theta,
+        n_routed_experts=m.n_experts, n_shared_experts=m.n_shared, num_experts_per_tok=m.top_k,
+        moe_intermediate_size=m.d_expert, intermediate_size=m.d_ff, hidden_act="silu", hidden_size=m.d_model,
+        num_hidden_layers=m.n_blocks * len(m.block_pattern), num_attention_heads=m.n_heads, num_key_value_heads=m.n_heads,
+        qk_nope_head_dim=m.head_dim, qk_rope_head_dim=m.rope_dim, v_head_dim=m.head_dim, kv_lora_rank=m.kv_latent,
+        q_lora_rank=m.q_latent, max_position_embeddings=m.seq_len, rms_norm_eps=hf_interop.RMS_EPS, attention_bias=False,
+        rope_interleave=True, tie_word_embeddings=True, vocab_size=320,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta})
+
+
+@pytest.mark.parametrize("overrides, score, topk_method, n_dense", [
+    (dict(), "sigmoid", "noaux_tc", 0),
+    (dict(n_blocks=1, block_pattern="DMMM", router_score="sigmoid"), "sigmoid", "noaux_tc", 1),
+    (dict(n_blocks=1, block_pattern="DMMM", router_score="softmax", top_k=1), "softmax", "greedy", 1),
+], ids=["deepseek_v3", "deepseek_v3-dense-first", "deepseek_v2"])
+def test_export_config_states_every_field_vllm_and_transformers_read_with_our_meaning(overrides, score, topk_method, n_dense,
+                                                                                      tmp_path):
+    """Present in config.json itself (not a class default: vLLM has other defaults)."""
+    m = model_cfg("tiny", **overrides)
+    config = hf_interop.to_hf_config(m, BYTES, "float32")
+    expected = loader_fields(m, score, topk_method, n_dense)
+    assert {k: config.get(k, "<missing>") for k in expected} == expected
+    assert "index_topk" not in config  # vLLM would take it for DeepSeek-V3.2 (sparse attention)
+
+
+def test_import_reads_legacy_rope_scaling_as_transformers_does(tmp_path):
+    """transformers reads `rope_scaling or rope_parameters` (convert_rope_params_to_dict),
+    with rope_theta beside it: a YaRN model written by transformers 4.x or DeepSeek must
+    be refused, not imported unscaled."""
+    path = str(tmp_path / "hf")
+    hf_made_model(path, first_k_dense=1, n_layers=2)
+    good = hf_interop.read_hf_config(path)
+    m = model_cfg("tiny")
+    yarn = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0}
+    legacy = dict(good, rope_scaling=yarn, rope_theta=10000.0)
+    with pytest.raises(ConfigError, match="rope_scaling.*yarn"):
+        hf_interop.from_hf_config(legacy, m)
+    assert transformers.DeepseekV3Config(**{k: v for k, v in legacy.items() if k != "rope_parameters"}).rope_parameters["rope_type"] == "yarn"
+    plain = dict({k: v for k, v in good.items() if k != "rope_parameters"}, rope_scaling=None, rope_theta=50000.0)
+    assert hf_interop.from_hf_config(plain, m).rope_theta == 50000.0
+    with pytest.raises(ConfigError, match="scoring_func"):
+        hf_interop.from_hf_config(dict(good, scoring_func="softmax"), m)
+
+
 def test_layouts_hf_cannot_express_are_refused_with_the_pattern_that_would_export():
     with pytest.raises(ConfigError, match=r"DMDM.*--model.n_blocks 1 --model.block_pattern DDMM"):
         hf_interop.check_exportable(model_cfg("shakespeare"))
@@ -280,7 +350,7 @@ def test_transformers_model_imported_on_a_2x2x2_mesh_gives_transformers_loss(tmp
     par.check_config_fits_mesh(cfg, mesh)
     graphdef, params = par.init_params(cfg.model, mesh, False, 0)
     params = hf_interop.load_params(path, params, cfg.model)
-    eval_step = par.make_eval_step(graphdef, cfg, mesh, params)
+    eval_step = make_eval_step(graphdef, cfg, mesh, params)
     ours = float(eval_step(params, par.global_batch(mesh, tokens_BT, 4)))
     assert ours == pytest.approx(hf_loss(hf, tokens_BT), abs=1e-5)
 
