@@ -70,7 +70,7 @@ import numpy as np
 from flax import nnx
 
 from model import Transformer, padded_vocab
-from utils import ConfigError
+from utils import ConfigError, apply_overrides
 from weights import WEIGHTS, row
 
 HF_PREFIX = "hf:"
@@ -290,8 +290,6 @@ def read_hf_config(path):
 def adopt_hf_config(cfg, path):
     """cfg with the model architecture of the HF directory `path` (training-time fields,
     such as seq_len, dtype and capacity_factor, stay as configured)."""
-    from utils import apply_overrides
-
     model = from_hf_config(read_hf_config(path), cfg.model)
     return apply_overrides(cfg, {"model": {k: getattr(model, k) for k in ARCH_FIELDS}})
 

@@ -22,10 +22,77 @@ Shape legend (suffixes of names):
 import dataclasses
 import functools
 import math
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+# ----------------------------------------------------------------------------
+# The config this model reads (a section of utils.Config: --model.<field> on the
+# command line). It lives beside the model so that model.py stands alone.
+
+
+def option(default, help):
+    """A config field with its one-line explanation (shown by --help)."""
+    return field(default=default, metadata={"help": help})
+
+
+# --model.remat values: model.apply_blocks applies layer / block / block_dots,
+# parallel.pipeline_loss applies stage.
+REMAT_POLICIES = ("none", "layer", "block", "block_dots", "stage")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = option(0, "vocabulary size; 0 = take it from the data's manifest")
+    vocab_multiple: int = option(128, "pad the vocabulary to a multiple of this (tp splits it)")
+    seq_len: int = option(128, "tokens per training sequence (T)")
+    d_model: int = option(128, "model width (D)")
+    n_heads: int = option(4, "attention heads (H)")
+    head_dim: int = option(32, "per-head dim of queries/keys/values, content part (K)")
+    rope_dim: int = option(16, "per-head dim of the decoupled RoPE query/key part (R)")
+    q_latent: int = option(64, "MLA query latent width (Q)")
+    kv_latent: int = option(32, "MLA key/value latent width (A); with R, all the KV cache stores")
+    rope_theta: float = option(10000.0, "RoPE base")
+    embed_row_norm: float = option(2.0, "norm of the tied embedding's rows at init (std = this / sqrt(D)); "
+                                        "the untrained output logits are at most this (model.py)")
+    n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
+    block_pattern: str = option("DM", "layers of one block: D = dense FFN, M = MoE FFN")
+    d_ff: int = option(512, "hidden units of dense FFN layers (F)")
+    ffn_activation: str = option("swiglu", "dense FFN activation: swiglu | gelu")
+    n_experts: int = option(8, "routed experts per MoE layer (E)")
+    n_shared: int = option(1, "shared experts per MoE layer (see every token)")
+    top_k: int = option(2, "routed experts per token")
+    d_expert: int = option(128, "hidden units per expert")
+    capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
+    router_score: str = option("softmax", "router scores: softmax | sigmoid")
+    routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
+    aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
+    router_bias_rate: float = option(0.0, "aux-loss-free balancing (DeepSeek-V3): after every step each expert's selection bias "
+                                          "moves by this towards uniform load; 0 = off (V3 used 0.001)")
+    seq_aux_loss_weight: float = option(0.0, "weight of DeepSeek-V3's sequence-wise balance loss (V3 used 0.0001)")
+    n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
+    topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
+    routed_scale: float = option(1.0, "multiply the routed experts' output by this (DeepSeek-V3 routed_scaling_factor)")
+    final_norm_folded: bool = option(False, "the final norm's scale holds the logits' 1/sqrt(D) (set by --train.init_from hf:, "
+                                            "which keeps HF's norm weight bit for bit); false = logits of final_norm(x) / sqrt(D)")
+    mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): extra blocks predicting tokens 2..depth+1 ahead, "
+                               "trained with the rest, ignored by sampling and eval; 0 = off")
+    mtp_loss_weight: float = option(0.3, "weight of the MTP loss (mean over depths; V3 used 0.3, later 0.1)")
+    dropout: float = option(0.0, "dropout on residual branches")
+    dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
+    grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
+                                               "weights): float32 | bfloat16 (halves their bytes, loses precision)")
+    attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
+    remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
+                                "block (each block from its input) | block_dots (each block, keeping its matmul outputs) | "
+                                "stage (all of a pipeline stage's blocks, per microbatch, from the stage input)")
+    unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
+
+
+# ----------------------------------------------------------------------------
+# Building blocks
 
 # Softmax and norms run in float32 whatever the compute dtype: they are cheap and
 # bfloat16 would lose the small differences between large logits.
@@ -823,3 +890,19 @@ def decode_step(model, tokens_BT, cache, start):
 
     x_BTD, cache = jax.lax.scan(body, x_BTD, (block_state, cache))
     return model.logits(x_BTD), cache
+
+
+# ----------------------------------------------------------------------------
+# The model as shapes only (no arrays): for planning, compiling for other machines,
+# and counting parameters
+
+
+def abstract_model(model_cfg):
+    """(graphdef, params) with params as ShapeDtypeStructs: exactly the tree that
+    parallel.init_params creates, without creating it."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
+    return graphdef, state.to_pure_dict()
+
+
+def abstract_params(model_cfg):
+    return abstract_model(model_cfg)[1]

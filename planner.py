@@ -20,6 +20,10 @@ rest of `--devices N`). Takes every main.py flag, plus:
                       (requirements-test.txt). Sets --hardware and --devices. Last line:
                       tpu_bytes_per_device=<int> planner_bytes_per_device=<int> fits=<true|false>
 
+    python planner.py --table [--presets P,...] [--pods T,...] [--json PATH]
+                      the README's table: every preset compiled for the pods people use
+                      (TABLE_MESHES below), the TPU compiler's bytes beside the planner's
+
 Memory per device:
   params       float32 master weights, this device's storage shard (exact)
   optimizer    its state: AdamW mu + nu, or Muon's momentum for the matrices (float32 shards); step counts (exact)
@@ -38,14 +42,16 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import AbstractMesh
 
 import optimizers
 import parallel as par
 import pipeline
-from model import Transformer, expert_capacity, padded_vocab
-from utils import ConfigError, apply_overrides, count_params, flops_per_token, human, parse_args
+import tpu_compile
+from devices import skip_tpu_probe_without_tpu
+from flops import count_params, flops_per_token, human, measure_peak_flops
+from model import abstract_model, abstract_params, expert_capacity, padded_vocab  # noqa: F401  (abstract_model: the tests call it here)
+from utils import PRESETS, Config, ConfigError, apply_overrides, parse_args
 
 F32 = 4  # bytes: master weights, optimizer moments, softmax/norm internals, logits
 GiB = 2**30
@@ -92,27 +98,12 @@ DEFAULT_EFFICIENCY = 0.5  # large dense transformer training commonly reaches 40
 
 
 def cpu_peak_flops():
-    """FLOP/s of a float32 matmul on this machine (main.measure_peak_flops)."""
-    import jax.numpy as jnp
-
-    from main import measure_peak_flops
-
-    return measure_peak_flops(jnp.float32, size=1024)
+    """FLOP/s of a float32 matmul on this machine (flops.measure_peak_flops)."""
+    return measure_peak_flops(jax.numpy.float32, size=1024)
 
 
 # ----------------------------------------------------------------------------
 # Shapes and the storage layout (no arrays)
-
-
-def abstract_model(model_cfg):
-    """(graphdef, params) with params as ShapeDtypeStructs: exactly the tree that
-    parallel.init_params creates, without creating it."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
-    return graphdef, state.to_pure_dict()
-
-
-def abstract_params(model_cfg):
-    return abstract_model(model_cfg)[1]
 
 
 def abstract_mesh(shape):
@@ -748,8 +739,6 @@ def split_planner_flags(argv):
 def tpu_check(cfg, tpu_name, p):
     """Compile the train and eval steps for a TPU slice (tpu_compile.py); print the
     compiler's bytes beside the plan's, the collectives, and the contract's last line."""
-    import tpu_compile
-
     pod = tpu_compile.pod_type(tpu_name)
     mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(tpu_name))
     compiled = tpu_compile.compile_steps(plan_config(cfg), mesh)
@@ -764,24 +753,76 @@ def tpu_check(cfg, tpu_name, p):
     return lines
 
 
+# ----------------------------------------------------------------------------
+# docs/pods.md's table: every preset on the pods people use, planner beside compiler
+#
+#     python planner.py --table [--presets shakespeare,tiny,moe1b] [--pods v4-8,v4-64,...]
+
+# preset -> pod -> mesh flags (dp, pp, tp, microbatches)
+TABLE_MESHES = {
+    "shakespeare": {"v4-8": (4, 1, 1, 1), "v4-64": (16, 1, 2, 1), "v5p-64": (16, 1, 2, 1), "v5litepod-16": (16, 1, 1, 1),
+                    "v6e-16": (16, 1, 1, 1)},
+    "tiny": {"v4-8": (4, 1, 1, 1), "v4-64": (8, 2, 2, 2), "v5p-64": (8, 2, 2, 2), "v5litepod-16": (4, 2, 2, 2),
+             "v6e-16": (4, 2, 2, 2)},
+    "deepseek_v3": {"v4-8": (4, 1, 1, 1), "v4-64": (16, 1, 2, 1), "v5p-64": (16, 1, 2, 1), "v5litepod-16": (16, 1, 1, 1),
+                    "v6e-16": (16, 1, 1, 1)},
+    "moe1b": {"v4-8": (1, 2, 2, 4), "v4-64": (8, 2, 2, 4), "v5p-64": (8, 2, 2, 4), "v5litepod-16": (4, 2, 2, 4),
+              "v6e-16": (4, 2, 2, 4)},
+}
+
+
+def table_row(preset, pod_name):
+    dp, pp, tp, microbatches = TABLE_MESHES[preset][pod_name]
+    cfg = plan_config(apply_overrides(apply_overrides(Config(), PRESETS[preset]), {
+        "mesh": dict(dp=dp, pp=pp, tp=tp), "train": dict(microbatches=microbatches)}))
+    pod = tpu_compile.pod_type(pod_name)
+    mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(pod_name))
+    compiled = tpu_compile.compile_steps(cfg, mesh, eval_step=False)
+    tpu = tpu_compile.memory_bytes(compiled["train"])
+    planned = plan(cfg, 0, pod.hardware)
+    hbm = HARDWARE[pod.hardware].memory_bytes
+    return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", microbatches=microbatches, tpu_bytes=tpu["total"],
+                planner_bytes=planned["total_bytes"], fits=tpu_compile.fits(tpu, compiled["log"]["train"], hbm), compile_s=compiled["seconds"]["train"],
+                tpu=tpu, planner_temp_bytes=planned["temp_bytes"], log=compiled["log"]["train"])
+
+
+def print_pod_table(argv):
+    """`python planner.py --table [--presets P,...] [--pods T,...] [--json PATH]`."""
+    args = dict(zip(argv[::2], argv[1::2]))
+    presets = args.get("--presets", ",".join(TABLE_MESHES)).split(",")
+    pods = args.get("--pods", "v4-8,v4-64,v5p-64,v5litepod-16,v6e-16").split(",")
+    print("| preset | pod | dp x pp x tp, microbatches | TPU compiler MiB/device (live) | planner MiB/device | planner / TPU (live) "
+          "| fits | train step compile s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for preset in presets:
+        for pod_name in pods:
+            r = table_row(preset, pod_name)
+            tpu_mib, planner_mib = r["tpu_bytes"] / 2**20, r["planner_bytes"] / 2**20
+            tpu_col, ratio_col = f"{tpu_mib:.1f}", f"{planner_mib / tpu_mib:.2f}"
+            if r["log"]:  # the total with the live temporaries, the planner's model of them
+                live_mib = tpu_compile.live_total(r["tpu"], r["log"]) / 2**20
+                tpu_col, ratio_col = f"{tpu_mib:.1f} ({live_mib:.1f})", f"{ratio_col} ({planner_mib / live_mib:.2f})"
+            print(f"| {preset} | {pod_name} | {r['mesh'].replace('x', ' x ')}, {r['microbatches']} | {tpu_col} | {planner_mib:.1f} | "
+                  f"{ratio_col} | {'yes' if r['fits'] else 'no'} | {r['compile_s']:.0f} |", flush=True)
+            if "--json" in args:
+                with open(args["--json"], "a") as f:
+                    f.write(json.dumps(r) + "\n")
+
+
 def main(argv):
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
-        import tpu_compile
-
         print("--tpu TYPE, known types:\n  " + " ".join(tpu_compile.POD_TYPES))
         print("main.py's flags (python main.py --help) are accepted too.")
         return
-    from main import skip_tpu_probe_without_tpu
-
     skip_tpu_probe_without_tpu()
+    if argv[:1] == ["--table"]:
+        return print_pod_table(argv[1:])
     try:
         own, rest = split_planner_flags(argv)
         cfg = parse_args(rest)
         devices, efficiency = int(own["devices"]), float(own["efficiency"])
         if own["tpu"]:
-            import tpu_compile
-
             pod = tpu_compile.pod_type(own["tpu"])
             own["hardware"], devices = pod.hardware, pod.chips
         p = plan(cfg, devices, own["hardware"], efficiency)

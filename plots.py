@@ -1,5 +1,5 @@
 """Plots of a run: PNGs drawn from <run_dir>/metrics.jsonl and config.json, at the end
-of training (main.py) or again with `python utils.py plot RUN_DIR` (utils.py forwards
+of training (train.py) or again with `python utils.py plot RUN_DIR` (utils.py forwards
 to main below).
 
 Drawn on matplotlib Figure objects directly (no pyplot): no global backend or figure
@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from metrics import read_metrics
-from utils import human
+from flops import human
 
 PLOT_DPI = 150  # a 6.4 x 4.4 inch figure is 960 x 660 px: sharp at README width
 SMOOTH_FROM = 50  # from this many train-loss points on, a smoothed curve is drawn over the raw one

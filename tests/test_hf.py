@@ -25,10 +25,10 @@ torch.set_num_threads(1)
 
 import checkpoint  # noqa: E402
 import hf_interop  # noqa: E402
-import main  # noqa: E402
 import parallel as par  # noqa: E402
+import sampling  # noqa: E402
 from dataset import get_tokenizer  # noqa: E402
-from model import Transformer, init_cache  # noqa: E402
+from model import Transformer  # noqa: E402
 from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides  # noqa: E402
 from train_steps import make_eval_step
 
@@ -109,15 +109,9 @@ def load_hf(path):
 
 
 def our_greedy(model, prompt, n):
-    """n greedy tokens from our latent-KV-cache decoder (padding ids never chosen)."""
-    graphdef, state = nnx.split(model)
-    cache = init_cache(model.cfg, 1, model.cfg.seq_len)
-    logits, cache = main.decode_jit(graphdef, state, jnp.asarray([prompt]), cache, 0)
-    tokens = []
-    for position in range(len(prompt), len(prompt) + n):
-        tokens.append(int(jnp.argmax(logits[0, -1, :model.cfg.vocab_size])))
-        logits, cache = main.decode_jit(graphdef, state, jnp.asarray([[tokens[-1]]]), cache, position)
-    return tokens
+    """n greedy tokens from our latent-KV-cache decoder (padding ids never chosen): the
+    sampler of --mode sample and the server, at temperature 0."""
+    return sampling.generate_ids(model, list(prompt), n, temperature=0.0, top_k=0, seed=0)
 
 
 def hf_greedy(hf, prompt, n):
