@@ -33,7 +33,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model import Transformer, apply_blocks, balance_router_biases, rope_angles, router_biases
+from model import Transformer, apply_blocks, axis_index, balance_router_biases, live_axes, pmax_if, psum_if, rope_angles, router_biases
 from pipeline import formula_bubble, scheduled_value_and_grad, when
 from utils import ConfigError, apply_overrides
 
@@ -295,7 +295,7 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype
         if weight_name(path) in UNTRAINED:  # replicated, float32, no gradient: nothing to gather
             return w
         _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
-        replicated = tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying)
+        replicated = live_axes(tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying))
         if replicated:  # (in the wider of the two: the forward values must not change)
             w = jax.lax.pcast(w.astype(jnp.promote_types(dtype, reduce_dtype)), replicated, to="varying")
         # Axes of size 1 hold the whole dim already; XLA:CPU would still run (and copy
@@ -328,8 +328,11 @@ gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
 
 
 def varying_over(x, axis):
-    """Type x as varying over `axis` (a scan carry must keep one type)."""
-    return x if axis in jax.typeof(x).manual_axis_type.varying else jax.lax.pcast(x, axis, to="varying")
+    """Type x as varying over `axis` (a scan carry must keep one type); over an axis of
+    size 1 nothing varies (live_axes), and the pcast would transpose to an all-reduce."""
+    if not live_axes(axis) or axis in jax.typeof(x).manual_axis_type.varying:
+        return x
+    return jax.lax.pcast(x, axis, to="varying")
 
 
 def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
@@ -343,7 +346,7 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     (idle share) is (pp - 1) / (M + pp - 1).
     """
     m_cfg = cfg.model
-    n_stages, stage = jax.lax.axis_size(PP), jax.lax.axis_index(PP)
+    n_stages, stage = jax.lax.axis_size(PP), axis_index(PP)
     M, b, T1 = tokens_MbT1.shape
     inputs_MbT = tokens_MbT1[..., :-1]
     angles = rope_angles(jnp.arange(T1 - 1)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
@@ -357,7 +360,7 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
     first_block = stage * jax.tree.leaves(blocks_state)[0].shape[0]
     # Dropout keys of this device's rows: rows [dp_index * M * b, ...) of the global
     # batch, microbatch m holding the m-th b of them (sharded_loss's reshape).
-    keys_Mb = None if rng is None else dropout_rows(rng, jax.lax.axis_index(DP) * M * b, M * b).reshape(M, b)
+    keys_Mb = None if rng is None else dropout_rows(rng, axis_index(DP) * M * b, M * b).reshape(M, b)
 
     def run_stage(blocks_state, x_bTD, keys_b):
         return apply_blocks(nnx.merge(blocks_def, blocks_state), x_bTD, angles, TP, ep_axis, keys_b,
@@ -374,7 +377,7 @@ def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
         valid = (t - stage >= 0) & (t - stage < M)  # is this stage working on a real microbatch?
         stats_N = jax.tree.map(lambda s: jnp.where(valid, s, jnp.zeros_like(s)), stats_N)
         # Hand the activation to the next stage; the last stage's output is kept as ys.
-        sent_bTD = jax.lax.ppermute(y_bTD, PP, [(i, i + 1) for i in range(n_stages - 1)])
+        sent_bTD = jax.lax.ppermute(y_bTD, PP, [(i, i + 1) for i in range(n_stages - 1)]) if n_stages > 1 else y_bTD
         return sent_bTD, (y_bTD, stats_N)
 
     ticks = jnp.arange(M + n_stages - 1)
@@ -438,7 +441,7 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
     interleaved executor refuses MTP, utils.validate_model)."""
     m_cfg, t_cfg = cfg.model, cfg.train
     n_tokens = t_cfg.batch_size * m_cfg.seq_len
-    ce = jax.lax.psum(ce_sum, (DP, PP)) / n_tokens
+    ce = psum_if(ce_sum, (DP, PP)) / n_tokens
     # Routing statistics, per block, summed over the batch. Every tp device routed the
     # same tokens the same way (the router is gathered whole), but the router came out
     # of an all_gather over tp, so shard_map types the statistics as varying over tp:
@@ -447,10 +450,10 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
     aux_sum_N = stats_N.pop("aux_loss_sum")
     seq_aux_sum_N = stats_N.pop("seq_aux_loss_sum", None)  # with --model.seq_aux_loss_weight
     n_moe_layers = m_cfg.n_blocks * m_cfg.block_pattern.count("M")
-    mean_over_mesh = lambda sum_N, count: jax.lax.pmean(jax.lax.psum(jnp.sum(sum_N), (DP, PP)), TP) / count  # noqa: E731
+    mean_over_mesh = lambda sum_N, count: psum_if(psum_if(jnp.sum(sum_N), (DP, PP)), TP) / jax.lax.axis_size(TP) / count  # noqa: E731
     aux = jnp.zeros((), jnp.float32)
     if n_moe_layers:  # (a dense model's all-zero statistics are not reduced: XLA:CPU aborts on that all-reduce)
-        stats_N = jax.tree.map(lambda s: jax.lax.pmax(jax.lax.psum(s, DP), TP), stats_N)
+        stats_N = jax.tree.map(lambda s: pmax_if(psum_if(s, DP), TP), stats_N)
         groups_per_layer = n_tokens // (m_cfg.routing_group or m_cfg.seq_len)
         aux = mean_over_mesh(aux_sum_N, groups_per_layer * n_moe_layers)
     loss = ce + m_cfg.aux_loss_weight * aux
@@ -459,7 +462,7 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
         metrics["seq_aux_loss"] = mean_over_mesh(seq_aux_sum_N, t_cfg.batch_size * n_moe_layers)
         loss = loss + m_cfg.seq_aux_loss_weight * metrics["seq_aux_loss"]
     if m_cfg.mtp_depth:  # V3: lambda / depth x sum over depths of each depth's loss, each divided by all T positions
-        metrics["mtp_loss"] = jax.lax.psum(mtp_sum, (DP, PP)) / (n_tokens * m_cfg.mtp_depth)
+        metrics["mtp_loss"] = psum_if(mtp_sum, (DP, PP)) / (n_tokens * m_cfg.mtp_depth)
         loss = loss + m_cfg.mtp_loss_weight * metrics["mtp_loss"]
     return loss, metrics
 
@@ -470,9 +473,8 @@ def global_grad_norm(grads, specs):
     every replica (shard_map already summed it), so it is counted once."""
     total = jnp.zeros((), jnp.float32)
     for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
-        axes = tuple(a for entry in spec for a in axes_of(entry))
         sq = jnp.sum(jnp.square(g.astype(jnp.float32)))
-        total += jax.lax.psum(sq, axes) if axes else sq
+        total += psum_if(sq, tuple(a for entry in spec for a in axes_of(entry)))
     return jnp.sqrt(total)
 
 
@@ -482,6 +484,29 @@ def global_grad_norm(grads, specs):
 
 def specs_of(tree):
     return jax.tree.map(lambda a: a.sharding.spec, tree)
+
+
+def live_spec(spec, mesh):
+    """spec without the mesh axes of size 1 (the same layout): as a shard_map in_spec it
+    keeps values from being typed as varying over an axis that nothing splits, so no
+    collective is needed over it (model.live_axes). A tree of specs is mapped."""
+    if not isinstance(spec, P):
+        return jax.tree.map(lambda s: live_spec(s, mesh), spec, is_leaf=lambda x: isinstance(x, P))
+    live = [tuple(a for a in axes_of(entry) if mesh.shape[a] > 1) for entry in spec]
+    return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in live))
+
+
+def shard_map_live(fn, mesh, in_specs, out_specs):
+    """jax.shard_map whose in_specs leave out the axes of size 1 (live_spec); the
+    arguments are resharded to match, which moves nothing (the same layout). The
+    outputs keep out_specs, so the step returns arrays with the specs it was given."""
+    live = live_spec(in_specs, mesh)
+    sharded = jax.shard_map(fn, mesh=mesh, in_specs=live, out_specs=out_specs)
+
+    @functools.wraps(fn)  # jit names the program after fn (profiles, HLO dumps)
+    def on_live_axes(*args):
+        return sharded(*jax.reshard(args, named(mesh, live)))
+    return on_live_axes
 
 
 def batch_spec():
@@ -535,9 +560,8 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
         metric_specs["seq_aux_loss"] = P()
     if m_cfg.mtp_depth:
         metric_specs["mtp_loss"] = P()
-    sharded = jax.shard_map(step_fn, mesh=mesh,
-                            in_specs=(param_spec_tree, opt_spec_tree, batch_spec(), P()),
-                            out_specs=(param_spec_tree, opt_spec_tree, metric_specs))
+    sharded = shard_map_live(step_fn, mesh, in_specs=(param_spec_tree, opt_spec_tree, batch_spec(), P()),
+                             out_specs=(param_spec_tree, opt_spec_tree, metric_specs))
     return jax.jit(sharded, donate_argnums=(0, 1))
 
 
@@ -568,7 +592,7 @@ def make_eval_step(graphdef, cfg, mesh, params):
         _, metrics = sharded_loss(params, tokens_bT1, graphdef, cfg, None)
         return metrics["loss"]
 
-    return jax.jit(jax.shard_map(eval_fn, mesh=mesh, in_specs=(specs_of(params), batch_spec()), out_specs=P()))
+    return jax.jit(shard_map_live(eval_fn, mesh, in_specs=(specs_of(params), batch_spec()), out_specs=P()))
 
 
 def dropout_rng(cfg, step):
