@@ -13,14 +13,17 @@ Liu et al. 2025, https://arxiv.org/abs/2502.16982), about what AdamW's updates h
 so the two share one learning rate and one weight decay.
 
 Orthogonalizing is not elementwise: it needs the whole matrix. Inside the sharded
-train step each device holds shards (FSDP over dp, heads or hidden units over tp), so
-the update all-gathers each matrix's momentum over the mesh axes that split its
-matrix dims, orthogonalizes it (every device the same whole matrix, the same
-result) and keeps its own shard. Dims that only batch matrices, the stacked blocks
-(N, over pp) and the experts (E, over dp with expert parallelism), stay split: each
-device orthogonalizes the matrices it holds a part of. That work is repeated on the
-dp x tp devices that share a matrix; a pod-sized run would rather give each matrix to
-one device and scatter the results (not done here: the moe1b preset trains with AdamW).
+train step each device holds shards (FSDP over dp, heads or hidden units over tp) of
+a batch of matrices (the stacked blocks N over pp, the experts E over dp with expert
+parallelism: those dims stay split). The devices that share a batch's shards (its
+group: the mesh axes that split its matrix dims) divide the matrices among
+themselves: each matrix has one owner, an all_to_all sends it the shards, it
+orthogonalizes the whole matrix, and the inverse all_to_all sends every device its
+shard of the update (owner_orthogonal; the modded-nanogpt speedrun's Muon likewise
+gives each matrix to one rank). So the Newton-Schulz FLOPs per device fall by the
+group size, and no device holds more than its shard's worth of matrices (plus
+padding). Weights of one shape and layout are pooled into one batch first, so that
+there are enough matrices to go round (orthogonal_updates).
 The step, which knows the layout, passes it to the update:
 `optimizer.update(grads, state, params, param_specs=...)` (parallel.make_train_step).
 Clipping is done before the optimizer, by hand in the train step (it needs a

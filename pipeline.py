@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import fold_in_rows, rope_angles
+from model import axis_index, fold_in_rows, rope_angles
 from utils import PIPELINE_SCHEDULES as SCHEDULES  # (one source of truth: the config)
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
@@ -291,7 +291,7 @@ def scheduled_value_and_grad(params, tokens_bT1, graphdef, cfg, rng, *, gather, 
     DP, PP, TP = axes
     m_cfg, t_cfg = cfg.model, cfg.train
     M, V = t_cfg.microbatches, (t_cfg.virtual_stages if t_cfg.pipeline == "interleaved" else 1)
-    pp, stage = jax.lax.axis_size(PP), jax.lax.axis_index(PP)
+    pp, stage = jax.lax.axis_size(PP), axis_index(PP)  # (0, not varying, when pp = 1: model.live_axes)
     sched = schedule(t_cfg.pipeline, pp, M, V)
     C = pp * V
     ep_axis = DP if cfg.mesh.expert_parallel else None
@@ -302,7 +302,7 @@ def scheduled_value_and_grad(params, tokens_bT1, graphdef, cfg, rng, *, gather, 
     b = tokens_MbT1.shape[1]
     # Dropout keys of this device's rows, as parallel.pipeline_loss derives them: rows
     # [dp_index * M * b, ...) of the global batch, microbatch m holding the m-th b.
-    keys_Mb = None if rng is None else dropout_rows(rng, jax.lax.axis_index(DP) * M * b, M * b).reshape(M, b)
+    keys_Mb = None if rng is None else dropout_rows(rng, axis_index(DP) * M * b, M * b).reshape(M, b)
     angles = rope_angles(jnp.arange(T)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
 
     # The embedding and final norm, gathered once per step; their gradient is summed
