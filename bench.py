@@ -13,7 +13,7 @@ machine; the step time is the median of the timed steps. With fake CPU devices a
 "devices" share the same cores, so there MFU is only comparable between runs on the
 same mesh.
 
-`--mesh.sharding auto|manual` compares the compiler's partitioning (auto_sharding.py)
+`--mesh.sharding auto|manual` compares the compiler's partitioning (executor_auto.py)
 with the hand-written shard_map step on the same mesh: step time, temporaries, and the
 collectives of the compiled program (kind, mesh axes, count, bytes per device).
 
@@ -105,7 +105,8 @@ def bench(cfg, steps, warmup, profile_dir=""):
     import numpy as np
 
     import parallel as par
-    from auto_sharding import collective_table
+    import train_steps
+    from tpu_compile import collective_table
     from main import build_state, measure_peak_flops
     from utils import apply_overrides, count_params, flops_per_token
 
@@ -114,7 +115,7 @@ def bench(cfg, steps, warmup, profile_dir=""):
     mesh = par.make_mesh(cfg.mesh)
     par.check_config_fits_mesh(cfg, mesh)
     graphdef, params, optimizer, opt_state = build_state(cfg, mesh)
-    train_step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    train_step = train_steps.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     rows = par.process_rows(mesh, cfg.train.batch_size)
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (len(rows), cfg.model.seq_len + 1)).astype(np.int32)
     batch = par.global_batch(mesh, tokens, cfg.train.batch_size)

@@ -174,6 +174,7 @@ import checkpoint  # noqa: E402
 import hf_interop  # noqa: E402
 import optimizers  # noqa: E402
 import parallel as par  # noqa: E402
+import train_steps  # noqa: E402
 from dataset import get_tokenizer, open_data, check_tokenizer  # noqa: E402
 from model import decode_step, init_cache  # noqa: E402
 from metrics import MetricsLog, truncate_metrics  # noqa: E402
@@ -346,8 +347,8 @@ def train(cfg):
 
     # --- compile ------------------------------------------------------------
     rows = par.process_rows(mesh, cfg.train.batch_size)
-    train_step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
-    eval_step = par.make_eval_step(graphdef, cfg, mesh, params)
+    train_step = train_steps.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    eval_step = train_steps.make_eval_step(graphdef, cfg, mesh, params)
     first_batch = par.global_batch(mesh, data.batch("train", start_step, cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, rows), cfg.train.batch_size)
     t0 = time.perf_counter()
     compiled = train_step.lower(params, opt_state, first_batch, jnp.asarray(start_step)).compile()
@@ -542,7 +543,7 @@ def eval_run(cfg):
     mesh = par.make_mesh(cfg.mesh)
     par.check_config_fits_mesh(cfg, mesh)
     data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
-    eval_step = par.make_eval_step(graphdef, cfg, mesh, params)
+    eval_step = train_steps.make_eval_step(graphdef, cfg, mesh, params)
     val = evaluate(eval_step, params, data, cfg, mesh, par.process_rows(mesh, cfg.train.batch_size))
     say(f"val_loss={val!r}")
 

@@ -63,7 +63,7 @@ def project(x, w, n_in=1):
 
 def is_auto_axis(axis):
     """Is `axis` a mesh axis that the compiler partitions (jit under auto axes, as in
-    auto_sharding.py) rather than one that shard_map makes manual?"""
+    executor_auto.py) rather than one that shard_map makes manual?"""
     mesh = jax.sharding.get_abstract_mesh()
     return dict(zip(mesh.axis_names, mesh.axis_types)).get(axis) == jax.sharding.AxisType.Auto
 
@@ -471,7 +471,7 @@ class MoE(nnx.Module):
         if ep_axis is None or not (is_auto_axis(ep_axis) or live_axes(ep_axis)):  # one expert group: nothing to send
             y_GECD = self.expert_ffn(x_GECD)
         elif is_auto_axis(ep_axis):
-            # Automatic sharding (auto_sharding.py): only say that each expert's slots
+            # Automatic sharding (executor_auto.py): only say that each expert's slots
             # should sit where the expert lives (experts over ep_axis, every group);
             # the compiler inserts the dispatch there and back.
             by_expert = jax.sharding.PartitionSpec(None, ep_axis)

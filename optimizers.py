@@ -25,7 +25,7 @@ group size, and no device holds more than its shard's worth of matrices (plus
 padding). Weights of one shape and layout are pooled into one batch first, so that
 there are enough matrices to go round (orthogonal_updates).
 The step, which knows the layout, passes it to the update:
-`optimizer.update(grads, state, params, param_specs=...)` (parallel.make_train_step).
+`optimizer.update(grads, state, params, param_specs=...)` (train_steps.make_train_step).
 Clipping is done before the optimizer, by hand in the train step (it needs a
 mesh-wide norm).
 """

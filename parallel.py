@@ -1,5 +1,5 @@
-"""The 3-D mesh and everything that talks across it: sharding table, FSDP gathers,
-the GPipe pipeline (1f1b and interleaved: pipeline.py), and the train / eval steps.
+"""The 3-D mesh and how weights and batches sit on it: the mesh, the sharding table,
+init in place, the FSDP gather that the shard_map executors call, the global batch.
 
 Mesh axes:
   dp  data parallel + FSDP (ZeRO-3): the batch is split over dp, and so is (almost)
@@ -7,18 +7,13 @@ Mesh axes:
       before use, and autodiff turns that all-gather into a reduce-scatter of the
       gradient.
   pp  pipeline: stage i holds blocks [i*N/pp, (i+1)*N/pp); microbatches flow stage to
-      stage with ppermute (GPipe), gradients flow back by autodiff.
+      stage with ppermute (executor_gpipe.py, executor_1f1b.py).
   tp  tensor parallel (Megatron): heads, FFN hidden units, expert hidden units and the
       vocabulary are split; model.py psums the partial outputs over tp.
   Experts may also be split over dp (expert parallelism, all-to-all in model.MoE).
 
-The whole train step is one `jax.shard_map` over the mesh, so every collective is
-written out (auto_sharding.py has the same step partitioned by the compiler instead,
---mesh.sharding auto). Gradients of weights that are replicated over an axis (norm scales
-over dp, the router over tp, the embedding over pp, ...) come out summed over that
-axis without any code here: shard_map tracks which values vary over which axes
-(check_vma), and the transpose of "use a replicated value with varying data" is a
-psum. tests/test_parallel.py proves each layout equals one device.
+The train and eval steps that run over this mesh: train_steps.py (one step, executors
+chosen by config; the shared loss and update in step_core.py).
 """
 
 import functools
@@ -27,15 +22,14 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model import Transformer, apply_blocks, axis_index, balance_router_biases, live_axes, pmax_if, psum_if, rope_angles, router_biases
-from pipeline import formula_bubble, scheduled_value_and_grad, when
-from utils import ConfigError, apply_overrides
+from model import Transformer, live_axes
+from pipeline import formula_bubble
+from utils import ConfigError
 
 DP, PP, TP = "dp", "pp", "tp"
 AXES = (DP, PP, TP)
@@ -159,6 +153,10 @@ SHAPE_LETTER_FLAGS = {"V": "vocab (padded; --model.vocab_multiple)", "D": "--mod
                       "F": "--model.d_ff / --model.d_expert", "E": "--model.n_experts", "N": "--model.n_blocks"}
 
 
+def is_trained(name):
+    return name not in UNTRAINED
+
+
 def weight_name(path):
     return next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
 
@@ -270,7 +268,7 @@ def param_bytes_on_device(tree, device):
 
 
 # ----------------------------------------------------------------------------
-# Inside shard_map: FSDP gather, the pipeline, the loss
+# Inside shard_map: the FSDP gather
 
 
 def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype=jnp.float32):
@@ -292,7 +290,7 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype
     out_dtype = jnp.dtype(dtype) if one_block else jnp.promote_types(dtype, reduce_dtype)
 
     def gather(path, w):
-        if weight_name(path) in UNTRAINED:  # replicated, float32, no gradient: nothing to gather
+        if not is_trained(weight_name(path)):  # replicated, float32, no gradient: nothing to gather
             return w
         _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
         replicated = live_axes(tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying))
@@ -327,159 +325,8 @@ def _gather_weight_bwd(axes, dim, dtype, reduce_dtype, out_dtype, like, g):
 gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
 
 
-def varying_over(x, axis):
-    """Type x as varying over `axis` (a scan carry must keep one type); over an axis of
-    size 1 nothing varies (live_axes), and the pcast would transpose to an all-reduce."""
-    if not live_axes(axis) or axis in jax.typeof(x).manual_axis_type.varying:
-        return x
-    return jax.lax.pcast(x, axis, to="varying")
-
-
-def pipeline_loss(model, params_fn, tokens_MbT1, cfg, rng):
-    """GPipe over pp: returns (summed cross-entropy of this device's rows, MoE stats of
-    this stage's blocks [N/pp, ...], summed MTP cross-entropy). Runs inside shard_map.
-    rng: the step's dropout key (dropout_rng), or None.
-
-    At tick t stage s works on microbatch m = t - s: stage 0 embeds microbatch t,
-    every other stage takes what its left neighbour produced at tick t-1 (ppermute).
-    After M + pp - 1 ticks the last stage has produced every microbatch; the bubble
-    (idle share) is (pp - 1) / (M + pp - 1).
-    """
-    m_cfg = cfg.model
-    n_stages, stage = jax.lax.axis_size(PP), axis_index(PP)
-    M, b, T1 = tokens_MbT1.shape
-    inputs_MbT = tokens_MbT1[..., :-1]
-    angles = rope_angles(jnp.arange(T1 - 1)[None, :], m_cfg.rope_dim, m_cfg.rope_theta)
-    # The embedding on stage 0 only, the head and loss on the last stage only: no
-    # stage computes what it would mask away (pipeline.when: a cond, zeros elsewhere).
-    # (the embedding comes in float32, see gather_for_use: the stream runs in the compute dtype)
-    x0_MbTD = when(n_stages == 1 or stage == 0, lambda t: jax.vmap(lambda t: model.embed(t, TP))(t).astype(m_cfg.dtype), inputs_MbT)
-    ep_axis = DP if cfg.mesh.expert_parallel else None
-
-    blocks_def, blocks_state = nnx.split(model.blocks)
-    first_block = stage * jax.tree.leaves(blocks_state)[0].shape[0]
-    # Dropout keys of this device's rows: rows [dp_index * M * b, ...) of the global
-    # batch, microbatch m holding the m-th b of them (sharded_loss's reshape).
-    keys_Mb = None if rng is None else dropout_rows(rng, axis_index(DP) * M * b, M * b).reshape(M, b)
-
-    def run_stage(blocks_state, x_bTD, keys_b):
-        return apply_blocks(nnx.merge(blocks_def, blocks_state), x_bTD, angles, TP, ep_axis, keys_b,
-                            remat=m_cfg.remat, prepare=params_fn, unroll=m_cfg.unroll_blocks, first_block=first_block)
-
-    if m_cfg.remat == "stage":  # keep only the stage's input per tick
-        run_stage = jax.checkpoint(run_stage)
-
-    def tick(carry, t):
-        received_bTD = carry
-        x_bTD = jnp.where(stage == 0, x0_MbTD[jnp.minimum(t, M - 1)], received_bTD)
-        keys_b = None if keys_Mb is None else keys_Mb[jnp.clip(t - stage, 0, M - 1)]  # this tick's microbatch
-        y_bTD, stats_N = run_stage(blocks_state, x_bTD, keys_b)
-        valid = (t - stage >= 0) & (t - stage < M)  # is this stage working on a real microbatch?
-        stats_N = jax.tree.map(lambda s: jnp.where(valid, s, jnp.zeros_like(s)), stats_N)
-        # Hand the activation to the next stage; the last stage's output is kept as ys.
-        sent_bTD = jax.lax.ppermute(y_bTD, PP, [(i, i + 1) for i in range(n_stages - 1)]) if n_stages > 1 else y_bTD
-        return sent_bTD, (y_bTD, stats_N)
-
-    ticks = jnp.arange(M + n_stages - 1)
-    first_received = varying_over(jnp.zeros_like(x0_MbTD[0]), PP)  # the carry differs per stage from tick 1 on
-    _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
-    outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
-    ce_sum, mtp_sum = when(n_stages == 1 or stage == n_stages - 1, lambda y: last_stage_loss_sums(model, y, tokens_MbT1, angles, keys_Mb), outputs_MbTD)
-    return ce_sum, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN), mtp_sum
-
-
-def last_stage_loss_sums(model, outputs_MbTD, tokens_MbT1, angles, keys_Mb):
-    """(summed cross-entropy, summed MTP cross-entropy over its depths; 0 without MTP)
-    of the finished microbatches, whatever schedule produced them. keys_Mb: the dropout
-    keys of each microbatch's rows (dropout_rows), or None.
-
-    One microbatch at a time: the float32 logits [b, T, V/tp] of only one microbatch
-    exist at once (the backward pass recomputes them per microbatch), instead of
-    [M * b, T, V/tp], which for a large vocabulary would be most of a device's memory.
-    """
-    def microbatch_losses(x_bTD, tokens_bT1, m):
-        ce = model.loss_sum(x_bTD, tokens_bT1[:, 1:], TP)
-        if model.mtp is None:
-            return ce, jnp.zeros((), jnp.float32)
-        return ce, model.mtp_loss_sum(x_bTD, tokens_bT1, angles, TP, None if keys_Mb is None else keys_Mb[m])
-
-    if outputs_MbTD.shape[0] == 1:  # nothing to split: skip the recomputation
-        return microbatch_losses(outputs_MbTD[0], tokens_MbT1[0], 0)
-
-    @jax.checkpoint
-    def microbatch_loss(_, xs):
-        return None, microbatch_losses(*xs)
-
-    ce_M, mtp_M = jax.lax.scan(microbatch_loss, None, (outputs_MbTD, tokens_MbT1, jnp.arange(outputs_MbTD.shape[0])))[1]
-    return jnp.sum(ce_M), jnp.sum(mtp_M)
-
-
-def sharded_loss(params, tokens_bT1, graphdef, cfg, rng):
-    """Global mean loss (cross-entropy + weighted load-balance loss) and metrics, from
-    inside shard_map. Every device returns the same (mesh-invariant) numbers."""
-    m_cfg, t_cfg = cfg.model, cfg.train
-    dtype = jnp.dtype(m_cfg.dtype)
-    ep = cfg.mesh.expert_parallel
-    top = {k: v for k, v in params.items() if k != "blocks"}
-    reduce_dtype = jnp.dtype(m_cfg.grad_reduce_dtype)
-    top = gather_for_use(top, ep, dtype, reduce_dtype=reduce_dtype)  # embedding + final norm: gathered once per step
-    # Only some stages use them (inside a cond): typed as varying over pp, their gradient
-    # is summed over the stages by this pcast's transpose, outside the cond, where every
-    # stage takes part (a psum inside a branch that only one stage takes never returns).
-    top = jax.tree.map(lambda w: varying_over(w, PP), top)
-    model = nnx.merge(graphdef, {**top, "blocks": params["blocks"]})
-    blocks_fn = lambda block_params: gather_for_use(block_params, ep, dtype, one_block=True, reduce_dtype=reduce_dtype)  # noqa: E731
-    M = t_cfg.microbatches
-    tokens_MbT1 = tokens_bT1.reshape(M, tokens_bT1.shape[0] // M, tokens_bT1.shape[1])
-    ce_sum, stats_N, mtp_sum = pipeline_loss(model, blocks_fn, tokens_MbT1, cfg, rng)
-    return loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum)
-
-
-def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
-    """(loss, metrics) from this device's summed cross-entropy, its stage's MoE
-    statistics per block and its summed MTP cross-entropy (GPipe only: the 1f1b and
-    interleaved executor refuses MTP, utils.validate_model)."""
-    m_cfg, t_cfg = cfg.model, cfg.train
-    n_tokens = t_cfg.batch_size * m_cfg.seq_len
-    ce = psum_if(ce_sum, (DP, PP)) / n_tokens
-    # Routing statistics, per block, summed over the batch. Every tp device routed the
-    # same tokens the same way (the router is gathered whole), but the router came out
-    # of an all_gather over tp, so shard_map types the statistics as varying over tp:
-    # pmean/pmax state that they agree. pmean also gives each tp device 1/tp of the
-    # aux loss gradient, which the router's reduce-scatter sums back to one.
-    aux_sum_N = stats_N.pop("aux_loss_sum")
-    seq_aux_sum_N = stats_N.pop("seq_aux_loss_sum", None)  # with --model.seq_aux_loss_weight
-    n_moe_layers = m_cfg.n_blocks * m_cfg.block_pattern.count("M")
-    mean_over_mesh = lambda sum_N, count: psum_if(psum_if(jnp.sum(sum_N), (DP, PP)), TP) / jax.lax.axis_size(TP) / count  # noqa: E731
-    aux = jnp.zeros((), jnp.float32)
-    if n_moe_layers:  # (a dense model's all-zero statistics are not reduced: XLA:CPU aborts on that all-reduce)
-        stats_N = jax.tree.map(lambda s: pmax_if(psum_if(s, DP), TP), stats_N)
-        groups_per_layer = n_tokens // (m_cfg.routing_group or m_cfg.seq_len)
-        aux = mean_over_mesh(aux_sum_N, groups_per_layer * n_moe_layers)
-    loss = ce + m_cfg.aux_loss_weight * aux
-    metrics = dict(loss=ce, aux_loss=aux, stats_N=stats_N)
-    if seq_aux_sum_N is not None:  # DeepSeek-V3's sequence-wise balance loss: mean over sequences and MoE layers
-        metrics["seq_aux_loss"] = mean_over_mesh(seq_aux_sum_N, t_cfg.batch_size * n_moe_layers)
-        loss = loss + m_cfg.seq_aux_loss_weight * metrics["seq_aux_loss"]
-    if m_cfg.mtp_depth:  # V3: lambda / depth x sum over depths of each depth's loss, each divided by all T positions
-        metrics["mtp_loss"] = psum_if(mtp_sum, (DP, PP)) / (n_tokens * m_cfg.mtp_depth)
-        loss = loss + m_cfg.mtp_loss_weight * metrics["mtp_loss"]
-    return loss, metrics
-
-
-def global_grad_norm(grads, specs):
-    """sqrt(sum of squares) over the whole mesh. Each shard's sum is psummed over the
-    axes that split that weight only: a replicated weight's gradient is identical on
-    every replica (shard_map already summed it), so it is counted once."""
-    total = jnp.zeros((), jnp.float32)
-    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
-        sq = jnp.sum(jnp.square(g.astype(jnp.float32)))
-        total += psum_if(sq, tuple(a for entry in spec for a in axes_of(entry)))
-    return jnp.sqrt(total)
-
-
 # ----------------------------------------------------------------------------
-# Steps (the optimizer: optimizers.py)
+# Placing batches; what a compiled step holds
 
 
 def specs_of(tree):
@@ -496,121 +343,8 @@ def live_spec(spec, mesh):
     return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in live))
 
 
-def shard_map_live(fn, mesh, in_specs, out_specs):
-    """jax.shard_map whose in_specs leave out the axes of size 1 (live_spec); the
-    arguments are resharded to match, which moves nothing (the same layout). The
-    outputs keep out_specs, so the step returns arrays with the specs it was given."""
-    live = live_spec(in_specs, mesh)
-    sharded = jax.shard_map(fn, mesh=mesh, in_specs=live, out_specs=out_specs)
-
-    @functools.wraps(fn)  # jit names the program after fn (profiles, HLO dumps)
-    def on_live_axes(*args):
-        return sharded(*jax.reshard(args, named(mesh, live)))
-    return on_live_axes
-
-
 def batch_spec():
     return P(DP, None)  # rows over dp; pp and tp devices see the same rows
-
-
-def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
-    """One jitted function over the mesh: loss, grads, clip, the optimizer. Donates the old
-    params and optimizer state (updated in place). --mesh.sharding auto: the same step
-    partitioned by the compiler (auto_sharding.py)."""
-    if cfg.mesh.sharding == "auto":
-        import auto_sharding
-        return auto_sharding.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
-    param_spec_tree, opt_spec_tree = specs_of(params), specs_of(opt_state)
-    clip = cfg.train.grad_clip
-
-    def step_fn(params, opt_state, tokens_bT1, step):
-        rng = dropout_rng(cfg, step)
-        if cfg.train.pipeline == "gpipe":  # autodiff through the pipeline's loop
-            (_, metrics), grads = jax.value_and_grad(sharded_loss, has_aux=True)(params, tokens_bT1, graphdef, cfg, rng)
-        else:  # 1f1b / interleaved: the backward written by hand, tick by tick (pipeline.py)
-            (_, metrics), grads = scheduled_value_and_grad(
-                params, tokens_bT1, graphdef, cfg, rng, axes=AXES, dropout_rows=dropout_rows,
-                gather=lambda tree, one_block: gather_for_use(tree, cfg.mesh.expert_parallel, jnp.dtype(cfg.model.dtype), one_block,
-                                                              reduce_dtype=jnp.dtype(cfg.model.grad_reduce_dtype)),
-                loss_and_metrics=lambda ce_sum, stats_N: loss_and_metrics(ce_sum, stats_N, cfg))
-        grad_norm = global_grad_norm(grads, param_spec_tree)
-        if clip > 0:
-            scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * scale, grads)
-        # the layout of these shards, for the optimizers that need whole matrices (Muon)
-        updates, opt_state = optimizer.update(grads, opt_state, params, param_specs=param_spec_tree)
-        new_params = optax.apply_updates(params, updates)
-        metrics = dict(metrics, grad_norm=grad_norm)
-        if balancing:
-            # Outside the optimizer (whose update of a bias is exactly 0: zero gradient, no
-            # decay), the router biases follow the step's global load. That load was
-            # psummed over dp, so the new bias is the same on every device and mesh.
-            blocks = balance_router_biases(new_params["blocks"], metrics["stats_N"]["tokens_per_expert_LE"],
-                                           m_cfg.router_bias_rate, m_cfg.block_pattern)
-            new_params = dict(new_params, blocks=blocks)
-            metrics["router_bias_NLE"] = router_biases(blocks, m_cfg.block_pattern)
-        return new_params, opt_state, metrics
-
-    m_cfg = cfg.model
-    balancing = m_cfg.router_bias_rate > 0 and "M" in m_cfg.block_pattern
-    metric_specs = dict(loss=P(), aux_loss=P(), grad_norm=P(), stats_N=P(PP))
-    if balancing:
-        metric_specs["router_bias_NLE"] = P(PP)
-    if m_cfg.seq_aux_loss_weight > 0 and "M" in m_cfg.block_pattern:
-        metric_specs["seq_aux_loss"] = P()
-    if m_cfg.mtp_depth:
-        metric_specs["mtp_loss"] = P()
-    sharded = shard_map_live(step_fn, mesh, in_specs=(param_spec_tree, opt_spec_tree, batch_spec(), P()),
-                             out_specs=(param_spec_tree, opt_spec_tree, metric_specs))
-    return jax.jit(sharded, donate_argnums=(0, 1))
-
-
-def eval_model_config(cfg):
-    """The model that evaluation measures: training's, with --train.eval_capacity_factor
-    (0 = dropless, the function that sampling computes, so val_loss counts no token
-    whose expert output was dropped). Expert parallelism needs fixed-size buffers, so
-    there "dropless" is the capacity factor E / top_k: C = the group size, room for
-    every token in every expert, nothing dropped."""
-    m = cfg.model
-    factor = cfg.train.eval_capacity_factor
-    if factor == 0 and cfg.mesh.expert_parallel:
-        factor = m.n_experts / m.top_k
-    return apply_overrides(cfg, {"model": {"capacity_factor": factor}})
-
-
-def make_eval_step(graphdef, cfg, mesh, params):
-    """Mean validation cross-entropy of one batch (dropout off), with the eval
-    capacity (eval_model_config). graphdef: training's; the capacity is a static
-    attribute of the MoE layers, so the eval graphdef is built anew (same params)."""
-    cfg = eval_model_config(cfg)
-    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
-    if cfg.mesh.sharding == "auto":
-        import auto_sharding
-        return auto_sharding.make_eval_step(graphdef, cfg, mesh, params)
-
-    def eval_fn(params, tokens_bT1):
-        _, metrics = sharded_loss(params, tokens_bT1, graphdef, cfg, None)
-        return metrics["loss"]
-
-    return jax.jit(shard_map_live(eval_fn, mesh, in_specs=(specs_of(params), batch_spec()), out_specs=P()))
-
-
-def dropout_rng(cfg, step):
-    """The dropout key of a step, from (seed, step) alone: the same on every device
-    (None without dropout). Masks are drawn from it per global batch row
-    (dropout_rows), then per block, layer and branch (model.fold_in_rows), so a run
-    with dropout takes the same steps on every mesh. Megatron-style per-tp-rank keys
-    are not needed: dropout only masks the residual stream, which every tp device
-    holds whole."""
-    if cfg.model.dropout == 0:
-        return None
-    return jax.random.fold_in(jax.random.key(cfg.run.seed), step)
-
-
-def dropout_rows(rng, first_row, n_rows):
-    """Keys [n_rows] for global batch rows first_row, first_row + 1, ...: each device
-    derives only the keys of the rows it holds."""
-    return jax.vmap(jax.random.fold_in, (None, 0))(rng, first_row + jnp.arange(n_rows))
 
 
 def global_batch(mesh, rows_for_process, batch_size):

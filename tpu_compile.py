@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import optimizers
 import parallel as par
+import train_steps
 from utils import ConfigError
 
 GiB = 2**30
@@ -179,7 +180,7 @@ def abstract_state(cfg, mesh):
 
 def compile_steps(cfg, mesh, eval_step=True):
     """{"train": compiled, "eval": compiled, "seconds": {name: compile seconds}}: the
-    real train and eval steps (parallel.make_train_step / make_eval_step)."""
+    real train and eval steps (train_steps.make_train_step / make_eval_step)."""
     import planner
 
     par.check_config_fits_mesh(cfg, mesh)
@@ -191,14 +192,14 @@ def compile_steps(cfg, mesh, eval_step=True):
     out, seconds, logged = {}, {}, {}
     t0 = time.perf_counter()
     with captured_stderr() as log:
-        out["train"] = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state).lower(
+        out["train"] = train_steps.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state).lower(
             params, opt_state, tokens, step).compile()
     seconds["train"] = time.perf_counter() - t0
     logged["train"] = compiler_log_memory(log)
     if eval_step:
         t0 = time.perf_counter()
         with captured_stderr() as log:
-            out["eval"] = par.make_eval_step(graphdef, cfg, mesh, params).lower(params, tokens).compile()
+            out["eval"] = train_steps.make_eval_step(graphdef, cfg, mesh, params).lower(params, tokens).compile()
         seconds["eval"] = time.perf_counter() - t0
         logged["eval"] = compiler_log_memory(log)
     out["seconds"], out["log"] = seconds, logged
@@ -299,7 +300,7 @@ def memory_bytes(compiled):
 #
 # Counted per step: an op inside a loop counts once per trip (XLA's known_trip_count,
 # else the constant its loop condition compares the counter with; JAX's scans count
-# 0..N-1). auto_sharding.collective_table reads the same ops (one parser for both).
+# 0..N-1). collective_table reads the same ops (one parser for both).
 # Bytes per device: the op's full buffer (all-gather: its output; reduce-scatter: its
 # input, i.e. output x group size; the rest: their output). Async pairs count once (at
 # -done); "over" names the mesh axes its device groups span.
@@ -475,6 +476,20 @@ def dot_flops(hlo, name_part=""):
             out = ARRAY.search(m.group(1)).group(2)
             total += runs[name] * 2 * math.prod(int(d) for d in out.split(",") if d) * contracted
     return total
+
+
+def collective_table(hlo_text, mesh):
+    """{(kind, axes): (count, bytes)} per step per device: each collective in the
+    optimized HLO, times the trip count of the loops around it. Bytes are the
+    collective's result on one device (for an all-gather the gathered array, for a
+    reduce-scatter the scattered shard); axes "none": it moves nothing. (bench.py and
+    the tests compare the automatic executor's choices with the shard_map ones.)"""
+    table = {}
+    for op in collective_ops(hlo_text, mesh.devices.shape):
+        key = (op.kind, "none" if op.over == "-" else op.over)
+        count, nbytes = table.get(key, (0, 0))
+        table[key] = (count + op.runs, nbytes + op.runs * sum(b for _, b in op.arrays))
+    return dict(sorted(table.items()))
 
 
 def collectives(hlo, mesh_shape):

@@ -87,7 +87,7 @@ class ModelConfig:
     unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
 
 
-SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: parallel.make_train_step dispatches on it
+SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: train_steps.executor_of dispatches on it
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,8 @@ class MeshConfig:
     pp: int = option(1, "pipeline stages")
     tp: int = option(1, "tensor parallel degree")
     expert_parallel: bool = option(False, "shard routed experts over dp (all-to-all dispatch)")
-    sharding: str = option("manual", "manual: one shard_map, every collective written out (parallel.py) | "
-                                     "auto: jax.jit with the same shardings, the compiler inserts the collectives (auto_sharding.py; pp = 1)")
+    sharding: str = option("manual", "manual: one shard_map, every collective written out (executor_gpipe.py, executor_1f1b.py) | "
+                                     "auto: jax.jit with the same shardings, the compiler inserts the collectives (executor_auto.py; pp = 1)")
 
 
 @dataclass(frozen=True)
@@ -375,17 +375,11 @@ def validate_model(cfg):
         (cfg.mesh.sharding in SHARDING_MODES, f"--mesh.sharding must be manual or auto, got {cfg.mesh.sharding!r}"),
         (cfg.mesh.sharding != "auto" or cfg.mesh.pp == 1, f"--mesh.sharding auto does not pipeline (--mesh.pp {cfg.mesh.pp}): "
                                                            "use --mesh.pp 1, or --mesh.sharding manual for pipeline stages"),
-        (cfg.mesh.sharding != "auto" or not (m.router_bias_rate or m.seq_aux_loss_weight or m.mtp_depth),
-         "--model.router_bias_rate, --model.seq_aux_loss_weight and --model.mtp_depth are not in --mesh.sharding auto yet "
-         "(its step has no bias update, sequence-wise loss or MTP): use --mesh.sharding manual, or set them to 0"),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
         (t.optimizer in ("muon", "adamw"), f"--train.optimizer must be muon or adamw, got {t.optimizer!r}"),
         (0 <= t.muon_momentum < 1, f"--train.muon_momentum must be in [0, 1), got {t.muon_momentum}"),
         (t.pipeline in PIPELINE_SCHEDULES, f"--train.pipeline must be one of {', '.join(PIPELINE_SCHEDULES)}, got {t.pipeline!r}"),
-        (t.pipeline == "gpipe" or not (m.mtp_depth or m.seq_aux_loss_weight),
-         f"--model.mtp_depth and --model.seq_aux_loss_weight are not in the hand-written backward of --train.pipeline "
-         f"{t.pipeline} yet: use --train.pipeline gpipe, or set them to 0"),
         (t.virtual_stages >= 1, f"--train.virtual_stages must be >= 1, got {t.virtual_stages}"),
         (t.eval_capacity_factor >= 0, "--train.eval_capacity_factor must be >= 0 (0 = dropless)"),
         (cfg.serve.slots >= 1 and cfg.serve.max_tokens >= 1 and cfg.serve.queue >= 0,

@@ -1,4 +1,4 @@
-"""--mesh.sharding auto (auto_sharding.py): the same train step under jax.jit with
+"""--mesh.sharding auto (executor_auto.py): the same train step under jax.jit with
 shardings, partitioned by the compiler, takes the step one device takes and the step
 the explicit shard_map takes (8 fake CPU devices, fp32); with expert parallelism the
 compiler really dispatches tokens to the experts' devices; checkpoints cross modes;
@@ -18,12 +18,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import auto_sharding as auto
 import checkpoint
 import optimizers
 import parallel as par
+import tpu_compile
 from test_parallel import VARIANTS, assert_params_close, assert_same_step, initial_params, mesh_for, tiny_config, token_batch
 from utils import ConfigError, apply_overrides, config_to_dict, parse_args
+from train_steps import make_train_step
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 1, 4), (4, 1, 2)]
 EXPERT_PARALLEL_MESHES = [(8, 1, 1), (2, 1, 4), (4, 1, 2)]
@@ -43,7 +44,7 @@ def compiled_step(cfg):
     graphdef, _ = initial_params(cfg.model)
     params, opt_state = fresh_state(cfg)
     optimizer = optimizers.make_optimizer(cfg.train)
-    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     return step.lower(params, opt_state, batch_for(cfg, 0), jnp.asarray(0)).compile()
 
 
@@ -75,7 +76,7 @@ def reference():
 
 
 def collectives(cfg):
-    return auto.collective_table(compiled_step(cfg).as_text(), mesh_for(cfg))
+    return tpu_compile.collective_table(compiled_step(cfg).as_text(), mesh_for(cfg))
 
 
 # ----------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def test_bad_sharding_mode_is_a_clear_error(argv, message):
 def test_auto_step_refuses_a_pipeline_mesh():
     cfg = config((2, 2, 2), "auto")  # built without the command line's check
     with pytest.raises(ConfigError, match=r"--mesh\.pp 1"):
-        par.make_train_step(None, cfg, mesh_for(cfg), None, None, None)
+        make_train_step(None, cfg, mesh_for(cfg), None, None, None)
 
 
 def test_collective_table_counts_loops_axes_and_bytes():
@@ -178,7 +179,7 @@ def test_collective_table_counts_loops_axes_and_bytes():
 
     fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P(("dp", "tp"))))
     x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("dp", "tp")))
-    table = auto.collective_table(fn.lower(x).compile().as_text(), mesh)
+    table = tpu_compile.collective_table(fn.lower(x).compile().as_text(), mesh)
     assert table[("all-reduce", "tp")] == (5, 5 * 4 * 2 * 4)
     assert table[("all-gather", "dp")] == (1, 8 * 8 * 4)
     assert table[("collective-permute", "dp")] == (1, 8 * 8 * 4)

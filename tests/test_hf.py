@@ -30,6 +30,7 @@ import parallel as par  # noqa: E402
 from dataset import get_tokenizer  # noqa: E402
 from model import Transformer, init_cache  # noqa: E402
 from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides  # noqa: E402
+from train_steps import make_eval_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BYTES = get_tokenizer("bytes")
@@ -286,7 +287,7 @@ def test_transformers_model_imported_on_a_2x2x2_mesh_gives_transformers_loss(tmp
     par.check_config_fits_mesh(cfg, mesh)
     graphdef, params = par.init_params(cfg.model, mesh, False, 0)
     params = hf_interop.load_params(path, params, cfg.model)
-    eval_step = par.make_eval_step(graphdef, cfg, mesh, params)
+    eval_step = make_eval_step(graphdef, cfg, mesh, params)
     ours = float(eval_step(params, par.global_batch(mesh, tokens_BT, 4)))
     assert ours == pytest.approx(hf_loss(hf, tokens_BT), abs=1e-5)
 

@@ -67,7 +67,7 @@ def angles_for(cfg, batch, length, start=0):
 def train_loss(model, tokens_BT1):
     """The training objective on one device: mean cross-entropy computed by
     model.loss_sum on the final hidden state, plus the weighted mean load-balance loss
-    (as parallel.sharded_loss does over the mesh)."""
+    (as executor_gpipe.loss does over the mesh)."""
     cfg = model.cfg
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     x_BTD = model.embed(inputs_BT)

@@ -53,7 +53,7 @@ def test_muon_under_automatic_sharding_equals_one_device():
 
 
 def test_muon_inside_shard_map_needs_the_param_specs():
-    """Without the specs (which parallel.make_train_step passes) the update would
+    """Without the specs (which train_steps.make_train_step passes) the update would
     orthogonalize each shard alone: an error, not a wrong step."""
     cfg = muon_config((2, 1, 1))
     mesh = mesh_for(cfg)

@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import executor_gpipe
 import optimizers
 import parallel as par
 from model import Transformer
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides
+from train_steps import make_eval_step, make_train_step
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 2, 1), (2, 1, 4), (1, 2, 4), (1, 4, 2)]
 RTOL = 1e-5
@@ -62,7 +64,7 @@ def placed_step(cfg):
     params = jax.device_put(host_params, par.named(mesh, specs))
     optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
-    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     return step, (params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size))
 
 
@@ -160,7 +162,7 @@ def test_expert_parallel_equals_one_device(reference, mesh_shape):
 def test_dropout_equals_one_device(reference, mesh_shape):
     """With dropout on, every mesh draws the same masks as one device: a mask depends on
     (seed, step, global row, block, layer, branch) only, never on which device, stage
-    or microbatch holds the row (parallel.dropout_rng). Dropout really acts: the
+    or microbatch holds the row (step_core.dropout_rng). Dropout really acts: the
     loss differs from the run without it."""
     assert_same_steps(train_steps(tiny_config(mesh_shape, **DROPOUT)), reference["dropout"])
     dropped, plain = reference["dropout"][0], reference["moe"][0]
@@ -325,7 +327,7 @@ def test_eval_measures_the_dropless_model(mesh_shape, expert_parallel, eval_capa
     graphdef, host_params = initial_params(cfg.model)
     params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, expert_parallel)))
     tokens = token_batch(cfg, seed=5)
-    got = float(par.make_eval_step(graphdef, cfg, mesh, params)(params, par.global_batch(mesh, tokens, cfg.train.batch_size)))
+    got = float(make_eval_step(graphdef, cfg, mesh, params)(params, par.global_batch(mesh, tokens, cfg.train.batch_size)))
     dropless, none_dropped = plain_cross_entropy(dataclasses.replace(cfg.model, capacity_factor=0.0), host_params, tokens)
     at_capacity, dropped = plain_cross_entropy(cfg.model, host_params, tokens)
     assert none_dropped == 0 and dropped > 0 and abs(dropless - at_capacity) > 1e-4  # premise: the two differ
@@ -367,7 +369,7 @@ def test_pipeline_equals_sequential_forward_and_gradient(mesh_shape):
     specs = par.specs_of(params)
 
     def sharded(params, tokens_bT1):
-        (loss, _), grads = jax.value_and_grad(par.sharded_loss, has_aux=True)(params, tokens_bT1, graphdef, cfg, None)
+        (loss, _), grads = executor_gpipe.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
         return loss, grads
 
     loss, grads = jax.jit(jax.shard_map(sharded, mesh=mesh, in_specs=(specs, par.batch_spec()), out_specs=(jax.P(), specs)))(

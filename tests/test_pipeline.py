@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import parallel as par
+import executor_1f1b
 import pipeline as pl
 from test_parallel import RTOL, assert_params_close, assert_same_step, initial_params, mesh_for, one_step, placed_step, tiny_config, token_batch
 from utils import ConfigError, apply_overrides, parse_args
@@ -154,10 +155,7 @@ def scheduled_grads(cfg, tokens):
     params = jax.device_put(host_params, par.named(mesh, specs))
 
     def sharded(params, tokens_bT1):
-        (loss, _), grads = pl.scheduled_value_and_grad(
-            params, tokens_bT1, graphdef, cfg, None, axes=par.AXES,
-            gather=lambda tree, one_block: par.gather_for_use(tree, cfg.mesh.expert_parallel, jax.numpy.float32, one_block),
-            loss_and_metrics=lambda ce_sum, stats_N: par.loss_and_metrics(ce_sum, stats_N, cfg))
+        (loss, _), grads = executor_1f1b.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
         return loss, grads
 
     fn = jax.jit(jax.shard_map(sharded, mesh=mesh, in_specs=(specs, par.batch_spec()), out_specs=(jax.P(), specs)))

@@ -28,6 +28,7 @@ import parallel as par
 import planner
 import tpu_compile
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides, flops_per_token, parse_args
+from train_steps import make_train_step
 
 SMALL_MOE1B = dict(vocab_size=1024, seq_len=128, d_model=128, n_heads=4, head_dim=32, rope_dim=16, q_latent=64,
                    kv_latent=32, n_blocks=2, d_ff=256, d_expert=128, n_experts=8, dtype="float32")
@@ -64,7 +65,7 @@ def compiled_temp_bytes(cfg):
     par.check_config_fits_mesh(cfg, mesh)
     optimizer, params, opt_state = tpu_compile.abstract_state(cfg, mesh)
     graphdef = planner.abstract_model(cfg.model)[0]
-    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
                                   sharding=NamedSharding(mesh, par.batch_spec()))
     return step.lower(params, opt_state, tokens, jnp.asarray(0)).compile().memory_analysis().temp_size_in_bytes

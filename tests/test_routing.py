@@ -1,5 +1,5 @@
 """DeepSeek-V3 routing: aux-loss-free bias balancing, group-limited routing, routed
-scaling, the sequence-wise balance loss (model.py, parallel.make_train_step).
+scaling, the sequence-wise balance loss (model.py, train_steps.make_train_step).
 
 What is proved here: the bias update is the paper's formula on a hand-worked case; the
 bias changes which experts are chosen but never the gates; bias balancing brings a
@@ -33,6 +33,7 @@ from test_parallel import assert_same_step, mesh_for, tiny_config, token_batch
 from metrics import MetricsLog, read_metrics
 from plots import plot_run
 from utils import ConfigError, config_to_dict, parse_args
+from train_steps import make_train_step
 
 # ----------------------------------------------------------------------------
 # The bias update and what the bias does to routing
@@ -232,7 +233,7 @@ def one_step_from(cfg, host_params, graphdef):
     params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, cfg.mesh.expert_parallel)))
     optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
-    step = par.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     params, _, metrics = step(params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size), jnp.asarray(0))
     return jax.device_get(metrics), jax.tree.map(np.asarray, params)
 

@@ -16,6 +16,7 @@ import parallel as par
 import planner
 import tpu_compile
 from utils import PRESETS, Config, MeshConfig, apply_overrides
+from train_steps import make_train_step
 
 pytest.importorskip("libtpu")
 
@@ -268,7 +269,7 @@ def test_embedding_gradient_accumulates_in_float32_over_microbatches():
     cfg = apply_overrides(case_config("tiny", (2, 2, 2), False), {"train": dict(microbatches=4)})
     mesh = par.make_mesh(cfg.mesh, jax.devices()[:8])
     optimizer, params, opt_state = tpu_compile.abstract_state(cfg, mesh)
-    step = par.make_train_step(planner.abstract_model(cfg.model)[0], cfg, mesh, optimizer, params, opt_state)
+    step = make_train_step(planner.abstract_model(cfg.model)[0], cfg, mesh, optimizer, params, opt_state)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
                                   sharding=jax.sharding.NamedSharding(mesh, par.batch_spec()))
     jaxpr = jax.make_jaxpr(step)(params, opt_state, tokens, np.int32(0))

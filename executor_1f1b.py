@@ -1,0 +1,278 @@
+"""The 1f1b and interleaved executor (--train.pipeline 1f1b | interleaved): (loss,
+metrics, grads) by running a schedule table tick by tick, with the backward written by
+hand, inside the shard_map step.
+
+pipeline.py builds the table (for every tick and stage: a forward or backward pass of
+one microbatch through one chunk of blocks, or nothing, and which ring slots hold its
+buffers). This file runs it: one lax.scan over the ticks, one lax.cond per tick on the
+stage's op. A backward tick recomputes each block of its chunk from the block's saved
+input and runs its vjp (so under these schedules remat none behaves as block; layer
+and block_dots still bound what one block's backward holds); gradients accumulate in
+the loop. The loss's derivatives with respect to each device's sums (cross-entropy,
+balance losses, MTP) come from the step core (step_core.sum_cotangents), the same
+loss that autodiff differentiates under GPipe, so both give the same gradients.
+
+What a backward tick needs from its forward tick (the "residuals") is kept as the input
+of each of the chunk's blocks (remat stage: the chunk's input) in a ring of slots
+[R, L, b, T, D], R = the most microbatches in flight on a stage (pp for 1f1b).
+
+Interleaved: storage keeps blocks contiguous (stage s stores blocks [s N/pp,
+(s+1) N/pp)), so init, checkpoints, eval and the planner's layouts do not depend on the
+schedule. The step moves each chunk once per step to the stage that runs it (chunk c
+to stage c % pp) with ppermutes, and its gradient back the same way.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import step_core as core
+from model import axis_index, fold_in_rows
+from parallel import DP, PP, TP
+from pipeline import BACKWARD, FIELDS, FORWARD, schedule
+
+MANUAL = True  # runs inside jax.shard_map: every collective written out
+
+
+def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
+    """((loss, metrics), grads) of one step, the same numbers autodiff of
+    executor_gpipe.loss gives."""
+    return ScheduledStep(params, tokens_bT1, graphdef, cfg, rng).run()
+
+
+# ----------------------------------------------------------------------------
+# Interleaved: which device holds which blocks
+
+
+def move_chunks(tree_VL, source_of, axis):
+    """Permute chunks between devices: output chunk u of device d is chunk w of device
+    source_of(d, u) = (device, w). Leaves [V, L, ...]. Each chunk moves once: V*V
+    ppermutes, each carrying one chunk between the devices that need it."""
+    n = jax.lax.axis_size(axis)
+    V = jax.tree.leaves(tree_VL)[0].shape[0]
+    out = []
+    for u in range(V):
+        total = None
+        for w in range(V):
+            pairs = [(source_of(d, u)[0], d) for d in range(n) if source_of(d, u)[1] == w]
+            if not pairs:
+                continue
+            moved = jax.tree.map(lambda x: jax.lax.ppermute(x[w], axis, pairs), tree_VL)
+            total = moved if total is None else jax.tree.map(jnp.add, total, moved)
+        out.append(total)
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
+
+
+def to_chunks(tree_N, V, axis):
+    """Local storage [V L, ...] (stage s's contiguous blocks) -> the chunks stage s runs
+    [V, L, ...]: its v-th chunk is global chunk v pp + s."""
+    pp = jax.lax.axis_size(axis)
+    tree = jax.tree.map(lambda x: x.reshape(V, x.shape[0] // V, *x.shape[1:]), tree_N)
+    if V == 1 or pp == 1:
+        return tree
+    return move_chunks(tree, lambda d, v: divmod(v * pp + d, V), axis)
+
+
+def from_chunks(tree_VL, axis):
+    """The inverse of to_chunks: [V, L, ...] chunks back to storage order [V L, ...]."""
+    pp = jax.lax.axis_size(axis)
+    V = jax.tree.leaves(tree_VL)[0].shape[0]
+    if V > 1 and pp > 1:
+        tree_VL = move_chunks(tree_VL, lambda d, u: ((d * V + u) % pp, (d * V + u) // pp), axis)
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree_VL)
+
+
+# ----------------------------------------------------------------------------
+# The executor
+
+
+class ScheduledStep:
+    """One step's forward and backward ops, and the loop over the table's ticks."""
+
+    def __init__(self, params, tokens_bT1, graphdef, cfg, rng):
+        m_cfg, t_cfg = cfg.model, cfg.train
+        self.cfg, self.params, self.graphdef = cfg, params, graphdef
+        self.M = t_cfg.microbatches
+        self.V = t_cfg.virtual_stages if t_cfg.pipeline == "interleaved" else 1
+        self.pp, self.stage = jax.lax.axis_size(PP), axis_index(PP)
+        self.sched = schedule(t_cfg.pipeline, self.pp, self.M, self.V)
+        self.C = self.pp * self.V
+        self.ep_axis = DP if cfg.mesh.expert_parallel else None
+        self.remat = m_cfg.remat
+        self.mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=axis_index(DP) * tokens_bT1.shape[0])
+        self.cot = core.sum_cotangents(cfg, jax.lax.axis_size(TP))
+        # The embedding, final norm and MTP, gathered once per step (core.gather_top);
+        # their gradient is summed in float32 over the step and reduce-scattered once at
+        # the end (the gather's vjp).
+        top_local = {k: v for k, v in params.items() if k != "blocks"}
+        self.top, self.top_vjp = jax.vjp(lambda t: core.gather_top(t, cfg), top_local)
+        self.chunks = to_chunks(params["blocks"], self.V, PP)  # [V, L, ...]: this stage's chunks
+        self.L = jax.tree.leaves(self.chunks)[0].shape[1]
+        self.block_def = nnx.split(self.model_with(self.top).blocks)[0]
+
+    def model_with(self, top):
+        return nnx.merge(self.graphdef, {**top, "blocks": self.params["blocks"]})
+
+    # --- blocks and chunks ---------------------------------------------------
+
+    def block(self, state, x_bTD, m, n):
+        """Block n (global index) on microbatch m: (x, MoE stats)."""
+        # Tie the weights to this block's input so the gather stays in the loop
+        # (see model.apply_blocks) instead of all blocks' gathers being hoisted.
+        state = jax.lax.optimization_barrier((state, x_bTD))[0]
+        keys_Mb = self.mb.keys_Mb
+        block_rng = None if keys_Mb is None else fold_in_rows(keys_Mb[m], n)  # as model.apply_blocks folds block n
+        block = nnx.merge(self.block_def, core.gather_block(state, self.cfg))
+        return block(x_bTD, self.mb.angles, TP, self.ep_axis, block_rng, remat_layers=self.remat == "layer")
+
+    def differentiable_block(self, state, x_bTD, m, n):
+        """(y, the block's balance-loss sums): what the loss depends on."""
+        y, stats = self.block(state, x_bTD, m, n)
+        return y, balance_sums(stats)
+
+    def run_chunk(self, chunk, x_bTD, m, c):
+        """Forward through chunk c's L blocks: (y, every block's input [L, ...], stats [L])."""
+        def body(x, state_and_j):
+            state, j = state_and_j
+            y, stats = self.block(state, x, m, c * self.L + j)
+            return y, (x, stats)
+        y, (xs_LbTD, stats_L) = jax.lax.scan(body, x_bTD, (chunk, jnp.arange(self.L)),
+                                             unroll=self.L if self.cfg.model.unroll_blocks else 1)
+        return y, xs_LbTD, stats_L
+
+    def balance_cotangents(self, sums):
+        return (jnp.full_like(sums[0], self.cot["aux"]), jnp.full_like(sums[1], self.cot["seq_aux"]))
+
+    def backward_chunk(self, chunk, xs_LbTD, gy, m, c):
+        """Hand-written backward of chunk c: (gradient of its input, of its weights)."""
+        if self.remat == "stage":  # recompute the whole chunk from its input, then its vjp
+            def f(chunk, x):
+                y, _, stats = self.run_chunk(chunk, x, m, c)
+                return y, balance_sums(stats)
+            (_, sums), vjp = jax.vjp(f, chunk, xs_LbTD[0])
+            g_chunk, gx = vjp((gy, self.balance_cotangents(sums)))
+            return gx, g_chunk
+
+        differentiable = self.differentiable_block
+        if self.remat == "block_dots":  # keep the matmul outputs of the block being differentiated
+            differentiable = jax.checkpoint(differentiable, policy=jax.checkpoint_policies.dots_saveable)
+
+        def body(g, state_x_j):
+            state, x, j = state_x_j
+            (_, sums), vjp = jax.vjp(lambda s, x: differentiable(s, x, m, c * self.L + j), state, x)
+            g_state, gx = vjp((g, self.balance_cotangents(sums)))
+            return gx, g_state
+        gx, g_chunk = jax.lax.scan(body, gy, (chunk, xs_LbTD, jnp.arange(self.L)), reverse=True,
+                                   unroll=self.L if self.cfg.model.unroll_blocks else 1)
+        return gx, g_chunk
+
+    # --- the two ops --------------------------------------------------------
+
+    def embed(self, top, m):
+        return self.model_with(top).embed(self.mb.tokens_MbT1[m, :, :-1], TP)
+
+    def head_sums(self, top, y_bTD, m):
+        """(summed cross-entropy, summed MTP cross-entropy) of microbatch m's output."""
+        model, tokens_bT1 = self.model_with(top), self.mb.tokens_MbT1[m]
+        ce = model.loss_sum(y_bTD, tokens_bT1[:, 1:], TP)
+        if model.mtp is None:
+            return ce, jnp.zeros((), jnp.float32)
+        keys_b = None if self.mb.keys_Mb is None else self.mb.keys_Mb[m]
+        return ce, model.mtp_loss_sum(y_bTD, tokens_bT1, self.mb.angles, TP, keys_b)
+
+    def forward_op(self, x_saved, m, v, c):
+        """F: (output to send, block inputs to save, stats, (ce, mtp), gradient of the output, of top)."""
+        top = self.top
+        x = jax.lax.cond(c == 0, lambda: core.vary(self.embed(top, m).astype(x_saved.dtype), tuple(jax.typeof(x_saved).manual_axis_type.varying)),
+                         lambda: x_saved)  # the embedding, on the first chunk of stage 0 only
+        chunk = jax.tree.map(lambda w: w[v], self.chunks)
+        y, xs_LbTD, stats_L = self.run_chunk(chunk, x, m, c)
+
+        def head(y):  # the head and loss, on the last chunk of the last stage only
+            sums, vjp = jax.vjp(lambda t, y: self.head_sums(t, y, m), top, y)
+            g_top, gy = vjp((jnp.full_like(sums[0], self.cot["ce"]), jnp.full_like(sums[1], self.cot["mtp"])))
+            return sums, gy, jax.tree.map(lambda g: g.astype(jnp.float32), g_top)
+
+        sums, gy, g_top = core.when(c == self.C - 1, head, y)
+        saved = xs_LbTD[:1] if self.remat == "stage" else xs_LbTD
+        return y, saved, stats_L, sums, gy, g_top
+
+    def backward_op(self, xs_LbTD, gy, m, v, c):
+        """B: (gradient to send, of the chunk's weights, of top)."""
+        top = self.top
+        chunk = jax.tree.map(lambda w: w[v], self.chunks)
+        gx, g_chunk = self.backward_chunk(chunk, xs_LbTD, gy, m, c)
+
+        def embed_backward(gx):  # the embedding's gradient, on the first chunk of stage 0 only
+            _, vjp = jax.vjp(lambda t: self.embed(t, m), top)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), vjp(gx.astype(top["embed_VD"].dtype))[0])
+
+        g_top = core.when(c == 0, embed_backward, gx)
+        return gx, g_chunk, g_top
+
+    # --- the loop -----------------------------------------------------------
+
+    def initial_carry(self):
+        """Buffers. Activations vary over dp (rows) and pp (stages); each ring has one
+        trash slot at the end for writes with nothing to write."""
+        m_cfg, sched = self.cfg.model, self.sched
+        b, T = self.mb.tokens_MbT1.shape[1], self.mb.tokens_MbT1.shape[2] - 1
+        act_dtype = jnp.dtype(m_cfg.dtype)
+        x0 = core.vary(jnp.zeros((b, T, m_cfg.d_model), act_dtype), (DP, PP))
+        saved_L = 1 if self.remat == "stage" else self.L
+        zero_sum = core.vary(jnp.zeros((), jnp.float32), (DP, PP))
+        # MoE statistics per chunk and block [V, L]; their types come from one block.
+        stats_aval = jax.eval_shape(lambda: self.run_chunk(jax.tree.map(lambda w: w[0], self.chunks), x0, 0, 0)[2])
+        return dict(
+            res=jnp.zeros((sched.res_slots + 1, saved_L) + x0.shape, act_dtype) + x0,
+            grads=jnp.zeros((sched.grad_slots + 1,) + x0.shape, act_dtype) + x0,
+            x_recv=x0, g_recv=x0,
+            g_chunks=jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), self.chunks),
+            g_top=jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), self.top),
+            stats=jax.tree.map(lambda z: jnp.stack([z] * self.V), core.zeros_of(stats_aval)),
+            ce=zero_sum, mtp=zero_sum)
+
+    def tick(self, carry, row_S):
+        pp, sched = self.pp, self.sched
+        op, m, v, res_slot, recv_x_slot, grad_slot, recv_grad_slot = (row_S[self.stage, i] for i in range(len(FIELDS)))
+        c = v * pp + self.stage
+        act_dtype = jnp.dtype(self.cfg.model.dtype)
+        res = carry["res"].at[recv_x_slot, 0].set(carry["x_recv"])  # what the previous stage sent last tick
+        grads = carry["grads"].at[recv_grad_slot].set(carry["g_recv"])  # what the next stage sent
+        y, saved, stats_L, (ce, mtp), gy, g_top_f = core.when(op == FORWARD, self.forward_op, res[res_slot, 0], m, v, c)
+        gx, g_chunk, g_top_b = core.when(op == BACKWARD, self.backward_op, res[res_slot], grads[grad_slot], m, v, c)
+        is_f, is_head = op == FORWARD, (op == FORWARD) & (c == self.C - 1)
+        res = res.at[jnp.where(is_f, res_slot, sched.res_slots)].set(saved.astype(act_dtype))
+        grads = grads.at[jnp.where(is_head, grad_slot, sched.grad_slots)].set(gy.astype(act_dtype))
+        g_chunks = jax.tree.map(lambda acc, g: acc.at[v].add(g.astype(jnp.float32)), carry["g_chunks"], g_chunk)
+        g_top = jax.tree.map(lambda acc, f, g: acc + f + g, carry["g_top"], g_top_f, g_top_b)
+        stats = jax.tree.map(lambda acc, s: acc.at[v].add(s), carry["stats"], stats_L)
+        if pp > 1:  # activations to the next stage, gradients to the previous one
+            forward_pairs = [(i, (i + 1) % pp) for i in range(pp if self.V > 1 else pp - 1)]
+            x_recv = jax.lax.ppermute(y, PP, forward_pairs)
+            g_recv = jax.lax.ppermute(gx, PP, [(j, i) for i, j in forward_pairs])
+        else:
+            x_recv, g_recv = y, gx
+        return dict(res=res, grads=grads, x_recv=x_recv.astype(act_dtype), g_recv=g_recv.astype(act_dtype),
+                    g_chunks=g_chunks, g_top=g_top, stats=stats, ce=carry["ce"] + ce, mtp=carry["mtp"] + mtp), None
+
+    def run(self):
+        table = jnp.asarray(self.sched.table)
+        carry = self.initial_carry()
+        for _ in range(3):  # settle the carry's types (which axes each buffer varies over)
+            out = jax.eval_shape(lambda c: self.tick(c, table[0])[0], carry)
+            carry = core.widen(carry, out)
+        carry, _ = jax.lax.scan(self.tick, carry, table)
+
+        g_blocks = from_chunks(carry["g_chunks"], PP)
+        g_top_local = self.top_vjp(jax.tree.map(lambda g, w: g.astype(w.dtype), carry["g_top"], self.top))[0]
+        grads = {**g_top_local, "blocks": jax.tree.map(lambda g, w: g.astype(w.dtype), g_blocks, self.params["blocks"])}
+        stats_N = from_chunks(carry["stats"], PP)
+        return core.loss_and_metrics(carry["ce"], stats_N, self.cfg, carry["mtp"]), grads
+
+
+def balance_sums(stats):
+    """(load-balance loss sum, sequence-wise loss sum; 0 without it) of a block's or a
+    chunk's MoE statistics: the parts of the loss the blocks' backward seeds."""
+    aux = stats["aux_loss_sum"]
+    return aux, stats.get("seq_aux_loss_sum", jnp.zeros_like(aux))

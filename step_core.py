@@ -1,0 +1,274 @@
+"""The step core: what every executor shares, and nothing about schedules.
+
+A train step is  tokens -> (loss, metrics, grads) -> update.  The middle arrow is the
+executor's (executor_gpipe.py: autodiff through the GPipe loop; executor_1f1b.py: the
+1f1b and interleaved schedules with a hand-written backward; executor_auto.py: the
+compiler partitions a one-device program). Everything around it is here, written once:
+
+  prologue   the microbatches of a device's rows, their RoPE angles and their dropout
+             keys, derived per global batch row (so masks never depend on the mesh)
+  loss       from per-device sums (cross-entropy, load-balance and sequence-wise
+             losses, MTP) to the global mean loss and the metrics; sum_cotangents
+             gives the hand-written backward the same loss's derivatives
+  update     global gradient norm, clipping, the optimizer, the router-bias update
+
+The reductions (psum, pmean, pmax) run over the mesh axes that shard_map made manual;
+under the automatic executor no axis is manual, arrays are global, the reductions are
+identities and the compiler inserts what is needed. So one loss and one update serve
+both sharding modes.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from model import balance_router_biases, live_axes, rope_angles, router_biases
+from parallel import DP, PP, TP, axes_of, gather_for_use
+
+# ----------------------------------------------------------------------------
+# Reductions over whichever mesh axes are manual here
+
+
+def manual_axes(axes):
+    """The axes among `axes` that are manual at this point of the trace: all of them
+    inside the shard_map step, none under jit's automatic partitioning."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    manual = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Manual}
+    return live_axes(tuple(a for a in axes if a in manual))  # (and of size > 1: nothing to reduce over one device)
+
+
+def psum(x, axes):
+    axes = manual_axes(axes)
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def pmean(x, axes):
+    axes = manual_axes(axes)
+    return jax.lax.pmean(x, axes) if axes else x
+
+
+def pmax(x, axes):
+    axes = manual_axes(axes)
+    return jax.lax.pmax(x, axes) if axes else x
+
+
+# ----------------------------------------------------------------------------
+# Typing helpers: inside shard_map, both branches of a cond and a scan's carry must
+# agree on which mesh axes a value varies over.
+
+
+def vary(x, axes):
+    """x typed as varying over `axes` (a pcast over the ones it does not vary over yet)."""
+    missing = live_axes(tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying))  # (over size 1: nothing varies)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def zeros_of(avals):
+    return jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype), tuple(s.manual_axis_type.varying)), avals)
+
+
+def when(pred, fn, *args):
+    """fn(*args) where pred holds; zeros of the same types elsewhere, computing nothing.
+    A pred known when tracing (a Python bool, e.g. "the only stage is the last") needs
+    no cond: XLA:CPU inlines a cond on a constant predicate, and the collectives of the
+    inlined branch then share ids with the step's own (a crash, "Id can't be larger than
+    the number of participating threads", seen at pp=1, tp>1 with MTP in the branch)."""
+    if isinstance(pred, bool):
+        return fn(*args) if pred else zeros_of(jax.eval_shape(fn, *args))
+    avals = jax.eval_shape(fn, *args)
+    return jax.lax.cond(pred, fn, lambda *_: zeros_of(avals), *args)
+
+
+def widen(tree, avals):
+    """Make tree vary over every axis its counterpart in avals varies over."""
+    return jax.tree.map(lambda x, s: vary(x, tuple(s.manual_axis_type.varying)), tree, avals)
+
+
+# ----------------------------------------------------------------------------
+# Prologue: microbatches, RoPE angles, dropout keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Microbatches:
+    tokens_MbT1: jax.Array  # M microbatches of b rows, inputs and targets (T + 1 tokens)
+    angles: jax.Array  # RoPE angles of positions 0..T-1
+    keys_Mb: jax.Array | None  # dropout keys of each row, or None without dropout
+
+
+def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
+    """This device's rows (global rows first_row, first_row + 1, ...) as M microbatches.
+    Contiguous: microbatch m holds rows [m b, (m + 1) b). Strided (the automatic
+    executor, whose rows stay split over dp as the batch is): microbatch m holds rows
+    m, m + M, m + 2M, ... Either way a row's dropout key depends on its global index
+    alone (dropout_rows)."""
+    M = cfg.train.microbatches
+    B, T1 = tokens_bT1.shape
+    b = B // M
+    if strided:
+        tokens_MbT1 = tokens_bT1.reshape(b, M, T1).swapaxes(0, 1)
+        keys_Mb = None if rng is None else dropout_rows(rng, first_row, B).reshape(b, M).swapaxes(0, 1)
+    else:
+        tokens_MbT1 = tokens_bT1.reshape(M, b, T1)
+        keys_Mb = None if rng is None else dropout_rows(rng, first_row, B).reshape(M, b)
+    angles = rope_angles(jnp.arange(T1 - 1)[None, :], cfg.model.rope_dim, cfg.model.rope_theta)
+    return Microbatches(tokens_MbT1, angles, keys_Mb)
+
+
+def dropout_rng(cfg, step):
+    """The dropout key of a step, from (seed, step) alone: the same on every device
+    (None without dropout). Masks are drawn from it per global batch row
+    (dropout_rows), then per block, layer and branch (model.fold_in_rows), so a run
+    with dropout takes the same steps on every mesh and under every executor.
+    Megatron-style per-tp-rank keys are not needed: dropout only masks the residual
+    stream, which every tp device holds whole."""
+    if cfg.model.dropout == 0:
+        return None
+    return jax.random.fold_in(jax.random.key(cfg.run.seed), step)
+
+
+def dropout_rows(rng, first_row, n_rows):
+    """Keys [n_rows] for global batch rows first_row, first_row + 1, ...: each device
+    derives only the keys of the rows it holds."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(rng, first_row + jnp.arange(n_rows))
+
+
+# ----------------------------------------------------------------------------
+# FSDP for the shard_map executors: the weights as they are used
+
+
+def gather_top(params, cfg):
+    """The weights outside the stacked blocks (embedding, final norm, MTP), gathered
+    once per step (parallel.gather_for_use; they come out in the reduce dtype so their
+    gradient accumulates over the microbatches in it). Only some stages use them
+    (inside a cond): typed as varying over pp, their gradient is summed over the stages
+    by this pcast's transpose, outside the cond, where every stage takes part (a psum
+    inside a branch that only one stage takes never returns)."""
+    m = cfg.model
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    top = gather_for_use(top, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), reduce_dtype=jnp.dtype(m.grad_reduce_dtype))
+    return jax.tree.map(lambda w: vary(w, (PP,)), top)
+
+
+def gather_block(block_params, cfg):
+    """One block's weights (sliced out of the stack), gathered just before use."""
+    m = cfg.model
+    return gather_for_use(block_params, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), one_block=True,
+                          reduce_dtype=jnp.dtype(m.grad_reduce_dtype))
+
+
+# ----------------------------------------------------------------------------
+# Loss and metrics
+
+
+def n_moe_layers(m_cfg):
+    return m_cfg.n_blocks * m_cfg.block_pattern.count("M")
+
+
+def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
+    """(loss, metrics) from this device's summed cross-entropy, its stage's MoE
+    statistics per block and its summed MTP cross-entropy. Every device returns the
+    same (mesh-invariant) numbers."""
+    m_cfg, t_cfg = cfg.model, cfg.train
+    n_tokens = t_cfg.batch_size * m_cfg.seq_len
+    ce = psum(ce_sum, (DP, PP)) / n_tokens
+    # Routing statistics, per block, summed over the batch. Every tp device routed the
+    # same tokens the same way (the router is gathered whole), but the router came out
+    # of an all_gather over tp, so shard_map types the statistics as varying over tp:
+    # pmean/pmax state that they agree. pmean also gives each tp device 1/tp of the
+    # aux loss gradient, which the router's reduce-scatter sums back to one.
+    aux_sum_N = stats_N.pop("aux_loss_sum")
+    seq_aux_sum_N = stats_N.pop("seq_aux_loss_sum", None)  # with --model.seq_aux_loss_weight
+    n_moe = n_moe_layers(m_cfg)
+    mean_over_mesh = lambda sum_N, count: pmean(psum(jnp.sum(sum_N), (DP, PP)), (TP,)) / count  # noqa: E731
+    aux = jnp.zeros((), jnp.float32)
+    if n_moe:  # (a dense model's all-zero statistics are not reduced: XLA:CPU aborts on that all-reduce)
+        stats_N = jax.tree.map(lambda s: pmax(psum(s, (DP,)), (TP,)), stats_N)
+        groups_per_layer = n_tokens // (m_cfg.routing_group or m_cfg.seq_len)
+        aux = mean_over_mesh(aux_sum_N, groups_per_layer * n_moe)
+    loss = ce + m_cfg.aux_loss_weight * aux
+    metrics = dict(loss=ce, aux_loss=aux, stats_N=stats_N)
+    if seq_aux_sum_N is not None:  # DeepSeek-V3's sequence-wise balance loss: mean over sequences and MoE layers
+        metrics["seq_aux_loss"] = mean_over_mesh(seq_aux_sum_N, t_cfg.batch_size * n_moe)
+        loss = loss + m_cfg.seq_aux_loss_weight * metrics["seq_aux_loss"]
+    if m_cfg.mtp_depth:  # V3: lambda / depth x sum over depths of each depth's loss, each divided by all T positions
+        metrics["mtp_loss"] = psum(mtp_sum, (DP, PP)) / (n_tokens * m_cfg.mtp_depth)
+        loss = loss + m_cfg.mtp_loss_weight * metrics["mtp_loss"]
+    return loss, metrics
+
+
+def sum_cotangents(cfg, tp):
+    """d loss / d (one device's sums), for a backward written by hand: loss_and_metrics
+    is linear in the sums, so these are constants. The 1/tp of the two balance losses
+    is loss_and_metrics' pmean over tp. Keys: ce, aux, seq_aux, mtp."""
+    m, t = cfg.model, cfg.train
+    n_tokens = t.batch_size * m.seq_len
+    n_moe = n_moe_layers(m)
+    groups = n_tokens // (m.routing_group or m.seq_len)
+    return dict(ce=1.0 / n_tokens,
+                aux=m.aux_loss_weight / (groups * n_moe * tp) if n_moe else 0.0,
+                seq_aux=m.seq_aux_loss_weight / (t.batch_size * n_moe * tp) if n_moe else 0.0,
+                mtp=m.mtp_loss_weight / (n_tokens * m.mtp_depth) if m.mtp_depth else 0.0)
+
+
+def metric_specs(cfg):
+    """out_specs of the metrics of a shard_map step: scalars replicated, per-block
+    statistics over pp (each stage has its blocks')."""
+    m = cfg.model
+    specs = dict(loss=P(), aux_loss=P(), grad_norm=P(), stats_N=P(PP))
+    if balancing(m):
+        specs["router_bias_NLE"] = P(PP)
+    if m.seq_aux_loss_weight > 0 and "M" in m.block_pattern:
+        specs["seq_aux_loss"] = P()
+    if m.mtp_depth:
+        specs["mtp_loss"] = P()
+    return specs
+
+
+# ----------------------------------------------------------------------------
+# The update
+
+
+def balancing(m_cfg):
+    return m_cfg.router_bias_rate > 0 and "M" in m_cfg.block_pattern
+
+
+def global_grad_norm(grads, specs):
+    """sqrt(sum of squares) over the whole mesh. Each shard's sum is psummed over the
+    axes that split that weight only: a replicated weight's gradient is identical on
+    every replica (shard_map already summed it), so it is counted once. (Global
+    arrays, under the automatic executor: a plain sum.)"""
+    total = jnp.zeros((), jnp.float32)
+    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        axes = tuple(a for entry in spec for a in axes_of(entry))
+        total += psum(jnp.sum(jnp.square(g.astype(jnp.float32))), axes)
+    return jnp.sqrt(total)
+
+
+def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_specs):
+    """Clip to the global norm, run the optimizer on the local shards (Muon needs the
+    shards' layout, `param_specs`), then move the router biases by the step's load.
+    Returns (params, opt_state, metrics with grad_norm and router biases)."""
+    grad_norm = global_grad_norm(grads, param_specs)
+    clip = cfg.train.grad_clip
+    if clip > 0:
+        scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
+        grads = jax.tree.map(lambda g: g * scale, grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params, param_specs=param_specs)
+    new_params = optax.apply_updates(params, updates)
+    metrics = dict(metrics, grad_norm=grad_norm)
+    m_cfg = cfg.model
+    if balancing(m_cfg):
+        # Outside the optimizer (whose update of a bias is exactly 0: zero gradient, no
+        # decay), the router biases follow the step's global load. That load was
+        # summed over dp, so the new bias is the same on every device and mesh.
+        blocks = balance_router_biases(new_params["blocks"], metrics["stats_N"]["tokens_per_expert_LE"],
+                                       m_cfg.router_bias_rate, m_cfg.block_pattern)
+        new_params = dict(new_params, blocks=blocks)
+        metrics["router_bias_NLE"] = router_biases(blocks, m_cfg.block_pattern)
+    return new_params, opt_state, metrics

@@ -1,0 +1,105 @@
+"""One step, every executor: with every DeepSeek-V3 option on (sigmoid router, bias
+balancing, the sequence-wise loss, group-limited routing, scaled routed output, MTP),
+each executor computes what one device computes (8 fake CPU devices, fp32).
+
+    1f1b and interleaved (hand-written backward) on dp2 x pp2 x tp2
+    auto (the compiler partitions it) on dp4 x tp2
+
+Compared with the GPipe executor on one device: the loss and its parts, every gradient
+leaf (before the optimizer, which would hide a leaf's scale), and after one whole step
+the grad norm, the router biases and every updated weight.
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import optimizers
+import parallel as par
+import train_steps
+from test_parallel import RTOL, assert_tree_close, initial_params, mesh_for, token_batch
+from utils import PRESETS, Config, apply_overrides
+
+CASES = [((2, 2, 2), "manual", "1f1b"), pytest.param(((2, 2, 2), "manual", "interleaved"), marks=pytest.mark.slow),
+         pytest.param(((4, 1, 2), "auto", "gpipe"), marks=pytest.mark.slow)]
+CASE_IDS = ["2x2x2-1f1b", "2x2x2-interleaved", "4x1x2-auto"]
+
+
+def v3_config(mesh_shape=(1, 1, 1), sharding="manual", pipeline="gpipe"):
+    """The deepseek_v3 preset, smaller in T, B and vocabulary, its blocks in a loop
+    (compiles faster); 4 blocks so that interleaved has 2 chunks per stage on pp = 2.
+    The automatic executor keeps pp = 1: its 4 dp rows take 2 microbatches of 2 rows
+    each (the same rows' sums in another order)."""
+    dp, pp, tp = mesh_shape
+    cfg = apply_overrides(Config(), PRESETS["deepseek_v3"])
+    return apply_overrides(cfg, {"model": dict(vocab_size=256, seq_len=32, n_blocks=4, dtype="float32", unroll_blocks=False),
+                                 "mesh": dict(dp=dp, pp=pp, tp=tp, sharding=sharding),
+                                 "train": dict(batch_size=8, microbatches=2 if dp == 4 else 4, pipeline=pipeline, virtual_stages=2)})
+
+
+def placed(cfg):
+    mesh = mesh_for(cfg)
+    par.check_config_fits_mesh(cfg, mesh)
+    graphdef, host_params = initial_params(cfg.model)
+    specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
+    return mesh, graphdef, jax.device_put(host_params, par.named(mesh, specs)), specs
+
+
+def executor_gradients(cfg):
+    """(loss, loss parts, gradients) of the executor cfg selects, on the host."""
+    mesh, graphdef, params, specs = placed(cfg)
+    executor = train_steps.executor_of(cfg)
+
+    def fn(params, tokens_bT1):
+        (loss, metrics), grads = executor.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
+        parts = {k: metrics[k] for k in ("loss", "aux_loss", "seq_aux_loss", "mtp_loss")}
+        return loss, parts, grads
+
+    specs_out = (P(), P(), specs)
+    step = jax.jit(train_steps.partition(fn, executor.MANUAL, mesh, (specs, par.batch_spec()), specs_out))
+    return jax.device_get(step(params, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size)))
+
+
+def whole_step(cfg):
+    """(metrics, params) after one train step (AdamW: Muon's equality has its own tests)."""
+    cfg = apply_overrides(cfg, {"train": dict(optimizer="adamw")})
+    mesh, graphdef, params, _ = placed(cfg)
+    optimizer = optimizers.make_optimizer(cfg.train)
+    opt_state = optimizers.init_opt_state(optimizer, params, mesh)
+    step = train_steps.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    params, _, metrics = step(params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size), jax.numpy.asarray(0))
+    return jax.device_get(metrics), jax.tree.map(np.asarray, params)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    one = v3_config()
+    return executor_gradients(one), whole_step(one)
+
+
+def trained_leaves(tree):
+    """The gradient leaves of trained weights (a router bias's gradient is 0 by design)."""
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if par.is_trained(par.weight_name(path))}
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_every_v3_feature_under_every_executor_equals_one_device(reference, case):
+    (ref_loss, ref_parts, ref_grads), (ref_metrics, ref_params) = reference
+    cfg = v3_config(*case)
+    loss, parts, grads = executor_gradients(cfg)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    for key, want in ref_parts.items():
+        assert want > 0, f"{key} is 0 in the reference: the preset no longer turns it on"
+        np.testing.assert_allclose(parts[key], want, rtol=RTOL, err_msg=key)
+    assert_tree_close(trained_leaves(grads), trained_leaves(ref_grads), what="gradient ")
+
+    metrics, params = whole_step(cfg)
+    for key in ("loss", "grad_norm", "seq_aux_loss", "mtp_loss"):
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=RTOL, err_msg=key)
+    np.testing.assert_array_equal(metrics["stats_N"]["tokens_per_expert"], ref_metrics["stats_N"]["tokens_per_expert"])
+    bias, ref_bias = metrics["router_bias_NLE"], ref_metrics["router_bias_NLE"]
+    assert np.abs(ref_bias).max() > 0  # the biases moved: balancing ran
+    np.testing.assert_allclose(bias, ref_bias, atol=1e-7)
+    assert_tree_close(params, ref_params, what="params ")
