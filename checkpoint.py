@@ -16,7 +16,8 @@ itself does not notice a flipped byte in an array file: it restores the wrong va
 
 A slim export (<dir>/params + <dir>/config.json) is params only, in bfloat16: about a
 sixth of a full checkpoint (2 bytes per weight instead of 4 + 4 + 4), for sampling and
-fine-tuning (GPT-J's "slim" weights).
+fine-tuning (GPT-J's "slim" weights). State no gradient trains (parallel.UNTRAINED: the
+router biases) stays float32: its 0.001 steps are below bfloat16's resolution near 1.
 """
 
 import json
@@ -158,6 +159,28 @@ def check_resume_config(saved_train, train_cfg, where):
                           f"or start another --run.name")
 
 
+# Settings a resume may change: they shape the steps still to come, not the meaning of
+# the saved state (momentum and Adam moments are valid state under other betas, decay
+# or clipping; the data position is step x batch size in any source). Changing one
+# mid-run is a deliberate move (lower the clip after a spike, switch the data for a
+# last phase), so a resume says which changed, in one line, and goes on; refusing
+# would only force a new --run.name. What does change the saved state's meaning
+# (model, seed, batch size, schedule, optimizer) is refused above.
+RESUMABLE_CHANGES = (("train", "muon_momentum"), ("train", "weight_decay"), ("train", "beta1"), ("train", "beta2"),
+                     ("train", "grad_clip"), ("data", "source"))
+
+
+def changed_settings(saved_config, train_cfg, data_cfg=None):
+    """'--train.weight_decay 0.1 -> 0.05, ...' for the RESUMABLE_CHANGES that differ
+    from the checkpoint's config (empty when none, or when it does not record them)."""
+    now = {"train": train_cfg, "data": data_cfg}
+    changes = [f"--{section}.{field} {saved_config[section][field]!r} -> {getattr(now[section], field)!r}"
+               for section, field in RESUMABLE_CHANGES
+               if now[section] is not None and field in saved_config.get(section, {})
+               and saved_config[section][field] != getattr(now[section], field)]
+    return ", ".join(changes)
+
+
 def check_fingerprint(expected, tree, what):
     """Raise if restored arrays differ from what was saved (a damaged file)."""
     if expected is None:  # written before fingerprints existed
@@ -197,10 +220,12 @@ def set_aside(manager, steps, suffix, log):
     manager.reload()
 
 
-def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=None, log=warn, train_cfg=None):
+def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=None, log=warn, train_cfg=None,
+                       data_cfg=None):
     """Restore (params, opt_state, meta) into the shardings of the given trees, or None
     when there is no checkpoint. With train_cfg, refuse a changed batch size or
-    learning-rate schedule (check_resume_config).
+    learning-rate schedule (check_resume_config), and say in one line which optimizer
+    settings (and, with data_cfg, data source) changed, then go on (RESUMABLE_CHANGES).
 
     `step` None = the latest. A checkpoint that fails to read or to match its
     fingerprint is reported, moved aside (<step>.unreadable) and the previous one is
@@ -239,6 +264,10 @@ def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=No
         if all_processes_agree(meta is not None):
             set_aside(manager, unreadable, "unreadable", log)
             set_aside(manager, later, "superseded", log)
+            changes = train_cfg is not None and changed_settings(meta["config"], train_cfg, data_cfg)
+            if changes:
+                log(f"resuming step {s} with changed settings: {changes} (the saved optimizer state carries over; "
+                    f"the steps from here use the new values)")
             return restored["params"], restored["opt_state"], meta
         log(f"WARNING: checkpoint step {s} in {manager.directory} could not be restored "
             f"({type(error).__name__}: {str(error)[:500]}); falling back to the previous checkpoint")
@@ -284,7 +313,9 @@ def restore_params(path, params, model_cfg, log=warn):
     if kind == "export":
         with open(os.path.join(path, "config.json")) as f:
             check_model_config(json.load(f)["model"], model_cfg, path)
-        restored = ocp.StandardCheckpointer().restore(os.path.join(path, "params"), abstract_like(params, jnp.bfloat16))
+        abstract = jax.tree.map(lambda a, dtype: jax.ShapeDtypeStruct(a.shape, dtype, sharding=a.sharding), params,
+                                slim_dtypes(params))
+        restored = ocp.StandardCheckpointer().restore(os.path.join(path, "params"), abstract)
         return jax.tree.map(lambda a: a.astype(jnp.float32), restored)
     manager = reader(path)
     for s in sorted(manager.all_steps(), reverse=True):
@@ -314,14 +345,22 @@ def restore_params(path, params, model_cfg, log=warn):
 # Slim export
 
 
+def slim_dtypes(params):
+    """The dtype of each leaf in a slim export: bfloat16, but float32 for untrained state."""
+    from parallel import UNTRAINED, weight_name
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.float32 if weight_name(path) in UNTRAINED else jnp.bfloat16, params)
+
+
 def export_slim(params, config_dict, out_dir):
-    """Write params in bfloat16 + config.json: the small artefact to share."""
+    """Write params in bfloat16 (untrained state in float32) + config.json: the small artefact to share."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.join(out_dir, "params"), jax.tree.map(lambda a: a.astype(jnp.bfloat16), params))
+    checkpointer.save(os.path.join(out_dir, "params"), jax.tree.map(lambda a, dtype: a.astype(dtype), params, slim_dtypes(params)))
     checkpointer.wait_until_finished()
     if jax.process_index() == 0:
         with open(os.path.join(out_dir, "config.json"), "w") as f:

@@ -1,6 +1,6 @@
 """Tokenizers and the token-shard reader (local directory or gs://bucket/prefix).
 
-A data directory holds `manifest.json` and `.npy` token shards (see DESIGN.md):
+A data directory holds `manifest.json` and `.npy` token shards (see docs/data.md):
 
     {"format": 1, "tokenizer": "bytes", "vocab_size": 257, "eot_id": 256, "dtype": "uint16",
      "splits": {"train": [{"file": "train_000000.npy", "tokens": 1000000, "sha256": "..."}, ...],

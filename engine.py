@@ -123,13 +123,14 @@ def key_data(seed):
 
 def place_weights(state, tp_devices=None):
     """The weights on one device, or with tp_devices (a list of n), split over them as
-    training's tensor parallelism splits them (parallel.WEIGHT_SPECS' TP dims: heads,
+    training's tensor parallelism splits them (weights.WEIGHTS' TP dims: heads,
     hidden units, vocabulary rows; the rest replicated). Then jit partitions every step
     (GSPMD) and adds the all-reduces; the latent KV cache has no head dim, so it is
     replicated. Plain arrays first: a sharded array keeps its mesh's axis types."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import parallel as par
+    from weights import row
 
     plain = jax.tree.map(np.asarray, state.to_pure_dict())
     if not tp_devices or len(tp_devices) == 1:
@@ -138,7 +139,7 @@ def place_weights(state, tp_devices=None):
 
     def sharding(path, leaf):
         name = par.weight_name(path)
-        dims = tuple(par.TP if d == par.TP else None for d in par.WEIGHT_SPECS[name])
+        dims = tuple(par.TP if d == par.TP else None for d in row(name).dims)
         return NamedSharding(mesh, P(*((None,) * (leaf.ndim - len(dims)) + dims)))  # stacked: N leads
 
     return nnx.State(jax.device_put(plain, jax.tree_util.tree_map_with_path(sharding, plain)))
@@ -291,7 +292,14 @@ class Engine:
             seq.emit(("done", "cancelled"))
 
     def admit(self):
-        """Waiting sequences take free slots: a fresh key and a prefill each."""
+        """Waiting sequences take free slots: a fresh key and a prefill each. Cancelled
+        ones (their client went away) leave the queue at once, slots free or not."""
+        with self.wakeup:
+            cancelled = [seq for seq in self.waiting if seq.cancelled]
+            if cancelled:
+                self.waiting = collections.deque(seq for seq in self.waiting if not seq.cancelled)
+        for seq in cancelled:
+            seq.emit(("done", "cancelled"))
         for i in range(self.n_slots):
             if self.slots[i] is not None:
                 continue

@@ -2,22 +2,30 @@
 
 The model here is arithmetically a DeepSeek-V3 (MLA attention with decoupled RoPE,
 shared + routed SwiGLU experts, RMSNorm, tied embedding), so a run leaves the repo as a
-directory that transformers loads with its own, built-in classes (no remote code),
-through `AutoModelForCausalLM.from_pretrained` for the first two rows:
+directory that `AutoModelForCausalLM.from_pretrained` loads: with transformers' own,
+built-in classes where one computes the model, else with a short subclass of its
+DeepseekV3 that the export writes beside the weights (modeling_meshformer.py, loaded
+with trust_remote_code=True; config.json's auto_map points at it):
 
-  router_score sigmoid (or no MoE layer) -> deepseek_v3 (DeepseekV3ForCausalLM, AutoModelForCausalLM)
-  router_score softmax, top_k 1           -> deepseek_v2 (DeepseekV2ForCausalLM, AutoModelForCausalLM)
-  router_score softmax, top_k > 1         -> mistral4    (Mistral4ForCausalLM; not AutoModelForCausalLM)
+  dense layers first only (D...DM...M), and
+    router_score sigmoid (or no MoE layer) -> deepseek_v3 (DeepseekV3ForCausalLM)
+    router_score softmax, top_k 1           -> deepseek_v2 (DeepseekV2ForCausalLM)
+  anything else (the default run's DM x 2 with a softmax top-2 router; moe1b's
+  DDDDDM x 8)                               -> meshformer  (MeshformerForCausalLM, remote code)
 
-Why three: transformers' DeepseekV3 router always scores experts with a sigmoid. Its
+Why: transformers' DeepseekV3 router always scores experts with a sigmoid. Its
 DeepseekV2 scores with a softmax but never renormalises the top k (its router deletes
 norm_topk_prob: gate = softmax score x routed_scaling_factor), which is ours only when
-k = 1, where our gate is the raw score too. Its Mistral4 is the same architecture (MLA,
-shared experts, dense-first layers) with softmax scores renormalised over the top k,
-exactly this repo's softmax router, but transformers 5.24 maps it to
-AutoModelForImageTextToText, not AutoModelForCausalLM.
+k = 1, where our gate is the raw score too. Both put dense layers only first
+(first_k_dense_replace). Mistral4 renormalises softmax scores, but is dense-first too and
+transformers 5.24 leaves it out of AutoModelForCausalLM (so out of `lm_eval --model hf`).
+modeling_meshformer.py adds the two missing pieces (a per-layer dense/MoE list,
+`mlp_layer_types`; a softmax or sigmoid router with the top k renormalised) and reuses
+everything else of transformers' DeepseekV3; its model_type is not deepseek_v3, so
+without trust_remote_code transformers refuses it rather than compute another model.
 
-How the pieces map (ours -> HF, per layer l = block n x len(pattern) + position i):
+How the pieces map (ours -> HF, per layer l = block n x len(pattern) + position i; the
+names and layouts are the rows of weights.WEIGHTS, under HF_MODULES):
 
   wq_down_DQ                    q_a_proj [Q, D]            (transposed: torch stores [out, in])
   wq_up_QHK | wq_rope_QHR       q_b_proj [H (K + R), Q]    per head: K content dims, then R RoPE dims
@@ -33,15 +41,21 @@ pairs (it writes them out de-interleaved, to queries and keys alike, which leave
 score unchanged), and DeepseekV2 rotates them as complex numbers in place, so RoPE
 weights copy as they are. Softmax scale 1/sqrt(K + R) on all three.
 
+Routing fields: config.json states every one DeepSeek's own has (scoring_func,
+topk_method, norm_topk_prob, n_group, topk_group, routed_scaling_factor,
+first_k_dense_replace, moe_layer_freq, rope_theta), since vLLM reads some with other
+defaults than transformers (scoring_func defaults to softmax there).
+
 Vocabulary: the exported vocab_size is our padded one, so HF's logits and loss are ours
 over every row; generation_config.json suppresses the padding ids, as our sampler does.
 
 Capacity: HF never drops tokens, so an export equals our dropless forward
 (capacity_factor 0, and decoding), not a capacity-dropping training step.
 
-Layers: HF puts dense layers only first (`first_k_dense_replace`). Our model stacks
-n_blocks copies of one block pattern, so the layouts that export are: every layer dense
-(pattern of D), every layer MoE (pattern of M), or one block whose pattern is D...DM...M.
+Experts: per-expert tensors (experts.{e}.gate_proj...) for deepseek_v3 and deepseek_v2, as
+DeepSeek's own checkpoints have them (transformers fuses them on load); fused ones
+(experts.gate_up_proj, experts.down_proj) for meshformer, as its classes store them
+(transformers converts names for its own model types only, not for remote code).
 """
 
 import dataclasses
@@ -53,16 +67,21 @@ import shutil
 import jax
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
-from model import padded_vocab
+from model import Transformer, padded_vocab
 from utils import ConfigError
+from weights import WEIGHTS, row
 
 HF_PREFIX = "hf:"
-ARCHITECTURES = {  # model_type -> (class, the router score it computes); see architecture_of
+ARCHITECTURES = {  # model_type -> (class, the router score it computes; None: config.json's scoring_func)
     "deepseek_v3": ("DeepseekV3ForCausalLM", "sigmoid"),
     "deepseek_v2": ("DeepseekV2ForCausalLM", "softmax"),
-    "mistral4": ("Mistral4ForCausalLM", "softmax"),
+    "mistral4": ("Mistral4ForCausalLM", "softmax"),  # imported, never exported (not in AutoModelForCausalLM)
+    "meshformer": ("MeshformerForCausalLM", None),  # remote code: REMOTE_CODE, written beside the weights
 }
+REMOTE_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_meshformer.py")
+MLP_LAYER_TYPES = {"D": "dense", "M": "sparse"}  # our layer kinds -> transformers' mlp_layer_types
 RMS_EPS = 1e-6  # model.RMSNorm's
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 # Fields of our ModelConfig that no HF field carries, kept in config.json under this key
@@ -86,17 +105,9 @@ def layer_kinds(m):
 
 
 def check_exportable(m):
-    """Raise ConfigError for a model HF's classes cannot express, saying what would export."""
+    """Raise ConfigError for a model HF's classes cannot express, saying what would export.
+    Every layer layout exports (architecture_of picks the class)."""
     kinds = layer_kinds(m)
-    n_dense = len(kinds) - len(kinds.lstrip("D"))
-    if "D" in kinds[n_dense:]:
-        L = len(kinds)
-        raise ConfigError(
-            f"the layers are {kinds} (--model.n_blocks {m.n_blocks} x --model.block_pattern {m.block_pattern}); "
-            f"HF's DeepseekV3 puts dense layers only first (first_k_dense_replace), so this model cannot be exported. "
-            f"Layouts that export: --model.block_pattern M (every layer MoE) or D (every layer dense) with any "
-            f"--model.n_blocks, or --model.n_blocks 1 --model.block_pattern {'D' * kinds.count('D') + 'M' * kinds.count('M')} "
-            f"(the same {L} layers, dense first)")
     if "D" in kinds and m.ffn_activation != "swiglu":
         raise ConfigError(f"--model.ffn_activation {m.ffn_activation}: HF's DeepseekV3 dense layers are SwiGLU; "
                           "train with --model.ffn_activation swiglu to export")
@@ -115,6 +126,7 @@ def to_hf_config(m, tokenizer, dtype):
     check_exportable(m)
     kinds = layer_kinds(m)
     model_type, architecture = architecture_of(m)
+    score = ARCHITECTURES[model_type][1] or m.router_score
     config = dict(
         architectures=[architecture], model_type=model_type, dtype=dtype,
         vocab_size=padded_vocab(m.vocab_size, m.vocab_multiple), hidden_size=m.d_model,
@@ -129,44 +141,43 @@ def to_hf_config(m, tokenizer, dtype):
         # Ours renormalises the top-k scores to sum to 1, except with one expert, whose
         # gate is its raw score (DeepseekV2 ignores the field: it exports only k = 1).
         norm_topk_prob=m.top_k > 1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+        # Every routing field DeepSeek's own config.json states, so that a loader that
+        # reads them with other defaults (vLLM: getattr(config, "scoring_func",
+        # "softmax"), layer_idx % moe_layer_freq) routes as we do. noaux_tc: top k of the
+        # score plus e_score_correction_bias (written, zeros); greedy: top k of the score.
+        scoring_func=score, topk_method="noaux_tc" if score == "sigmoid" else "greedy",
+        moe_layer_freq=1, rope_theta=m.rope_theta,
         max_position_embeddings=m.seq_len, rms_norm_eps=RMS_EPS, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=tokenizer.eot_id, pad_token_id=None, use_cache=True,
         initializer_range=0.02,
     )
-    if model_type == "deepseek_v3":
-        config.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-                      num_nextn_predict_layers=0)
-    elif model_type == "deepseek_v2":  # "default" RoPE spans head_dim, which its config sets to qk_rope_head_dim
-        config.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, topk_method="greedy",
-                      mlp_bias=False)
+    # "default" RoPE spans head_dim, which both configs set to qk_rope_head_dim
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if model_type == "deepseek_v2":
+        config["mlp_bias"] = False
     else:
-        # Mistral4's "default" RoPE would take its frequencies over the whole head (K + R);
-        # "linear" with factor 1 honours partial_rotary_factor, i.e. spans the R RoPE dims
-        # only, and changes nothing else. llama_4_scaling_beta 0: no position-dependent
-        # query scale.
-        config["rope_parameters"] = {"rope_type": "linear", "factor": 1.0, "rope_theta": m.rope_theta,
-                                     "partial_rotary_factor": rope_fraction(m.head_dim, m.rope_dim),
-                                     "llama_4_scaling_beta": 0.0, "original_max_position_embeddings": m.seq_len}
+        config["num_nextn_predict_layers"] = 0
+    if model_type == "meshformer":  # modeling_meshformer.py: DeepseekV3 with any layer layout and router
+        stem = os.path.splitext(os.path.basename(REMOTE_CODE))[0]
+        config.update(auto_map={"AutoConfig": f"{stem}.MeshformerConfig", "AutoModelForCausalLM": f"{stem}.MeshformerForCausalLM"},
+                      mlp_layer_types=[MLP_LAYER_TYPES[kind] for kind in kinds])
     config[OURS_KEY] = {k: getattr(m, k) for k in OURS_FIELDS}
     return config
 
 
 def architecture_of(m):
-    """(model_type, class) of the export: the one transformers class that computes this
-    router (module docstring). A model without MoE layers has no router: deepseek_v3."""
-    if "M" not in layer_kinds(m) or m.router_score == "sigmoid":
+    """(model_type, class) of the export: the built-in transformers class that computes
+    this layout and router, else our remote code (module docstring). A model without
+    MoE layers has no router: deepseek_v3."""
+    kinds = layer_kinds(m)
+    dense_first = "D" not in kinds.lstrip("D")
+    if "M" not in kinds or (dense_first and m.router_score == "sigmoid"):
         model_type = "deepseek_v3"
+    elif dense_first and m.router_score == "softmax" and m.top_k == 1:
+        model_type = "deepseek_v2"
     else:
-        model_type = "deepseek_v2" if m.top_k == 1 else "mistral4"
+        model_type = "meshformer"
     return model_type, ARCHITECTURES[model_type][0]
-
-
-def rope_fraction(head_dim, rope_dim):
-    """partial_rotary_factor p with int((K + R) * p) == R exactly (transformers truncates)."""
-    p = rope_dim / (head_dim + rope_dim)
-    while int((head_dim + rope_dim) * p) < rope_dim:
-        p = math.nextafter(p, 1.0)
-    return p
 
 
 # ----------------------------------------------------------------------------
@@ -191,7 +202,12 @@ def from_hf_config(hf, m):
         if not ok:
             raise ConfigError(f"cannot import: config.json field {field} = {hf.get(field)!r}: {why}")
 
-    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+    # As transformers reads it (PreTrainedConfig.convert_rope_params_to_dict): the legacy
+    # `rope_scaling` (transformers 4.x's and DeepSeek's own configs) wins over
+    # `rope_parameters`, and rope_theta may sit beside it at the top level.
+    rope_field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = dict(hf.get(rope_field) or {"rope_type": "default"})
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     L, k = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 0)
     need(hf.get("q_lora_rank") is not None, "q_lora_rank", "this model always has a query latent (MLA's low-rank query)")
@@ -206,13 +222,26 @@ def from_hf_config(hf, m):
     need(math.isclose(hf.get("rms_norm_eps", RMS_EPS), RMS_EPS), "rms_norm_eps", f"RMSNorm here uses eps {RMS_EPS}")
     need(hf.get("rope_interleave", True), "rope_interleave", "RoPE here rotates interleaved pairs (x[2i], x[2i+1])")
     if model_type != "mistral4":
-        need(rope_type == "default", "rope_parameters", f"rope_type {rope_type!r}: RoPE here is unscaled (no YaRN)")
+        need(rope_type == "default", rope_field, f"rope_type {rope_type!r}: RoPE here is unscaled (no YaRN)")
     else:
         need(rope_type in ("default", "linear") and rope.get("factor", 1.0) == 1.0 and not rope.get("llama_4_scaling_beta"),
-             "rope_parameters", "RoPE here is unscaled (no YaRN, no llama-4 query scaling)")
-    moe = k < L
+             rope_field, "RoPE here is unscaled (no YaRN, no llama-4 query scaling)")
+    kinds = "D" * k + "M" * (L - k)
+    if model_type == "meshformer":  # our remote code: any layout, either score
+        by_type = {v: kind for kind, v in MLP_LAYER_TYPES.items()}
+        layer_types = hf.get("mlp_layer_types") or []
+        need(len(layer_types) == L and all(t in by_type for t in layer_types), "mlp_layer_types",
+             f"one of {', '.join(by_type)} per layer ({L} layers)")
+        kinds = "".join(by_type[t] for t in layer_types)
+    score = ARCHITECTURES[model_type][1] or hf.get("scoring_func", "softmax")
+    moe = "M" in kinds
     if moe:
         top_k = hf["num_experts_per_tok"]
+        if ARCHITECTURES[model_type][1]:
+            need(hf.get("scoring_func", score) == score, "scoring_func", f"{model_type}'s class in transformers scores "
+                 f"experts with a {score}; a config that says otherwise is read one way by transformers, another by vLLM")
+        else:
+            need(score in ("softmax", "sigmoid"), "scoring_func", "routers here score with a softmax or a sigmoid")
         need(hf.get("routed_scaling_factor", 1.0) == 1.0, "routed_scaling_factor", "routed expert outputs here are not "
              "rescaled (DeepSeek-V3 routing options are not in this model yet)")
         need(hf.get("n_group", 1) in (1, None) or hf.get("topk_group") == hf.get("n_group"), "n_group",
@@ -224,11 +253,10 @@ def from_hf_config(hf, m):
         else:
             need(bool(hf.get("norm_topk_prob", True)) == (top_k > 1), "norm_topk_prob", "gates here are renormalised "
                  "over the top k when k > 1 and are the raw score when k = 1")
-    kinds = "D" * k + "M" * (L - k)
     ours = hf.get(OURS_KEY, {})
     if ours and ours.get("block_pattern", "") * ours.get("n_blocks", 0) == kinds:
         n_blocks, pattern = ours["n_blocks"], ours["block_pattern"]  # our own export: the same grouping
-    elif k in (0, L):
+    elif len(set(kinds)) == 1:
         n_blocks, pattern = L, kinds[0]  # one layer per block, so the pipeline can split them anywhere
     else:
         n_blocks, pattern = 1, kinds
@@ -240,7 +268,7 @@ def from_hf_config(hf, m):
         head_dim=hf["qk_nope_head_dim"], rope_dim=hf["qk_rope_head_dim"], q_latent=hf["q_lora_rank"],
         kv_latent=hf["kv_lora_rank"], rope_theta=float(rope.get("rope_theta", 10000.0)), n_blocks=n_blocks,
         block_pattern=pattern, d_ff=hf.get("intermediate_size", m.d_ff), ffn_activation="swiglu",
-        router_score=ARCHITECTURES[model_type][1],
+        router_score=score,
         # HF's norm weight kept as it is, bit for bit (times 1/sqrt(D) it would not map
         # back); our own export says which way its model had it.
         final_norm_folded=ours.get("final_norm_folded", not ours))
@@ -295,62 +323,114 @@ def final_norm_in(weight_D, m):
     return (weight_D.astype(np.float64) * math.sqrt(m.d_model)).astype(np.float32)
 
 
+# Our module names -> HF's (DeepseekV3's modeling code). Each weight's own tensor name
+# under its module, and how it is laid out there, is its row in weights.WEIGHTS.
+HF_MODULES = {"attn_norm": "input_layernorm", "attn": "self_attn", "q_norm": "q_a_layernorm", "kv_norm": "kv_a_layernorm",
+              "ffn_norm": "post_attention_layernorm", "ffn": "mlp", "shared": "shared_experts", "final_norm": "norm"}
+
+
+def hf_name(keys, prefix, fused_experts=False):
+    """The HF tensor of our weight at `keys` (module names, then the weight name) under
+    `prefix` ("model." or "model.layers.{l}."); routed experts' names hold `{e}`
+    unless fused_experts (one tensor for all experts)."""
+    hf = row(keys[-1]).hf
+    tensor = hf.fused if fused_experts and hf.fused else hf.name
+    return prefix + ".".join([*(HF_MODULES[k] for k in keys[:-1]), tensor])
+
+
+def hf_layout(tree, prefix, fused_experts):
+    """{HF tensor: [keys of our weights in it]} for a dict of our weights (one layer's, or
+    the top level's), the weights of one tensor in table order (concatenated along their
+    last dim)."""
+    layout = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = tuple(k.key for k in path)
+        layout.setdefault(hf_name(keys, prefix, fused_experts), []).append(keys)
+    order = list(WEIGHTS)
+    return {name: sorted(parts, key=lambda keys: order.index(keys[-1])) for name, parts in layout.items()}
+
+
+def torch_shape(shape, weight):
+    """HF's shape for ours: [E.., out, in] (nn.Linear's [out, in]) for a weight with
+    fan-in dims, whose fan-in and fan-out dims flatten into `in` and `out`."""
+    if weight.fan_in is None:
+        return tuple(shape)
+    b = int(weight.routed)
+    return (*shape[:b], math.prod(shape[b + weight.fan_in:]), math.prod(shape[b:b + weight.fan_in]))
+
+
+def to_hf_tensors(tree, prefix, fused_experts):
+    """{HF name: array} of a dict of our weights (numpy, no N dim)."""
+    out = {}
+    for name, parts in hf_layout(tree, prefix, fused_experts).items():
+        weight = row(parts[0][-1])
+        x = np.concatenate([leaf_at(tree, keys) for keys in parts], -1)
+        if weight.fan_in is not None:  # ours [E.., in.., out..] -> torch's [E.., out, in]
+            out_size, in_size = torch_shape(x.shape, weight)[-2:]
+            x = np.swapaxes(x.reshape(*x.shape[:int(weight.routed)], in_size, out_size), -1, -2)
+        if "{e}" in name:  # one tensor per expert
+            out |= {name.format(e=e): x[e] for e in range(x.shape[0])}
+        else:
+            out[name] = x
+    return out
+
+
+def from_hf_tensors(shapes, prefix, get, fused_experts):
+    """Our weights (a dict like `shapes`, a dict of ShapeDtypeStructs without N) from the
+    HF tensors under `prefix`; the inverse of to_hf_tensors. get(name): HF's tensor."""
+    out = {}
+    for name, parts in hf_layout(shapes, prefix, fused_experts).items():
+        weight = row(parts[0][-1])
+        part_shapes = [leaf_at(shapes, keys).shape for keys in parts]
+        whole = (*part_shapes[0][:-1], sum(s[-1] for s in part_shapes))  # ours, before the split
+        x = np.stack([get(name.format(e=e)) for e in range(whole[0])]) if "{e}" in name else get(name)
+        if x.shape != torch_shape(whole, weight):
+            raise ConfigError(f"{name} has shape {x.shape} in the checkpoint; this model's is {torch_shape(whole, weight)}")
+        x = (np.swapaxes(x, -1, -2) if weight.fan_in is not None else x).reshape(whole)
+        for keys, part in zip(parts, np.split(x, np.cumsum([s[-1] for s in part_shapes])[:-1], axis=-1)):
+            node = out
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = part
+    return out
+
+
+def leaf_at(tree, keys):
+    for k in keys:
+        tree = tree[k]
+    return tree
+
+
 def to_hf_state(params, m, dtype=np.float32):
     """{HF name: array} from our params (a pure dict of host arrays, the stacked blocks'
     leading axis N included). Per-expert names (experts.{e}.gate_proj...) for
     deepseek_v3 and deepseek_v2, as DeepSeek's own checkpoints and vLLM/SGLang have them;
-    mistral4's fused expert tensors, as its transformers class stores them."""
+    meshformer's fused expert tensors, as its (remote-code) class stores them.
+    Multi-token prediction modules are not exported (num_nextn_predict_layers 0)."""
     check_exportable(m)
-    H, K, R, Q, A, D = m.n_heads, m.head_dim, m.rope_dim, m.q_latent, m.kv_latent, m.d_model
+    D = m.d_model
     model_type = architecture_of(m)[0]
-    fused_experts = model_type == "mistral4"
-    out = {"model.embed_tokens.weight": params["embed_VD"]}
+    fused_experts = model_type == "meshformer"
+    top = {"embed_VD": params["embed_VD"], "final_norm": {"scale_D": final_norm_out(params["final_norm"]["scale_D"], m, dtype)}}
+    out = to_hf_tensors(top, "model.", fused_experts)
     P = len(m.block_pattern)
     for n in range(m.n_blocks):
         for i, kind in enumerate(m.block_pattern):
             w = jax.tree.map(lambda a: np.asarray(a[n]), params["blocks"]["layers"][i])
-            at = w["attn"]
             L = f"model.layers.{n * P + i}."
-            out |= {
-                L + "input_layernorm.weight": w["attn_norm"]["scale_D"],
-                L + "post_attention_layernorm.weight": w["ffn_norm"]["scale_D"],
-                L + "self_attn.q_a_proj.weight": at["wq_down_DQ"].T,
-                L + "self_attn.q_a_layernorm.weight": at["q_norm"]["scale_D"],
-                L + "self_attn.q_b_proj.weight": np.concatenate([at["wq_up_QHK"], at["wq_rope_QHR"]], -1).reshape(Q, H * (K + R)).T,
-                L + "self_attn.kv_a_proj_with_mqa.weight": np.concatenate([at["wkv_down_DA"], at["wk_rope_DR"]], 1).T,
-                L + "self_attn.kv_a_layernorm.weight": at["kv_norm"]["scale_D"],
-                L + "self_attn.kv_b_proj.weight": np.concatenate([at["wk_up_AHK"], at["wv_up_AHK"]], -1).reshape(A, H * 2 * K).T,
-                L + "self_attn.o_proj.weight": at["wo_HKD"].reshape(H * K, D).T,
-            }
-            f = w["ffn"]
-            if kind == "D":
-                out |= {L + "mlp.gate_proj.weight": f["w_gate_DF"].T, L + "mlp.up_proj.weight": f["w_up_DF"].T,
-                        L + "mlp.down_proj.weight": f["w_down_FD"].T}
-                continue
-            out[L + "mlp.gate.weight"] = f["router_DE"].T
-            if model_type == "deepseek_v3":  # selection bias (ours would be router_bias_rate > 0, refused above)
-                out[L + "mlp.gate.e_score_correction_bias"] = np.zeros((m.n_experts,), np.float32)
-            if not fused_experts:
-                for e in range(m.n_experts):
-                    E = f"{L}mlp.experts.{e}."
-                    out |= {E + "gate_proj.weight": f["w_gate_EDF"][e].T, E + "up_proj.weight": f["w_up_EDF"][e].T,
-                            E + "down_proj.weight": f["w_down_EFD"][e].T}
-            else:
-                out[L + "mlp.experts.gate_up_proj"] = np.concatenate([f["w_gate_EDF"], f["w_up_EDF"]], -1).transpose(0, 2, 1)
-                out[L + "mlp.experts.down_proj"] = f["w_down_EFD"].transpose(0, 2, 1)
-            shared = f.get("shared") or {"w_gate_DF": np.zeros((D, 0), np.float32), "w_up_DF": np.zeros((D, 0), np.float32),
-                                         "w_down_FD": np.zeros((0, D), np.float32)}
-            out |= {L + "mlp.shared_experts.gate_proj.weight": shared["w_gate_DF"].T,
-                    L + "mlp.shared_experts.up_proj.weight": shared["w_up_DF"].T,
-                    L + "mlp.shared_experts.down_proj.weight": shared["w_down_FD"].T}
-    out["model.norm.weight"] = final_norm_out(params["final_norm"]["scale_D"], m, dtype)
+            if kind == "M" and "shared" not in w["ffn"]:  # HF's MoE layers always have shared experts: none = width 0
+                w["ffn"]["shared"] = {"w_gate_DF": np.zeros((D, 0), np.float32), "w_up_DF": np.zeros((D, 0), np.float32),
+                                      "w_down_FD": np.zeros((0, D), np.float32)}
+            out |= to_hf_tensors(w, L, fused_experts)
+            if kind == "M" and model_type != "deepseek_v2":  # its selection bias (ours, router_bias_rate > 0, is refused above)
+                out[hf_name(("ffn", "router_bias_E"), L)] = np.zeros((m.n_experts,), np.float32)
     return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in out.items()}
 
 
 def from_hf_state(tensors, m):
     """Our params (pure dict of float32 numpy arrays, stacked blocks) from an HF state
     dict; the inverse of `to_hf_state`. Accepts per-expert and fused expert tensors."""
-    H, K, R, Q, A, D = m.n_heads, m.head_dim, m.rope_dim, m.q_latent, m.kv_latent, m.d_model
+    shapes = nnx.state(nnx.eval_shape(lambda: Transformer(m, nnx.Rngs(0)))).to_pure_dict()  # no allocation
     used = set()
 
     def get(name):
@@ -359,55 +439,24 @@ def from_hf_state(tensors, m):
         used.add(name)
         return np.asarray(tensors[name], np.float32)
 
-    def layer(l, kind):
+    def layer(l, layer_shapes):
         L = f"model.layers.{l}."
-        q_b = get(L + "self_attn.q_b_proj.weight").T.reshape(Q, H, K + R)
-        kv_a = get(L + "self_attn.kv_a_proj_with_mqa.weight").T
-        kv_b = get(L + "self_attn.kv_b_proj.weight").T.reshape(A, H, 2 * K)
-        w = {"attn_norm": {"scale_D": get(L + "input_layernorm.weight")},
-             "ffn_norm": {"scale_D": get(L + "post_attention_layernorm.weight")},
-             "attn": {"wq_down_DQ": get(L + "self_attn.q_a_proj.weight").T,
-                      "q_norm": {"scale_D": get(L + "self_attn.q_a_layernorm.weight")},
-                      "wq_up_QHK": q_b[..., :K], "wq_rope_QHR": q_b[..., K:],
-                      "wkv_down_DA": kv_a[:, :A], "wk_rope_DR": kv_a[:, A:],
-                      "kv_norm": {"scale_D": get(L + "self_attn.kv_a_layernorm.weight")},
-                      "wk_up_AHK": kv_b[..., :K], "wv_up_AHK": kv_b[..., K:],
-                      "wo_HKD": get(L + "self_attn.o_proj.weight").T.reshape(H, K, D)}}
-        if kind == "D":
-            w["ffn"] = {"w_gate_DF": get(L + "mlp.gate_proj.weight").T, "w_up_DF": get(L + "mlp.up_proj.weight").T,
-                        "w_down_FD": get(L + "mlp.down_proj.weight").T}
-            return w
-        bias = L + "mlp.gate.e_score_correction_bias"
-        if bias in tensors:
-            if np.any(get(bias) != 0):
-                raise ConfigError(f"cannot import: {bias} is not zero: selecting experts with a score bias "
-                                  "(DeepSeek-V3's aux-loss-free balancing) is not in this model yet")
-        if L + "mlp.experts.gate_up_proj" in tensors:
-            gate_up = get(L + "mlp.experts.gate_up_proj").transpose(0, 2, 1)
-            F = gate_up.shape[-1] // 2
-            gate, up, down = gate_up[..., :F], gate_up[..., F:], get(L + "mlp.experts.down_proj").transpose(0, 2, 1)
-        else:
-            E = range(m.n_experts)
-            gate = np.stack([get(f"{L}mlp.experts.{e}.gate_proj.weight").T for e in E])
-            up = np.stack([get(f"{L}mlp.experts.{e}.up_proj.weight").T for e in E])
-            down = np.stack([get(f"{L}mlp.experts.{e}.down_proj.weight").T for e in E])
-        w["ffn"] = {"router_DE": get(L + "mlp.gate.weight").T, "w_gate_EDF": gate, "w_up_EDF": up, "w_down_EFD": down}
-        if m.n_shared:
-            w["ffn"]["shared"] = {"w_gate_DF": get(L + "mlp.shared_experts.gate_proj.weight").T,
-                                  "w_up_DF": get(L + "mlp.shared_experts.up_proj.weight").T,
-                                  "w_down_FD": get(L + "mlp.shared_experts.down_proj.weight").T}
-        return w
+        bias = hf_name(("ffn", "router_bias_E"), L)
+        if bias in tensors and np.any(get(bias) != 0):
+            raise ConfigError(f"cannot import: {bias} is not zero: selecting experts with a score bias "
+                              "(DeepSeek-V3's aux-loss-free balancing) is not in this model yet")
+        fused_only = hf_layout(layer_shapes, L, True).keys() - hf_layout(layer_shapes, L, False).keys()
+        return from_hf_tensors(layer_shapes, L, get, fused_experts=any(name in tensors for name in fused_only))
 
     P = len(m.block_pattern)
-    layers = [[layer(n * P + i, kind) for n in range(m.n_blocks)] for i, kind in enumerate(m.block_pattern)]
-    stacked = [jax.tree.map(lambda *xs: np.stack(xs), *per_block) for per_block in layers]
-    embed = get("model.embed_tokens.weight")
-    V = padded_vocab(m.vocab_size, m.vocab_multiple)
-    if embed.shape[0] != V:
-        raise ConfigError(f"the checkpoint's embedding has {embed.shape[0]} rows, the model {V}")
-    params = {"embed_VD": embed, "final_norm": {"scale_D": final_norm_in(tensors["model.norm.weight"], m)},
+    stacked = []
+    for i in range(P):
+        layer_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"]["layers"][i])
+        per_block = [layer(n * P + i, layer_shapes) for n in range(m.n_blocks)]
+        stacked.append(jax.tree.map(lambda *xs: np.stack(xs), *per_block))
+    top = from_hf_tensors({"embed_VD": shapes["embed_VD"], "final_norm": shapes["final_norm"]}, "model.", get, False)
+    params = {"embed_VD": top["embed_VD"], "final_norm": {"scale_D": final_norm_in(top["final_norm"]["scale_D"], m)},
               "blocks": {"layers": {i: w for i, w in enumerate(stacked)}}}
-    used.add("model.norm.weight")
     # Multi-token-prediction layers (DeepSeek-V3's extra layers after the last) and an
     # untied lm_head copy are not next-token weights of this model.
     n_layers = m.n_blocks * P
@@ -516,8 +565,10 @@ def bytes_to_unicode():
 
 
 def write_hf_dir(out_dir, params, m, tokenizer, dtype="float32"):
-    """The whole export: config.json, model.safetensors, generation_config.json and the
-    tokenizer (tokenizer.json + tokenizer_config.json). `params`: host arrays."""
+    """The whole export: config.json, model.safetensors, generation_config.json, the
+    tokenizer (tokenizer.json + tokenizer_config.json) and, for a model no built-in
+    transformers class computes, modeling_meshformer.py (config.json's auto_map names
+    it). `params`: host arrays."""
     from safetensors.numpy import save_file
 
     if dtype not in EXPORT_DTYPES:
@@ -535,6 +586,8 @@ def write_hf_dir(out_dir, params, m, tokenizer, dtype="float32"):
     for name, content in (("config.json", config), ("generation_config.json", generation)):
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(content, f, indent=2)
+    if "auto_map" in config:
+        shutil.copyfile(REMOTE_CODE, os.path.join(out_dir, os.path.basename(REMOTE_CODE)))
     write_tokenizer(out_dir, tokenizer, m.seq_len)
     return out_dir
 

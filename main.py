@@ -330,7 +330,7 @@ def train(cfg):
     start_step, wandb_id = 0, None
     resume_step = None if cfg.train.resume_step < 0 else cfg.train.resume_step
     restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, cfg.run.seed, log=say,
-                                            train_cfg=cfg.train)
+                                            train_cfg=cfg.train, data_cfg=cfg.data)
     if restored is not None:
         params, opt_state, meta = restored
         start_step, wandb_id = meta["step"], meta.get("wandb_id")
@@ -465,10 +465,9 @@ class Reporter:
 
 
 def make_progress(cfg, start_step):
-    from tqdm import tqdm
+    import progress
 
-    disable = not (cfg.log.progress and is_main_process())
-    return tqdm(total=cfg.train.steps, initial=start_step, disable=disable, dynamic_ncols=True, desc="train")
+    return progress.make_progress(cfg.train.steps, start_step, cfg.log.every, cfg.log.progress and is_main_process())
 
 
 def show_sharding(batch, params):
@@ -532,8 +531,10 @@ def export_hf_run(cfg):
     if is_main_process():
         tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
         hf_interop.write_hf_dir(out, host, cfg.model, tokenizer, cfg.export.dtype)
-        say(f"Hugging Face export ({hf_interop.architecture_of(cfg.model)[1]}, {cfg.export.dtype}): {out}, "
-            f"{human(checkpoint.directory_bytes(out))}B")
+        model_type, architecture = hf_interop.architecture_of(cfg.model)
+        remote = " with its modeling code: load it with trust_remote_code=True" if model_type == "meshformer" else ""
+        say(f"Hugging Face export ({architecture}, {cfg.export.dtype}): {out}, "
+            f"{human(checkpoint.directory_bytes(out))}B{remote}")
 
 
 def eval_run(cfg):

@@ -684,8 +684,8 @@ class Transformer(nnx.Module):
         # Tied embedding: rows are token vectors in, and the output layer out. A logit
         # is at most its row's norm (see `logits`), so rows of norm `embed_row_norm`
         # (2 by default, std 2/sqrt(D)) keep the untrained model near a uniform guess
-        # while letting it express confident predictions early: the default run's
-        # val loss at step 1000 was 1.646 with norm 1 and 1.622 with norm 2 (4: 1.623).
+        # while letting it express confident predictions early: the AdamW default of the time (lr 3e-3)
+        # reached val loss 1.646 at step 1000 with norm 1, 1.622 with norm 2, 1.623 with 4 (docs/benchmarks.md).
         # With unit-variance rows (norm sqrt(D)) the stream at the last layer was still
         # mostly the input token's own row, whose logit is then ~sqrt(D) (10 at D = 128):
         # the untrained model predicted "the next token is this one" and started at loss

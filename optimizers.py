@@ -5,7 +5,7 @@ whose update for each weight matrix is orthogonalized, U V^T of the momentum's
 U S V^T, by a few Newton-Schulz iterations: every direction of the matrix moves by
 the same amount, where Adam's steps follow the few directions with the largest
 gradients. On the default run it reaches val loss 1.524 in 1000 steps where AdamW
-reached 1.604 in 1200, in the same wall time (README). AdamW still trains what is not
+reached 1.604 in 1200, in the same wall time (docs/benchmarks.md). AdamW still trains what is not
 a matrix (`--train.optimizer muon`): the embedding, norm scales and routers.
 
 Muon's update is scaled to an RMS of 0.2 per element (0.2 sqrt(max(fan_in, fan_out)),
@@ -39,19 +39,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from parallel import UNTRAINED, axes_of, is_stacked, weight_name
+from parallel import axes_of
+from weights import is_stacked, row, weight_name
 
-# Matrices that Muon trains: weight name -> (batch dims, fan-in dims) among the shape
-# letters of the name; the remaining letters are the fan-out dims. E.g. the experts'
-# w_gate_EDF is E matrices of D x F, and the attention output wo_HKD one (H K) x D.
-MATRICES = {
-    "wq_down_DQ": (0, 1), "wkv_down_DA": (0, 1), "wk_rope_DR": (0, 1),
-    "wq_up_QHK": (0, 1), "wq_rope_QHR": (0, 1), "wk_up_AHK": (0, 1), "wv_up_AHK": (0, 1),
-    "wo_HKD": (0, 2),
-    "w_gate_DF": (0, 1), "w_up_DF": (0, 1), "w_down_FD": (0, 1),
-    "w_hidden_DD": (0, 1), "w_embed_DD": (0, 1),
-    "w_gate_EDF": (1, 1), "w_up_EDF": (1, 1), "w_down_EFD": (1, 1),
-}
 # Jordan's quintic: the coefficients maximize the slope at 0, so that 5 steps bring
 # every singular value into about [0.7, 1.2], not exactly 1 (which does not hurt).
 NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -60,12 +50,15 @@ UPDATE_RMS = 0.2
 
 
 def is_matrix(path):
-    return weight_name(path) in MATRICES
+    """Muon trains it (weights.WEIGHTS' muon flag); AdamW the rest."""
+    return row(weight_name(path)).muon
 
 
 def matrix_dims(path, ndim):
-    """(batch dims, fan-in dims, fan-out dims) of a weight: tuples of dim indices."""
-    batch, fan_in = MATRICES[weight_name(path)]
+    """(batch dims, fan-in dims, fan-out dims) of a weight: tuples of dim indices. E.g.
+    the experts' w_gate_EDF is E matrices of D x F, the attention output wo_HKD one
+    (H K) x D (weights.WEIGHTS: routed, fan_in)."""
+    batch, fan_in = row(weight_name(path)).muon_dims
     batch += is_stacked(path)  # the stacked blocks' leading N
     return tuple(range(batch)), tuple(range(batch, batch + fan_in)), tuple(range(batch + fan_in, ndim))
 
@@ -222,10 +215,11 @@ def lr_schedule(train_cfg):
 
 
 def make_optimizer(train_cfg):
-    """--train.optimizer on float32 master weights: adamw, or muon (Muon on the MATRICES,
-    AdamW on the rest). No weight decay on norm scales."""
+    """--train.optimizer on float32 master weights: adamw, or muon (Muon on the weights
+    weights.WEIGHTS marks muon, AdamW on the rest). Weight decay where the table says
+    (not on norm scales, nor on what the optimizer does not train)."""
     schedule = lr_schedule(train_cfg)
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: weight_name(p) not in ("scale_D", *UNTRAINED), params)  # noqa: E731
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: row(weight_name(p)).trained and row(weight_name(p)).decay, params)  # noqa: E731
     adamw = optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2, weight_decay=train_cfg.weight_decay, mask=decay_mask)
     if train_cfg.optimizer == "adamw":
         return adamw

@@ -30,9 +30,8 @@ from jax.sharding import PartitionSpec as P
 from model import Transformer, live_axes
 from pipeline import formula_bubble
 from utils import ConfigError
+from weights import AXES, DP, EXPERT, FSDP, PP, SHAPE_LETTER_FLAGS, TP, is_stacked, is_trained, row, weight_name
 
-DP, PP, TP = "dp", "pp", "tp"
-AXES = (DP, PP, TP)
 
 # ----------------------------------------------------------------------------
 # Mesh
@@ -111,67 +110,17 @@ def host_spread(grid):
 
 
 # ----------------------------------------------------------------------------
-# The sharding table: weight name -> how each of its dims is split.
-#
-# Names end in their shape letters (model.py legend). Per dim:
-#   TP     split over tp for compute (Megatron): each device uses its slice
-#   EXPERT split over dp when expert parallelism is on (each device owns E/dp experts)
-#   FSDP   split for storage only (ZeRO-3) over every mesh axis that does not split
-#          the weight for compute; all-gathered just before use
-# Weights inside the stacked blocks get a leading N dim split over pp. So a weight
-# that every tp device needs whole (wq_down_DQ) is stored over dp x tp, the
-# embedding (needed by every stage) over dp x pp, and each weight is held once.
-
-FSDP, EXPERT = "fsdp", "expert"
-# Not weights the optimizer trains: kept in float32 in the forward pass (a bias step of
-# 0.001 is below bfloat16's resolution near 0.5) and left out of AdamW's weight decay.
-UNTRAINED = ("router_bias_E",)
-WEIGHT_SPECS = {
-    "embed_VD": (TP, FSDP),          # vocab rows over tp (vocab-parallel)
-    "scale_D": (None,),              # RMSNorm scales: small, replicated everywhere
-    "wq_down_DQ": (FSDP, None),      # latent down-projections: every tp device needs them whole
-    "wkv_down_DA": (FSDP, None),
-    "wk_rope_DR": (FSDP, None),      # the shared RoPE key
-    "wq_up_QHK": (FSDP, TP, None),   # heads over tp
-    "wq_rope_QHR": (FSDP, TP, None),
-    "wk_up_AHK": (FSDP, TP, None),
-    "wv_up_AHK": (FSDP, TP, None),
-    "wo_HKD": (TP, None, FSDP),      # row-parallel output: psum over tp in model.py
-    "w_gate_DF": (FSDP, TP),         # FFN and shared experts: hidden units over tp
-    "w_up_DF": (FSDP, TP),
-    "w_down_FD": (TP, FSDP),
-    "w_hidden_DD": (FSDP, None),     # MTP: the two halves of V3's projection M_k
-    "w_embed_DD": (FSDP, None),
-    "router_DE": (FSDP, None),       # every tp device routes identically
-    "router_bias_E": (None,),        # balancing bias (train state, not trained): same on every device
-    "w_gate_EDF": (EXPERT, FSDP, TP),  # routed experts: expert hidden units over tp
-    "w_up_EDF": (EXPERT, FSDP, TP),
-    "w_down_EFD": (EXPERT, TP, FSDP),
-}
-SHAPE_LETTER_FLAGS = {"V": "vocab (padded; --model.vocab_multiple)", "D": "--model.d_model", "Q": "--model.q_latent",
-                      "A": "--model.kv_latent", "R": "--model.rope_dim", "H": "--model.n_heads", "K": "--model.head_dim",
-                      "F": "--model.d_ff / --model.d_expert", "E": "--model.n_experts", "N": "--model.n_blocks"}
-
-
-def is_trained(name):
-    return name not in UNTRAINED
-
-
-def weight_name(path):
-    return next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
-
-
-def is_stacked(path):
-    return any(getattr(k, "key", None) == "blocks" for k in path)
+# The sharding table: weights.WEIGHTS says how each dim of each weight is split (TP for
+# compute, EXPERT over dp with expert parallelism, FSDP for storage only); weight_layout
+# turns a row into mesh axes. Weights inside the stacked blocks get a leading N dim
+# split over pp.
 
 
 def weight_layout(name, stacked, expert_parallel):
     """(dims, fsdp_axes, fsdp_dim): each dim's mesh axes (None, an axis, or a tuple of
     axes), the axes that split the FSDP dim for storage only, and that dim's index.
     Unknown weights are an error."""
-    if name not in WEIGHT_SPECS:
-        raise KeyError(f"no sharding rule for weight {name!r}: add it to WEIGHT_SPECS in parallel.py")
-    dims = tuple({EXPERT: DP if expert_parallel else None}.get(d, d) for d in WEIGHT_SPECS[name])
+    dims = tuple({EXPERT: DP if expert_parallel else None}.get(d, d) for d in row(name).dims)
     if stacked:
         dims = (PP,) + dims
     compute_axes = {d for d in dims if d not in (None, FSDP)}

@@ -22,12 +22,15 @@ SGLang) use, so its behaviour under clients such as `openai` and lm-eval is well
 Bad input gets an OpenAI-style JSON error ({"error": {"message", "type", "param",
 "code"}}) with a 4xx status, and the server keeps serving: 400 for a body that is not
 UTF-8 JSON, unknown fields, values out of range, an empty or too long prompt; 413 for
-a body over 8 MiB; 401
+a body over 8 MiB (counted as it arrives when chunked); 401
 without the bearer token (when MESHFORMER_API_KEY is set); 404 for another model's
-name; 429 when more sequences wait than --serve.queue.
+name; 429 when more sequences wait than --serve.queue. A client that goes away (a
+timeout, a closed tab) cancels its sequences, running or queued: the engine frees
+their slots at its next step.
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -127,9 +130,20 @@ def check_settings(req, max_tokens_limit):
     return stops
 
 
-def tokenize_prompts(prompt, tokenizer, window):
+def max_token_chars(tokenizer):
+    """The most characters one token can stand for (bytes: 1; tiktoken: its longest
+    token's bytes): a text of more than window x this many characters is more than
+    window tokens, known before tokenizing it."""
+    encoding = tokenizer._encoding
+    return 1 if encoding is None else max(len(t) for t in encoding._mergeable_ranks)
+
+
+def tokenize_prompts(prompt, tokenizer, window, token_chars=None):
     """[(text, ids)] per prompt. Empty, non-UTF-8 (lone surrogates from \\ud800 escapes)
-    and over-long prompts are 400s: a prompt must fit the training window."""
+    and over-long prompts are 400s: a prompt must fit the training window. A text far
+    over it is refused by its length alone, before it is tokenized (a few MB of text
+    would hold the event loop for seconds)."""
+    token_chars = token_chars or max_token_chars(tokenizer)
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
@@ -142,6 +156,9 @@ def tokenize_prompts(prompt, tokenizer, window):
                 p.encode("utf-8")
             except UnicodeEncodeError:
                 raise APIError(400, f"{where} is not valid UTF-8 text (it holds a lone surrogate)", param="prompt") from None
+            if len(p) > window * token_chars:  # each token is at most token_chars characters
+                raise APIError(400, f"{where} is {len(p)} characters, so more than {window} tokens; this model's context "
+                               f"is {window} (its seq_len)", param="prompt", code="context_length_exceeded")
             ids = tokenizer.encode(p)
         else:
             ids = list(p)
@@ -235,10 +252,10 @@ class Choice:
             return self.echo_chunk(event[1:])
         if kind == "token":
             token, logprob, top_ids, top_logprobs = event[1:]
+            self.completion_tokens += 1  # what max_tokens counts, the end-of-text token too
             if token == self.tokenizer.eot_id:  # end of text: the model says it is done
                 return self.finish("stop")
             self.ids.append(token)
-            self.completion_tokens += 1
             if self.logprobs is not None:
                 self.add_logprob(token, logprob, top_ids, top_logprobs)
             text, stopped = self.release(final=False)
@@ -264,6 +281,33 @@ class Choice:
 # The app
 
 
+async def read_body(request):
+    """The whole body, or a 413 as soon as it is over MAX_BODY_BYTES: a Content-Length
+    that says so is refused unread, and a chunked body (no Content-Length) is counted
+    as it arrives, never buffered past the limit."""
+    try:
+        declared = int(request.headers.get("content-length") or 0)
+    except ValueError:
+        raise APIError(400, "the Content-Length header is not a number") from None
+    too_big = APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+    if declared > MAX_BODY_BYTES:
+        raise too_big
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def disconnected(request):
+    """Returns when the client has gone away. The body has been read, so the next ASGI
+    message is the disconnect (uvicorn sends it when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
     from fastapi import Depends, FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
@@ -271,6 +315,7 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
 
     app = FastAPI(title="meshformer", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    token_chars = max_token_chars(tokenizer)
     with open(PAGE) as f:
         page = f.read()
 
@@ -307,13 +352,11 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request):
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
-        req = parse_request(await request.body())
+        req = parse_request(await read_body(request))
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}", param="model")
         stops = check_settings(req, max_tokens_limit)
-        prompts = tokenize_prompts(req.prompt, tokenizer, engine.window)
+        prompts = tokenize_prompts(req.prompt, tokenizer, engine.window, token_chars)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         choices = [Choice(i, text, ids, tokenizer, stops, req.logprobs, req.echo) for i, (text, ids) in enumerate(prompts)]
         for choice in choices:
@@ -361,16 +404,31 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
             return StreamingResponse(events_stream(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        joined = [dict(index=c.index, text="", logprobs=None if req.logprobs is None else c.empty_logprobs(),
-                       finish_reason=None) for c in choices]
-        async for chunk in chunks():
-            out = joined[chunk["index"]]
-            out["text"] += chunk["text"]
-            out["finish_reason"] = chunk["finish_reason"] or out["finish_reason"]
-            if chunk["logprobs"] is not None:
-                for key, values in chunk["logprobs"].items():
-                    out["logprobs"][key] += values
-        return dict(head, choices=joined, usage=usage())
+        async def whole():
+            joined = [dict(index=c.index, text="", logprobs=None if req.logprobs is None else c.empty_logprobs(),
+                           finish_reason=None) for c in choices]
+            async for chunk in chunks():
+                out = joined[chunk["index"]]
+                out["text"] += chunk["text"]
+                out["finish_reason"] = chunk["finish_reason"] or out["finish_reason"]
+                if chunk["logprobs"] is not None:
+                    for key, values in chunk["logprobs"].items():
+                        out["logprobs"][key] += values
+            return dict(head, choices=joined, usage=usage())
+
+        # Starlette cancels a streaming response when its client goes away, but not a
+        # plain endpoint: without this watch, a client that timed out would keep its
+        # slots generating until max_tokens. Cancelling `answer` runs chunks()' finally,
+        # which cancels the sequences; the engine frees them at its next step.
+        answer, gone = asyncio.ensure_future(whole()), asyncio.ensure_future(disconnected(request))
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done():
+            answer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await answer
+            return JSONResponse(APIError(499, "the client went away").body(), status_code=499)
+        gone.cancel()
+        return answer.result()
 
     return app
 

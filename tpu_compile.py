@@ -554,7 +554,7 @@ def collectives_report(table, title):
 
 
 # ----------------------------------------------------------------------------
-# The README's table: every preset on the pods people use
+# docs/pods.md's table: every preset on the pods people use
 #
 #     python tpu_compile.py [--presets shakespeare,tiny,moe1b] [--pods v4-8,v4-64,...]
 

@@ -240,7 +240,7 @@ PRESETS = {
         # 8x2x2 (planner.py --train.optimizer muon) Newton-Schulz is 0.64 TFLOP per device
         # and step (1.5% of the step's compute; 8.4 before, 16%), its all-to-alls 0.27 GB
         # (2.7 ms on v4), and a device holds 4.34 GiB against AdamW's 4.45 (one moment,
-        # not two). Switch once the pod figures (README, tests/test_tpu_compile.py,
+        # not two). Switch once the pod figures (docs/pods.md, tests/test_tpu_compile.py,
         # tests/test_planner.py's scaled-down moe1b) are measured again with Muon.
         "train": dict(steps=75000, batch_size=256, microbatches=4, lr=6e-4, warmup_steps=5000, min_lr_ratio=0.1,
                       eval_every=1000, eval_batches=32, checkpoint_every=1000, weight_decay=0.1, optimizer="adamw"),
@@ -415,6 +415,7 @@ def count_params(model_cfg):
     from flax import nnx
 
     from model import Transformer
+    from weights import row, weight_name
 
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
     state = nnx.state(abstract, nnx.Param)
@@ -422,7 +423,7 @@ def count_params(model_cfg):
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         size = math.prod(leaf.shape)
         total += size
-        if any(getattr(k, "key", None) in ("w_gate_EDF", "w_up_EDF", "w_down_EFD") for k in path):
+        if row(weight_name(path)).routed:
             routed += size
     inactive = routed * (model_cfg.n_experts - model_cfg.top_k) / model_cfg.n_experts
     return total, int(total - inactive)

@@ -49,7 +49,7 @@ def compiled_step(cfg):
 
 
 def fresh_state(cfg):
-    """The shared initial weights placed by WEIGHT_SPECS on cfg's mesh, fresh AdamW state."""
+    """The shared initial weights placed by weights.WEIGHTS on cfg's mesh, fresh AdamW state."""
     mesh = mesh_for(cfg)
     _, host_params = initial_params(cfg.model)
     params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, cfg.mesh.expert_parallel)))
@@ -88,7 +88,7 @@ def collectives(cfg):
 def test_auto_step_equals_one_device(reference, variant, mesh_shape):
     cfg = config(mesh_shape, "auto", variant=variant)
     assert_same_step(*one_step(cfg), *reference[variant])
-    # The step hands back params and optimizer state in their storage layout (WEIGHT_SPECS),
+    # The step hands back params and optimizer state in their storage layout (weights.WEIGHTS),
     # so the next step, a checkpoint or a manual step takes them as they are.
     params, opt_state = fresh_state(cfg)
     out_params, out_opt, _ = compiled_step(cfg).output_shardings

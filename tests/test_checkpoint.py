@@ -216,6 +216,49 @@ def test_resume_refuses_another_batch_size_or_schedule(saved_on_2x2x2):
     assert resume(steps=200, decay_steps=100, microbatches=4)[2]["step"] == 5
 
 
+def test_resume_with_changed_optimizer_settings_says_which_in_one_line_and_goes_on(saved_on_2x2x2):
+    """muon_momentum, weight_decay, betas, grad_clip and data.source shape the steps to
+    come, not the saved state's meaning: named in one line (checkpoint.RESUMABLE_CHANGES),
+    and the resume goes on. Unchanged settings say nothing."""
+    run_dir, _, _ = saved_on_2x2x2
+    cfg = tiny_config(dp=1, pp=1, tp=1)
+    params, opt_state = abstract_state(cfg, mesh_of((1, 1, 1)))
+    manager = checkpoint.checkpoint_manager(str(run_dir), keep=3)
+    said = []
+    changed = apply_overrides(cfg, {"train": dict(weight_decay=0.05, beta2=0.99, grad_clip=0.5, muon_momentum=0.95),
+                                    "data": dict(source="/data/other")})
+    restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, seed=0, log=said.append,
+                                             train_cfg=changed.train, data_cfg=changed.data)
+    assert restored[2]["step"] == 5 and len(said) == 1 and "\n" not in said[0], said
+    for flag in ("--train.weight_decay 0.1 -> 0.05", "--train.beta2 0.95 -> 0.99", "--train.grad_clip 1.0 -> 0.5",
+                 "--train.muon_momentum 0.9 -> 0.95", "--data.source 'shakespeare' -> '/data/other'"):
+        assert flag in said[0], said[0]
+    assert "beta1" not in said[0]
+    said.clear()
+    checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, seed=0, log=said.append, train_cfg=cfg.train,
+                                  data_cfg=cfg.data)
+    assert said == []
+
+
+def test_slim_export_keeps_untrained_state_in_float32(tmp_path):
+    """Router biases move in steps of --model.router_bias_rate (0.001), below bfloat16's
+    resolution near 1 (2^-7): the slim export keeps them float32, bit for bit, and rounds
+    the trained weights to bfloat16."""
+    cfg = apply_overrides(tiny_config(dp=1, pp=1, tp=1), {"model": dict(router_bias_rate=0.001)})
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: jax.device_put((1 + 0.001 * rng.integers(-50, 50, a.shape)).astype(np.float32), a.sharding),
+                          abstract_state(cfg, mesh_of((1, 1, 1)))[0])
+    out = checkpoint.export_slim(params, config_to_dict(cfg), str(tmp_path / "export"))
+    back = host(checkpoint.restore_params(out, params, cfg.model))
+    names = set()
+    for (path, original), restored in zip(jax.tree_util.tree_flatten_with_path(host(params))[0], jax.tree.leaves(back)):
+        name = par.weight_name(path)
+        names.add(name)
+        expected = original if name in par.UNTRAINED else original.astype(jax.numpy.bfloat16).astype(np.float32)
+        assert restored.dtype == np.float32 and np.array_equal(restored, expected), jax.tree_util.keystr(path)
+    assert "router_bias_E" in names
+
+
 # ----------------------------------------------------------------------------
 # main.py: resume after a kill mid-write, damaged checkpoints, errors
 

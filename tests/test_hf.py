@@ -93,18 +93,19 @@ def our_logits(model, tokens_BT):
 
 
 def load_hf(path):
-    """The directory loaded by transformers' Auto classes, no remote code:
-    AutoModelForCausalLM for deepseek_v3 and deepseek_v2; for mistral4, which
-    transformers 5.24 leaves out of AutoModelForCausalLM's table (checked: should it
-    come in, the softmax export can load that way too), AutoModelForImageTextToText,
-    which gives Mistral4ForCausalLM."""
+    """The directory loaded by transformers' AutoModelForCausalLM: with its built-in
+    classes (deepseek_v3, deepseek_v2: no auto_map, no code in the directory), or with
+    the modeling_meshformer.py the export wrote (meshformer), which only
+    trust_remote_code=True runs; without it transformers refuses the directory rather
+    than compute another model from its weights."""
     with open(os.path.join(path, "config.json")) as f:
-        model_type = json.load(f)["model_type"]
-    if model_type != "mistral4":
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with pytest.raises(ValueError, match="Unrecognized configuration class"):
-        transformers.AutoModelForCausalLM.from_pretrained(path)
-    return transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        config = json.load(f)
+    remote = config["model_type"] == "meshformer"
+    assert ("auto_map" in config) == remote and os.path.isfile(os.path.join(path, "modeling_meshformer.py")) == remote
+    if remote:
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            transformers.AutoModelForCausalLM.from_pretrained(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=remote).eval()
 
 
 def our_greedy(model, prompt, n):
@@ -146,16 +147,22 @@ def bits(a):
 
 EXPORT_CASES = {  # id: (preset, overrides, expected model_type)
     "tiny-sigmoid-moe": ("tiny", dict(seq_len=64), "deepseek_v3"),
-    "tiny-softmax-dense-first": ("tiny", dict(seq_len=64, router_score="softmax", n_blocks=1, block_pattern="DDMM"), "mistral4"),
+    # the default run's layout and router (blocks DM x 2, softmax top-2) at the tiny widths
+    "tiny-default-layout": ("tiny", dict(seq_len=64, router_score="softmax", n_blocks=2, block_pattern="DM"), "meshformer"),
+    "tiny-softmax-dense-first": ("tiny", dict(seq_len=64, router_score="softmax", n_blocks=1, block_pattern="DDMM"), "meshformer"),
     "tiny-softmax-top1-dense-first": ("tiny", dict(seq_len=64, router_score="softmax", top_k=1, n_blocks=1, block_pattern="DMMM"),
                                       "deepseek_v2"),
     "tiny-sigmoid-top1": ("tiny", dict(seq_len=64, n_blocks=2, top_k=1), "deepseek_v3"),
+    "tiny-sigmoid-moe-first": ("tiny", dict(seq_len=64, n_blocks=3, block_pattern="MD"), "meshformer"),
+    "tiny-softmax-top1-alternating": ("tiny", dict(seq_len=64, router_score="softmax", top_k=1, n_blocks=2, block_pattern="DM"),
+                                      "meshformer"),
+    "shakespeare-default": ("shakespeare", dict(), "meshformer"),
     "shakespeare-sigmoid-dense-first": ("shakespeare", dict(router_score="sigmoid", n_blocks=1, block_pattern="DMM"), "deepseek_v3"),
-    "shakespeare-softmax-moe": ("shakespeare", dict(block_pattern="M"), "mistral4"),
+    "shakespeare-softmax-moe": ("shakespeare", dict(block_pattern="M"), "meshformer"),
     "shakespeare-dense": ("shakespeare", dict(block_pattern="D"), "deepseek_v3"),
 }
 SEEDS = {"tiny-softmax-top1-dense-first": 1}  # seed 0 draws a model whose greedy continuation repeats one token
-FAST_EXPORT_CASES = ("tiny-sigmoid-moe", "tiny-softmax-dense-first", "tiny-softmax-top1-dense-first")  # the rest: slow
+FAST_EXPORT_CASES = ("tiny-sigmoid-moe", "tiny-default-layout", "tiny-softmax-top1-dense-first")  # the rest: slow
 
 
 @pytest.mark.parametrize("case", [c if c in FAST_EXPORT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in EXPORT_CASES])
@@ -184,7 +191,9 @@ def test_export_files_config_and_tokenizer(tmp_path):
     m = model_cfg("tiny")
     out = hf_interop.write_hf_dir(str(tmp_path / "hf"), random_host(m), m, BYTES, "bfloat16")
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
-                                       "tokenizer.json", "tokenizer_config.json"]
+                                       "tokenizer.json", "tokenizer_config.json"]  # no remote code for a DeepseekV3
+    with open(os.path.join(out, "config.json")) as f:
+        assert "auto_map" not in json.load(f)
     config = transformers.AutoConfig.from_pretrained(out)
     expected = dict(model_type="deepseek_v3", vocab_size=320, hidden_size=32, num_hidden_layers=8, first_k_dense_replace=0,
                     num_attention_heads=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
@@ -216,22 +225,93 @@ def test_tiktoken_tokenizer_loads_in_transformers(tmp_path):
     assert theirs.convert_tokens_to_ids("<|endoftext|>") == tokenizer.eot_id
 
 
-def test_layouts_hf_cannot_express_are_refused_with_the_pattern_that_would_export():
-    with pytest.raises(ConfigError, match=r"DMDM.*--model.n_blocks 1 --model.block_pattern DDMM"):
-        hf_interop.check_exportable(model_cfg("shakespeare"))
-    with pytest.raises(ConfigError, match=r"DDDDDMDDDDDM.*block_pattern M.*--model.n_blocks 1 --model.block_pattern D{40}M{8}"):
-        hf_interop.check_exportable(apply_overrides(Config(), PRESETS["moe1b"]).model)
+# The config.json fields that the DeepseekV2/V3 loaders of other stacks read, each with
+# the value that means our model. From their source:
+# - vLLM, vllm/model_executor/models/deepseek_v2.py (commit 002d607): DeepseekV2MoE reads
+#   routed_scaling_factor, n_routed_experts, n_shared_experts, hidden_act, topk_method
+#   ("noaux_tc" -> e_score_correction_bias), num_experts_per_tok, moe_intermediate_size,
+#   norm_topk_prob (renormalize), n_group, topk_group and getattr(config, "scoring_func",
+#   "softmax"); DeepseekV2DecoderLayer reads moe_layer_freq (is_moe_layer = layer_idx >=
+#   first_k_dense_replace and layer_idx % moe_layer_freq == 0), first_k_dense_replace,
+#   max_position_embeddings, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank,
+#   q_lora_rank, num_attention_heads, intermediate_size, rms_norm_eps; the attention reads
+#   rope_parameters["rope_type"] (anything but "default" becomes deepseek_yarn).
+# - transformers 5.24, models/deepseek_v3/modeling_deepseek_v3.py: every config.X it
+#   reads (attention_bias, first_k_dense_replace, hidden_act, hidden_size, intermediate_size,
+#   kv_lora_rank, moe_intermediate_size, n_group, n_shared_experts, norm_topk_prob,
+#   num_attention_heads, num_experts_per_tok, num_hidden_layers, num_key_value_heads,
+#   n_routed_experts (its num_local_experts), q_lora_rank, qk_nope_head_dim,
+#   qk_rope_head_dim, rms_norm_eps, rope_interleave, rope_parameters,
+#   routed_scaling_factor, topk_group, v_head_dim, vocab_size); its router is always a
+#   sigmoid with e_score_correction_bias.
+# - DeepSeek-V3's own config.json states scoring_func, topk_method, norm_topk_prob,
+#   n_group, topk_group, routed_scaling_factor, first_k_dense_replace, moe_layer_freq and
+#   rope_theta at the top level.
+def loader_fields(m, score, topk_method, n_dense):
+    return dict(
+        scoring_func=score, topk_method=topk_method, norm_topk_prob=m.top_k > 1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, first_k_dense_replace=n_dense, moe_layer_freq=1, rope_theta=m.rope_theta,
+        n_routed_experts=m.n_experts, n_shared_experts=m.n_shared, num_experts_per_tok=m.top_k,
+        moe_intermediate_size=m.d_expert, intermediate_size=m.d_ff, hidden_act="silu", hidden_size=m.d_model,
+        num_hidden_layers=m.n_blocks * len(m.block_pattern), num_attention_heads=m.n_heads, num_key_value_heads=m.n_heads,
+        qk_nope_head_dim=m.head_dim, qk_rope_head_dim=m.rope_dim, v_head_dim=m.head_dim, kv_lora_rank=m.kv_latent,
+        q_lora_rank=m.q_latent, max_position_embeddings=m.seq_len, rms_norm_eps=hf_interop.RMS_EPS, attention_bias=False,
+        rope_interleave=True, tie_word_embeddings=True, vocab_size=320,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta})
+
+
+@pytest.mark.parametrize("overrides, score, topk_method, n_dense", [
+    (dict(), "sigmoid", "noaux_tc", 0),
+    (dict(n_blocks=1, block_pattern="DMMM", router_score="sigmoid"), "sigmoid", "noaux_tc", 1),
+    (dict(n_blocks=1, block_pattern="DMMM", router_score="softmax", top_k=1), "softmax", "greedy", 1),
+], ids=["deepseek_v3", "deepseek_v3-dense-first", "deepseek_v2"])
+def test_export_config_states_every_field_vllm_and_transformers_read_with_our_meaning(overrides, score, topk_method, n_dense,
+                                                                                      tmp_path):
+    """Present in config.json itself (not a class default: vLLM has other defaults)."""
+    m = model_cfg("tiny", **overrides)
+    config = hf_interop.to_hf_config(m, BYTES, "float32")
+    expected = loader_fields(m, score, topk_method, n_dense)
+    assert {k: config.get(k, "<missing>") for k in expected} == expected
+    assert "index_topk" not in config  # vLLM would take it for DeepSeek-V3.2 (sparse attention)
+
+
+def test_import_reads_legacy_rope_scaling_as_transformers_does(tmp_path):
+    """transformers reads `rope_scaling or rope_parameters` (convert_rope_params_to_dict),
+    with rope_theta beside it: a YaRN model written by transformers 4.x or DeepSeek must
+    be refused, not imported unscaled."""
+    path = str(tmp_path / "hf")
+    hf_made_model(path, first_k_dense=1, n_layers=2)
+    good = hf_interop.read_hf_config(path)
+    m = model_cfg("tiny")
+    yarn = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0}
+    legacy = dict(good, rope_scaling=yarn, rope_theta=10000.0)
+    with pytest.raises(ConfigError, match="rope_scaling.*yarn"):
+        hf_interop.from_hf_config(legacy, m)
+    assert transformers.DeepseekV3Config(**{k: v for k, v in legacy.items() if k != "rope_parameters"}).rope_parameters["rope_type"] == "yarn"
+    plain = dict({k: v for k, v in good.items() if k != "rope_parameters"}, rope_scaling=None, rope_theta=50000.0)
+    assert hf_interop.from_hf_config(plain, m).rope_theta == 50000.0
+    with pytest.raises(ConfigError, match="scoring_func"):
+        hf_interop.from_hf_config(dict(good, scoring_func="softmax"), m)
+
+
+def test_every_layout_exports_with_a_built_in_class_where_one_computes_it_else_remote_code():
+    for m in (model_cfg("shakespeare"), apply_overrides(Config(), PRESETS["moe1b"]).model):  # DM x 2, DDDDDM x 8
+        hf_interop.check_exportable(m)
+        assert hf_interop.architecture_of(m) == ("meshformer", "MeshformerForCausalLM")
     with pytest.raises(ConfigError, match="ffn_activation"):
         hf_interop.check_exportable(model_cfg("shakespeare", block_pattern="D", ffn_activation="gelu"))
-    for exportable in ("D", "M"):  # every layer of one kind, any number of blocks
-        hf_interop.check_exportable(model_cfg("shakespeare", block_pattern=exportable))
-    # the class that computes the router: sigmoid -> DeepseekV3; softmax -> DeepseekV2 (whose
-    # gates are never renormalised, i.e. ours at k = 1 only) or else Mistral4; no MoE layer, no router
-    kinds = {(score, k, pattern): hf_interop.architecture_of(model_cfg("shakespeare", router_score=score, top_k=k,
+    # the built-in class that computes the router and the layout: sigmoid -> DeepseekV3;
+    # softmax -> DeepseekV2 (whose gates are never renormalised, i.e. ours at k = 1 only);
+    # both dense layers first only; no MoE layer, no router. Anything else: meshformer.
+    kinds = {(score, k, pattern): hf_interop.architecture_of(model_cfg("shakespeare", router_score=score, top_k=k, n_blocks=1,
                                                                         block_pattern=pattern))[0]
-             for score in ("sigmoid", "softmax") for k in (1, 2) for pattern in ("M", "D")}
-    assert kinds == {("sigmoid", 1, "M"): "deepseek_v3", ("sigmoid", 2, "M"): "deepseek_v3", ("softmax", 1, "M"): "deepseek_v2",
-                     ("softmax", 2, "M"): "mistral4", **{(s, k, "D"): "deepseek_v3" for s in ("sigmoid", "softmax") for k in (1, 2)}}
+             for score in ("sigmoid", "softmax") for k in (1, 2) for pattern in ("M", "D", "DM", "MD")}
+    assert kinds == {**{(s, k, p): "deepseek_v3" for s in ("sigmoid", "softmax") for k in (1, 2) for p in ("D",)},
+                     ("sigmoid", 1, "M"): "deepseek_v3", ("sigmoid", 2, "M"): "deepseek_v3",
+                     ("sigmoid", 1, "DM"): "deepseek_v3", ("sigmoid", 2, "DM"): "deepseek_v3",
+                     ("softmax", 1, "M"): "deepseek_v2", ("softmax", 1, "DM"): "deepseek_v2",
+                     ("softmax", 2, "M"): "meshformer", ("softmax", 2, "DM"): "meshformer",
+                     **{(s, k, "MD"): "meshformer" for s in ("sigmoid", "softmax") for k in (1, 2)}}
 
 
 # ----------------------------------------------------------------------------
@@ -336,11 +416,13 @@ def test_transformers_model_round_trips_through_import_and_export_bit_for_bit(ki
         assert arch(hf_interop.from_hf_config(hf_interop.read_hf_config(out), model_cfg("shakespeare"))) == arch(m)
 
 
-def test_our_export_round_trips_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("overrides", [dict(n_blocks=4, block_pattern="MM"), dict(n_blocks=2, block_pattern="DM", router_score="softmax")],
+                         ids=["deepseek_v3", "meshformer"])
+def test_our_export_round_trips_bit_for_bit(overrides, tmp_path):
     """export -> import -> export writes the same bits, and the import is our model:
     every weight equal, the final norm up to what the export's rounding of 1/sqrt(D)
     cannot tell apart (one ulp)."""
-    m = model_cfg("tiny", n_blocks=4, block_pattern="MM")
+    m = model_cfg("tiny", **overrides)
     host = random_host(m, seed=5)
     out = hf_interop.write_hf_dir(str(tmp_path / "hf"), host, m, BYTES, "float32")
     imported = hf_interop.from_hf_config(hf_interop.read_hf_config(out), model_cfg("shakespeare"))
@@ -376,6 +458,16 @@ def test_configs_this_model_cannot_express_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="e_score_correction_bias"):
         hf_interop.from_hf_state(tensors, hf_interop.from_hf_config(good, m))
 
+    # meshformer (our remote code): the layout comes from mlp_layer_types, the score from scoring_func
+    ours = hf_interop.to_hf_config(model_cfg("tiny", n_blocks=2, block_pattern="DM", router_score="softmax"), BYTES, "float32")
+    del ours[hf_interop.OURS_KEY]  # as transformers' save_pretrained of a MeshformerForCausalLM would write it
+    imported = hf_interop.from_hf_config(ours, m)
+    assert (imported.n_blocks, imported.block_pattern, imported.router_score) == (1, "DMDM", "softmax")
+    for field, value in [("mlp_layer_types", ["dense", "sparse", "dense"]), ("mlp_layer_types", ["dense", "moe"] * 2),
+                         ("scoring_func", "sqrtsoftplus"), ("norm_topk_prob", False)]:
+        with pytest.raises(ConfigError, match=field):
+            hf_interop.from_hf_config(dict(ours, **{field: value}), m)
+
     # DeepseekV2: softmax gates that are never renormalised are ours only with one expert per token
     path = str(tmp_path / "v2")
     hf_made_model(path, first_k_dense=1, n_layers=2, kind="deepseek_v2")
@@ -391,10 +483,10 @@ def test_configs_this_model_cannot_express_name_the_field(tmp_path):
 # The command line
 
 
-def command_line(tmp_path):
-    """run(*args): `python main.py --preset tiny ...` in tmp_path, checked unless check=False."""
+def command_line(tmp_path, preset="tiny"):
+    """run(*args): `python main.py --preset PRESET ...` in tmp_path, checked unless check=False."""
     def run(*args, check=True):
-        cmd = [sys.executable, os.path.join(REPO, "main.py"), "--preset", "tiny", "--run.out_dir", str(tmp_path / "runs"),
+        cmd = [sys.executable, os.path.join(REPO, "main.py"), "--preset", preset, "--run.out_dir", str(tmp_path / "runs"),
                "--data.cache_dir", str(tmp_path / "data"), "--log.progress", "false", "--log.plots", "false", *args]
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
         if check:
@@ -428,6 +520,30 @@ def test_command_line_export_loads_in_transformers_and_evaluates_from_hf_on_anot
 
     bad = run("--mode", "export_hf", "--run.name", "t", "--train.init_from", f"hf:{tmp_path}", check=False)
     assert bad.returncode != 0 and "error: " in bad.stderr and "no config.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_command_line_default_run_exports_a_model_auto_model_for_causal_lm_loads(tmp_path):
+    """`python main.py` (blocks DM x 2, softmax top-2 router), then --mode export_hf: the
+    directory carries its modeling code and loads, offline, with AutoModelForCausalLM
+    and trust_remote_code, as lm_eval --model hf loads it; and it imports back here."""
+    run = command_line(tmp_path, preset="shakespeare")
+    run("--train.steps", "2", "--train.eval_every", "1000", "--sample.num_samples", "0", "--run.name", "d")
+    out = run("--mode", "export_hf", "--run.name", "d", "--export.dtype", "float32").stdout
+    assert "MeshformerForCausalLM" in out and "trust_remote_code" in out
+    hf_path = str(tmp_path / "runs" / "d" / "hf")
+    load = ("import sys, transformers; d = sys.argv[1]; "
+            "m = transformers.AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True); "
+            "t = transformers.AutoTokenizer.from_pretrained(d, trust_remote_code=True); ids = t('ROMEO:', return_tensors='pt').input_ids; "
+            "print(type(m).__name__, m.generate(ids, max_new_tokens=8, do_sample=False).shape[1] - ids.shape[1])")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))  # nothing from the network
+    loaded = subprocess.run([sys.executable, "-c", load, hf_path], capture_output=True, text=True, env=env, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split() == ["MeshformerForCausalLM", "8"]
+
+    own = run("--mode", "eval", "--run.name", "d")
+    from_hf = run("--mode", "eval", "--run.name", "d2", "--train.init_from", f"hf:{hf_path}")
+    assert val_loss(from_hf) == pytest.approx(val_loss(own), abs=1e-5)
 
 
 @pytest.mark.slow

@@ -171,7 +171,7 @@ def test_fake_devices_get_two_pool_threads_each_unless_the_user_chose(environ, t
 
 @pytest.mark.slow
 def test_run_writes_contract_files_and_samples(tmp_path, data_cache):
-    """A short run leaves config.json, metrics.jsonl (the DESIGN.md schema),
+    """A short run leaves config.json, metrics.jsonl (the schema in docs/checkpoints.md),
     checkpoints/ and samples.txt; --mode sample with a fixed seed repeats itself."""
     main_py(["--train.steps", "30", "--train.eval_every", "15", "--run.name", "r", "--sample.num_samples", "1",
              "--sample.max_tokens", "40"], tmp_path, data_cache)

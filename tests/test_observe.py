@@ -352,3 +352,50 @@ def test_wandb_offline_logs_history_config_samples_and_resumes_the_same_run(resu
     [[step, prompt, text]] = table["data"]
     with open(run_dir / "samples.txt", newline="") as f:
         assert (step, prompt) == (8, "ROMEO:") and f.read() == f"--- step 8, prompt 'ROMEO:'\n{text}\n"
+
+
+# ----------------------------------------------------------------------------
+# Progress lines (progress.py)
+
+
+def test_progress_is_a_plain_line_every_log_every_steps_when_stderr_is_not_a_terminal(tmp_path):
+    """Into a file: one plain line per --log.every steps (and the last), each with its
+    own step's figures, no carriage-return frames; val_loss lines still on stdout. On a
+    terminal (a real pseudo-terminal here): tqdm's bar."""
+    import pty
+
+    from tqdm import tqdm
+
+    import progress
+
+    with open(tmp_path / "stderr.log", "w") as stream:
+        bar = progress.make_progress(25, 0, 10, True, stream)
+        for step in range(1, 26):  # as main.Reporter drives it
+            bar.update(1)
+            bar.set_postfix(loss=f"{10 - step / 10:.3f}", tok_s="1.2K", refresh=False)
+        bar.close()
+    text = (tmp_path / "stderr.log").read_text()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert [line.split(" elapsed ")[0] for line in lines] == [
+        "train step 10/25 (40%) loss=9.000 tok_s=1.2K", "train step 20/25 (80%) loss=8.000 tok_s=1.2K",
+        "train step 25/25 (100%) loss=7.500 tok_s=1.2K"]
+    master, replica = pty.openpty()
+    with os.fdopen(replica, "w") as terminal:
+        assert isinstance(progress.make_progress(25, 0, 10, True, terminal), tqdm)
+    os.close(master)
+
+
+@pytest.mark.slow
+def test_a_run_whose_stderr_is_a_file_logs_plain_progress_lines(tmp_path):
+    """End to end: main.py with stderr to a pipe (as a launcher's log) prints
+    `train step S/N ...` lines, not tqdm's \\r frames (before progress.py: one line of
+    frames, and this failed)."""
+    result = subprocess.run([sys.executable, "main.py", "--preset", "tiny", "--run.out_dir", str(tmp_path), "--run.name", "r",
+                             "--data.cache_dir", str(tmp_path / "data_cache"), "--train.steps", "6", "--log.every", "3",
+                             "--train.eval_every", "100", "--sample.num_samples", "0", "--log.plots", "false"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "\r" not in result.stderr
+    steps = [line.split()[2] for line in result.stderr.splitlines() if line.startswith("train step ")]
+    assert steps == ["3/6", "6/6"], result.stderr[-2000:]

@@ -267,7 +267,7 @@ def test_bfloat16_mesh_is_no_further_from_float32_than_one_device(bf16_reference
     (all leaves together) and BF16_LEAF_ERROR_RATIO (each leaf) of one bf16 device's
     distance to float32, and the loss within BF16_LOSS_RTOL of float32's. Sums
     accumulated in bf16 on the tp path fail it (the bounds above), as does the loss
-    summed in bf16 (README, "What is guaranteed")."""
+    summed in bf16 (docs/guarantees.md)."""
     (float32_loss, float32_grads), (one_device_total, one_device_leaves) = bf16_reference
     assert one_device_total > BF16_MIN_ERROR
     loss, grads = first_gradients(tiny_config(mesh_shape, dtype="bfloat16", **BF16_MODEL))

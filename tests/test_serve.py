@@ -331,6 +331,111 @@ def test_too_many_waiting_sequences_get_429(server):
     assert complete(server, prompt="KING", max_tokens=3)["usage"]["completion_tokens"] == 3
 
 
+def health(server):
+    with urllib.request.urlopen(server + "/health") as r:
+        return json.load(r)
+
+
+def wait_until_idle(server, seconds):
+    """Seconds until no slot is busy and nothing waits (None if not within `seconds`)."""
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        h = health(server)
+        if h["active"] == h["waiting"] == 0:
+            return time.time() - t0
+        time.sleep(0.05)
+    return None
+
+
+def test_clients_that_time_out_free_every_slot_within_a_second(server):
+    """Eight non-streaming clients (two prompts each: every slot busy, the rest queued)
+    give up after 0.3 s: a plain endpoint is not cancelled by Starlette, so without the
+    server's disconnect watch their 16 sequences kept generating 256 tokens each (the
+    slots stayed busy 1.6 s and more after the clients had gone, and this failed)."""
+    assert wait_until_idle(server, 120) is not None
+    host, port = server.removeprefix("http://").split(":")
+    body = json.dumps(dict(prompt=["KING", "LEAR:"], max_tokens=MAX_TOKENS, temperature=1.0))
+
+    def impatient(i):
+        conn = http.client.HTTPConnection(host, int(port), timeout=0.3)
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", **AUTH})
+            conn.getresponse()
+            raise AssertionError("answered within 0.3 s: the test would prove nothing")
+        except TimeoutError:
+            pass
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=impatient, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    freed = wait_until_idle(server, 1.0)
+    assert freed is not None, health(server)
+    assert complete(server, prompt="KING", max_tokens=3)["usage"]["completion_tokens"] == 3
+
+
+def test_a_chunked_body_over_the_limit_is_413_before_it_ends(server):
+    """No Content-Length: the body is counted as it arrives. The client sends just over
+    8 MiB and then waits, its body unfinished: the answer is a 413 now (the old server
+    waited for the whole body, so this timed out)."""
+    host, port = server.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    try:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        piece = b'{"prompt": "' + b"x" * ((1 << 20) - 12)
+        for _ in range(8):  # exactly 8 MiB: within the limit, all read by the server
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            piece = b"x" * (1 << 20)
+        sock.sendall(b"400\r\n" + b"x" * 0x400 + b"\r\n")  # 1 KiB over; the body never ends
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            data = sock.recv(65536)
+            assert data, answer
+            answer += data
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert complete(server, prompt="KING", max_tokens=3)["usage"]["completion_tokens"] == 3
+
+
+def test_a_long_text_prompt_is_refused_before_it_is_tokenized():
+    """A text of more than window x (the longest token's characters) is more tokens than
+    the window: a 400 from its length alone, the tokenizer never asked for it."""
+    import serve
+    from dataset import Tokenizer
+
+    asked = []
+
+    class Recording(Tokenizer):  # the real byte tokenizer, recording what it is asked to encode
+        def encode(self, text):
+            asked.append(len(text))
+            return super().encode(text)
+
+    tokenizer = Recording("bytes")
+    with pytest.raises(serve.APIError, match="more than 16 tokens; this model's context is 16") as e:
+        serve.tokenize_prompts(["KING", "x" * 5_000_000], tokenizer, 16)
+    assert e.value.code == "context_length_exceeded" and asked == [4]
+    assert serve.tokenize_prompts("x" * 16, tokenizer, 16)[0][1] == [ord("x")] * 16
+
+
+def test_usage_counts_the_end_of_text_token_that_max_tokens_counts():
+    """The engine counts every sampled token against max_tokens, end-of-text included;
+    usage.completion_tokens counts the same tokens."""
+    import serve
+    from dataset import get_tokenizer
+
+    tokenizer = get_tokenizer("bytes")
+    choice = serve.Choice(0, "KING", tokenizer.encode("KING"), tokenizer, [], None, False)
+    for token in tokenizer.encode("ab"):
+        choice.handle(("token", token, -0.5, None, None))
+    last = choice.handle(("token", tokenizer.eot_id, -0.1, None, None))
+    assert last["finish_reason"] == "stop" and choice.completion_tokens == 3
+
+
 def test_models_and_health(server):
     with urllib.request.urlopen(urllib.request.Request(server + "/v1/models", headers=AUTH)) as r:
         assert [m["id"] for m in json.load(r)["data"]] == ["r"]

@@ -1,0 +1,380 @@
+"""The docs are run, so they cannot go stale.
+
+Every fenced ```bash or ```python block in README.md and docs/*.md carries a comment on the
+line before it that says what the test does with it:
+
+    <!-- test: run [slow] [SCRIPT+="ARGS"] ["/TEXT/+=ARGS"] -->
+        run the block's commands in order in one scratch copy of the repo per page (the
+        page's blocks share it, so a later block may use an earlier one's run), with ARGS
+        appended to every `python SCRIPT` command (e.g. main.py+="--train.steps 3") or to
+        every command containing TEXT; flags given twice take the last value, so ARGS
+        shrink a run without the page saying so. `pip install` lines are not run (the
+        suite runs in what they install). `slow`: only under -m slow.
+    <!-- test: skip (WHY) -->      not runnable on a laptop CPU (a pod, a bucket, a
+                                   server that runs until stopped); WHY names the test
+                                   that covers it instead
+    <!-- test: ci -->              the test command: must appear verbatim in .ci/run
+    <!-- test: files -->           the README's file map: every name exists, and every
+                                   top-level file and folder is in it
+
+A block without a marker fails the test, so a new command cannot be left unrun by
+accident. Links between pages, to files and to headings must resolve, and no file of the
+repo may name a .md document the repo does not have.
+
+The figures that describe the default run (README, "What the default run gives") are
+checked against public/default_run/ (that run's config.json, metrics.jsonl and
+samples.txt), and that directory against the code: the quick start's short run must
+resolve to the same config and reach the same loss at its last logged step. After a
+change to the default, run `python main.py` and then
+    python tests/test_docs.py runs/shakespeare
+which checks the README's figures against the fresh run and says what differs (copy the
+run's three files into public/default_run/ when the new figures are the ones to keep).
+"""
+
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
+DEFAULT_RUN = os.path.join(REPO, "public", "default_run")
+RUNNABLE_LANGS = ("bash", "sh", "python")
+# Config fields the quick start overrides (or that name where a run lives): not compared.
+QUICK_START_FIELDS = {("train", "steps"), ("train", "eval_every"), ("train", "eval_batches"), ("sample", "max_tokens"),
+                      ("run", "out_dir")}
+COMMAND_TIMEOUT_S = 600
+
+
+# ----------------------------------------------------------------------------
+# Reading the pages
+
+def read(page):
+    with open(os.path.join(REPO, page)) as f:
+        return f.read()
+
+
+def blocks(page):
+    """[(line, lang, body, marker or None)] for every fenced block of the page."""
+    lines, found, i = read(page).split("\n"), [], 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        start, end = i, i + 1
+        while not lines[end].startswith("```"):
+            end += 1
+        before = start - 1
+        while before >= 0 and not lines[before].strip():
+            before -= 1
+        marker = re.match(r"^<!--\s*test:\s*(.*?)\s*-->$", lines[before].strip()) if before >= 0 else None
+        found.append((start + 1, m.group(1), "\n".join(lines[start + 1:end]), marker.group(1) if marker else None))
+        i = end + 1
+    return found
+
+
+def parse_marker(marker):
+    """'run slow main.py+="--a 1"' -> ("run", slow, [(selector, [args])])."""
+    mode = marker.split(None, 1)[0]
+    tokens = shlex.split(marker) if mode == "run" else [mode]  # a skip's reason is prose
+    slow, overrides = False, []
+    for token in tokens[1:] if mode == "run" else []:
+        if token == "slow":
+            slow = True
+        else:
+            selector, sep, args = token.partition("+=")
+            assert sep, f"marker {marker!r}: {token!r} is not SCRIPT+=ARGS or /TEXT/+=ARGS"
+            overrides.append((selector, shlex.split(args)))
+    return mode, slow, overrides
+
+
+def commands(body, overrides):
+    """The shell lines to run for a bash block, overrides applied."""
+    joined = re.sub(r"\\\n\s*", " ", body)
+    out = []
+    for line in joined.split("\n"):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        tokens = shlex.split(line, comments=True)
+        if tokens[0] == "pip":
+            continue
+        extra = []
+        for selector, args in overrides:
+            if selector.startswith("/") and selector.endswith("/"):
+                hit = selector[1:-1] in line
+            else:
+                hit = len(tokens) > 1 and tokens[0] == "python" and os.path.basename(tokens[1]) == selector
+            extra += args if hit else []
+        if extra:
+            assert tokens[0] == "python" and not set(tokens) & {"|", ">", "&&", ";"}, \
+                f"overrides apply to plain `python ...` commands only: {line!r}"
+            line = shlex.join(tokens + extra)
+        out.append(line)
+    return out
+
+
+def runnable(page, slow):
+    return [(line, lang, body, parse_marker(marker)[2]) for line, lang, body, marker in blocks(page)
+            if lang in RUNNABLE_LANGS and marker and parse_marker(marker)[0] == "run"
+            and parse_marker(marker)[1] == slow]
+
+
+def pages_with(slow):
+    return [page for page in PAGES if runnable(page, slow)]
+
+
+# ----------------------------------------------------------------------------
+# Running a page's commands
+
+@pytest.fixture(scope="module")
+def shared_data_cache(tmp_path_factory):
+    """One prepared embedded corpus for every page (preparing it takes seconds)."""
+    return str(tmp_path_factory.mktemp("docs_data_cache"))
+
+
+def scratch_copy(tmp_path, data_cache):
+    """A directory that looks like the repo to a reader's commands (every top-level entry
+    linked), with runs/ and data_cache/ of its own."""
+    for name in os.listdir(REPO):
+        if name not in ("runs", "data_cache", ".git", "__pycache__", ".pytest_cache", "wandb"):
+            os.symlink(os.path.join(REPO, name), tmp_path / name)
+    os.symlink(data_cache, tmp_path / "data_cache")
+    return tmp_path
+
+
+def reader_env():
+    env = dict(os.environ)
+    env.pop("PJRT_NPROC", None)  # the suite's fake-device setting; main.py sets its own
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_block(cwd, page, line, lang, body, overrides):
+    if lang == "python":
+        script = cwd / f"block_{line}.py"
+        script.write_text(body + "\n")
+        shell_lines = [f"python {script.name}"]
+    else:
+        shell_lines = commands(body, overrides)
+    output = []
+    for command in shell_lines:
+        result = subprocess.run(["bash", "-eo", "pipefail", "-c", command], cwd=cwd, env=reader_env(),
+                                capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        assert result.returncode == 0, (f"{page}:{line}: `{command}` exited {result.returncode}\n"
+                                        f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+        output.append(result.stdout + result.stderr)
+    return "\n".join(output)
+
+
+def run_page(page, slow, tmp_path, data_cache):
+    cwd = scratch_copy(tmp_path, data_cache)
+    return {line: run_block(cwd, page, line, lang, body, overrides)
+            for line, lang, body, overrides in runnable(page, slow)}, cwd
+
+
+@pytest.mark.parametrize("page", pages_with(slow=False))
+def test_page_commands_run(page, tmp_path, shared_data_cache):
+    outputs, cwd = run_page(page, False, tmp_path, shared_data_cache)
+    if page == "README.md":
+        check_quick_start_against_default_run(outputs, cwd)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", pages_with(slow=True))
+def test_page_slow_commands_run(page, tmp_path, shared_data_cache):
+    run_page(page, True, tmp_path, shared_data_cache)
+
+
+def test_every_code_block_says_what_the_test_does_with_it():
+    problems = []
+    for page in PAGES:
+        for line, lang, body, marker in blocks(page):
+            if lang in RUNNABLE_LANGS and marker is None:
+                problems.append(f"{page}:{line}: a ```{lang} block without a <!-- test: ... --> comment")
+            elif not lang and re.search(r"^(python|pip|\./|lm_eval|curl) ", body, re.M):
+                problems.append(f"{page}:{line}: commands in an unlabeled block: make it ```bash with a test comment")
+            elif marker is not None:
+                mode = parse_marker(marker)[0]
+                if mode not in ("run", "skip", "ci", "files"):
+                    problems.append(f"{page}:{line}: unknown test mode {mode!r}")
+                if mode == "skip" and not marker[len("skip"):].strip():
+                    problems.append(f"{page}:{line}: a skipped block says why (and which test covers it)")
+                if mode == "run" and lang in RUNNABLE_LANGS:
+                    commands(body, parse_marker(marker)[2])  # overrides land on plain commands only
+    assert not problems, "\n".join(problems)
+
+
+def test_the_test_command_is_the_one_ci_runs():
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        ci_lines = [line.strip() for line in f]
+    found = 0
+    for page in PAGES:
+        for line, lang, body, marker in blocks(page):
+            if marker == "ci":
+                found += 1
+                for command in body.strip().split("\n"):
+                    assert command.strip() in ci_lines, f"{page}:{line}: `{command}` is not what .ci/run runs"
+    assert found, "README.md shows the test command in a <!-- test: ci --> block"
+
+
+# ----------------------------------------------------------------------------
+# Files and links
+
+def test_the_file_map_names_every_file_and_only_files_that_exist():
+    (body,) = [body for _, _, body, marker in blocks("README.md") if marker == "files"]
+    named = [line.split()[0].rstrip("/") for line in body.split("\n") if line.strip()]
+    missing = [name for name in named if not os.path.exists(os.path.join(REPO, name))]
+    tops = {name.split("/")[0] for name in named}
+    unlisted = sorted(top for top in tracked_top_level() if top not in tops and top not in NOT_IN_THE_MAP)
+    assert not missing and not unlisted, (f"the README's file map names files that do not exist: {missing}; "
+                                          f"and leaves out: {unlisted}")
+
+
+NOT_IN_THE_MAP = {".gitignore", "README.md", "requirements.txt", "requirements-test.txt", "pytest.ini"}
+
+
+def tracked_top_level():
+    """The repo's top-level files and folders (git's view; without git, what is there)."""
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    if listed.returncode == 0 and listed.stdout:
+        return {path.split("/")[0] for path in listed.stdout.split()}
+    return {name for name in os.listdir(REPO) if name not in ("runs", "data_cache", "wandb", ".git")
+            and not name.startswith((".pytest", ".env", "__pycache__"))}
+
+
+def slug(heading):
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page):
+    return {slug(m.group(1)) for m in re.finditer(r"^#+ (.*)$", read(page), re.M)}
+
+
+def test_links_resolve():
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", read(page), flags=re.S)  # links inside code are not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not os.path.exists(os.path.join(REPO, resolved)):
+                broken.append(f"{page}: {target} (no file {resolved})")
+            elif anchor and resolved.endswith(".md") and anchor not in anchors(resolved):
+                broken.append(f"{page}: {target} (no heading #{anchor} in {resolved})")
+    assert not broken, "links that do not resolve:\n" + "\n".join(broken)
+
+
+def test_no_file_points_to_a_document_the_repo_does_not_have():
+    stale = []
+    for path in glob.glob(os.path.join(REPO, "**", "*"), recursive=True):
+        if not path.endswith((".py", ".sh", ".md", ".html", ".ini")) and os.path.basename(path) != "run":
+            continue
+        if os.path.isdir(path) or "/runs/" in path or "/data_cache/" in path:
+            continue
+        with open(path, errors="replace") as f:
+            for n, text in enumerate(f, 1):
+                for doc in re.findall(r"[\w./-]*[A-Za-z_]\.md\b", text):
+                    here = os.path.join(os.path.dirname(path), doc)
+                    if not any(os.path.exists(p) for p in (here, os.path.join(REPO, doc), os.path.join(REPO, "docs", doc))):
+                        stale.append(f"{os.path.relpath(path, REPO)}:{n}: {doc}")
+    assert not stale, "files name documents the repo does not have:\n" + "\n".join(stale)
+
+
+# ----------------------------------------------------------------------------
+# The default run's figures
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def readme_figures():
+    """The README's figures table and sample, as {row name: text} and the sample's text."""
+    text = read("README.md")
+    table = text.split("<!-- figures: public/default_run -->", 1)[1].split("\n\n", 1)[0]
+    rows = {cells[1].strip(): cells[2].strip() for cells in (row.split("|") for row in table.split("\n")[2:])}
+    sample = [body for _, _, body, _ in blocks("README.md") if body.startswith("ROMEO:")]
+    return rows, sample[0] if sample else None
+
+
+def figure_problems(run_dir):
+    """What the README says about the default run that `run_dir` does not bear out."""
+    rows, sample = readme_figures()
+    problems = []
+    evals = [row for row in read_metrics(run_dir) if "val_loss" in row]
+    m = re.match(r"([\d.]+) nats/byte at step (\d+)", rows["validation loss"])
+    if not evals or (f"{evals[-1]['val_loss']:.3f}", evals[-1]["step"]) != (m.group(1), int(m.group(2))):
+        last = f"{evals[-1]['val_loss']:.3f} at step {evals[-1]['step']}" if evals else "no eval row"
+        problems.append(f"validation loss: the README says {m.group(1)} at step {m.group(2)}, the run {last}")
+    with open(os.path.join(run_dir, "config.json")) as f:
+        cfg = json.load(f)
+    m = re.match(r"(\d+) steps of (\d+) x (\d+) bytes", rows["training"])
+    said = tuple(int(g) for g in m.groups())
+    ran = (cfg["train"]["steps"], cfg["train"]["batch_size"], cfg["model"]["seq_len"])
+    if said != ran:
+        problems.append(f"training: the README says {said} (steps, batch, seq_len), the run {ran}")
+    with open(os.path.join(run_dir, "samples.txt")) as f:
+        samples = f.read()
+    if sample is None or sample.strip() not in samples:
+        problems.append("the README's sample is not in the run's samples.txt")
+    return problems
+
+
+def test_readme_figures_match_the_committed_default_run():
+    assert not figure_problems(DEFAULT_RUN), figure_problems(DEFAULT_RUN)
+
+
+def flat(cfg):
+    return {(section, key): value for section, fields in cfg.items() if isinstance(fields, dict)
+            for key, value in fields.items()}
+
+
+def check_quick_start_against_default_run(outputs, cwd):
+    """The quick start's short `python main.py` is the default run cut short: the same
+    resolved config but for the fields it overrides, the same model size as the README
+    says, and the same train loss at its last logged step as the committed run's."""
+    rows, _ = readme_figures()
+    params = rows["model"].split(" (")[0]
+    assert any(f"model: {params}" in out for out in outputs.values()), \
+        f"the README says the default model has {params!r}; the quick start printed otherwise"
+    short_dir = os.path.join(cwd, "runs", "shakespeare")
+    with open(os.path.join(short_dir, "config.json")) as f:
+        short = flat(json.load(f))
+    with open(os.path.join(DEFAULT_RUN, "config.json")) as f:
+        committed = flat(json.load(f))
+    differ = {k: (committed[k], short[k]) for k in committed.keys() & short.keys()
+              if k not in QUICK_START_FIELDS and committed[k] != short[k]}
+    assert not differ, (f"the default config changed since public/default_run was made (committed, now): {differ}; "
+                        "run `python main.py` and `python tests/test_docs.py runs/shakespeare` (module docstring)")
+    short_rows = [row for row in read_metrics(short_dir) if "loss" in row]
+    committed_loss = {row["step"]: row["loss"] for row in read_metrics(DEFAULT_RUN) if "loss" in row}
+    step, loss = short_rows[-1]["step"], short_rows[-1]["loss"]
+    assert step in committed_loss, f"the committed default run has no train row at step {step}"
+    # Warmup is the same whatever the total steps, so the losses agree but for how another
+    # CPU rounds in bfloat16 (a changed default moves them by much more).
+    assert loss == pytest.approx(committed_loss[step], rel=2e-3), (step, loss, committed_loss[step])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/test_docs.py RUN_DIR   (a fresh `python main.py` run: runs/shakespeare)")
+    problems = figure_problems(sys.argv[1])
+    train = [row for row in read_metrics(sys.argv[1]) if "tokens_per_sec" in row]
+    speeds = sorted(row["tokens_per_sec"] for row in train)
+    print(f"median tokens/s {speeds[len(speeds) // 2]:.0f}, median MFU {sorted(r['mfu'] for r in train)[len(train) // 2]:.1%}")
+    for problem in problems:
+        print("differs:", problem)
+    print("the README's figures match this run" if not problems else f"{len(problems)} figure(s) differ")
+    sys.exit(1 if problems else 0)
