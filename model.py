@@ -135,9 +135,37 @@ def is_auto_axis(axis):
     return dict(zip(mesh.axis_names, mesh.axis_types)).get(axis) == jax.sharding.AxisType.Auto
 
 
-def psum_if(x, axis):
-    """Sum over a mesh axis inside shard_map; on one device (axis None) a no-op."""
-    return x if axis is None else jax.lax.psum(x, axis)
+def live_axes(axes):
+    """The mesh axes among `axes` (None, a name or a tuple of names) that a collective
+    must cross here: those shard_map made manual with more than one device. An axis of
+    size 1 holds everything already, yet XLA:CPU keeps a psum over it as an all-reduce
+    that copies its operand (on one device the default step ran 32 of them, 19 MB).
+    Skipping one is exact only when nothing is typed as varying over that axis: the
+    steps give shard_map specs without size-1 axes (parallel.live_spec), so values are
+    invariant over those and need no collective to become so."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if axes is None or mesh.empty:
+        return ()
+    sizes = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+             if kind == jax.sharding.AxisType.Manual}
+    return tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if sizes.get(a, 1) > 1)
+
+
+def psum_if(x, axes):
+    """Sum over mesh axes inside shard_map, only those with more than one device
+    (live_axes); on one device (axes None or all of size 1) a no-op."""
+    axes = live_axes(axes)
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def pmax_if(x, axes):
+    axes = live_axes(axes)
+    return jax.lax.pmax(x, axes) if axes else x
+
+
+def axis_index(axis):
+    """This device's index along a mesh axis; 0 (a constant, not varying) on one device."""
+    return jax.lax.axis_index(axis) if live_axes(axis) else 0
 
 
 # ----------------------------------------------------------------------------
@@ -507,7 +535,7 @@ class MoE(nnx.Module):
             return jnp.concatenate([x_SD, jnp.zeros((1, D), x_SD.dtype)])[token_for_slot]
 
         x_GECD = jax.vmap(fill_slots)(x_GSD, slot_GSX).reshape(G, n_experts, capacity, D)
-        if ep_axis is None:
+        if ep_axis is None or not (is_auto_axis(ep_axis) or live_axes(ep_axis)):  # one expert group: nothing to send
             y_GECD = self.expert_ffn(x_GECD)
         elif is_auto_axis(ep_axis):
             # Automatic sharding (executor_auto.py): only say that each expert's slots
@@ -745,7 +773,7 @@ class Transformer(nnx.Module):
         """Vocab-parallel lookup: each tp device holds rows [offset, offset + V/tp) and
         contributes the rows it has (zeros elsewhere); a psum assembles the vectors."""
         table_VD = self.embed_VD[...]
-        offset = 0 if tp_axis is None else jax.lax.axis_index(tp_axis) * table_VD.shape[0]
+        offset = axis_index(tp_axis) * table_VD.shape[0]
         local_BT = tokens_BT - offset
         mine_BT = (local_BT >= 0) & (local_BT < table_VD.shape[0])
         x_BTD = jnp.where(mine_BT[..., None], table_VD[jnp.clip(local_BT, 0, table_VD.shape[0] - 1)], 0)
@@ -775,10 +803,9 @@ class Transformer(nnx.Module):
         """
         logits_BTV = self.logits(x_BTD, norm)
         V_local = logits_BTV.shape[-1]
-        offset = 0 if tp_axis is None else jax.lax.axis_index(tp_axis) * V_local
+        offset = axis_index(tp_axis) * V_local
         max_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
-        if tp_axis is not None:
-            max_BT = jax.lax.pmax(max_BT, tp_axis)
+        max_BT = pmax_if(max_BT, tp_axis)
         sum_exp_BT = psum_if(jnp.sum(jnp.exp(logits_BTV - max_BT[..., None]), axis=-1), tp_axis)
         local_BT = targets_BT - offset
         mine_BT = (local_BT >= 0) & (local_BT < V_local)

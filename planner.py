@@ -539,6 +539,51 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     return dict(compute=compute, bubble=bubble, model_flops=model_flops, executed_flops=executed), comm
 
 
+def newton_schulz_flops(fan_in, fan_out):
+    """optimizers.orthogonalize on one matrix: per step x x^T, gram @ gram and (.) @ x
+    over the smaller side s and the larger l: 4 s^2 l + 2 s^3."""
+    s, l = sorted((fan_in, fan_out))
+    return optimizers.NEWTON_SCHULZ_STEPS * (4 * s * s * l + 2 * s ** 3)
+
+
+def muon_cost(params, expert_parallel, mesh_shape, tiled=False):
+    """Muon's update per device per step, off the pools optimizers.orthogonal_updates
+    makes (every mesh axis manual, as in the train step): Newton-Schulz FLOPs, the
+    all-to-all bytes one device sends and receives by mesh axes ({axes: bytes}: the
+    momentum to the owners and the updates back, 2 (S-1)/S of a pool each), and the
+    working set of the largest pool (float32: the pooled momentum, the owners' whole
+    matrices, the update coming back, and the Newton-Schulz iterate with its two Gram
+    products)."""
+    specs = par.param_specs(params, expert_parallel)
+    leaves = {}
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                  jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, par.P))):
+        if optimizers.is_matrix(path):
+            leaves[jax.tree_util.keystr(path)] = (path, shard_shape(leaf.shape, spec, mesh_shape), spec)
+    whole, pools = optimizers.muon_pools(leaves, dict(mesh_shape))
+    flops, traffic, working_set = 0, {}, 0
+    for key in whole:  # orthogonalized where they lie, as on one device
+        path, shape, _ = leaves[key]
+        batch, fan_in, fan_out = (math.prod(shape[d] for d in dims) for dims in optimizers.matrix_dims(path, len(shape)))
+        flops += batch * newton_schulz_flops(fan_in, fan_out)
+        s, l = sorted((fan_in, fan_out))
+        working_set = max(working_set, F32 * batch * (3 * s * l + 2 * s * s))
+    for (local, n_in, dim_axes), keys in pools.items():
+        group = tuple(a for a in mesh_shape if any(a in axes for axes in dim_axes))
+        S = math.prod(mesh_shape[a] for a in group)
+        B = sum(math.prod(leaves[key][1]) // math.prod(local) for key in keys)
+        k = -(-B // S)
+        full = [n * math.prod(mesh_shape[a] for a in axes) for n, axes in zip(local, dim_axes)]
+        fan_in, fan_out = math.prod(full[:n_in]), math.prod(full[n_in:])
+        flops += k * newton_schulz_flops(fan_in, fan_out)
+        pool = F32 * S * k * math.prod(local)  # padded to S k matrices' shards (= k whole matrices)
+        name = "+".join(group)
+        traffic[name] = traffic.get(name, 0) + 2 * pool * (S - 1) // S
+        s, l = sorted((fan_in, fan_out))
+        working_set = max(working_set, 3 * pool + F32 * k * (2 * s * l + 2 * s * s))
+    return dict(flops=flops, traffic=traffic, working_set=working_set)
+
+
 # ----------------------------------------------------------------------------
 # The plan
 
@@ -608,6 +653,10 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     elif ticks > 1 and blocks_here > 1:
         memory["this tick's gradient of the stage's blocks"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled)
     temp = sum(v for k, v in memory.items() if k not in ("params", "optimizer"))  # all that the step allocates
+    muon = muon_cost(params, ep, mesh_shape, tiled) if cfg.train.optimizer == "muon" else None
+    if muon:  # after the backward pass, beside the gradients alone: the step's peak is the larger of the two
+        memory["Muon update of the largest pool (float32; after the backward pass, not added)"] = muon["working_set"]
+        temp = max(temp, memory["gradients"] + muon["working_set"])
     total_bytes = memory["params"] + memory["optimizer"] + temp
 
     if hw_name == "cpu":
@@ -617,6 +666,11 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         peak = peak or hw.peak_flops
         available = hw.memory_bytes
     times, comm = step_time(cfg, mesh_shape, hw, peak, efficiency, params)
+    if muon:  # Newton-Schulz in float32 (assumed at the same efficiency), and its all-to-alls
+        times["optimizer_flops"] = muon["flops"]
+        times["compute"] += muon["flops"] / (peak * efficiency)
+        for axes, nbytes in muon["traffic"].items():
+            comm[f"muon all-to-all of momentum and updates over {axes}"] = nbytes / collective_bw(hw, mesh_shape, tuple(axes.split("+")))
     total_params, active_params = count_params(cfg.model)
     serial = times["compute"] + times["bubble"] + sum(comm.values())
     overlapped = max(times["compute"] + times["bubble"], sum(comm.values()))
@@ -698,7 +752,8 @@ def report(p):
     rows += [("    " + name, mem_str(value)) for name, value in p["activations"].items()]
     rows += [("  total", mem_str(p["total_bytes"]) + f"   of {p['available_bytes'] / GiB:.2f} GiB"), ("", "")]
     rows.append((f"step time (compute at an assumed {p['efficiency']:.0%} of {human(p['peak_flops'])}FLOP/s per device)", ""))
-    rows.append((f"  compute: {human(t['executed_flops'])}FLOP executed ({human(t['model_flops'])}FLOP model)",
+    rows.append((f"  compute: {human(t['executed_flops'])}FLOP executed ({human(t['model_flops'])}FLOP model)"
+                 + (f" + Muon's Newton-Schulz {human(t['optimizer_flops'])}FLOP per device" if "optimizer_flops" in t else ""),
                  seconds(t["compute"])))
     if p["mesh"]["pp"] > 1:
         rows.append((f"  pipeline bubble ({p['pipeline']}: {p['bubble_fraction']:.1%} of the table idle)", seconds(t["bubble"])))

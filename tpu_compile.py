@@ -448,6 +448,33 @@ def collective_ops(hlo, mesh_shape):
     return ops
 
 
+def dot_flops(hlo, name_part=""):
+    """FLOPs per step on one device of the dots of an optimized HLO module whose
+    metadata contains name_part (e.g. a jax.named_scope): 2 x result elements x
+    contracted size, times the trips of the loops around each."""
+    comps, entry = split_computations(hlo)
+    runs = executions(comps, entry)
+    total = 0
+    for name, lines in comps.items():
+        if not runs.get(name):
+            continue
+        dims_of = {}
+        for line in lines:
+            m = re.match(r"^\s*(?:ROOT )?%(\S+) = \w+\[([0-9,]*)\]", line)
+            if m:
+                dims_of[m.group(1)] = [int(d) for d in m.group(2).split(",") if d]
+        for line in lines:
+            m = INSTRUCTION.match(line)
+            if not m or m.group(2) != "dot" or name_part not in line:
+                continue
+            lhs = re.match(r"%([^\s,)]+)", m.group(3)).group(1)
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
+            contracted = math.prod(dims_of[lhs][int(d)] for d in contracting.split(",") if d)
+            out = ARRAY.search(m.group(1)).group(2)
+            total += runs[name] * 2 * math.prod(int(d) for d in out.split(",") if d) * contracted
+    return total
+
+
 def collective_table(hlo_text, mesh):
     """{(kind, axes): (count, bytes)} per step per device: each collective in the
     optimized HLO, times the trip count of the loops around it. Bytes are the
