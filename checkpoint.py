@@ -32,8 +32,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import hf_interop
-from weights import is_trained, weight_name
 from utils import ConfigError
+from weights import is_trained, weight_name
 
 ITEMS = ("params", "opt_state", "meta")
 

@@ -28,7 +28,7 @@ from flax import nnx
 
 import step_core as core
 from model import axis_index, fold_in_rows
-from parallel import DP, PP, TP
+from weights import DP, PP, TP
 from pipeline import BACKWARD, FIELDS, FORWARD, schedule
 
 MANUAL = True  # runs inside jax.shard_map: every collective written out

@@ -18,7 +18,7 @@ from flax import nnx
 
 import step_core as core
 from model import apply_blocks, axis_index
-from parallel import DP, PP, TP
+from weights import DP, PP, TP
 
 MANUAL = True  # runs inside jax.shard_map: every collective written out
 

@@ -437,8 +437,8 @@ def from_hf_state(tensors, m):
         used.add(name)
         return np.asarray(tensors[name], np.float32)
 
-    def layer(l, layer_shapes):
-        L = f"model.layers.{l}."
+    def layer(index, layer_shapes):
+        L = f"model.layers.{index}."
         bias = hf_name(("ffn", "router_bias_E"), L)
         if bias in tensors and np.any(get(bias) != 0):
             raise ConfigError(f"cannot import: {bias} is not zero: selecting experts with a score bias "
@@ -459,7 +459,7 @@ def from_hf_state(tensors, m):
     # untied lm_head copy are not next-token weights of this model.
     n_layers = m.n_blocks * P
     unused = [k for k in tensors if k not in used and k != "lm_head.weight"
-              and not k.startswith(tuple(f"model.layers.{l}." for l in range(n_layers, n_layers + 8)))]
+              and not k.startswith(tuple(f"model.layers.{j}." for j in range(n_layers, n_layers + 8)))]
     if unused:
         raise ConfigError(f"the checkpoint has tensors this model has no place for, e.g. {unused[:3]}")
     return params

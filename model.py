@@ -84,7 +84,8 @@ class ModelConfig:
     dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
     grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
                                                "weights): float32 | bfloat16 (halves their bytes, loses precision)")
-    attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
+    attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "
+                                      "dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
     remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
                                 "block (each block from its input) | block_dots (each block, keeping its matmul outputs) | "
                                 "stage (all of a pipeline stage's blocks, per microbatch, from the stage input)")
@@ -413,9 +414,9 @@ def balance_router_biases(blocks, tokens_per_expert_NLE, rate, block_pattern):
     router_bias_E moved by `balanced_bias`; MoE layer l of a block is the l-th "M" of
     its pattern."""
     layers = dict(blocks["layers"])
-    for l, i in enumerate(i for i, kind in enumerate(block_pattern) if kind == "M"):
+    for moe_layer, i in enumerate(i for i, kind in enumerate(block_pattern) if kind == "M"):
         ffn = dict(layers[i]["ffn"])
-        ffn["router_bias_E"] = balanced_bias(ffn["router_bias_E"], tokens_per_expert_NLE[:, l], rate)
+        ffn["router_bias_E"] = balanced_bias(ffn["router_bias_E"], tokens_per_expert_NLE[:, moe_layer], rate)
         layers[i] = dict(layers[i], ffn=ffn)
     return dict(blocks, layers=layers)
 

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from model import Transformer, live_axes
 from pipeline import formula_bubble
 from utils import ConfigError
-from weights import AXES, DP, EXPERT, FSDP, PP, SHAPE_LETTER_FLAGS, TP, is_stacked, is_trained, row, weight_name
+from weights import AXES, DP, EXPERT, FSDP, PP, SHAPE_LETTER_FLAGS, is_stacked, is_trained, row, weight_name
 
 
 # ----------------------------------------------------------------------------

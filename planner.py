@@ -541,9 +541,9 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
 
 def newton_schulz_flops(fan_in, fan_out):
     """optimizers.orthogonalize on one matrix: per step x x^T, gram @ gram and (.) @ x
-    over the smaller side s and the larger l: 4 s^2 l + 2 s^3."""
-    s, l = sorted((fan_in, fan_out))
-    return optimizers.NEWTON_SCHULZ_STEPS * (4 * s * s * l + 2 * s ** 3)
+    over the smaller side s and the larger g: 4 s^2 g + 2 s^3."""
+    s, g = sorted((fan_in, fan_out))
+    return optimizers.NEWTON_SCHULZ_STEPS * (4 * s * s * g + 2 * s ** 3)
 
 
 def muon_cost(params, expert_parallel, mesh_shape, tiled=False):
@@ -566,8 +566,8 @@ def muon_cost(params, expert_parallel, mesh_shape, tiled=False):
         path, shape, _ = leaves[key]
         batch, fan_in, fan_out = (math.prod(shape[d] for d in dims) for dims in optimizers.matrix_dims(path, len(shape)))
         flops += batch * newton_schulz_flops(fan_in, fan_out)
-        s, l = sorted((fan_in, fan_out))
-        working_set = max(working_set, F32 * batch * (3 * s * l + 2 * s * s))
+        s, g = sorted((fan_in, fan_out))
+        working_set = max(working_set, F32 * batch * (3 * s * g + 2 * s * s))
     for (local, n_in, dim_axes), keys in pools.items():
         group = tuple(a for a in mesh_shape if any(a in axes for axes in dim_axes))
         S = math.prod(mesh_shape[a] for a in group)
@@ -579,8 +579,8 @@ def muon_cost(params, expert_parallel, mesh_shape, tiled=False):
         pool = F32 * S * k * math.prod(local)  # padded to S k matrices' shards (= k whole matrices)
         name = "+".join(group)
         traffic[name] = traffic.get(name, 0) + 2 * pool * (S - 1) // S
-        s, l = sorted((fan_in, fan_out))
-        working_set = max(working_set, 3 * pool + F32 * k * (2 * s * l + 2 * s * s))
+        s, g = sorted((fan_in, fan_out))
+        working_set = max(working_set, 3 * pool + F32 * k * (2 * s * g + 2 * s * s))
     return dict(flops=flops, traffic=traffic, working_set=working_set)
 
 
@@ -646,7 +646,8 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # of a tick writes its blocks' gradients into a stack of their own, which is then
     # added to the running sum over ticks: two copies of the blocks' gradients.
     if cfg.train.pipeline != "gpipe":  # a backward tick's gradient of one chunk, added to the step's sum
-        memory["a backward tick's gradient of one chunk"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled) // schedule_of(cfg, shape[1]).virtual_stages
+        chunk_grad_bytes = layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled) // schedule_of(cfg, shape[1]).virtual_stages
+        memory["a backward tick's gradient of one chunk"] = chunk_grad_bytes
         # the embedding's and final norm's gradient, gathered, summed over the step in float32
         # (the sum, and a forward and a backward tick's contributions)
         memory["gradient of the gathered embedding (float32, 3 copies)"] = 3 * gathered_bytes(top, ep, mesh_shape, F32, one_block=False, tiled=tiled)
@@ -837,7 +838,8 @@ def table_row(preset, pod_name):
     planned = plan(cfg, 0, pod.hardware)
     hbm = HARDWARE[pod.hardware].memory_bytes
     return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", microbatches=microbatches, tpu_bytes=tpu["total"],
-                planner_bytes=planned["total_bytes"], fits=tpu_compile.fits(tpu, compiled["log"]["train"], hbm), compile_s=compiled["seconds"]["train"],
+                planner_bytes=planned["total_bytes"], fits=tpu_compile.fits(tpu, compiled["log"]["train"], hbm),
+                compile_s=compiled["seconds"]["train"],
                 tpu=tpu, planner_temp_bytes=planned["temp_bytes"], log=compiled["log"]["train"])
 
 

@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import parallel as par
+import weights
 from model import decode_step, init_cache
-from weights import row
 
 MIN_PREFILL_BUCKET = 16  # shorter prompts are padded to this: one compile covers them all
 TOP_LOGPROBS = 5  # alternatives computed at every position (OpenAI's API allows up to 5)
@@ -130,11 +131,11 @@ def place_weights(state, tp_devices=None):
     plain = jax.tree.map(np.asarray, state.to_pure_dict())
     if not tp_devices or len(tp_devices) == 1:
         return nnx.State(jax.device_put(plain, (tp_devices or jax.devices())[0]))
-    mesh = jax.make_mesh((len(tp_devices),), (par.TP,), axis_types=(AxisType.Auto,), devices=tp_devices)
+    mesh = jax.make_mesh((len(tp_devices),), (weights.TP,), axis_types=(AxisType.Auto,), devices=tp_devices)
 
     def sharding(path, leaf):
         name = par.weight_name(path)
-        dims = tuple(par.TP if d == par.TP else None for d in row(name).dims)
+        dims = tuple(weights.TP if d == weights.TP else None for d in weights.row(name).dims)
         return NamedSharding(mesh, P(*((None,) * (leaf.ndim - len(dims)) + dims)))  # stacked: N leads
 
     return nnx.State(jax.device_put(plain, jax.tree_util.tree_map_with_path(sharding, plain)))

@@ -122,7 +122,8 @@ def parse_request(body_bytes):
 
 def check_settings(req, max_tokens_limit):
     checks = [
-        (0 <= req.max_tokens <= max_tokens_limit, "max_tokens", f"max_tokens must be in 0..{max_tokens_limit} (--serve.max_tokens), got {req.max_tokens}"),
+        (0 <= req.max_tokens <= max_tokens_limit, "max_tokens",
+         f"max_tokens must be in 0..{max_tokens_limit} (--serve.max_tokens), got {req.max_tokens}"),
         (0 <= req.temperature <= 100, "temperature", f"temperature must be in [0, 100] (0 = greedy), got {req.temperature}"),
         (req.top_k >= -1, "top_k", f"top_k must be >= 0 (0 or -1 = all tokens), got {req.top_k}"),
         (0 < req.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {req.top_p}"),

@@ -27,7 +27,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from model import balance_router_biases, live_axes, rope_angles, router_biases
-from parallel import DP, PP, TP, axes_of, gather_for_use
+from parallel import axes_of, gather_for_use
+from weights import DP, PP, TP
 
 # ----------------------------------------------------------------------------
 # Reductions over whichever mesh axes are manual here

@@ -226,7 +226,8 @@ def parse_value(flag, text, kind):
     try:
         return kind(text)
     except ValueError:
-        raise ConfigError(f"--{flag} expects {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}, got {text!r}") from None
+        expected = "an integer" if kind is int else "a number" if kind is float else kind.__name__
+        raise ConfigError(f"--{flag} expects {expected}, got {text!r}") from None
 
 
 def help_text():

@@ -5,9 +5,9 @@ the default step ran 32 of them, 19 MB). Read off the optimized HLO of the train
 
 import jax.numpy as jnp
 import pytest
+from test_parallel import MESH_IDS, placed_step, tiny_config
 
 import tpu_compile
-from test_parallel import MESH_IDS, placed_step, tiny_config
 from utils import apply_overrides
 
 # (mesh, expert parallelism, optimizer): one device, dp alone (experts over dp: the

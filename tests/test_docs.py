@@ -36,7 +36,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 

@@ -29,8 +29,8 @@ import parallel as par  # noqa: E402
 import sampling  # noqa: E402
 from dataset import get_tokenizer  # noqa: E402
 from model import Transformer  # noqa: E402
-from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides  # noqa: E402
-from train_steps import make_eval_step
+from train_steps import make_eval_step  # noqa: E402
+from utils import PRESETS, Config, ConfigError, apply_overrides  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BYTES = get_tokenizer("bytes")

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from test_parallel import MESH_IDS, VARIANTS, assert_same_step, assert_same_steps, mesh_for, one_step, placed_step, tiny_config, train_steps
 
 import optimizers
 import parallel as par
-from flax import nnx
 from model import Transformer
-from test_parallel import MESH_IDS, VARIANTS, assert_same_step, assert_same_steps, mesh_for, one_step, placed_step, tiny_config, train_steps
 from utils import PRESETS, Config, apply_overrides
 
 

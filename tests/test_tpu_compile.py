@@ -15,8 +15,8 @@ import pytest
 import parallel as par
 import planner
 import tpu_compile
-from utils import PRESETS, Config, MeshConfig, apply_overrides
 from train_steps import make_train_step
+from utils import PRESETS, Config, MeshConfig, apply_overrides
 
 pytest.importorskip("libtpu")
 
