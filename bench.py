@@ -6,7 +6,7 @@
     python bench.py --preset tiny --run.cpu_devices 8 --mesh.dp 2 --mesh.tp 4 --mesh.sharding auto   # vs manual
 
 MFU = model FLOPs per step / (step time x devices x peak), where model FLOPs are
-utils.flops_per_token (matmuls of the active parameters, forward + backward, plus
+flops.flops_per_token (matmuls of the active parameters, forward + backward, plus
 attention scores) and peak is a large matmul in the compute dtype timed on this
 device in this run (the fastest of 5), so the figure is a ratio that survives a noisy
 machine; the step time is the median of the timed steps. With fake CPU devices all
@@ -25,10 +25,27 @@ schedule's table for --mesh.pp, --train.microbatches, --train.pipeline and
 the step, not the data loader (see bench_data.py for that).
 """
 
+import collections
+import glob
+import gzip
 import json
 import os
+import re
 import sys
 import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import parallel as par
+import pipeline
+import train_steps
+from devices import setup_devices
+from flops import count_params, flops_per_token, measure_peak_flops
+from runs import build_state
+from tpu_compile import collective_table
+from utils import ConfigError, apply_overrides, parse_args
 
 
 def split_own_flags(argv, own, switches=()):
@@ -59,8 +76,6 @@ def split_bench_flags(argv):
 
 def schedule_of(cfg):
     """The pipeline schedule table this config runs (pipeline.schedule)."""
-    import pipeline
-
     t = cfg.train
     return pipeline.schedule(t.pipeline, cfg.mesh.pp, t.microbatches, t.virtual_stages)
 
@@ -70,14 +85,6 @@ def profile_steps(compiled, params, opt_state, batch, steps, trace_dir, top=25):
     per kind of XLA operation (the HLO name without its number: ynn_fusion = a matmul
     fused by XLA:CPU, dot = a matmul left to Eigen, all_gather, ...), slowest first.
     Open the trace itself with Perfetto (ui.perfetto.dev) or TensorBoard."""
-    import collections
-    import glob
-    import gzip
-    import re
-
-    import jax
-    import jax.numpy as jnp
-
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for i in range(steps):
             params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(i))
@@ -100,16 +107,6 @@ def profile_steps(compiled, params, opt_state, batch, steps, trace_dir, top=25):
 
 
 def bench(cfg, steps, warmup, profile_dir=""):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import parallel as par
-    import train_steps
-    from tpu_compile import collective_table
-    from main import build_state, measure_peak_flops
-    from utils import apply_overrides, count_params, flops_per_token
-
     if cfg.model.vocab_size == 0:  # the byte tokenizer of the embedded default
         cfg = apply_overrides(cfg, {"model": {"vocab_size": 257}})
     mesh = par.make_mesh(cfg.mesh)
@@ -155,20 +152,14 @@ def bench(cfg, steps, warmup, profile_dir=""):
 
 
 def main(argv):
-    from utils import ConfigError, parse_args
-
     json_path, steps, warmup, profile_dir, show_schedule, rest = split_bench_flags(argv)
     try:
         cfg = parse_args(rest)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     if show_schedule:  # the table only: no devices, nothing compiled
-        import pipeline
-
         print(pipeline.grid(schedule_of(cfg)))
         return
-    from main import setup_devices
-
     setup_devices(cfg)
     try:
         result = bench(cfg, steps, warmup, profile_dir)

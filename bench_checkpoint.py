@@ -19,6 +19,15 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+
+import checkpoint
+import optimizers
+import parallel as par
+from flops import count_params, human
+from utils import ConfigError, MeshConfig, apply_overrides, parse_args
+
 BYTES_VOCAB = 257  # the byte tokenizer (256 bytes + end-of-text): the embedded data's vocabulary
 
 
@@ -27,15 +36,7 @@ def main(argv):
     parser.add_argument("--repeats", type=int, default=5, help="measured saves and restores (median reported)")
     parser.add_argument("--dir", default="", help="where to write the checkpoints (default: a temporary directory)")
     args, config_flags = parser.parse_known_args(argv)
-
-    import jax
-    import jax.numpy as jnp
-
-    jax.config.update("jax_num_cpu_devices", 1)
-    import checkpoint
-    import optimizers
-    import parallel as par
-    from utils import ConfigError, MeshConfig, apply_overrides, count_params, human, parse_args
+    jax.config.update("jax_num_cpu_devices", 1)  # before JAX starts its backend
 
     try:
         cfg = parse_args(config_flags)

@@ -17,7 +17,13 @@ import sys
 import threading
 import time
 
+import jax
+from flax import nnx
+
+import parallel as par
 from bench import split_own_flags
+from engine import Engine, Sequence
+from utils import ConfigError, apply_overrides, parse_args
 
 PROMPT_TOKENS = 8
 
@@ -29,8 +35,6 @@ def split_bench_flags(argv):
 
 def timed_run(engine, n_sequences, tokens):
     """Decode tokens/s of n sequences generated together."""
-    from engine import Sequence
-
     times, done = [[] for _ in range(n_sequences)], threading.Semaphore(0)
 
     def emit(i):
@@ -49,20 +53,11 @@ def timed_run(engine, n_sequences, tokens):
 
 
 def main(argv):
-    from utils import ConfigError, parse_args
-
     tokens, repeats, rest = split_bench_flags(argv)
     try:
         cfg = parse_args(rest)
     except ConfigError as e:
         sys.exit(f"error: {e}")
-    import jax
-    from flax import nnx
-
-    import parallel as par
-    from engine import Engine
-    from utils import apply_overrides
-
     if cfg.model.vocab_size == 0:
         cfg = apply_overrides(cfg, {"model": {"vocab_size": 257}})  # byte tokens, as the embedded data
     tokens = tokens or cfg.model.seq_len - PROMPT_TOKENS

@@ -16,7 +16,7 @@ itself does not notice a flipped byte in an array file: it restores the wrong va
 
 A slim export (<dir>/params + <dir>/config.json) is params only, in bfloat16: about a
 sixth of a full checkpoint (2 bytes per weight instead of 4 + 4 + 4), for sampling and
-fine-tuning (GPT-J's "slim" weights). State no gradient trains (parallel.UNTRAINED: the
+fine-tuning (GPT-J's "slim" weights). State no gradient trains (weights' untrained rows: the
 router biases) stays float32: its 0.001 steps are below bfloat16's resolution near 1.
 """
 
@@ -31,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+import hf_interop
 from utils import ConfigError
+from weights import is_trained, weight_name
 
 ITEMS = ("params", "opt_state", "meta")
 
@@ -282,8 +284,6 @@ def find_params_source(path):
     """('export', dir) or ('run', run_dir) for --train.init_from / sampling; a clear
     error for a path that is neither (checked before anything compiles). `hf:DIR` is
     ('hf', DIR), a Hugging Face directory (hf_interop.py)."""
-    import hf_interop
-
     if hf_interop.hf_dir(path) is not None:
         hf_path = os.path.abspath(hf_interop.hf_dir(path))
         hf_interop.read_hf_config(hf_path)
@@ -307,8 +307,6 @@ def restore_params(path, params, model_cfg, log=warn):
     damaged checkpoint is reported and the previous one used, but nothing is moved."""
     kind, path = find_params_source(path)
     if kind == "hf":
-        import hf_interop
-
         return hf_interop.load_params(path, params, model_cfg)
     if kind == "export":
         with open(os.path.join(path, "config.json")) as f:
@@ -347,10 +345,8 @@ def restore_params(path, params, model_cfg, log=warn):
 
 def slim_dtypes(params):
     """The dtype of each leaf in a slim export: bfloat16, but float32 for untrained state."""
-    from parallel import UNTRAINED, weight_name
-
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.float32 if weight_name(path) in UNTRAINED else jnp.bfloat16, params)
+        lambda path, a: jnp.bfloat16 if is_trained(weight_name(path)) else jnp.float32, params)
 
 
 def export_slim(params, config_dict, out_dir):

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import step_core as core
-from model import fold_in_rows
-from parallel import DP, PP, TP
+from model import axis_index, fold_in_rows
+from weights import DP, PP, TP
 from pipeline import BACKWARD, FIELDS, FORWARD, schedule
 
 MANUAL = True  # runs inside jax.shard_map: every collective written out
@@ -94,12 +94,12 @@ class ScheduledStep:
         self.cfg, self.params, self.graphdef = cfg, params, graphdef
         self.M = t_cfg.microbatches
         self.V = t_cfg.virtual_stages if t_cfg.pipeline == "interleaved" else 1
-        self.pp, self.stage = jax.lax.axis_size(PP), jax.lax.axis_index(PP)
+        self.pp, self.stage = jax.lax.axis_size(PP), axis_index(PP)
         self.sched = schedule(t_cfg.pipeline, self.pp, self.M, self.V)
         self.C = self.pp * self.V
         self.ep_axis = DP if cfg.mesh.expert_parallel else None
         self.remat = m_cfg.remat
-        self.mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=jax.lax.axis_index(DP) * tokens_bT1.shape[0])
+        self.mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=axis_index(DP) * tokens_bT1.shape[0])
         self.cot = core.sum_cotangents(cfg, jax.lax.axis_size(TP))
         # The embedding, final norm and MTP, gathered once per step (core.gather_top);
         # their gradient is summed in float32 over the step and reduce-scattered once at

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import step_core as core
-from model import apply_blocks
-from parallel import DP, PP, TP
+from model import apply_blocks, axis_index
+from weights import DP, PP, TP
 
 MANUAL = True  # runs inside jax.shard_map: every collective written out
 
@@ -29,7 +29,7 @@ def loss(params, tokens_bT1, graphdef, cfg, rng):
     top = core.gather_top(params, cfg)  # embedding, final norm, MTP: gathered once per step
     model = nnx.merge(graphdef, {**top, "blocks": params["blocks"]})
     b = tokens_bT1.shape[0]
-    mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=jax.lax.axis_index(DP) * b)
+    mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=axis_index(DP) * b)
     ce_sum, stats_N, mtp_sum = pipeline_sums(model, lambda w: core.gather_block(w, cfg), mb, cfg)
     return core.loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum)
 
@@ -43,7 +43,7 @@ def pipeline_sums(model, prepare_block, mb, cfg):
     """GPipe over pp: (summed cross-entropy of this device's rows, MoE stats of this
     stage's blocks [N/pp, ...], summed MTP cross-entropy)."""
     m_cfg = cfg.model
-    n_stages, stage = jax.lax.axis_size(PP), jax.lax.axis_index(PP)
+    n_stages, stage = jax.lax.axis_size(PP), axis_index(PP)  # (0, not varying, when pp = 1: model.live_axes)
     tokens_MbT1, angles, keys_Mb = mb.tokens_MbT1, mb.angles, mb.keys_Mb
     M = tokens_MbT1.shape[0]
     inputs_MbT = tokens_MbT1[..., :-1]
@@ -71,7 +71,7 @@ def pipeline_sums(model, prepare_block, mb, cfg):
         valid = (t - stage >= 0) & (t - stage < M)  # is this stage working on a real microbatch?
         stats_N = jax.tree.map(lambda s: jnp.where(valid, s, jnp.zeros_like(s)), stats_N)
         # Hand the activation to the next stage; the last stage's output is kept as ys.
-        sent_bTD = jax.lax.ppermute(y_bTD, PP, [(i, i + 1) for i in range(n_stages - 1)])
+        sent_bTD = jax.lax.ppermute(y_bTD, PP, [(i, i + 1) for i in range(n_stages - 1)]) if n_stages > 1 else y_bTD
         return sent_bTD, (y_bTD, stats_N)
 
     ticks = jnp.arange(M + n_stages - 1)

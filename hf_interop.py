@@ -2,20 +2,27 @@
 
 The model here is arithmetically a DeepSeek-V3 (MLA attention with decoupled RoPE,
 shared + routed SwiGLU experts, RMSNorm, tied embedding), so a run leaves the repo as a
-directory that transformers loads with its own, built-in classes (no remote code),
-through `AutoModelForCausalLM.from_pretrained` for the first two rows:
+directory that `AutoModelForCausalLM.from_pretrained` loads: with transformers' own,
+built-in classes where one computes the model, else with a short subclass of its
+DeepseekV3 that the export writes beside the weights (modeling_meshformer.py, loaded
+with trust_remote_code=True; config.json's auto_map points at it):
 
-  router_score sigmoid (or no MoE layer) -> deepseek_v3 (DeepseekV3ForCausalLM, AutoModelForCausalLM)
-  router_score softmax, top_k 1           -> deepseek_v2 (DeepseekV2ForCausalLM, AutoModelForCausalLM)
-  router_score softmax, top_k > 1         -> mistral4    (Mistral4ForCausalLM; not AutoModelForCausalLM)
+  dense layers first only (D...DM...M), and
+    router_score sigmoid (or no MoE layer) -> deepseek_v3 (DeepseekV3ForCausalLM)
+    router_score softmax, top_k 1           -> deepseek_v2 (DeepseekV2ForCausalLM)
+  anything else (the default run's DM x 2 with a softmax top-2 router; moe1b's
+  DDDDDM x 8)                               -> meshformer  (MeshformerForCausalLM, remote code)
 
-Why three: transformers' DeepseekV3 router always scores experts with a sigmoid. Its
+Why: transformers' DeepseekV3 router always scores experts with a sigmoid. Its
 DeepseekV2 scores with a softmax but never renormalises the top k (its router deletes
 norm_topk_prob: gate = softmax score x routed_scaling_factor), which is ours only when
-k = 1, where our gate is the raw score too. Its Mistral4 is the same architecture (MLA,
-shared experts, dense-first layers) with softmax scores renormalised over the top k,
-exactly this repo's softmax router, but transformers 5.24 maps it to
-AutoModelForImageTextToText, not AutoModelForCausalLM.
+k = 1, where our gate is the raw score too. Both put dense layers only first
+(first_k_dense_replace). Mistral4 renormalises softmax scores, but is dense-first too and
+transformers 5.24 leaves it out of AutoModelForCausalLM (so out of `lm_eval --model hf`).
+modeling_meshformer.py adds the two missing pieces (a per-layer dense/MoE list,
+`mlp_layer_types`; a softmax or sigmoid router with the top k renormalised) and reuses
+everything else of transformers' DeepseekV3; its model_type is not deepseek_v3, so
+without trust_remote_code transformers refuses it rather than compute another model.
 
 How the pieces map (ours -> HF, per layer l = block n x len(pattern) + position i; the
 names and layouts are the rows of weights.WEIGHTS, under HF_MODULES):
@@ -45,9 +52,10 @@ over every row; generation_config.json suppresses the padding ids, as our sample
 Capacity: HF never drops tokens, so an export equals our dropless forward
 (capacity_factor 0, and decoding), not a capacity-dropping training step.
 
-Layers: HF puts dense layers only first (`first_k_dense_replace`). Our model stacks
-n_blocks copies of one block pattern, so the layouts that export are: every layer dense
-(pattern of D), every layer MoE (pattern of M), or one block whose pattern is D...DM...M.
+Experts: per-expert tensors (experts.{e}.gate_proj...) for deepseek_v3 and deepseek_v2, as
+DeepSeek's own checkpoints have them (transformers fuses them on load); fused ones
+(experts.gate_up_proj, experts.down_proj) for meshformer, as its classes store them
+(transformers converts names for its own model types only, not for remote code).
 """
 
 import dataclasses
@@ -62,15 +70,18 @@ import numpy as np
 from flax import nnx
 
 from model import Transformer, padded_vocab
-from utils import ConfigError
+from utils import ConfigError, apply_overrides
 from weights import WEIGHTS, row
 
 HF_PREFIX = "hf:"
-ARCHITECTURES = {  # model_type -> (class, the router score it computes); see architecture_of
+ARCHITECTURES = {  # model_type -> (class, the router score it computes; None: config.json's scoring_func)
     "deepseek_v3": ("DeepseekV3ForCausalLM", "sigmoid"),
     "deepseek_v2": ("DeepseekV2ForCausalLM", "softmax"),
-    "mistral4": ("Mistral4ForCausalLM", "softmax"),
+    "mistral4": ("Mistral4ForCausalLM", "softmax"),  # imported, never exported (not in AutoModelForCausalLM)
+    "meshformer": ("MeshformerForCausalLM", None),  # remote code: REMOTE_CODE, written beside the weights
 }
+REMOTE_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_meshformer.py")
+MLP_LAYER_TYPES = {"D": "dense", "M": "sparse"}  # our layer kinds -> transformers' mlp_layer_types
 RMS_EPS = 1e-6  # model.RMSNorm's
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 # Fields of our ModelConfig that no HF field carries, kept in config.json under this key
@@ -94,17 +105,9 @@ def layer_kinds(m):
 
 
 def check_exportable(m):
-    """Raise ConfigError for a model HF's classes cannot express, saying what would export."""
+    """Raise ConfigError for a model HF's classes cannot express, saying what would export.
+    Every layer layout exports (architecture_of picks the class)."""
     kinds = layer_kinds(m)
-    n_dense = len(kinds) - len(kinds.lstrip("D"))
-    if "D" in kinds[n_dense:]:
-        L = len(kinds)
-        raise ConfigError(
-            f"the layers are {kinds} (--model.n_blocks {m.n_blocks} x --model.block_pattern {m.block_pattern}); "
-            f"HF's DeepseekV3 puts dense layers only first (first_k_dense_replace), so this model cannot be exported. "
-            f"Layouts that export: --model.block_pattern M (every layer MoE) or D (every layer dense) with any "
-            f"--model.n_blocks, or --model.n_blocks 1 --model.block_pattern {'D' * kinds.count('D') + 'M' * kinds.count('M')} "
-            f"(the same {L} layers, dense first)")
     if "D" in kinds and m.ffn_activation != "swiglu":
         raise ConfigError(f"--model.ffn_activation {m.ffn_activation}: HF's DeepseekV3 dense layers are SwiGLU; "
                           "train with --model.ffn_activation swiglu to export")
@@ -123,6 +126,7 @@ def to_hf_config(m, tokenizer, dtype):
     check_exportable(m)
     kinds = layer_kinds(m)
     model_type, architecture = architecture_of(m)
+    score = ARCHITECTURES[model_type][1] or m.router_score
     config = dict(
         architectures=[architecture], model_type=model_type, dtype=dtype,
         vocab_size=padded_vocab(m.vocab_size, m.vocab_multiple), hidden_size=m.d_model,
@@ -141,45 +145,39 @@ def to_hf_config(m, tokenizer, dtype):
         # reads them with other defaults (vLLM: getattr(config, "scoring_func",
         # "softmax"), layer_idx % moe_layer_freq) routes as we do. noaux_tc: top k of the
         # score plus e_score_correction_bias (written, zeros); greedy: top k of the score.
-        scoring_func=ARCHITECTURES[model_type][1], topk_method="noaux_tc" if model_type == "deepseek_v3" else "greedy",
+        scoring_func=score, topk_method="noaux_tc" if score == "sigmoid" else "greedy",
         moe_layer_freq=1, rope_theta=m.rope_theta,
         max_position_embeddings=m.seq_len, rms_norm_eps=RMS_EPS, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=tokenizer.eot_id, pad_token_id=None, use_cache=True,
         initializer_range=0.02,
     )
-    if model_type == "deepseek_v3":
-        config.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-                      num_nextn_predict_layers=0)
-    elif model_type == "deepseek_v2":  # "default" RoPE spans head_dim, which its config sets to qk_rope_head_dim
-        config.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, mlp_bias=False)
+    # "default" RoPE spans head_dim, which both configs set to qk_rope_head_dim
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if model_type == "deepseek_v2":
+        config["mlp_bias"] = False
     else:
-        # Mistral4's "default" RoPE would take its frequencies over the whole head (K + R);
-        # "linear" with factor 1 honours partial_rotary_factor, i.e. spans the R RoPE dims
-        # only, and changes nothing else. llama_4_scaling_beta 0: no position-dependent
-        # query scale.
-        config["rope_parameters"] = {"rope_type": "linear", "factor": 1.0, "rope_theta": m.rope_theta,
-                                     "partial_rotary_factor": rope_fraction(m.head_dim, m.rope_dim),
-                                     "llama_4_scaling_beta": 0.0, "original_max_position_embeddings": m.seq_len}
+        config["num_nextn_predict_layers"] = 0
+    if model_type == "meshformer":  # modeling_meshformer.py: DeepseekV3 with any layer layout and router
+        stem = os.path.splitext(os.path.basename(REMOTE_CODE))[0]
+        config.update(auto_map={"AutoConfig": f"{stem}.MeshformerConfig", "AutoModelForCausalLM": f"{stem}.MeshformerForCausalLM"},
+                      mlp_layer_types=[MLP_LAYER_TYPES[kind] for kind in kinds])
     config[OURS_KEY] = {k: getattr(m, k) for k in OURS_FIELDS}
     return config
 
 
 def architecture_of(m):
-    """(model_type, class) of the export: the one transformers class that computes this
-    router (module docstring). A model without MoE layers has no router: deepseek_v3."""
-    if "M" not in layer_kinds(m) or m.router_score == "sigmoid":
+    """(model_type, class) of the export: the built-in transformers class that computes
+    this layout and router, else our remote code (module docstring). A model without
+    MoE layers has no router: deepseek_v3."""
+    kinds = layer_kinds(m)
+    dense_first = "D" not in kinds.lstrip("D")
+    if "M" not in kinds or (dense_first and m.router_score == "sigmoid"):
         model_type = "deepseek_v3"
+    elif dense_first and m.router_score == "softmax" and m.top_k == 1:
+        model_type = "deepseek_v2"
     else:
-        model_type = "deepseek_v2" if m.top_k == 1 else "mistral4"
+        model_type = "meshformer"
     return model_type, ARCHITECTURES[model_type][0]
-
-
-def rope_fraction(head_dim, rope_dim):
-    """partial_rotary_factor p with int((K + R) * p) == R exactly (transformers truncates)."""
-    p = rope_dim / (head_dim + rope_dim)
-    while int((head_dim + rope_dim) * p) < rope_dim:
-        p = math.nextafter(p, 1.0)
-    return p
 
 
 # ----------------------------------------------------------------------------
@@ -228,12 +226,22 @@ def from_hf_config(hf, m):
     else:
         need(rope_type in ("default", "linear") and rope.get("factor", 1.0) == 1.0 and not rope.get("llama_4_scaling_beta"),
              rope_field, "RoPE here is unscaled (no YaRN, no llama-4 query scaling)")
-    moe = k < L
+    kinds = "D" * k + "M" * (L - k)
+    if model_type == "meshformer":  # our remote code: any layout, either score
+        by_type = {v: kind for kind, v in MLP_LAYER_TYPES.items()}
+        layer_types = hf.get("mlp_layer_types") or []
+        need(len(layer_types) == L and all(t in by_type for t in layer_types), "mlp_layer_types",
+             f"one of {', '.join(by_type)} per layer ({L} layers)")
+        kinds = "".join(by_type[t] for t in layer_types)
+    score = ARCHITECTURES[model_type][1] or hf.get("scoring_func", "softmax")
+    moe = "M" in kinds
     if moe:
         top_k = hf["num_experts_per_tok"]
-        score = ARCHITECTURES[model_type][1]
-        need(hf.get("scoring_func", score) == score, "scoring_func", f"{model_type}'s class in transformers scores "
-             f"experts with a {score}; a config that says otherwise is read one way by transformers, another by vLLM")
+        if ARCHITECTURES[model_type][1]:
+            need(hf.get("scoring_func", score) == score, "scoring_func", f"{model_type}'s class in transformers scores "
+                 f"experts with a {score}; a config that says otherwise is read one way by transformers, another by vLLM")
+        else:
+            need(score in ("softmax", "sigmoid"), "scoring_func", "routers here score with a softmax or a sigmoid")
         need(hf.get("routed_scaling_factor", 1.0) == 1.0, "routed_scaling_factor", "routed expert outputs here are not "
              "rescaled (DeepSeek-V3 routing options are not in this model yet)")
         need(hf.get("n_group", 1) in (1, None) or hf.get("topk_group") == hf.get("n_group"), "n_group",
@@ -245,11 +253,10 @@ def from_hf_config(hf, m):
         else:
             need(bool(hf.get("norm_topk_prob", True)) == (top_k > 1), "norm_topk_prob", "gates here are renormalised "
                  "over the top k when k > 1 and are the raw score when k = 1")
-    kinds = "D" * k + "M" * (L - k)
     ours = hf.get(OURS_KEY, {})
     if ours and ours.get("block_pattern", "") * ours.get("n_blocks", 0) == kinds:
         n_blocks, pattern = ours["n_blocks"], ours["block_pattern"]  # our own export: the same grouping
-    elif k in (0, L):
+    elif len(set(kinds)) == 1:
         n_blocks, pattern = L, kinds[0]  # one layer per block, so the pipeline can split them anywhere
     else:
         n_blocks, pattern = 1, kinds
@@ -261,7 +268,7 @@ def from_hf_config(hf, m):
         head_dim=hf["qk_nope_head_dim"], rope_dim=hf["qk_rope_head_dim"], q_latent=hf["q_lora_rank"],
         kv_latent=hf["kv_lora_rank"], rope_theta=float(rope.get("rope_theta", 10000.0)), n_blocks=n_blocks,
         block_pattern=pattern, d_ff=hf.get("intermediate_size", m.d_ff), ffn_activation="swiglu",
-        router_score=ARCHITECTURES[model_type][1],
+        router_score=score,
         # HF's norm weight kept as it is, bit for bit (times 1/sqrt(D) it would not map
         # back); our own export says which way its model had it.
         final_norm_folded=ours.get("final_norm_folded", not ours))
@@ -283,8 +290,6 @@ def read_hf_config(path):
 def adopt_hf_config(cfg, path):
     """cfg with the model architecture of the HF directory `path` (training-time fields,
     such as seq_len, dtype and capacity_factor, stay as configured)."""
-    from utils import apply_overrides
-
     model = from_hf_config(read_hf_config(path), cfg.model)
     return apply_overrides(cfg, {"model": {k: getattr(model, k) for k in ARCH_FIELDS}})
 
@@ -398,12 +403,12 @@ def to_hf_state(params, m, dtype=np.float32):
     """{HF name: array} from our params (a pure dict of host arrays, the stacked blocks'
     leading axis N included). Per-expert names (experts.{e}.gate_proj...) for
     deepseek_v3 and deepseek_v2, as DeepSeek's own checkpoints and vLLM/SGLang have them;
-    mistral4's fused expert tensors, as its transformers class stores them. Multi-token
-    prediction modules are not exported (num_nextn_predict_layers 0)."""
+    meshformer's fused expert tensors, as its (remote-code) class stores them.
+    Multi-token prediction modules are not exported (num_nextn_predict_layers 0)."""
     check_exportable(m)
     D = m.d_model
     model_type = architecture_of(m)[0]
-    fused_experts = model_type == "mistral4"
+    fused_experts = model_type == "meshformer"
     top = {"embed_VD": params["embed_VD"], "final_norm": {"scale_D": final_norm_out(params["final_norm"]["scale_D"], m, dtype)}}
     out = to_hf_tensors(top, "model.", fused_experts)
     P = len(m.block_pattern)
@@ -415,7 +420,7 @@ def to_hf_state(params, m, dtype=np.float32):
                 w["ffn"]["shared"] = {"w_gate_DF": np.zeros((D, 0), np.float32), "w_up_DF": np.zeros((D, 0), np.float32),
                                       "w_down_FD": np.zeros((0, D), np.float32)}
             out |= to_hf_tensors(w, L, fused_experts)
-            if kind == "M" and model_type == "deepseek_v3":  # its selection bias (ours, router_bias_rate > 0, is refused above)
+            if kind == "M" and model_type != "deepseek_v2":  # its selection bias (ours, router_bias_rate > 0, is refused above)
                 out[hf_name(("ffn", "router_bias_E"), L)] = np.zeros((m.n_experts,), np.float32)
     return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in out.items()}
 
@@ -432,8 +437,8 @@ def from_hf_state(tensors, m):
         used.add(name)
         return np.asarray(tensors[name], np.float32)
 
-    def layer(l, layer_shapes):
-        L = f"model.layers.{l}."
+    def layer(index, layer_shapes):
+        L = f"model.layers.{index}."
         bias = hf_name(("ffn", "router_bias_E"), L)
         if bias in tensors and np.any(get(bias) != 0):
             raise ConfigError(f"cannot import: {bias} is not zero: selecting experts with a score bias "
@@ -454,7 +459,7 @@ def from_hf_state(tensors, m):
     # untied lm_head copy are not next-token weights of this model.
     n_layers = m.n_blocks * P
     unused = [k for k in tensors if k not in used and k != "lm_head.weight"
-              and not k.startswith(tuple(f"model.layers.{l}." for l in range(n_layers, n_layers + 8)))]
+              and not k.startswith(tuple(f"model.layers.{j}." for j in range(n_layers, n_layers + 8)))]
     if unused:
         raise ConfigError(f"the checkpoint has tensors this model has no place for, e.g. {unused[:3]}")
     return params
@@ -558,8 +563,10 @@ def bytes_to_unicode():
 
 
 def write_hf_dir(out_dir, params, m, tokenizer, dtype="float32"):
-    """The whole export: config.json, model.safetensors, generation_config.json and the
-    tokenizer (tokenizer.json + tokenizer_config.json). `params`: host arrays."""
+    """The whole export: config.json, model.safetensors, generation_config.json, the
+    tokenizer (tokenizer.json + tokenizer_config.json) and, for a model no built-in
+    transformers class computes, modeling_meshformer.py (config.json's auto_map names
+    it). `params`: host arrays."""
     from safetensors.numpy import save_file
 
     if dtype not in EXPORT_DTYPES:
@@ -577,6 +584,8 @@ def write_hf_dir(out_dir, params, m, tokenizer, dtype="float32"):
     for name, content in (("config.json", config), ("generation_config.json", generation)):
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(content, f, indent=2)
+    if "auto_map" in config:
+        shutil.copyfile(REMOTE_CODE, os.path.join(out_dir, os.path.basename(REMOTE_CODE)))
     write_tokenizer(out_dir, tokenizer, m.seq_len)
     return out_dir
 

@@ -1,15 +1,16 @@
 """Run metrics: <run_dir>/metrics.jsonl, one JSON object per logged step, and its
-wandb mirror (--log.wandb). main.py writes the rows (MetricsLog) and drops the ones
+wandb mirror (--log.wandb). train.py writes the rows (MetricsLog) and drops the ones
 after the checkpoint on resume (truncate_metrics); plots.py and the tests read them
 back (read_metrics).
 """
 
+import dataclasses
 import json
 import os
 
 import numpy as np
 
-from utils import ConfigError, config_to_dict
+from errors import ConfigError  # not utils: utils.py's `plot` command reaches this module (plots.py reads metrics)
 
 
 class MetricsLog:
@@ -62,7 +63,7 @@ def start_wandb(run_dir, cfg, wandb_id):
     import wandb
 
     try:
-        run = wandb.init(project=cfg.log.wandb_project, name=cfg.run.name, dir=run_dir, config=config_to_dict(cfg),
+        run = wandb.init(project=cfg.log.wandb_project, name=cfg.run.name, dir=run_dir, config=dataclasses.asdict(cfg),
                          id=wandb_id, resume="allow")
     except wandb.errors.Error as e:
         raise ConfigError(f"--log.wandb: wandb could not start ({type(e).__name__}: {e}). Log in with `wandb login` "

@@ -22,10 +22,78 @@ Shape legend (suffixes of names):
 import dataclasses
 import functools
 import math
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+# ----------------------------------------------------------------------------
+# The config this model reads (a section of utils.Config: --model.<field> on the
+# command line). It lives beside the model so that model.py stands alone.
+
+
+def option(default, help):
+    """A config field with its one-line explanation (shown by --help)."""
+    return field(default=default, metadata={"help": help})
+
+
+# --model.remat values: model.apply_blocks applies layer / block / block_dots,
+# parallel.pipeline_loss applies stage.
+REMAT_POLICIES = ("none", "layer", "block", "block_dots", "stage")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = option(0, "vocabulary size; 0 = take it from the data's manifest")
+    vocab_multiple: int = option(128, "pad the vocabulary to a multiple of this (tp splits it)")
+    seq_len: int = option(128, "tokens per training sequence (T)")
+    d_model: int = option(128, "model width (D)")
+    n_heads: int = option(4, "attention heads (H)")
+    head_dim: int = option(32, "per-head dim of queries/keys/values, content part (K)")
+    rope_dim: int = option(16, "per-head dim of the decoupled RoPE query/key part (R)")
+    q_latent: int = option(64, "MLA query latent width (Q)")
+    kv_latent: int = option(32, "MLA key/value latent width (A); with R, all the KV cache stores")
+    rope_theta: float = option(10000.0, "RoPE base")
+    embed_row_norm: float = option(2.0, "norm of the tied embedding's rows at init (std = this / sqrt(D)); "
+                                        "the untrained output logits are at most this (model.py)")
+    n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
+    block_pattern: str = option("DM", "layers of one block: D = dense FFN, M = MoE FFN")
+    d_ff: int = option(512, "hidden units of dense FFN layers (F)")
+    ffn_activation: str = option("swiglu", "dense FFN activation: swiglu | gelu")
+    n_experts: int = option(8, "routed experts per MoE layer (E)")
+    n_shared: int = option(1, "shared experts per MoE layer (see every token)")
+    top_k: int = option(2, "routed experts per token")
+    d_expert: int = option(128, "hidden units per expert")
+    capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
+    router_score: str = option("softmax", "router scores: softmax | sigmoid")
+    routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
+    aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
+    router_bias_rate: float = option(0.0, "aux-loss-free balancing (DeepSeek-V3): after every step each expert's selection bias "
+                                          "moves by this towards uniform load; 0 = off (V3 used 0.001)")
+    seq_aux_loss_weight: float = option(0.0, "weight of DeepSeek-V3's sequence-wise balance loss (V3 used 0.0001)")
+    n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
+    topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
+    routed_scale: float = option(1.0, "multiply the routed experts' output by this (DeepSeek-V3 routed_scaling_factor)")
+    final_norm_folded: bool = option(False, "the final norm's scale holds the logits' 1/sqrt(D) (set by --train.init_from hf:, "
+                                            "which keeps HF's norm weight bit for bit); false = logits of final_norm(x) / sqrt(D)")
+    mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): extra blocks predicting tokens 2..depth+1 ahead, "
+                               "trained with the rest, ignored by sampling and eval; 0 = off")
+    mtp_loss_weight: float = option(0.3, "weight of the MTP loss (mean over depths; V3 used 0.3, later 0.1)")
+    dropout: float = option(0.0, "dropout on residual branches")
+    dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
+    grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
+                                               "weights): float32 | bfloat16 (halves their bytes, loses precision)")
+    attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "
+                                      "dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
+    remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
+                                "block (each block from its input) | block_dots (each block, keeping its matmul outputs) | "
+                                "stage (all of a pipeline stage's blocks, per microbatch, from the stage input)")
+    unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
+
+
+# ----------------------------------------------------------------------------
+# Building blocks
 
 # Softmax and norms run in float32 whatever the compute dtype: they are cheap and
 # bfloat16 would lose the small differences between large logits.
@@ -68,9 +136,37 @@ def is_auto_axis(axis):
     return dict(zip(mesh.axis_names, mesh.axis_types)).get(axis) == jax.sharding.AxisType.Auto
 
 
-def psum_if(x, axis):
-    """Sum over a mesh axis inside shard_map; on one device (axis None) a no-op."""
-    return x if axis is None else jax.lax.psum(x, axis)
+def live_axes(axes):
+    """The mesh axes among `axes` (None, a name or a tuple of names) that a collective
+    must cross here: those shard_map made manual with more than one device. An axis of
+    size 1 holds everything already, yet XLA:CPU keeps a psum over it as an all-reduce
+    that copies its operand (on one device the default step ran 32 of them, 19 MB).
+    Skipping one is exact only when nothing is typed as varying over that axis: the
+    steps give shard_map specs without size-1 axes (parallel.live_spec), so values are
+    invariant over those and need no collective to become so."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if axes is None or mesh.empty:
+        return ()
+    sizes = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+             if kind == jax.sharding.AxisType.Manual}
+    return tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if sizes.get(a, 1) > 1)
+
+
+def psum_if(x, axes):
+    """Sum over mesh axes inside shard_map, only those with more than one device
+    (live_axes); on one device (axes None or all of size 1) a no-op."""
+    axes = live_axes(axes)
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def pmax_if(x, axes):
+    axes = live_axes(axes)
+    return jax.lax.pmax(x, axes) if axes else x
+
+
+def axis_index(axis):
+    """This device's index along a mesh axis; 0 (a constant, not varying) on one device."""
+    return jax.lax.axis_index(axis) if live_axes(axis) else 0
 
 
 # ----------------------------------------------------------------------------
@@ -318,9 +414,9 @@ def balance_router_biases(blocks, tokens_per_expert_NLE, rate, block_pattern):
     router_bias_E moved by `balanced_bias`; MoE layer l of a block is the l-th "M" of
     its pattern."""
     layers = dict(blocks["layers"])
-    for l, i in enumerate(i for i, kind in enumerate(block_pattern) if kind == "M"):
+    for moe_layer, i in enumerate(i for i, kind in enumerate(block_pattern) if kind == "M"):
         ffn = dict(layers[i]["ffn"])
-        ffn["router_bias_E"] = balanced_bias(ffn["router_bias_E"], tokens_per_expert_NLE[:, l], rate)
+        ffn["router_bias_E"] = balanced_bias(ffn["router_bias_E"], tokens_per_expert_NLE[:, moe_layer], rate)
         layers[i] = dict(layers[i], ffn=ffn)
     return dict(blocks, layers=layers)
 
@@ -440,7 +536,7 @@ class MoE(nnx.Module):
             return jnp.concatenate([x_SD, jnp.zeros((1, D), x_SD.dtype)])[token_for_slot]
 
         x_GECD = jax.vmap(fill_slots)(x_GSD, slot_GSX).reshape(G, n_experts, capacity, D)
-        if ep_axis is None:
+        if ep_axis is None or not (is_auto_axis(ep_axis) or live_axes(ep_axis)):  # one expert group: nothing to send
             y_GECD = self.expert_ffn(x_GECD)
         elif is_auto_axis(ep_axis):
             # Automatic sharding (executor_auto.py): only say that each expert's slots
@@ -678,7 +774,7 @@ class Transformer(nnx.Module):
         """Vocab-parallel lookup: each tp device holds rows [offset, offset + V/tp) and
         contributes the rows it has (zeros elsewhere); a psum assembles the vectors."""
         table_VD = self.embed_VD[...]
-        offset = 0 if tp_axis is None else jax.lax.axis_index(tp_axis) * table_VD.shape[0]
+        offset = axis_index(tp_axis) * table_VD.shape[0]
         local_BT = tokens_BT - offset
         mine_BT = (local_BT >= 0) & (local_BT < table_VD.shape[0])
         x_BTD = jnp.where(mine_BT[..., None], table_VD[jnp.clip(local_BT, 0, table_VD.shape[0] - 1)], 0)
@@ -708,10 +804,9 @@ class Transformer(nnx.Module):
         """
         logits_BTV = self.logits(x_BTD, norm)
         V_local = logits_BTV.shape[-1]
-        offset = 0 if tp_axis is None else jax.lax.axis_index(tp_axis) * V_local
+        offset = axis_index(tp_axis) * V_local
         max_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
-        if tp_axis is not None:
-            max_BT = jax.lax.pmax(max_BT, tp_axis)
+        max_BT = pmax_if(max_BT, tp_axis)
         sum_exp_BT = psum_if(jnp.sum(jnp.exp(logits_BTV - max_BT[..., None]), axis=-1), tp_axis)
         local_BT = targets_BT - offset
         mine_BT = (local_BT >= 0) & (local_BT < V_local)
@@ -823,3 +918,19 @@ def decode_step(model, tokens_BT, cache, start):
 
     x_BTD, cache = jax.lax.scan(body, x_BTD, (block_state, cache))
     return model.logits(x_BTD), cache
+
+
+# ----------------------------------------------------------------------------
+# The model as shapes only (no arrays): for planning, compiling for other machines,
+# and counting parameters
+
+
+def abstract_model(model_cfg):
+    """(graphdef, params) with params as ShapeDtypeStructs: exactly the tree that
+    parallel.init_params creates, without creating it."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
+    return graphdef, state.to_pure_dict()
+
+
+def abstract_params(model_cfg):
+    return abstract_model(model_cfg)[1]

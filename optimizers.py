@@ -13,21 +13,26 @@ Liu et al. 2025, https://arxiv.org/abs/2502.16982), about what AdamW's updates h
 so the two share one learning rate and one weight decay.
 
 Orthogonalizing is not elementwise: it needs the whole matrix. Inside the sharded
-train step each device holds shards (FSDP over dp, heads or hidden units over tp), so
-the update all-gathers each matrix's momentum over the mesh axes that split its
-matrix dims, orthogonalizes it (every device the same whole matrix, the same
-result) and keeps its own shard. Dims that only batch matrices, the stacked blocks
-(N, over pp) and the experts (E, over dp with expert parallelism), stay split: each
-device orthogonalizes the matrices it holds a part of. That work is repeated on the
-dp x tp devices that share a matrix; a pod-sized run would rather give each matrix to
-one device and scatter the results (not done here: the moe1b preset trains with AdamW).
+train step each device holds shards (FSDP over dp, heads or hidden units over tp) of
+a batch of matrices (the stacked blocks N over pp, the experts E over dp with expert
+parallelism: those dims stay split). The devices that share a batch's shards (its
+group: the mesh axes that split its matrix dims) divide the matrices among
+themselves: each matrix has one owner, an all_to_all sends it the shards, it
+orthogonalizes the whole matrix, and the inverse all_to_all sends every device its
+shard of the update (owner_orthogonal; the modded-nanogpt speedrun's Muon likewise
+gives each matrix to one rank). So the Newton-Schulz FLOPs per device fall by the
+group size, and no device holds more than its shard's worth of matrices (plus
+padding). Weights of one shape and layout are pooled into one batch first, so that
+there are enough matrices to go round (orthogonal_updates).
 The step, which knows the layout, passes it to the update:
 `optimizer.update(grads, state, params, param_specs=...)` (train_steps.make_train_step).
 Clipping is done before the optimizer, by hand in the train step (it needs a
 mesh-wide norm).
 """
 
+import itertools
 import math
+from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
@@ -63,10 +68,11 @@ def orthogonalize(x_BIO, eps=1e-7):
     a, b, c = NEWTON_SCHULZ_COEFFS
     tall = x_BIO.shape[-2] > x_BIO.shape[-1]
     x = x_BIO.mT if tall else x_BIO  # iterate on the smaller Gram matrix x x^T
-    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)  # singular values <= 1
-    for _ in range(NEWTON_SCHULZ_STEPS):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
+    with jax.named_scope("newton_schulz"):  # (the optimized HLO's op names say which dots are these)
+        x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)  # singular values <= 1
+        for _ in range(NEWTON_SCHULZ_STEPS):
+            gram = x @ x.mT
+            x = a * x + (b * gram + c * gram @ gram) @ x
     return x.mT if tall else x
 
 
@@ -79,28 +85,99 @@ def manual_axis_sizes():
             if kind == jax.sharding.AxisType.Manual}
 
 
-def orthogonal_update(path, momentum, spec):
-    """The Muon update of one weight from its momentum (a local shard inside shard_map,
-    whose storage layout is `spec`; the whole array outside)."""
-    batch_dims, in_dims, out_dims = matrix_dims(path, momentum.ndim)
-    manual = manual_axis_sizes()
+def scaled_orthogonal(x_BM, n_in):
+    """Orthogonalized matrices [B, *matrix dims] (the first n_in fan-in), scaled to RMS 0.2."""
+    B, *dims = x_BM.shape
+    fan_in, fan_out = math.prod(dims[:n_in]), math.prod(dims[n_in:])
+    update = orthogonalize(x_BM.reshape(B, fan_in, fan_out)) * (UPDATE_RMS * math.sqrt(max(fan_in, fan_out)))
+    return update.reshape(x_BM.shape)
+
+
+def split_axes(path, ndim, spec, manual):
+    """The manual mesh axes (of size > 1) that split each matrix dim of a weight's local
+    shard, in the spec's order: ((axes of matrix dim 0), ...)."""
+    batch_dims, in_dims, out_dims = matrix_dims(path, ndim)
     if any(size > 1 for size in manual.values()) and spec is None:
         raise ValueError("Muon inside shard_map needs the params' PartitionSpecs: "
                          "optimizer.update(grads, state, params, param_specs=parallel.specs_of(params))")
-    gathered = []  # (dim, axes): undone in reverse after orthogonalizing
-    for dim in in_dims + out_dims:
-        axes = tuple(a for a in axes_of(spec[dim] if spec is not None else None) if manual.get(a, 1) > 1)
-        if axes:
-            momentum = jax.lax.all_gather(momentum, axes, axis=dim, tiled=True)
-            gathered.append((dim, axes))
-    shape = momentum.shape
-    fan_in, fan_out = (math.prod(shape[d] for d in dims) for dims in (in_dims, out_dims))
-    x_BIO = momentum.reshape(math.prod(shape[d] for d in batch_dims), fan_in, fan_out)
-    update = (orthogonalize(x_BIO) * (UPDATE_RMS * math.sqrt(max(fan_in, fan_out)))).reshape(shape)
-    for dim, axes in reversed(gathered):  # this device's shard of the whole update
-        size = update.shape[dim] // math.prod(manual[a] for a in axes)
-        update = jax.lax.dynamic_slice_in_dim(update, jax.lax.axis_index(axes) * size, size, axis=dim)
-    return update
+    return tuple(tuple(a for a in axes_of(spec[d] if spec is not None else None) if manual.get(a, 1) > 1)
+                 for d in in_dims + out_dims)
+
+
+def owner_orthogonal(x_BM, n_in, dim_axes, manual):
+    """Distributed Muon on a batch of matrices [B, *local matrix dims] that the devices of
+    a group (the mesh axes in dim_axes) hold in shards, every device the same B.
+
+    Each matrix gets one owner: the batch is padded to a multiple of the group size S
+    (zero matrices, whose update is zero) and owner j takes matrices [j k, (j+1) k).
+    all_to_all sends every shard to its matrix's owner, which then holds k whole
+    matrices, orthogonalizes them, and the inverse all_to_all (the same one: row s goes
+    to device s) sends each device its shards of the updates. Why all_to_all: each
+    byte of momentum crosses the network once each way, 2 (S-1)/S of the local shard
+    in all, and no device holds more than the size of its shard plus the padding;
+    gathering to every device (as before) moved (S-1) times the shard, held S times it
+    and repeated the Newton-Schulz FLOPs S times; gathering to owners and broadcasting
+    back moves as much as all_gather. The owners split the FLOPs S ways when S divides B
+    (scale_by_muon pools the weights of one shape and layout into one batch for that)."""
+    group = tuple(a for a in manual if any(a in axes for axes in dim_axes))  # in mesh order
+    if not group:
+        return scaled_orthogonal(x_BM, n_in)
+    sizes = [manual[a] for a in group]
+    S, (B, *local) = math.prod(sizes), x_BM.shape
+    k = -(-B // S)
+    x = jnp.pad(x_BM, [(0, S * k - B)] + [(0, 0)] * len(local)).reshape(S, k, *local)
+    # row s of the result: the shard that device s of the group holds of my k matrices
+    x = jax.lax.all_to_all(x, group, 0, 0, tiled=True).reshape(*sizes, k, *local)
+    # to whole matrices: each matrix dim is (its axes' block indices, in the spec's order) x local
+    G = len(group)
+    perm = [G] + [p for j, axes in enumerate(dim_axes) for p in [group.index(a) for a in axes] + [G + 1 + j]]
+    whole_shape = [k] + [n * math.prod(manual[a] for a in axes) for n, axes in zip(local, dim_axes)]
+    update = scaled_orthogonal(x.transpose(perm).reshape(whole_shape), n_in)
+    update = update.reshape([x.shape[p] for p in perm]).transpose(tuple(perm.index(i) for i in range(len(perm))))
+    update = jax.lax.all_to_all(update.reshape(S, k, *local), group, 0, 0, tiled=True)
+    return update.reshape(S * k, *local)[:B]
+
+
+def muon_pools(leaves, manual):
+    """How orthogonal_updates batches the matrices: leaves {key: (path, local shape,
+    spec)}, manual {axis: size} -> (keys of the weights whose matrices are whole here,
+    {(local matrix shape, fan-in dims, axes splitting each matrix dim): keys}). The
+    planner counts Muon's work and traffic off the same pools."""
+    whole, pools = [], defaultdict(list)
+    for key, (path, shape, spec) in leaves.items():
+        batch_dims, in_dims, _ = matrix_dims(path, len(shape))
+        dim_axes = split_axes(path, len(shape), spec, manual)
+        if any(dim_axes):
+            pools[(tuple(shape[len(batch_dims):]), len(in_dims), dim_axes)].append(key)
+        else:
+            whole.append(key)
+    return whole, dict(pools)
+
+
+def orthogonal_updates(momenta, specs):
+    """The Muon update of every weight from its momentum: {key: (path, momentum)}
+    (local shards inside shard_map, whose storage layouts are specs[key]; whole
+    arrays outside) -> {key: update}.
+
+    Weights whose matrices are split over the mesh are pooled by (local matrix shape,
+    the axes that split each matrix dim): the blocks of a stack, the layers of a block
+    and weights of one shape (w_gate, w_up) become one batch, so that there are
+    enough matrices to give every device of the group its share (owner_orthogonal)."""
+    manual = manual_axis_sizes()
+    whole, pools = muon_pools({key: (path, m.shape, specs.get(key)) for key, (path, m) in momenta.items()}, manual)
+    updates = {}
+    for key in whole:  # every matrix whole on this device: no one to share with
+        path, m = momenta[key]
+        batch_dims, in_dims, _ = matrix_dims(path, m.ndim)
+        B = math.prod(m.shape[d] for d in batch_dims)
+        updates[key] = scaled_orthogonal(m.reshape(B, *m.shape[len(batch_dims):]), len(in_dims)).reshape(m.shape)
+    for (local, n_in, dim_axes), keys in pools.items():
+        counts = [momenta[key][1].size // math.prod(local) for key in keys]
+        x_BM = jnp.concatenate([momenta[key][1].reshape(n, *local) for key, n in zip(keys, counts)])
+        update_BM = owner_orthogonal(x_BM, n_in, dim_axes, manual)
+        for key, part in zip(keys, jnp.split(update_BM, list(itertools.accumulate(counts))[:-1])):
+            updates[key] = part.reshape(momenta[key][1].shape)
+    return updates
 
 
 def scale_by_muon(beta):
@@ -121,9 +198,10 @@ def scale_by_muon(beta):
             for path, spec in jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
         momentum = jax.tree.map(ema, momentum, grads)
         nesterov = jax.tree.map(ema, momentum, grads)  # Nesterov: one more step ahead
-        updates = jax.tree_util.tree_map_with_path(
-            lambda path, m: orthogonal_update(path, m, specs.get(jax.tree_util.keystr(path))), nesterov)
-        return updates, momentum
+        flat, treedef = jax.tree_util.tree_flatten_with_path(nesterov)
+        keys = [jax.tree_util.keystr(path) for path, _ in flat]
+        updates = orthogonal_updates({key: leaf for key, leaf in zip(keys, flat)}, specs)
+        return jax.tree.unflatten(treedef, [updates[key] for key in keys]), momentum
 
     return optax.GradientTransformationExtraArgs(init, update)
 

@@ -27,10 +27,10 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model import Transformer
+from model import Transformer, live_axes
 from pipeline import formula_bubble
 from utils import ConfigError
-from weights import AXES, DP, EXPERT, FSDP, PP, SHAPE_LETTER_FLAGS, TP, is_stacked, is_trained, row, weight_name
+from weights import AXES, DP, EXPERT, FSDP, PP, SHAPE_LETTER_FLAGS, is_stacked, is_trained, row, weight_name
 
 
 # ----------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype
         if not is_trained(weight_name(path)):  # replicated, float32, no gradient: nothing to gather
             return w
         _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
-        replicated = tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying)
+        replicated = live_axes(tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying))
         if replicated:  # (in the wider of the two: the forward values must not change)
             w = jax.lax.pcast(w.astype(jnp.promote_types(dtype, reduce_dtype)), replicated, to="varying")
         # Axes of size 1 hold the whole dim already; XLA:CPU would still run (and copy
@@ -280,6 +280,16 @@ gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
 
 def specs_of(tree):
     return jax.tree.map(lambda a: a.sharding.spec, tree)
+
+
+def live_spec(spec, mesh):
+    """spec without the mesh axes of size 1 (the same layout): as a shard_map in_spec it
+    keeps values from being typed as varying over an axis that nothing splits, so no
+    collective is needed over it (model.live_axes). A tree of specs is mapped."""
+    if not isinstance(spec, P):
+        return jax.tree.map(lambda s: live_spec(s, mesh), spec, is_leaf=lambda x: isinstance(x, P))
+    live = [tuple(a for a in axes_of(entry) if mesh.shape[a] > 1) for entry in spec]
+    return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in live))
 
 
 def batch_spec():

@@ -125,7 +125,7 @@ def assign_slots(table, done, pp, M, V):
             grad[s].append((done[(BACKWARD, m, c + 1)] + 1 if c < C - 1 else done[(FORWARD, m, c)], end, m, v))
 
     def colour(intervals):  # greedy interval colouring: slot -> free from tick
-        slots, free_from, out = {}, [], {}
+        free_from, out = [], {}
         for start, end, m, v in sorted(intervals):
             slot = next((i for i, f in enumerate(free_from) if f <= start), len(free_from))
             if slot == len(free_from):

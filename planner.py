@@ -20,6 +20,10 @@ rest of `--devices N`). Takes every main.py flag, plus:
                       (requirements-test.txt). Sets --hardware and --devices. Last line:
                       tpu_bytes_per_device=<int> planner_bytes_per_device=<int> fits=<true|false>
 
+    python planner.py --table [--presets P,...] [--pods T,...] [--json PATH]
+                      the README's table: every preset compiled for the pods people use
+                      (TABLE_MESHES below), the TPU compiler's bytes beside the planner's
+
 Memory per device:
   params       float32 master weights, this device's storage shard (exact)
   optimizer    its state: AdamW mu + nu, or Muon's momentum for the matrices (float32 shards); step counts (exact)
@@ -38,14 +42,16 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import AbstractMesh
 
 import optimizers
 import parallel as par
 import pipeline
-from model import Transformer, expert_capacity, padded_vocab
-from utils import ConfigError, apply_overrides, count_params, flops_per_token, human, parse_args
+import tpu_compile
+from devices import skip_tpu_probe_without_tpu
+from flops import count_params, flops_per_token, human, measure_peak_flops
+from model import abstract_model, abstract_params, expert_capacity, padded_vocab  # noqa: F401  (abstract_model: the tests call it here)
+from utils import PRESETS, Config, ConfigError, apply_overrides, parse_args
 
 F32 = 4  # bytes: master weights, optimizer moments, softmax/norm internals, logits
 GiB = 2**30
@@ -92,27 +98,12 @@ DEFAULT_EFFICIENCY = 0.5  # large dense transformer training commonly reaches 40
 
 
 def cpu_peak_flops():
-    """FLOP/s of a float32 matmul on this machine (main.measure_peak_flops)."""
-    import jax.numpy as jnp
-
-    from main import measure_peak_flops
-
-    return measure_peak_flops(jnp.float32, size=1024)
+    """FLOP/s of a float32 matmul on this machine (flops.measure_peak_flops)."""
+    return measure_peak_flops(jax.numpy.float32, size=1024)
 
 
 # ----------------------------------------------------------------------------
 # Shapes and the storage layout (no arrays)
-
-
-def abstract_model(model_cfg):
-    """(graphdef, params) with params as ShapeDtypeStructs: exactly the tree that
-    parallel.init_params creates, without creating it."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
-    return graphdef, state.to_pure_dict()
-
-
-def abstract_params(model_cfg):
-    return abstract_model(model_cfg)[1]
 
 
 def abstract_mesh(shape):
@@ -548,6 +539,51 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     return dict(compute=compute, bubble=bubble, model_flops=model_flops, executed_flops=executed), comm
 
 
+def newton_schulz_flops(fan_in, fan_out):
+    """optimizers.orthogonalize on one matrix: per step x x^T, gram @ gram and (.) @ x
+    over the smaller side s and the larger g: 4 s^2 g + 2 s^3."""
+    s, g = sorted((fan_in, fan_out))
+    return optimizers.NEWTON_SCHULZ_STEPS * (4 * s * s * g + 2 * s ** 3)
+
+
+def muon_cost(params, expert_parallel, mesh_shape, tiled=False):
+    """Muon's update per device per step, off the pools optimizers.orthogonal_updates
+    makes (every mesh axis manual, as in the train step): Newton-Schulz FLOPs, the
+    all-to-all bytes one device sends and receives by mesh axes ({axes: bytes}: the
+    momentum to the owners and the updates back, 2 (S-1)/S of a pool each), and the
+    working set of the largest pool (float32: the pooled momentum, the owners' whole
+    matrices, the update coming back, and the Newton-Schulz iterate with its two Gram
+    products)."""
+    specs = par.param_specs(params, expert_parallel)
+    leaves = {}
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                  jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, par.P))):
+        if optimizers.is_matrix(path):
+            leaves[jax.tree_util.keystr(path)] = (path, shard_shape(leaf.shape, spec, mesh_shape), spec)
+    whole, pools = optimizers.muon_pools(leaves, dict(mesh_shape))
+    flops, traffic, working_set = 0, {}, 0
+    for key in whole:  # orthogonalized where they lie, as on one device
+        path, shape, _ = leaves[key]
+        batch, fan_in, fan_out = (math.prod(shape[d] for d in dims) for dims in optimizers.matrix_dims(path, len(shape)))
+        flops += batch * newton_schulz_flops(fan_in, fan_out)
+        s, g = sorted((fan_in, fan_out))
+        working_set = max(working_set, F32 * batch * (3 * s * g + 2 * s * s))
+    for (local, n_in, dim_axes), keys in pools.items():
+        group = tuple(a for a in mesh_shape if any(a in axes for axes in dim_axes))
+        S = math.prod(mesh_shape[a] for a in group)
+        B = sum(math.prod(leaves[key][1]) // math.prod(local) for key in keys)
+        k = -(-B // S)
+        full = [n * math.prod(mesh_shape[a] for a in axes) for n, axes in zip(local, dim_axes)]
+        fan_in, fan_out = math.prod(full[:n_in]), math.prod(full[n_in:])
+        flops += k * newton_schulz_flops(fan_in, fan_out)
+        pool = F32 * S * k * math.prod(local)  # padded to S k matrices' shards (= k whole matrices)
+        name = "+".join(group)
+        traffic[name] = traffic.get(name, 0) + 2 * pool * (S - 1) // S
+        s, g = sorted((fan_in, fan_out))
+        working_set = max(working_set, 3 * pool + F32 * k * (2 * s * g + 2 * s * s))
+    return dict(flops=flops, traffic=traffic, working_set=working_set)
+
+
 # ----------------------------------------------------------------------------
 # The plan
 
@@ -610,13 +646,18 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # of a tick writes its blocks' gradients into a stack of their own, which is then
     # added to the running sum over ticks: two copies of the blocks' gradients.
     if cfg.train.pipeline != "gpipe":  # a backward tick's gradient of one chunk, added to the step's sum
-        memory["a backward tick's gradient of one chunk"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled) // schedule_of(cfg, shape[1]).virtual_stages
+        chunk_grad_bytes = layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled) // schedule_of(cfg, shape[1]).virtual_stages
+        memory["a backward tick's gradient of one chunk"] = chunk_grad_bytes
         # the embedding's and final norm's gradient, gathered, summed over the step in float32
         # (the sum, and a forward and a backward tick's contributions)
         memory["gradient of the gathered embedding (float32, 3 copies)"] = 3 * gathered_bytes(top, ep, mesh_shape, F32, one_block=False, tiled=tiled)
     elif ticks > 1 and blocks_here > 1:
         memory["this tick's gradient of the stage's blocks"] = layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled)
     temp = sum(v for k, v in memory.items() if k not in ("params", "optimizer"))  # all that the step allocates
+    muon = muon_cost(params, ep, mesh_shape, tiled) if cfg.train.optimizer == "muon" else None
+    if muon:  # after the backward pass, beside the gradients alone: the step's peak is the larger of the two
+        memory["Muon update of the largest pool (float32; after the backward pass, not added)"] = muon["working_set"]
+        temp = max(temp, memory["gradients"] + muon["working_set"])
     total_bytes = memory["params"] + memory["optimizer"] + temp
 
     if hw_name == "cpu":
@@ -626,6 +667,11 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         peak = peak or hw.peak_flops
         available = hw.memory_bytes
     times, comm = step_time(cfg, mesh_shape, hw, peak, efficiency, params)
+    if muon:  # Newton-Schulz in float32 (assumed at the same efficiency), and its all-to-alls
+        times["optimizer_flops"] = muon["flops"]
+        times["compute"] += muon["flops"] / (peak * efficiency)
+        for axes, nbytes in muon["traffic"].items():
+            comm[f"muon all-to-all of momentum and updates over {axes}"] = nbytes / collective_bw(hw, mesh_shape, tuple(axes.split("+")))
     total_params, active_params = count_params(cfg.model)
     serial = times["compute"] + times["bubble"] + sum(comm.values())
     overlapped = max(times["compute"] + times["bubble"], sum(comm.values()))
@@ -707,7 +753,8 @@ def report(p):
     rows += [("    " + name, mem_str(value)) for name, value in p["activations"].items()]
     rows += [("  total", mem_str(p["total_bytes"]) + f"   of {p['available_bytes'] / GiB:.2f} GiB"), ("", "")]
     rows.append((f"step time (compute at an assumed {p['efficiency']:.0%} of {human(p['peak_flops'])}FLOP/s per device)", ""))
-    rows.append((f"  compute: {human(t['executed_flops'])}FLOP executed ({human(t['model_flops'])}FLOP model)",
+    rows.append((f"  compute: {human(t['executed_flops'])}FLOP executed ({human(t['model_flops'])}FLOP model)"
+                 + (f" + Muon's Newton-Schulz {human(t['optimizer_flops'])}FLOP per device" if "optimizer_flops" in t else ""),
                  seconds(t["compute"])))
     if p["mesh"]["pp"] > 1:
         rows.append((f"  pipeline bubble ({p['pipeline']}: {p['bubble_fraction']:.1%} of the table idle)", seconds(t["bubble"])))
@@ -748,8 +795,6 @@ def split_planner_flags(argv):
 def tpu_check(cfg, tpu_name, p):
     """Compile the train and eval steps for a TPU slice (tpu_compile.py); print the
     compiler's bytes beside the plan's, the collectives, and the contract's last line."""
-    import tpu_compile
-
     pod = tpu_compile.pod_type(tpu_name)
     mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(tpu_name))
     compiled = tpu_compile.compile_steps(plan_config(cfg), mesh)
@@ -764,24 +809,77 @@ def tpu_check(cfg, tpu_name, p):
     return lines
 
 
+# ----------------------------------------------------------------------------
+# docs/pods.md's table: every preset on the pods people use, planner beside compiler
+#
+#     python planner.py --table [--presets shakespeare,tiny,moe1b] [--pods v4-8,v4-64,...]
+
+# preset -> pod -> mesh flags (dp, pp, tp, microbatches)
+TABLE_MESHES = {
+    "shakespeare": {"v4-8": (4, 1, 1, 1), "v4-64": (16, 1, 2, 1), "v5p-64": (16, 1, 2, 1), "v5litepod-16": (16, 1, 1, 1),
+                    "v6e-16": (16, 1, 1, 1)},
+    "tiny": {"v4-8": (4, 1, 1, 1), "v4-64": (8, 2, 2, 2), "v5p-64": (8, 2, 2, 2), "v5litepod-16": (4, 2, 2, 2),
+             "v6e-16": (4, 2, 2, 2)},
+    "deepseek_v3": {"v4-8": (4, 1, 1, 1), "v4-64": (16, 1, 2, 1), "v5p-64": (16, 1, 2, 1), "v5litepod-16": (16, 1, 1, 1),
+                    "v6e-16": (16, 1, 1, 1)},
+    "moe1b": {"v4-8": (1, 2, 2, 4), "v4-64": (8, 2, 2, 4), "v5p-64": (8, 2, 2, 4), "v5litepod-16": (4, 2, 2, 4),
+              "v6e-16": (4, 2, 2, 4)},
+}
+
+
+def table_row(preset, pod_name):
+    dp, pp, tp, microbatches = TABLE_MESHES[preset][pod_name]
+    cfg = plan_config(apply_overrides(apply_overrides(Config(), PRESETS[preset]), {
+        "mesh": dict(dp=dp, pp=pp, tp=tp), "train": dict(microbatches=microbatches)}))
+    pod = tpu_compile.pod_type(pod_name)
+    mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(pod_name))
+    compiled = tpu_compile.compile_steps(cfg, mesh, eval_step=False)
+    tpu = tpu_compile.memory_bytes(compiled["train"])
+    planned = plan(cfg, 0, pod.hardware)
+    hbm = HARDWARE[pod.hardware].memory_bytes
+    return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", microbatches=microbatches, tpu_bytes=tpu["total"],
+                planner_bytes=planned["total_bytes"], fits=tpu_compile.fits(tpu, compiled["log"]["train"], hbm),
+                compile_s=compiled["seconds"]["train"],
+                tpu=tpu, planner_temp_bytes=planned["temp_bytes"], log=compiled["log"]["train"])
+
+
+def print_pod_table(argv):
+    """`python planner.py --table [--presets P,...] [--pods T,...] [--json PATH]`."""
+    args = dict(zip(argv[::2], argv[1::2]))
+    presets = args.get("--presets", ",".join(TABLE_MESHES)).split(",")
+    pods = args.get("--pods", "v4-8,v4-64,v5p-64,v5litepod-16,v6e-16").split(",")
+    print("| preset | pod | dp x pp x tp, microbatches | TPU compiler MiB/device (live) | planner MiB/device | planner / TPU (live) "
+          "| fits | train step compile s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for preset in presets:
+        for pod_name in pods:
+            r = table_row(preset, pod_name)
+            tpu_mib, planner_mib = r["tpu_bytes"] / 2**20, r["planner_bytes"] / 2**20
+            tpu_col, ratio_col = f"{tpu_mib:.1f}", f"{planner_mib / tpu_mib:.2f}"
+            if r["log"]:  # the total with the live temporaries, the planner's model of them
+                live_mib = tpu_compile.live_total(r["tpu"], r["log"]) / 2**20
+                tpu_col, ratio_col = f"{tpu_mib:.1f} ({live_mib:.1f})", f"{ratio_col} ({planner_mib / live_mib:.2f})"
+            print(f"| {preset} | {pod_name} | {r['mesh'].replace('x', ' x ')}, {r['microbatches']} | {tpu_col} | {planner_mib:.1f} | "
+                  f"{ratio_col} | {'yes' if r['fits'] else 'no'} | {r['compile_s']:.0f} |", flush=True)
+            if "--json" in args:
+                with open(args["--json"], "a") as f:
+                    f.write(json.dumps(r) + "\n")
+
+
 def main(argv):
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
-        import tpu_compile
-
         print("--tpu TYPE, known types:\n  " + " ".join(tpu_compile.POD_TYPES))
         print("main.py's flags (python main.py --help) are accepted too.")
         return
-    from main import skip_tpu_probe_without_tpu
-
     skip_tpu_probe_without_tpu()
+    if argv[:1] == ["--table"]:
+        return print_pod_table(argv[1:])
     try:
         own, rest = split_planner_flags(argv)
         cfg = parse_args(rest)
         devices, efficiency = int(own["devices"]), float(own["efficiency"])
         if own["tpu"]:
-            import tpu_compile
-
             pod = tpu_compile.pod_type(own["tpu"])
             own["hardware"], devices = pod.hardware, pod.chips
         p = plan(cfg, devices, own["hardware"], efficiency)

@@ -1,5 +1,5 @@
 """Plots of a run: PNGs drawn from <run_dir>/metrics.jsonl and config.json, at the end
-of training (main.py) or again with `python utils.py plot RUN_DIR` (utils.py forwards
+of training (train.py) or again with `python utils.py plot RUN_DIR` (utils.py forwards
 to main below).
 
 Drawn on matplotlib Figure objects directly (no pyplot): no global backend or figure
@@ -13,8 +13,8 @@ import sys
 
 import numpy as np
 
+from flops import human
 from metrics import read_metrics
-from utils import human
 
 PLOT_DPI = 150  # a 6.4 x 4.4 inch figure is 960 x 660 px: sharp at README width
 SMOOTH_FROM = 50  # from this many train-loss points on, a smoothed curve is drawn over the raw one
@@ -187,20 +187,20 @@ def draw_router_bias(fig, rows, cfg):
     fig.set_size_inches(max(6.4, 0.8 + 3.4 * ncols), 1.6 + 1.8 * nrows)
     axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)
     drawn = {}
-    for l, ax in enumerate(axes.flat):
-        if l >= n_layers:
+    for layer, ax in enumerate(axes.flat):
+        if layer >= n_layers:
             ax.set_visible(False)
             continue
-        lines = ax.plot(steps, bias_SLE[:, l, :], lw=1)
+        lines = ax.plot(steps, bias_SLE[:, layer, :], lw=1)
         ax.axhline(0, color="gray", lw=0.8)
-        ax.set_title(f"MoE layer {l}", fontsize=9)
+        ax.set_title(f"MoE layer {layer}", fontsize=9)
         ax.grid(alpha=0.3)
-        drawn[f"layer{l}"] = (np.asarray(lines[0].get_xdata(), float).tolist(),
+        drawn[f"layer{layer}"] = (np.asarray(lines[0].get_xdata(), float).tolist(),
                               np.stack([np.asarray(line.get_ydata(), float) for line in lines], axis=1).tolist())
-        if l + ncols >= n_layers:
+        if layer + ncols >= n_layers:
             ax.set_xlabel("step")
             ax.xaxis.set_tick_params(labelbottom=True)
-        if l % ncols == 0:
+        if layer % ncols == 0:
             ax.set_ylabel("selection bias")
     step_ticks(axes[0, 0].xaxis)
     fig.legend(lines, [f"expert {e}" for e in range(n_experts)], loc="outside right upper", fontsize=7)

@@ -39,9 +39,18 @@ import sys
 import time
 from typing import Optional, Union
 
+import jax
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from flax import nnx
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException
 
-from engine import TOP_LOGPROBS, Engine, QueueFull, Sequence
+from dataset import get_tokenizer
+from engine import Engine, QueueFull, Sequence
+from runs import host_params, load_run_params
+from sampling import TOP_LOGPROBS
 from utils import ConfigError
 
 API_KEY_ENV = "MESHFORMER_API_KEY"
@@ -113,7 +122,8 @@ def parse_request(body_bytes):
 
 def check_settings(req, max_tokens_limit):
     checks = [
-        (0 <= req.max_tokens <= max_tokens_limit, "max_tokens", f"max_tokens must be in 0..{max_tokens_limit} (--serve.max_tokens), got {req.max_tokens}"),
+        (0 <= req.max_tokens <= max_tokens_limit, "max_tokens",
+         f"max_tokens must be in 0..{max_tokens_limit} (--serve.max_tokens), got {req.max_tokens}"),
         (0 <= req.temperature <= 100, "temperature", f"temperature must be in [0, 100] (0 = greedy), got {req.temperature}"),
         (req.top_k >= -1, "top_k", f"top_k must be >= 0 (0 or -1 = all tokens), got {req.top_k}"),
         (0 < req.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {req.top_p}"),
@@ -309,10 +319,6 @@ async def disconnected(request):
 
 
 def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
-    from fastapi import Depends, FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-    from starlette.exceptions import HTTPException
-
     app = FastAPI(title="meshformer", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     token_chars = max_token_chars(tokenizer)
@@ -357,80 +363,100 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}", param="model")
         stops = check_settings(req, max_tokens_limit)
         prompts = tokenize_prompts(req.prompt, tokenizer, engine.window, token_chars)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        choices = [Choice(i, text, ids, tokenizer, stops, req.logprobs, req.echo) for i, (text, ids) in enumerate(prompts)]
-        for choice in choices:
-            emit = (lambda i: lambda event: loop.call_soon_threadsafe(events.put_nowait, (i, event)))(choice.index)
-            seed = secrets.randbits(31) if req.seed is None else req.seed
-            choice.seq = Sequence(choice.prompt_ids, req.max_tokens, req.temperature, max(req.top_k, 0), req.top_p, seed,
-                                  emit, want_prompt_logprobs=req.echo and req.logprobs is not None)
-        try:
-            engine.submit([c.seq for c in choices])
-        except QueueFull as e:
-            raise APIError(429, f"the server is busy: {e}; retry shortly") from None
+        choices, events = submit(engine, req, prompts, tokenizer, stops)
         head = dict(id=f"cmpl-{secrets.token_hex(12)}", object="text_completion", created=int(time.time()), model=model_name)
-
-        async def chunks():
-            try:
-                for choice in choices:
-                    if req.echo and req.logprobs is None:
-                        yield choice.echo_chunk()
-                while not all(c.finished for c in choices):
-                    i, event = await events.get()
-                    chunk = choices[i].handle(event)
-                    if chunk is not None:
-                        yield chunk
-            finally:  # done, or the client went away: free the slots
-                for choice in choices:
-                    choice.seq.cancel()
-
-        def usage():
-            prompt_tokens = sum(len(c.prompt_ids) for c in choices)
-            completion_tokens = sum(c.completion_tokens for c in choices)
-            return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens)
-
         if req.stream:
-            async def events_stream():
-                try:
-                    async for chunk in chunks():
-                        yield f"data: {json.dumps(dict(head, choices=[chunk]))}\n\n"
-                except APIError as e:
-                    yield f"data: {json.dumps(e.body())}\n\n"
-                    return
-                yield f"data: {json.dumps(dict(head, choices=[], usage=usage()))}\n\n"
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events_stream(), media_type="text/event-stream",
+            return StreamingResponse(stream_events(head, req, choices, events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        async def whole():
-            joined = [dict(index=c.index, text="", logprobs=None if req.logprobs is None else c.empty_logprobs(),
-                           finish_reason=None) for c in choices]
-            async for chunk in chunks():
-                out = joined[chunk["index"]]
-                out["text"] += chunk["text"]
-                out["finish_reason"] = chunk["finish_reason"] or out["finish_reason"]
-                if chunk["logprobs"] is not None:
-                    for key, values in chunk["logprobs"].items():
-                        out["logprobs"][key] += values
-            return dict(head, choices=joined, usage=usage())
-
-        # Starlette cancels a streaming response when its client goes away, but not a
-        # plain endpoint: without this watch, a client that timed out would keep its
-        # slots generating until max_tokens. Cancelling `answer` runs chunks()' finally,
-        # which cancels the sequences; the engine frees them at its next step.
-        answer, gone = asyncio.ensure_future(whole()), asyncio.ensure_future(disconnected(request))
-        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not answer.done():
-            answer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await answer
-            return JSONResponse(APIError(499, "the client went away").body(), status_code=499)
-        gone.cancel()
-        return answer.result()
+        return await unless_client_gone(request, joined_response(head, req, choices, events))
 
     return app
+
+
+# ----------------------------------------------------------------------------
+# A completion request: its sequences in the engine, its chunks out
+
+
+def submit(engine, req, prompts, tokenizer, stops):
+    """One Choice (and engine Sequence) per prompt, queued together; returns (choices,
+    the asyncio queue their engine events arrive on as (choice index, event))."""
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    choices = [Choice(i, text, ids, tokenizer, stops, req.logprobs, req.echo) for i, (text, ids) in enumerate(prompts)]
+    for choice in choices:
+        emit = (lambda i: lambda event: loop.call_soon_threadsafe(events.put_nowait, (i, event)))(choice.index)
+        seed = secrets.randbits(31) if req.seed is None else req.seed
+        choice.seq = Sequence(choice.prompt_ids, req.max_tokens, req.temperature, max(req.top_k, 0), req.top_p, seed,
+                              emit, want_prompt_logprobs=req.echo and req.logprobs is not None)
+    try:
+        engine.submit([c.seq for c in choices])
+    except QueueFull as e:
+        raise APIError(429, f"the server is busy: {e}; retry shortly") from None
+    return choices, events
+
+
+async def chunks(req, choices, events):
+    """Every choice's chunks as the engine's events come in."""
+    try:
+        for choice in choices:
+            if req.echo and req.logprobs is None:
+                yield choice.echo_chunk()
+        while not all(c.finished for c in choices):
+            i, event = await events.get()
+            chunk = choices[i].handle(event)
+            if chunk is not None:
+                yield chunk
+    finally:  # done, or the client went away: free the slots
+        for choice in choices:
+            choice.seq.cancel()
+
+
+def usage(choices):
+    prompt_tokens = sum(len(c.prompt_ids) for c in choices)
+    completion_tokens = sum(c.completion_tokens for c in choices)
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+
+async def stream_events(head, req, choices, events):
+    """stream: one server-sent event per chunk, then the usage, then [DONE]."""
+    try:
+        async for chunk in chunks(req, choices, events):
+            yield f"data: {json.dumps(dict(head, choices=[chunk]))}\n\n"
+    except APIError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+        return
+    yield f"data: {json.dumps(dict(head, choices=[], usage=usage(choices)))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def unless_client_gone(request, answer):
+    """`answer` (a coroutine), or a 499 if the client goes away first. Starlette cancels a
+    streaming response when its client goes away, but not a plain endpoint: without this
+    watch, a client that timed out would keep its slots generating until max_tokens.
+    Cancelling `answer` runs chunks()' finally, which cancels the sequences; the engine
+    frees them at its next step."""
+    answer, gone = asyncio.ensure_future(answer), asyncio.ensure_future(disconnected(request))
+    await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not answer.done():
+        answer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await answer
+        return JSONResponse(APIError(499, "the client went away").body(), status_code=499)
+    gone.cancel()
+    return answer.result()
+
+
+async def joined_response(head, req, choices, events):
+    """Not streaming: each choice's chunks joined into one."""
+    joined = [dict(index=c.index, text="", logprobs=None if req.logprobs is None else c.empty_logprobs(),
+                   finish_reason=None) for c in choices]
+    async for chunk in chunks(req, choices, events):
+        out = joined[chunk["index"]]
+        out["text"] += chunk["text"]
+        out["finish_reason"] = chunk["finish_reason"] or out["finish_reason"]
+        if chunk["logprobs"] is not None:
+            for key, values in chunk["logprobs"].items():
+                out["logprobs"][key] += values
+    return dict(head, choices=joined, usage=usage(choices))
 
 
 # ----------------------------------------------------------------------------
@@ -448,13 +474,6 @@ def check_port_free(host, port):
 
 
 def serve_run(cfg):
-    import jax
-    import uvicorn
-    from flax import nnx
-
-    from dataset import get_tokenizer
-    from main import host_params, load_run_params
-
     if jax.process_count() > 1:
         raise ConfigError("--mode serve runs in one process: start it without --dist.* flags")
     s = cfg.serve

@@ -26,8 +26,9 @@ import optax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from model import balance_router_biases, rope_angles, router_biases
-from parallel import DP, PP, TP, axes_of, gather_for_use
+from model import balance_router_biases, live_axes, rope_angles, router_biases
+from parallel import axes_of, gather_for_use
+from weights import DP, PP, TP
 
 # ----------------------------------------------------------------------------
 # Reductions over whichever mesh axes are manual here
@@ -40,7 +41,7 @@ def manual_axes(axes):
     if mesh.empty:
         return ()
     manual = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Manual}
-    return tuple(a for a in axes if a in manual)
+    return live_axes(tuple(a for a in axes if a in manual))  # (and of size > 1: nothing to reduce over one device)
 
 
 def psum(x, axes):
@@ -65,7 +66,7 @@ def pmax(x, axes):
 
 def vary(x, axes):
     """x typed as varying over `axes` (a pcast over the ones it does not vary over yet)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    missing = live_axes(tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying))  # (over size 1: nothing varies)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

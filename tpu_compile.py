@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 import optimizers
 import parallel as par
 import train_steps
+from model import abstract_model, abstract_params
 from utils import ConfigError
 
 GiB = 2**30
@@ -98,7 +99,7 @@ def pod_devices(name):
     # into live temporaries, fragmentation and code (compiler_log_memory): turn it on
     # (libtpu reads it when it loads, here) and keep it off the terminal (captured_stderr).
     # Only for this call: left in os.environ, TPU_WORKER_HOSTNAMES would tell every
-    # main.py this process starts afterwards that it runs on a TPU pod (main.setup_devices).
+    # main.py this process starts afterwards that it runs on a TPU pod (devices.setup_devices).
     libtpu_environ = dict(TPU_WORKER_HOSTNAMES="localhost",
                           TPU_ACCELERATOR_TYPE=pod.name, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                           TPU_STDERR_LOG_LEVEL="0", TPU_MIN_LOG_LEVEL="0")
@@ -163,9 +164,7 @@ LIBTPU_LOG_LINE = re.compile(r"^([IWEF]\d{4} |\s|Output size |Total \w+ usage |P
 def abstract_state(cfg, mesh):
     """(optimizer, params, opt_state): params and optimizer state as ShapeDtypeStructs laid
     out exactly as parallel.init_params / init_opt_state lay out the real ones."""
-    import planner
-
-    shapes = planner.abstract_params(cfg.model)
+    shapes = abstract_params(cfg.model)
     specs = par.param_specs(shapes, cfg.mesh.expert_parallel)
     par.check_divisible(shapes, specs, mesh)
     params = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
@@ -181,11 +180,9 @@ def abstract_state(cfg, mesh):
 def compile_steps(cfg, mesh, eval_step=True):
     """{"train": compiled, "eval": compiled, "seconds": {name: compile seconds}}: the
     real train and eval steps (train_steps.make_train_step / make_eval_step)."""
-    import planner
-
     par.check_config_fits_mesh(cfg, mesh)
     optimizer, params, opt_state = abstract_state(cfg, mesh)
-    graphdef = planner.abstract_model(cfg.model)[0]
+    graphdef = abstract_model(cfg.model)[0]
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
                                   sharding=NamedSharding(mesh, par.batch_spec()))
     step = jax.ShapeDtypeStruct((), jnp.int32)
@@ -451,6 +448,33 @@ def collective_ops(hlo, mesh_shape):
     return ops
 
 
+def dot_flops(hlo, name_part=""):
+    """FLOPs per step on one device of the dots of an optimized HLO module whose
+    metadata contains name_part (e.g. a jax.named_scope): 2 x result elements x
+    contracted size, times the trips of the loops around each."""
+    comps, entry = split_computations(hlo)
+    runs = executions(comps, entry)
+    total = 0
+    for name, lines in comps.items():
+        if not runs.get(name):
+            continue
+        dims_of = {}
+        for line in lines:
+            m = re.match(r"^\s*(?:ROOT )?%(\S+) = \w+\[([0-9,]*)\]", line)
+            if m:
+                dims_of[m.group(1)] = [int(d) for d in m.group(2).split(",") if d]
+        for line in lines:
+            m = INSTRUCTION.match(line)
+            if not m or m.group(2) != "dot" or name_part not in line:
+                continue
+            lhs = re.match(r"%([^\s,)]+)", m.group(3)).group(1)
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
+            contracted = math.prod(dims_of[lhs][int(d)] for d in contracting.split(",") if d)
+            out = ARRAY.search(m.group(1)).group(2)
+            total += runs[name] * 2 * math.prod(int(d) for d in out.split(",") if d) * contracted
+    return total
+
+
 def collective_table(hlo_text, mesh):
     """{(kind, axes): (count, bytes)} per step per device: each collective in the
     optimized HLO, times the trip count of the loops around it. Bytes are the
@@ -524,70 +548,3 @@ def collectives_report(table, title):
     for (kind, dtype, over), row in sorted(table.items(), key=lambda kv: (COLLECTIVE_KINDS.index(kv[0][0]), kv[0][1:])):
         lines.append(f"  {kind:<20}{dtype:<7}{over:<10}{row['count']:>7}{row['bytes'] / 2**20:>10.1f} MiB")
     return lines
-
-
-# ----------------------------------------------------------------------------
-# docs/pods.md's table: every preset on the pods people use
-#
-#     python tpu_compile.py [--presets shakespeare,tiny,moe1b] [--pods v4-8,v4-64,...]
-
-# preset -> pod -> mesh flags (dp, pp, tp, microbatches); None: the preset's own.
-TABLE_MESHES = {
-    "shakespeare": {"v4-8": (4, 1, 1, 1), "v4-64": (16, 1, 2, 1), "v5p-64": (16, 1, 2, 1), "v5litepod-16": (16, 1, 1, 1),
-                    "v6e-16": (16, 1, 1, 1)},
-    "tiny": {"v4-8": (4, 1, 1, 1), "v4-64": (8, 2, 2, 2), "v5p-64": (8, 2, 2, 2), "v5litepod-16": (4, 2, 2, 2),
-             "v6e-16": (4, 2, 2, 2)},
-    "deepseek_v3": {"v4-8": (4, 1, 1, 1), "v4-64": (16, 1, 2, 1), "v5p-64": (16, 1, 2, 1), "v5litepod-16": (16, 1, 1, 1),
-                    "v6e-16": (16, 1, 1, 1)},
-    "moe1b": {"v4-8": (1, 2, 2, 4), "v4-64": (8, 2, 2, 4), "v5p-64": (8, 2, 2, 4), "v5litepod-16": (4, 2, 2, 4),
-              "v6e-16": (4, 2, 2, 4)},
-}
-
-
-def table_row(preset, pod_name):
-    import planner
-    from utils import PRESETS, Config, apply_overrides
-
-    dp, pp, tp, microbatches = TABLE_MESHES[preset][pod_name]
-    cfg = planner.plan_config(apply_overrides(apply_overrides(Config(), PRESETS[preset]), {
-        "mesh": dict(dp=dp, pp=pp, tp=tp), "train": dict(microbatches=microbatches)}))
-    pod = pod_type(pod_name)
-    mesh = par.make_mesh(cfg.mesh, pod_devices(pod_name))
-    compiled = compile_steps(cfg, mesh, eval_step=False)
-    tpu = memory_bytes(compiled["train"])
-    planned = planner.plan(cfg, 0, pod.hardware)
-    hbm = planner.HARDWARE[pod.hardware].memory_bytes
-    return dict(preset=preset, pod=pod_name, mesh=f"{dp}x{pp}x{tp}", microbatches=microbatches, tpu_bytes=tpu["total"],
-                planner_bytes=planned["total_bytes"], fits=fits(tpu, compiled["log"]["train"], hbm), compile_s=compiled["seconds"]["train"],
-                tpu=tpu, planner_temp_bytes=planned["temp_bytes"], log=compiled["log"]["train"])
-
-
-def main(argv):
-    import json
-
-    from main import skip_tpu_probe_without_tpu
-
-    skip_tpu_probe_without_tpu()
-    args = dict(zip(argv[::2], argv[1::2]))
-    presets = args.get("--presets", ",".join(TABLE_MESHES)).split(",")
-    pods = args.get("--pods", "v4-8,v4-64,v5p-64,v5litepod-16,v6e-16").split(",")
-    print("| preset | pod | dp x pp x tp, microbatches | TPU compiler MiB/device (live) | planner MiB/device | planner / TPU (live) "
-          "| fits | train step compile s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for preset in presets:
-        for pod_name in pods:
-            r = table_row(preset, pod_name)
-            tpu_mib, planner_mib = r["tpu_bytes"] / 2**20, r["planner_bytes"] / 2**20
-            tpu_col, ratio_col = f"{tpu_mib:.1f}", f"{planner_mib / tpu_mib:.2f}"
-            if r["log"]:  # the total with the live temporaries, the planner's model of them
-                live_mib = live_total(r["tpu"], r["log"]) / 2**20
-                tpu_col, ratio_col = f"{tpu_mib:.1f} ({live_mib:.1f})", f"{ratio_col} ({planner_mib / live_mib:.2f})"
-            print(f"| {preset} | {pod_name} | {r['mesh'].replace('x', ' x ')}, {r['microbatches']} | {tpu_col} | {planner_mib:.1f} | "
-                  f"{ratio_col} | {'yes' if r['fits'] else 'no'} | {r['compile_s']:.0f} |", flush=True)
-            if "--json" in args:
-                with open(args["--json"], "a") as f:
-                    f.write(json.dumps(r) + "\n")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

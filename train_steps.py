@@ -22,6 +22,8 @@ with varying data" is a psum. tests/test_parallel.py proves each layout and exec
 equals one device.
 """
 
+import functools
+
 import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -31,7 +33,7 @@ import executor_auto
 import executor_gpipe
 import step_core as core
 from model import Transformer
-from parallel import PP, batch_spec, named, specs_of
+from parallel import PP, batch_spec, live_spec, named, specs_of
 from utils import ConfigError, apply_overrides
 
 PIPELINE_EXECUTORS = {"gpipe": executor_gpipe, "1f1b": executor_1f1b, "interleaved": executor_1f1b}
@@ -52,7 +54,17 @@ def partition(fn, manual, mesh, in_specs, out_specs):
     """fn as one program over the mesh: a shard_map (manual), or a global program that
     the compiler partitions (its outputs in out_specs' shardings)."""
     if manual:
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        # in_specs without the axes of size 1 (live_spec): nothing is typed as varying
+        # over them, so no collective runs over them (model.live_axes); the arguments
+        # are resharded to match, which moves nothing (the same layout), and the
+        # outputs keep out_specs, the specs the step was given.
+        live = live_spec(in_specs, mesh)
+        sharded = jax.shard_map(fn, mesh=mesh, in_specs=live, out_specs=out_specs)
+
+        @functools.wraps(fn)  # jit names the program after fn (profiles, HLO dumps)
+        def on_live_axes(*args):
+            return sharded(*jax.reshard(args, named(mesh, live)))
+        return on_live_axes
     check_auto_mesh(mesh)
     return jax.sharding.auto_axes(fn, out_sharding=named(mesh, out_specs))
 

@@ -1,5 +1,6 @@
-"""Config dataclasses, presets and the command line; FLOP/MFU accounting. (Run metrics
-and wandb: metrics.py; plots: plots.py, also as `python utils.py plot RUN_DIR`.)
+"""Config dataclasses, presets and the command line. (The model's section, ModelConfig,
+lives beside the model in model.py; parameter and FLOP accounting: flops.py; run
+metrics and wandb: metrics.py; plots: plots.py, also as `python utils.py plot RUN_DIR`.)
 
 Every default lives in exactly one place: the dataclasses below. The defaults ARE the
 `shakespeare` preset; other presets override some fields; the command line overrides
@@ -8,16 +9,12 @@ any field as `--section.field=value` (or `--section.field value`).
 
 import dataclasses
 import difflib
-import math
 import sys
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-def option(default, help):
-    """A config field with its one-line explanation (shown by --help)."""
-    return field(default=default, metadata={"help": help})
-
+from errors import ConfigError  # noqa: F401  (raised by every module as utils.ConfigError; errors.py says why it lives there)
+from model import REMAT_POLICIES, ModelConfig, option
 
 # ----------------------------------------------------------------------------
 # Config sections
@@ -32,61 +29,8 @@ class RunConfig:
     compile_cache: str = option("~/.cache/meshformer/jax", "JAX's persistent compilation cache (reruns skip compiling); empty = off")
 
 
-# --model.remat values: model.apply_blocks applies layer / block / block_dots,
-# parallel.pipeline_loss applies stage.
-REMAT_POLICIES = ("none", "layer", "block", "block_dots", "stage")
 # --train.pipeline values: parallel.pipeline_loss runs gpipe, pipeline.py the others.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = option(0, "vocabulary size; 0 = take it from the data's manifest")
-    vocab_multiple: int = option(128, "pad the vocabulary to a multiple of this (tp splits it)")
-    seq_len: int = option(128, "tokens per training sequence (T)")
-    d_model: int = option(128, "model width (D)")
-    n_heads: int = option(4, "attention heads (H)")
-    head_dim: int = option(32, "per-head dim of queries/keys/values, content part (K)")
-    rope_dim: int = option(16, "per-head dim of the decoupled RoPE query/key part (R)")
-    q_latent: int = option(64, "MLA query latent width (Q)")
-    kv_latent: int = option(32, "MLA key/value latent width (A); with R, all the KV cache stores")
-    rope_theta: float = option(10000.0, "RoPE base")
-    embed_row_norm: float = option(2.0, "norm of the tied embedding's rows at init (std = this / sqrt(D)); "
-                                        "the untrained output logits are at most this (model.py)")
-    n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
-    block_pattern: str = option("DM", "layers of one block: D = dense FFN, M = MoE FFN")
-    d_ff: int = option(512, "hidden units of dense FFN layers (F)")
-    ffn_activation: str = option("swiglu", "dense FFN activation: swiglu | gelu")
-    n_experts: int = option(8, "routed experts per MoE layer (E)")
-    n_shared: int = option(1, "shared experts per MoE layer (see every token)")
-    top_k: int = option(2, "routed experts per token")
-    d_expert: int = option(128, "hidden units per expert")
-    capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
-    router_score: str = option("softmax", "router scores: softmax | sigmoid")
-    routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
-    aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
-    router_bias_rate: float = option(0.0, "aux-loss-free balancing (DeepSeek-V3): after every step each expert's selection bias "
-                                          "moves by this towards uniform load; 0 = off (V3 used 0.001)")
-    seq_aux_loss_weight: float = option(0.0, "weight of DeepSeek-V3's sequence-wise balance loss (V3 used 0.0001)")
-    n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
-    topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
-    routed_scale: float = option(1.0, "multiply the routed experts' output by this (DeepSeek-V3 routed_scaling_factor)")
-    final_norm_folded: bool = option(False, "the final norm's scale holds the logits' 1/sqrt(D) (set by --train.init_from hf:, "
-                                            "which keeps HF's norm weight bit for bit); false = logits of final_norm(x) / sqrt(D)")
-    mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): extra blocks predicting tokens 2..depth+1 ahead, "
-                               "trained with the rest, ignored by sampling and eval; 0 = off")
-    mtp_loss_weight: float = option(0.3, "weight of the MTP loss (mean over depths; V3 used 0.3, later 0.1)")
-    dropout: float = option(0.0, "dropout on residual branches")
-    dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
-    grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
-                                               "weights): float32 | bfloat16 (halves their bytes, loses precision)")
-    attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
-    remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
-                                "block (each block from its input) | block_dots (each block, keeping its matmul outputs) | "
-                                "stage (all of a pipeline stage's blocks, per microbatch, from the stage input)")
-    unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
-
-
 SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: train_steps.executor_of dispatches on it
 
 
@@ -235,8 +179,13 @@ PRESETS = {
                       n_experts=16, n_shared=2, top_k=2, d_expert=2048, capacity_factor=1.5,
                       dtype="bfloat16", unroll_blocks=False, remat="block"),
         "mesh": dict(dp=8, pp=2, tp=2),
-        # AdamW: Muon would orthogonalize every matrix on each of the dp x tp devices
-        # that share it (optimizers.py), and the pod figures (docs/pods.md) are AdamW's.
+        # AdamW for now, though Muon now pays at this size: each matrix is orthogonalized
+        # by one owner of the 16 dp x tp devices that hold it (optimizers.py), so on
+        # 8x2x2 (planner.py --train.optimizer muon) Newton-Schulz is 0.64 TFLOP per device
+        # and step (1.5% of the step's compute; 8.4 before, 16%), its all-to-alls 0.27 GB
+        # (2.7 ms on v4), and a device holds 4.34 GiB against AdamW's 4.45 (one moment,
+        # not two). Switch once the pod figures (docs/pods.md, tests/test_tpu_compile.py,
+        # tests/test_planner.py's scaled-down moe1b) are measured again with Muon.
         "train": dict(steps=75000, batch_size=256, microbatches=4, lr=6e-4, warmup_steps=5000, min_lr_ratio=0.1,
                       eval_every=1000, eval_batches=32, checkpoint_every=1000, weight_decay=0.1, optimizer="adamw"),
         "data": dict(tokenizer="cl100k_base", source="gs://YOUR_BUCKET/fineweb-edu-cl100k"),
@@ -252,10 +201,6 @@ def apply_overrides(cfg, overrides):
 
 # ----------------------------------------------------------------------------
 # Command line, generated from the dataclasses
-
-
-class ConfigError(ValueError):
-    """A config the user can fix; the message says how."""
 
 
 def config_fields():
@@ -281,7 +226,8 @@ def parse_value(flag, text, kind):
     try:
         return kind(text)
     except ValueError:
-        raise ConfigError(f"--{flag} expects {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}, got {text!r}") from None
+        expected = "an integer" if kind is int else "a number" if kind is float else kind.__name__
+        raise ConfigError(f"--{flag} expects {expected}, got {text!r}") from None
 
 
 def help_text():
@@ -398,57 +344,6 @@ def config_to_dict(cfg):
 def config_from_dict(d):
     sections = {f.name: type(f.default)(**d[f.name]) for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default) and f.name in d}
     return Config(**sections, preset=d.get("preset", "shakespeare"), mode=d.get("mode", "train"))
-
-
-# ----------------------------------------------------------------------------
-# Parameter and FLOP accounting (no allocation: shapes only)
-
-
-def count_params(model_cfg):
-    """(total, active per token) parameter counts, from shapes alone (nnx.eval_shape)."""
-    import jax
-    from flax import nnx
-
-    from model import Transformer
-    from weights import row, weight_name
-
-    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
-    total, routed = 0, 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        size = math.prod(leaf.shape)
-        total += size
-        if row(weight_name(path)).routed:
-            routed += size
-    inactive = routed * (model_cfg.n_experts - model_cfg.top_k) / model_cfg.n_experts
-    return total, int(total - inactive)
-
-
-def flops_per_token(model_cfg):
-    """Model FLOPs to train on one token (forward + backward = 3 x forward).
-
-    forward = 2 x (active matmul params) + attention scores and values:
-      matmul params: every active weight except the embedding lookup (a gather), but the
-      tied output layer is a real matmul of V x D, so it counts once;
-      attention: per layer 2 x T x H x (K + R) for q.k and 2 x T x H x K for p.v
-      (full T x T, as in the PaLM paper's MFU accounting).
-    Remat recomputation is not counted: MFU measures useful work.
-    """
-    m = model_cfg
-    total, active = count_params(m)
-    norms = m.d_model * (2 * m.n_blocks * len(m.block_pattern) + 1) + m.n_blocks * len(m.block_pattern) * (m.q_latent + m.kv_latent)
-    matmul_params = active - norms  # the embedding counts once, as the output layer
-    n_layers = m.n_blocks * len(m.block_pattern)
-    attention = n_layers * 2 * m.seq_len * m.n_heads * (2 * m.head_dim + m.rope_dim)
-    return 3 * (2 * matmul_params + attention)
-
-
-def human(n):
-    for unit in ("", "K", "M", "B", "T"):
-        if abs(n) < 1000:
-            return f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}P"
 
 
 if __name__ == "__main__":  # the command-line contract `python utils.py plot RUN_DIR`; the plots live in plots.py

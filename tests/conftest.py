@@ -3,7 +3,7 @@ parallel tests can build any mesh up to 8 devices; single-device tests use devic
 
 import os
 
-from main import use_fake_cpu_devices
+from devices import use_fake_cpu_devices
 
 use_fake_cpu_devices(8)
 os.environ.setdefault("WANDB_MODE", "offline")

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_parallel import VARIANTS, assert_params_close, assert_same_step, initial_params, mesh_for, tiny_config, token_batch
 
 import checkpoint
 import optimizers
 import parallel as par
 import tpu_compile
-from test_parallel import VARIANTS, assert_params_close, assert_same_step, initial_params, mesh_for, tiny_config, token_batch
-from utils import ConfigError, apply_overrides, config_to_dict, parse_args
 from train_steps import make_train_step
+from utils import ConfigError, apply_overrides, config_to_dict, parse_args
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 1, 4), (4, 1, 2)]
 EXPERT_PARALLEL_MESHES = [(8, 1, 1), (2, 1, 4), (4, 1, 2)]
@@ -128,6 +128,7 @@ def test_checkpoints_cross_sharding_modes(tmp_path, reference):
     by manual, manual step: the same three steps as one device takes."""
     modes = [config((2, 1, 4), mode, expert_parallel=True) for mode in ("manual", "auto", "manual")]
     params, opt_state = fresh_state(modes[0])
+    manager = None  # the previous step's, restored from
     for step, cfg in enumerate(modes):
         if step:  # restore into the trees (and shardings) this mode builds for itself
             target_params, target_opt = fresh_state(cfg)

@@ -14,11 +14,11 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_parallel import RTOL, assert_tree_close, initial_params, mesh_for, token_batch
 
 import optimizers
 import parallel as par
 import train_steps
-from test_parallel import RTOL, assert_tree_close, initial_params, mesh_for, token_batch
 from utils import PRESETS, Config, apply_overrides
 
 CASES = [((2, 2, 2), "manual", "1f1b"), pytest.param(((2, 2, 2), "manual", "interleaved"), marks=pytest.mark.slow),

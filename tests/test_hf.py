@@ -25,12 +25,12 @@ torch.set_num_threads(1)
 
 import checkpoint  # noqa: E402
 import hf_interop  # noqa: E402
-import main  # noqa: E402
 import parallel as par  # noqa: E402
+import sampling  # noqa: E402
 from dataset import get_tokenizer  # noqa: E402
-from model import Transformer, init_cache  # noqa: E402
-from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides  # noqa: E402
-from train_steps import make_eval_step
+from model import Transformer  # noqa: E402
+from train_steps import make_eval_step  # noqa: E402
+from utils import PRESETS, Config, ConfigError, apply_overrides  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BYTES = get_tokenizer("bytes")
@@ -93,30 +93,25 @@ def our_logits(model, tokens_BT):
 
 
 def load_hf(path):
-    """The directory loaded by transformers' Auto classes, no remote code:
-    AutoModelForCausalLM for deepseek_v3 and deepseek_v2; for mistral4, which
-    transformers 5.24 leaves out of AutoModelForCausalLM's table (checked: should it
-    come in, the softmax export can load that way too), AutoModelForImageTextToText,
-    which gives Mistral4ForCausalLM."""
+    """The directory loaded by transformers' AutoModelForCausalLM: with its built-in
+    classes (deepseek_v3, deepseek_v2: no auto_map, no code in the directory), or with
+    the modeling_meshformer.py the export wrote (meshformer), which only
+    trust_remote_code=True runs; without it transformers refuses the directory rather
+    than compute another model from its weights."""
     with open(os.path.join(path, "config.json")) as f:
-        model_type = json.load(f)["model_type"]
-    if model_type != "mistral4":
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with pytest.raises(ValueError, match="Unrecognized configuration class"):
-        transformers.AutoModelForCausalLM.from_pretrained(path)
-    return transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        config = json.load(f)
+    remote = config["model_type"] == "meshformer"
+    assert ("auto_map" in config) == remote and os.path.isfile(os.path.join(path, "modeling_meshformer.py")) == remote
+    if remote:
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            transformers.AutoModelForCausalLM.from_pretrained(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=remote).eval()
 
 
 def our_greedy(model, prompt, n):
-    """n greedy tokens from our latent-KV-cache decoder (padding ids never chosen)."""
-    graphdef, state = nnx.split(model)
-    cache = init_cache(model.cfg, 1, model.cfg.seq_len)
-    logits, cache = main.decode_jit(graphdef, state, jnp.asarray([prompt]), cache, 0)
-    tokens = []
-    for position in range(len(prompt), len(prompt) + n):
-        tokens.append(int(jnp.argmax(logits[0, -1, :model.cfg.vocab_size])))
-        logits, cache = main.decode_jit(graphdef, state, jnp.asarray([[tokens[-1]]]), cache, position)
-    return tokens
+    """n greedy tokens from our latent-KV-cache decoder (padding ids never chosen): the
+    sampler of --mode sample and the server, at temperature 0."""
+    return sampling.generate_ids(model, list(prompt), n, temperature=0.0, top_k=0, seed=0)
 
 
 def hf_greedy(hf, prompt, n):
@@ -146,16 +141,22 @@ def bits(a):
 
 EXPORT_CASES = {  # id: (preset, overrides, expected model_type)
     "tiny-sigmoid-moe": ("tiny", dict(seq_len=64), "deepseek_v3"),
-    "tiny-softmax-dense-first": ("tiny", dict(seq_len=64, router_score="softmax", n_blocks=1, block_pattern="DDMM"), "mistral4"),
+    # the default run's layout and router (blocks DM x 2, softmax top-2) at the tiny widths
+    "tiny-default-layout": ("tiny", dict(seq_len=64, router_score="softmax", n_blocks=2, block_pattern="DM"), "meshformer"),
+    "tiny-softmax-dense-first": ("tiny", dict(seq_len=64, router_score="softmax", n_blocks=1, block_pattern="DDMM"), "meshformer"),
     "tiny-softmax-top1-dense-first": ("tiny", dict(seq_len=64, router_score="softmax", top_k=1, n_blocks=1, block_pattern="DMMM"),
                                       "deepseek_v2"),
     "tiny-sigmoid-top1": ("tiny", dict(seq_len=64, n_blocks=2, top_k=1), "deepseek_v3"),
+    "tiny-sigmoid-moe-first": ("tiny", dict(seq_len=64, n_blocks=3, block_pattern="MD"), "meshformer"),
+    "tiny-softmax-top1-alternating": ("tiny", dict(seq_len=64, router_score="softmax", top_k=1, n_blocks=2, block_pattern="DM"),
+                                      "meshformer"),
+    "shakespeare-default": ("shakespeare", dict(), "meshformer"),
     "shakespeare-sigmoid-dense-first": ("shakespeare", dict(router_score="sigmoid", n_blocks=1, block_pattern="DMM"), "deepseek_v3"),
-    "shakespeare-softmax-moe": ("shakespeare", dict(block_pattern="M"), "mistral4"),
+    "shakespeare-softmax-moe": ("shakespeare", dict(block_pattern="M"), "meshformer"),
     "shakespeare-dense": ("shakespeare", dict(block_pattern="D"), "deepseek_v3"),
 }
 SEEDS = {"tiny-softmax-top1-dense-first": 1}  # seed 0 draws a model whose greedy continuation repeats one token
-FAST_EXPORT_CASES = ("tiny-sigmoid-moe", "tiny-softmax-dense-first", "tiny-softmax-top1-dense-first")  # the rest: slow
+FAST_EXPORT_CASES = ("tiny-sigmoid-moe", "tiny-default-layout", "tiny-softmax-top1-dense-first")  # the rest: slow
 
 
 @pytest.mark.parametrize("case", [c if c in FAST_EXPORT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in EXPORT_CASES])
@@ -184,7 +185,9 @@ def test_export_files_config_and_tokenizer(tmp_path):
     m = model_cfg("tiny")
     out = hf_interop.write_hf_dir(str(tmp_path / "hf"), random_host(m), m, BYTES, "bfloat16")
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
-                                       "tokenizer.json", "tokenizer_config.json"]
+                                       "tokenizer.json", "tokenizer_config.json"]  # no remote code for a DeepseekV3
+    with open(os.path.join(out, "config.json")) as f:
+        assert "auto_map" not in json.load(f)
     config = transformers.AutoConfig.from_pretrained(out)
     expected = dict(model_type="deepseek_v3", vocab_size=320, hidden_size=32, num_hidden_layers=8, first_k_dense_replace=0,
                     num_attention_heads=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
@@ -285,22 +288,24 @@ def test_import_reads_legacy_rope_scaling_as_transformers_does(tmp_path):
         hf_interop.from_hf_config(dict(good, scoring_func="softmax"), m)
 
 
-def test_layouts_hf_cannot_express_are_refused_with_the_pattern_that_would_export():
-    with pytest.raises(ConfigError, match=r"DMDM.*--model.n_blocks 1 --model.block_pattern DDMM"):
-        hf_interop.check_exportable(model_cfg("shakespeare"))
-    with pytest.raises(ConfigError, match=r"DDDDDMDDDDDM.*block_pattern M.*--model.n_blocks 1 --model.block_pattern D{40}M{8}"):
-        hf_interop.check_exportable(apply_overrides(Config(), PRESETS["moe1b"]).model)
+def test_every_layout_exports_with_a_built_in_class_where_one_computes_it_else_remote_code():
+    for m in (model_cfg("shakespeare"), apply_overrides(Config(), PRESETS["moe1b"]).model):  # DM x 2, DDDDDM x 8
+        hf_interop.check_exportable(m)
+        assert hf_interop.architecture_of(m) == ("meshformer", "MeshformerForCausalLM")
     with pytest.raises(ConfigError, match="ffn_activation"):
         hf_interop.check_exportable(model_cfg("shakespeare", block_pattern="D", ffn_activation="gelu"))
-    for exportable in ("D", "M"):  # every layer of one kind, any number of blocks
-        hf_interop.check_exportable(model_cfg("shakespeare", block_pattern=exportable))
-    # the class that computes the router: sigmoid -> DeepseekV3; softmax -> DeepseekV2 (whose
-    # gates are never renormalised, i.e. ours at k = 1 only) or else Mistral4; no MoE layer, no router
-    kinds = {(score, k, pattern): hf_interop.architecture_of(model_cfg("shakespeare", router_score=score, top_k=k,
+    # the built-in class that computes the router and the layout: sigmoid -> DeepseekV3;
+    # softmax -> DeepseekV2 (whose gates are never renormalised, i.e. ours at k = 1 only);
+    # both dense layers first only; no MoE layer, no router. Anything else: meshformer.
+    kinds = {(score, k, pattern): hf_interop.architecture_of(model_cfg("shakespeare", router_score=score, top_k=k, n_blocks=1,
                                                                         block_pattern=pattern))[0]
-             for score in ("sigmoid", "softmax") for k in (1, 2) for pattern in ("M", "D")}
-    assert kinds == {("sigmoid", 1, "M"): "deepseek_v3", ("sigmoid", 2, "M"): "deepseek_v3", ("softmax", 1, "M"): "deepseek_v2",
-                     ("softmax", 2, "M"): "mistral4", **{(s, k, "D"): "deepseek_v3" for s in ("sigmoid", "softmax") for k in (1, 2)}}
+             for score in ("sigmoid", "softmax") for k in (1, 2) for pattern in ("M", "D", "DM", "MD")}
+    assert kinds == {**{(s, k, p): "deepseek_v3" for s in ("sigmoid", "softmax") for k in (1, 2) for p in ("D",)},
+                     ("sigmoid", 1, "M"): "deepseek_v3", ("sigmoid", 2, "M"): "deepseek_v3",
+                     ("sigmoid", 1, "DM"): "deepseek_v3", ("sigmoid", 2, "DM"): "deepseek_v3",
+                     ("softmax", 1, "M"): "deepseek_v2", ("softmax", 1, "DM"): "deepseek_v2",
+                     ("softmax", 2, "M"): "meshformer", ("softmax", 2, "DM"): "meshformer",
+                     **{(s, k, "MD"): "meshformer" for s in ("sigmoid", "softmax") for k in (1, 2)}}
 
 
 # ----------------------------------------------------------------------------
@@ -405,11 +410,13 @@ def test_transformers_model_round_trips_through_import_and_export_bit_for_bit(ki
         assert arch(hf_interop.from_hf_config(hf_interop.read_hf_config(out), model_cfg("shakespeare"))) == arch(m)
 
 
-def test_our_export_round_trips_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("overrides", [dict(n_blocks=4, block_pattern="MM"), dict(n_blocks=2, block_pattern="DM", router_score="softmax")],
+                         ids=["deepseek_v3", "meshformer"])
+def test_our_export_round_trips_bit_for_bit(overrides, tmp_path):
     """export -> import -> export writes the same bits, and the import is our model:
     every weight equal, the final norm up to what the export's rounding of 1/sqrt(D)
     cannot tell apart (one ulp)."""
-    m = model_cfg("tiny", n_blocks=4, block_pattern="MM")
+    m = model_cfg("tiny", **overrides)
     host = random_host(m, seed=5)
     out = hf_interop.write_hf_dir(str(tmp_path / "hf"), host, m, BYTES, "float32")
     imported = hf_interop.from_hf_config(hf_interop.read_hf_config(out), model_cfg("shakespeare"))
@@ -445,6 +452,16 @@ def test_configs_this_model_cannot_express_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="e_score_correction_bias"):
         hf_interop.from_hf_state(tensors, hf_interop.from_hf_config(good, m))
 
+    # meshformer (our remote code): the layout comes from mlp_layer_types, the score from scoring_func
+    ours = hf_interop.to_hf_config(model_cfg("tiny", n_blocks=2, block_pattern="DM", router_score="softmax"), BYTES, "float32")
+    del ours[hf_interop.OURS_KEY]  # as transformers' save_pretrained of a MeshformerForCausalLM would write it
+    imported = hf_interop.from_hf_config(ours, m)
+    assert (imported.n_blocks, imported.block_pattern, imported.router_score) == (1, "DMDM", "softmax")
+    for field, value in [("mlp_layer_types", ["dense", "sparse", "dense"]), ("mlp_layer_types", ["dense", "moe"] * 2),
+                         ("scoring_func", "sqrtsoftplus"), ("norm_topk_prob", False)]:
+        with pytest.raises(ConfigError, match=field):
+            hf_interop.from_hf_config(dict(ours, **{field: value}), m)
+
     # DeepseekV2: softmax gates that are never renormalised are ours only with one expert per token
     path = str(tmp_path / "v2")
     hf_made_model(path, first_k_dense=1, n_layers=2, kind="deepseek_v2")
@@ -460,10 +477,10 @@ def test_configs_this_model_cannot_express_name_the_field(tmp_path):
 # The command line
 
 
-def command_line(tmp_path):
-    """run(*args): `python main.py --preset tiny ...` in tmp_path, checked unless check=False."""
+def command_line(tmp_path, preset="tiny"):
+    """run(*args): `python main.py --preset PRESET ...` in tmp_path, checked unless check=False."""
     def run(*args, check=True):
-        cmd = [sys.executable, os.path.join(REPO, "main.py"), "--preset", "tiny", "--run.out_dir", str(tmp_path / "runs"),
+        cmd = [sys.executable, os.path.join(REPO, "main.py"), "--preset", preset, "--run.out_dir", str(tmp_path / "runs"),
                "--data.cache_dir", str(tmp_path / "data"), "--log.progress", "false", "--log.plots", "false", *args]
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
         if check:
@@ -497,6 +514,30 @@ def test_command_line_export_loads_in_transformers_and_evaluates_from_hf_on_anot
 
     bad = run("--mode", "export_hf", "--run.name", "t", "--train.init_from", f"hf:{tmp_path}", check=False)
     assert bad.returncode != 0 and "error: " in bad.stderr and "no config.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_command_line_default_run_exports_a_model_auto_model_for_causal_lm_loads(tmp_path):
+    """`python main.py` (blocks DM x 2, softmax top-2 router), then --mode export_hf: the
+    directory carries its modeling code and loads, offline, with AutoModelForCausalLM
+    and trust_remote_code, as lm_eval --model hf loads it; and it imports back here."""
+    run = command_line(tmp_path, preset="shakespeare")
+    run("--train.steps", "2", "--train.eval_every", "1000", "--sample.num_samples", "0", "--run.name", "d")
+    out = run("--mode", "export_hf", "--run.name", "d", "--export.dtype", "float32").stdout
+    assert "MeshformerForCausalLM" in out and "trust_remote_code" in out
+    hf_path = str(tmp_path / "runs" / "d" / "hf")
+    load = ("import sys, transformers; d = sys.argv[1]; "
+            "m = transformers.AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True); "
+            "t = transformers.AutoTokenizer.from_pretrained(d, trust_remote_code=True); ids = t('ROMEO:', return_tensors='pt').input_ids; "
+            "print(type(m).__name__, m.generate(ids, max_new_tokens=8, do_sample=False).shape[1] - ids.shape[1])")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))  # nothing from the network
+    loaded = subprocess.run([sys.executable, "-c", load, hf_path], capture_output=True, text=True, env=env, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split() == ["MeshformerForCausalLM", "8"]
+
+    own = run("--mode", "eval", "--run.name", "d")
+    from_hf = run("--mode", "eval", "--run.name", "d2", "--train.init_from", f"hf:{hf_path}")
+    assert val_loss(from_hf) == pytest.approx(val_loss(own), abs=1e-5)
 
 
 @pytest.mark.slow

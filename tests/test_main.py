@@ -1,6 +1,8 @@
 """main.py end to end, as a user runs it: the command line, training, resume after a
 kill, sampling, and the same losses on a 2x2x2 mesh as on one device."""
 
+import ast
+import glob
 import json
 import os
 import signal
@@ -92,6 +94,23 @@ def test_cli_errors_exit_cleanly_and_help_lists_every_field():
 
 
 @pytest.mark.slow
+def test_main_py_is_a_script_nothing_imports():
+    """Device set-up, runs, training and sampling live in modules of their own
+    (devices.py, runs.py, train.py, sampling.py); main.py only dispatches."""
+    importers = []
+    for path in glob.glob(os.path.join(REPO, "**", "*.py"), recursive=True):
+        if "/." in os.path.relpath(path, REPO):
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            if "main" in names:
+                importers.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    assert importers == [], importers
+
+
 def test_resume_after_sigkill_repeats_and_skips_no_step(tmp_path, data_cache):
     """Kill -9 mid-run, start again: per-step losses equal an uninterrupted run's, bit
     for bit, and every step appears exactly once in metrics.jsonl."""
@@ -158,10 +177,10 @@ def test_dropout_run_on_2x2x2_trains_like_one_device(tmp_path, data_cache):
                                               ({"NPROC": "5"}, None)])
 def test_fake_devices_get_two_pool_threads_each_unless_the_user_chose(environ, threads):
     """XLA:CPU sizes its thread pool max(cores, devices); with one thread per device a
-    2x2x2 step on 2 cores deadlocked in 7 of 9 runs (main.use_fake_cpu_devices). The
+    2x2x2 step on 2 cores deadlocked in 7 of 9 runs (devices.use_fake_cpu_devices). The
     variable must be set before the backend starts, and a user's own choice wins."""
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
-    code = ("import os, main; main.use_fake_cpu_devices(8); import jax; "
+    code = ("import os, devices; devices.use_fake_cpu_devices(8); import jax; "
             "print(os.environ.get('PJRT_NPROC'), len(jax.devices()))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env={**env, **environ})

@@ -19,8 +19,8 @@ import executor_gpipe
 import optimizers
 import parallel as par
 from model import Transformer
-from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides
 from train_steps import make_eval_step, make_train_step
+from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 2, 1), (2, 1, 4), (1, 2, 4), (1, 4, 2)]
 RTOL = 1e-5

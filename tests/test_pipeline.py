@@ -11,11 +11,11 @@ loss, grad norm, tokens per expert and every updated weight.
 import jax
 import numpy as np
 import pytest
-
-import parallel as par
-import executor_1f1b
-import pipeline as pl
 from test_parallel import RTOL, assert_params_close, assert_same_step, initial_params, mesh_for, one_step, placed_step, tiny_config, token_batch
+
+import executor_1f1b
+import parallel as par
+import pipeline as pl
 from utils import ConfigError, apply_overrides, parse_args
 
 TABLE_CASES = [(kind, pp, M, V) for kind, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
@@ -169,7 +169,6 @@ def test_hand_written_gradient_equals_autodiff_of_one_device(mesh_shape, kind, M
     """Every gradient leaf (before AdamW, whose first step hides a leaf's scale) against
     autodiff of the plain single-device forward."""
     from flax import nnx
-
     from test_parallel import plain_loss
 
     cfg = schedule_config(mesh_shape, kind, M, V)

@@ -27,8 +27,9 @@ import optimizers
 import parallel as par
 import planner
 import tpu_compile
-from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides, flops_per_token, parse_args
+from flops import flops_per_token
 from train_steps import make_train_step
+from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides, parse_args
 
 SMALL_MOE1B = dict(vocab_size=1024, seq_len=128, d_model=128, n_heads=4, head_dim=32, rope_dim=16, q_latent=64,
                    kv_latent=32, n_blocks=2, d_ff=256, d_expert=128, n_experts=8, dtype="float32")
@@ -199,7 +200,7 @@ def test_dp_minus_one_takes_the_rest_of_devices():
 
 
 def test_compute_time_is_model_flops_over_peak():
-    """No remat, no pipeline, dense: executed FLOPs are the model FLOPs (utils.flops_per_token)."""
+    """No remat, no pipeline, dense: executed FLOPs are the model FLOPs (flops.flops_per_token)."""
     cfg = parse_args(["--preset", "tiny", "--model.vocab_size", "256", "--model.block_pattern", "D",
                       "--model.remat", "none", "--mesh.dp", "8", "--mesh.pp", "1", "--mesh.tp", "1"])
     plan = planner.plan(cfg, 0, "h100", efficiency=0.5)

@@ -22,18 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_checkpoint import REPO, data_cache, main_cmd, main_py  # noqa: F401  (data_cache: a fixture)
+from test_model import tiny
+from test_parallel import assert_same_step, mesh_for, tiny_config, token_batch
 
 import checkpoint
 import optimizers
 import parallel as par
-from model import MoE, balance_router_biases, balanced_bias, load_balance_loss, rope_angles, top_k_routing
-from test_checkpoint import REPO, data_cache, main_cmd, main_py  # noqa: F401  (data_cache: a fixture)
-from test_model import tiny
-from test_parallel import assert_same_step, mesh_for, tiny_config, token_batch
 from metrics import MetricsLog, read_metrics
+from model import MoE, balance_router_biases, balanced_bias, load_balance_loss, rope_angles, top_k_routing
 from plots import plot_run
-from utils import ConfigError, config_to_dict, parse_args
 from train_steps import make_train_step
+from utils import ConfigError, config_to_dict, parse_args
 
 # ----------------------------------------------------------------------------
 # The bias update and what the bias does to routing

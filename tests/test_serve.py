@@ -4,7 +4,7 @@ real headless browser.
 
 One run and one server for the module (slots 4, queue 16, max_tokens limit 256, a
 bearer token); the prompts fit the tiny preset's 16-token window, and completions run
-past it, so every slot restarts its window (main.generate's rule) several times.
+past it, so every slot restarts its window (sampling.Decoder's rule) several times.
 """
 
 import dataclasses
@@ -90,8 +90,8 @@ def server(server_process):
 @pytest.fixture(scope="module")
 def loaded(run, server_process):
     """The run's model in this process, loaded as `--mode sample` loads it
-    (main.load_run_params, on one device), while the server starts."""
-    from main import host_params, load_run_params
+    (runs.load_run_params, on one device), while the server starts."""
+    from runs import host_params, load_run_params
     from utils import parse_args
 
     cfg, graphdef, params = load_run_params(parse_args([*run, "--mode", "sample"]), jax.devices()[:1])
@@ -148,9 +148,9 @@ def streamed_text(events, index=0):
 
 def sample_cli(loaded, prompt, max_tokens, temperature, top_k=40, seed=0):
     """What `python main.py --mode sample` prints with these --sample.* flags:
-    main.generate, the function it prints (sample_from_run -> samples_from_params)."""
+    sampling.generate, the function it prints (runs.sample_from_run -> samples_from_params)."""
     from dataset import get_tokenizer
-    from main import generate
+    from sampling import generate
 
     cfg, params = loaded
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
@@ -506,12 +506,14 @@ def test_tensor_parallel_engine_decodes_what_the_one_device_server_does(loaded, 
     import re
 
     from dataset import get_tokenizer
-    from engine import Engine, Sequence, decode_slots
+    from engine import Engine, Sequence
+    from sampling import decode_slots
 
     cfg, params = loaded
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
     engine = Engine(nnx.merge(graphdef, params), SLOTS, QUEUE, tp_devices=jax.devices()[:2])
-    hlo = decode_slots.lower(engine.graphdef, engine.state, engine.cache, *[jax.numpy.zeros(SLOTS, jax.numpy.int32)] * 2).compile().as_text()
+    decoder = engine.decoder
+    hlo = decode_slots.lower(decoder.graphdef, decoder.state, decoder.cache, *[jax.numpy.zeros(SLOTS, jax.numpy.int32)] * 2).compile().as_text()
     collectives = set(re.findall(r" (all-reduce|all-gather|all-to-all|collective-permute)\(", hlo))
     assert collectives == {"all-reduce"}, collectives
     engine.start()

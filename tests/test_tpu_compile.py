@@ -15,8 +15,8 @@ import pytest
 import parallel as par
 import planner
 import tpu_compile
-from utils import PRESETS, Config, MeshConfig, apply_overrides
 from train_steps import make_train_step
+from utils import PRESETS, Config, MeshConfig, apply_overrides
 
 pytest.importorskip("libtpu")
 
@@ -48,7 +48,7 @@ def chips_per_host(devices):
 def test_loading_the_tpu_compiler_leaves_the_environment_of_later_processes_alone():
     """pod_devices sets libtpu's environment (TPU_WORKER_HOSTNAMES, ...) only while libtpu
     loads: left set, it would make every main.py this process starts afterwards take
-    itself for a TPU pod worker and wait for a coordinator (main.setup_devices)."""
+    itself for a TPU pod worker and wait for a coordinator (devices.setup_devices)."""
     before = dict(os.environ)
     assert len(tpu_compile.pod_devices("v4-8")) == 4
     assert {k: v for k, v in os.environ.items() if k.startswith("TPU_")} == {k: v for k, v in before.items() if k.startswith("TPU_")}

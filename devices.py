@@ -1,0 +1,105 @@
+"""Devices, set up before JAX starts its backend: fake CPU devices, the platform,
+the compilation cache, and joining the other processes of a multi-process run.
+
+Importing JAX is fine before these run (its backend starts on first use); touching a
+device (jax.devices(), an array) is not. main.py, bench.py, planner.py, tpu_compile.py
+and the tests' conftest.py call them first.
+"""
+
+import os
+import sys
+import threading
+
+import jax
+from jax._src import hardware_utils  # the checks JAX itself uses to suggest plugins
+
+
+def skip_tpu_probe_without_tpu():
+    """Keep CPU runs quiet where libtpu is installed but no TPU is attached.
+
+    libtpu is a test and tooling dependency (planner.py --tpu compiles for TPU pods on
+    a CPU). Installed, it makes JAX try a TPU backend at start-up on any machine, and
+    libtpu then prints warnings about metadata it cannot find (and takes a lock file
+    that concurrent processes fight over). Where the machine shows no TPU chip and no
+    GPU (JAX's own PCI and /dev checks) and nobody chose a platform (JAX_PLATFORMS),
+    ask for the CPU backend only. A TPU VM or a GPU machine is left as it is.
+    Must run before JAX starts its backend."""
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return
+    if (hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu()
+            or hardware_utils.num_available_amd_gpus(stop_at=1)):
+        return
+    jax.config.update("jax_platforms", "cpu")
+
+
+def use_fake_cpu_devices(n_devices, timeout_s=600):
+    """Split the CPU into `n_devices` fake devices, set up so that collectives between
+    them cannot hang. Must run before JAX starts its backend.
+
+    XLA:CPU runs each device's program on a shared thread pool sized max(cores,
+    devices). A device blocked in a collective holds a thread, and the step may hand
+    its next collective to another pool thread: with one thread per device (any
+    machine with fewer cores than fake devices) every thread can end up waiting in a
+    different collective and the step deadlocks. Measured on 2 cores, dp2 x pp2 x tp2:
+    8 threads hung 7 runs of 9, 16 threads none of 33, and ran 1.2-1.4x faster than 32.
+    PJRT_NPROC (or NPROC) already in the environment wins.
+
+    Fake devices are threads sharing the cores, so on a loaded machine one can reach
+    a collective long after the others. XLA:CPU aborts the process when a collective
+    has waited 40 s; give a slow thread `timeout_s` instead (a value in XLA_FLAGS wins)."""
+    skip_tpu_probe_without_tpu()
+    jax.config.update("jax_num_cpu_devices", n_devices)
+    if "PJRT_NPROC" not in os.environ and "NPROC" not in os.environ:
+        os.environ["PJRT_NPROC"] = str(max(os.cpu_count() or 1, 2 * n_devices))
+    flag = "--xla_cpu_collective_call_terminate_timeout_seconds"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}={timeout_s}".strip()
+
+
+def setup_devices(cfg):
+    """Fake CPU devices and multi-process init; must run before JAX touches a device.
+    Returns whether this is one process of several."""
+    skip_tpu_probe_without_tpu()
+    if cfg.run.cpu_devices:
+        use_fake_cpu_devices(cfg.run.cpu_devices)
+    if cfg.run.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.run.compile_cache))
+    d = cfg.dist
+    if d.coordinator:
+        if not 0 <= d.process_id < d.num_processes:
+            sys.exit(f"error: --dist.process_id {d.process_id} must be in 0..{d.num_processes - 1} "
+                     f"(--dist.num_processes {d.num_processes}); give every process the same count and its own id")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        where = dict(coordinator_address=d.coordinator, num_processes=d.num_processes, process_id=d.process_id)
+    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        where = {}  # TPU pods and SLURM: JAX finds the cluster itself
+    else:
+        return False
+    # A process that dies is noticed by JAX's coordination service: after
+    # heartbeat_timeout_seconds without news it stops every other process (a C++
+    # abort naming the silent task). A peer that never shows up at all gets our own,
+    # plainer message, shortly before JAX's connect timeout would fire.
+    never_met = threading.Timer(d.timeout_s, stop_now, [
+        f"error: not all processes reached the coordinator {d.coordinator or '(auto-detected)'} within {d.timeout_s}s "
+        "(--dist.timeout_s). Start every process with the same --dist.coordinator and --dist.num_processes and its "
+        "own --dist.process_id, and check that the coordinator's host and port can be reached from every host."])
+    never_met.daemon = True
+    never_met.start()
+    try:
+        jax.distributed.initialize(**where, initialization_timeout=d.timeout_s + CONNECT_GRACE_S,
+                                   heartbeat_timeout_seconds=d.timeout_s)
+    finally:
+        never_met.cancel()
+    return True
+
+
+CONNECT_GRACE_S = 10  # JAX's own connect timeout fires this long after ours, so ours is the one seen
+
+
+def stop_now(message):
+    """Exit at once, from any thread, skipping exit handlers: JAX's would first wait
+    (up to the heartbeat timeout) for processes that are gone."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)

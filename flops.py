@@ -1,0 +1,71 @@
+"""Parameter and FLOP accounting, from shapes alone (no arrays allocated), and the
+measured peak FLOP/s of this machine: together the numerator and denominator of MFU
+(train.py's progress and metrics, bench.py, planner.py).
+"""
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model import Transformer
+
+
+def count_params(model_cfg):
+    """(total, active per token) parameter counts, from shapes alone (nnx.eval_shape)."""
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    total, routed = 0, 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        size = math.prod(leaf.shape)
+        total += size
+        if any(getattr(k, "key", None) in ("w_gate_EDF", "w_up_EDF", "w_down_EFD") for k in path):
+            routed += size
+    inactive = routed * (model_cfg.n_experts - model_cfg.top_k) / model_cfg.n_experts
+    return total, int(total - inactive)
+
+
+def flops_per_token(model_cfg):
+    """Model FLOPs to train on one token (forward + backward = 3 x forward).
+
+    forward = 2 x (active matmul params) + attention scores and values:
+      matmul params: every active weight except the embedding lookup (a gather), but the
+      tied output layer is a real matmul of V x D, so it counts once;
+      attention: per layer 2 x T x H x (K + R) for q.k and 2 x T x H x K for p.v
+      (full T x T, as in the PaLM paper's MFU accounting).
+    Remat recomputation is not counted: MFU measures useful work.
+    """
+    m = model_cfg
+    total, active = count_params(m)
+    norms = m.d_model * (2 * m.n_blocks * len(m.block_pattern) + 1) + m.n_blocks * len(m.block_pattern) * (m.q_latent + m.kv_latent)
+    matmul_params = active - norms  # the embedding counts once, as the output layer
+    n_layers = m.n_blocks * len(m.block_pattern)
+    attention = n_layers * 2 * m.seq_len * m.n_heads * (2 * m.head_dim + m.rope_dim)
+    return 3 * (2 * matmul_params + attention)
+
+
+def human(n):
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}P"
+
+
+def measure_peak_flops(dtype, size=1024, repeats=5):
+    """FLOP/s of a large square matmul on one device: the denominator of MFU, measured
+    on this machine in this run so that MFU is a ratio, not a guess. Accumulating in
+    float32 is the fast path for bfloat16 (on this CPU 363 vs 161 GFLOP/s at 2048^3).
+    The fastest of `repeats` timed products: a neighbour's burst on a shared machine
+    slows a single timing, never speeds it up."""
+    a = jnp.ones((size, size), dtype)
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+    matmul(a, a).block_until_ready()
+    fastest_s = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        fastest_s = min(fastest_s, time.perf_counter() - start)
+    return 2 * size**3 / fastest_s

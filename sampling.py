@@ -1,0 +1,271 @@
+"""The one sampler: `--mode sample`, the samples at the end of training and the
+server's batched engine (engine.py) all decode through the Decoder below.
+
+A Decoder holds a fixed number of rows ("slots") of one latent KV cache. Each row holds
+one sequence. One compiled step chooses the next token of every row (each with its own
+temperature, top-k, top-p and random key), and one compiled decode step runs all rows'
+new tokens through the model at once, each at its own position (model.decode_step with
+per-row starts). A prompt is prefilled alone into its row, padded to one of a few
+bucketed lengths so that prefill compiles a handful of times, not once per prompt
+length.
+
+The cache holds one training window (seq_len): the model only ever saw positions below
+it. When a row's window is full, it restarts from its last half window (a fresh
+prefill), as nanoGPT crops its context. So a sequence's tokens depend on its prompt,
+settings and seed alone, never on which row it sits in or what the other rows hold:
+`--mode sample` (generate: one row) prints what the server (engine.py: many rows)
+returns for the same prompt, settings and seed.
+
+It runs the model on one device, or with tp_devices on n devices with the heads, hidden
+units and vocabulary split as in training (place_weights).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import parallel as par
+import weights
+from model import decode_step, init_cache
+
+MIN_PREFILL_BUCKET = 16  # shorter prompts are padded to this: one compile covers them all
+TOP_LOGPROBS = 5  # alternatives computed at every position (OpenAI's API allows up to 5)
+
+
+def prefill_buckets(window):
+    """Prompt lengths prefill is compiled for: powers of two from MIN_PREFILL_BUCKET up,
+    and the window itself. A prompt is padded to the next one; padding sits after the
+    prompt, so causal attention keeps it from touching the prompt's logits, and the
+    slots it fills in the cache are overwritten before any query can see them."""
+    sizes, size = [], MIN_PREFILL_BUCKET
+    while size < window:
+        sizes.append(size)
+        size *= 2
+    return sizes + [window]
+
+
+# ----------------------------------------------------------------------------
+# The compiled pieces (graphdef and shapes are static; each compiles once per shape)
+
+
+def real_vocab_only(logprobs_XV, vocab):
+    """Padded vocabulary entries are no tokens: never offered as alternatives."""
+    return jnp.where(jnp.arange(logprobs_XV.shape[-1]) < vocab, logprobs_XV, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
+def prefill_slot(graphdef, vocab, state, cache, logits_SV, tokens_1T, length, slot):
+    """Prefill one prompt (padded to T) into row `slot` of the cache, from a fresh row.
+
+    Returns the cache, logits_SV with the slot's next-token logits (at length - 1), and
+    for every prompt position t: the log-probability of token t+1 and the top
+    alternatives (for `echo` with `logprobs`). Log-probabilities are the model's
+    log-softmax over its whole (padded) vocabulary, the distribution its loss uses.
+    """
+    model = nnx.merge(graphdef, state)
+    logits_1TV, row = decode_step(model, tokens_1T, init_cache(model.cfg, 1, cache[0][0].shape[2]), 0)
+    cache = [(kv.at[:, slot].set(row_kv[:, 0]), rope.at[:, slot].set(row_rope[:, 0]))
+             for (kv, rope), (row_kv, row_rope) in zip(cache, row)]
+    logits_SV = logits_SV.at[slot].set(logits_1TV[0, length - 1])
+    logprobs_TV = jax.nn.log_softmax(logits_1TV[0])
+    next_T = jnp.roll(tokens_1T[0], -1)
+    next_logprob_T = jnp.take_along_axis(logprobs_TV, next_T[:, None], axis=-1)[:, 0]
+    top_logprob_TN, top_id_TN = jax.lax.top_k(real_vocab_only(logprobs_TV, vocab), TOP_LOGPROBS)
+    return cache, logits_SV, (next_logprob_T, top_id_TN, top_logprob_TN)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def decode_slots(graphdef, state, cache, tokens_S, positions_S):
+    """One new token per slot, each at its own position: the next logits [S, V]."""
+    logits_S1V, cache = decode_step(nnx.merge(graphdef, state), tokens_S[:, None], cache, positions_S)
+    return cache, logits_S1V[:, 0]
+
+
+def sample_row(key, last_V, temperature, top_k, top_p):
+    """The token choice of one row, with its settings as arrays: the temperature, then
+    the top_k mask (top_k 0 = all), then top_p (nucleus, Holtzman et al. 2019; 1 = off,
+    and then not applied at all), then jax.random.categorical."""
+    vocab = last_V.shape[0]
+    scaled_V = last_V / jnp.where(temperature > 0, temperature, 1.0)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.sort(scaled_V)[vocab - k]
+    scaled_V = jnp.where(scaled_V < kth, -jnp.inf, scaled_V)
+    descending_V = jnp.sort(scaled_V)[::-1]
+    probs_V = jax.nn.softmax(descending_V)
+    kept = jnp.sum((jnp.cumsum(probs_V) - probs_V) < top_p)  # tokens whose predecessors hold < top_p
+    nucleus_V = jnp.where(scaled_V < descending_V[jnp.maximum(kept, 1) - 1], -jnp.inf, scaled_V)
+    scaled_V = jnp.where(top_p < 1, nucleus_V, scaled_V)
+    return jax.random.categorical(key, scaled_V)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def sample_slots(vocab, logits_SV, key_data_S2, temperature_S, top_k_S, top_p_S):
+    """The next token of every slot, its log-probability and the top alternatives.
+    Greedy rows (temperature 0) take the argmax; sampled rows split their key once per
+    token (the first half carries on, the second draws)."""
+    last_SV = logits_SV[:, :vocab]  # padded vocabulary entries are never sampled
+    keys_S2 = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data_S2))
+    sampled_S = jax.vmap(sample_row)(keys_S2[:, 1], last_SV, temperature_S, top_k_S, top_p_S)
+    token_S = jnp.where(temperature_S > 0, sampled_S, jnp.argmax(last_SV, axis=-1))
+    logprobs_SV = jax.nn.log_softmax(logits_SV)
+    logprob_S = jnp.take_along_axis(logprobs_SV, token_S[:, None], axis=-1)[:, 0]
+    top_logprob_SN, top_id_SN = jax.lax.top_k(real_vocab_only(logprobs_SV, vocab), TOP_LOGPROBS)
+    return token_S, jax.random.key_data(keys_S2[:, 0]), logprob_S, top_id_SN, top_logprob_SN
+
+
+def key_data(seed):
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))
+
+
+def place_weights(state, tp_devices=None):
+    """The weights on one device, or with tp_devices (a list of n), split over them as
+    training's tensor parallelism splits them (weights.WEIGHTS' TP dims: heads,
+    hidden units, vocabulary rows; the rest replicated). Then jit partitions every step
+    (GSPMD) and adds the all-reduces; the latent KV cache has no head dim, so it is
+    replicated. Plain arrays first: a sharded array keeps its mesh's axis types."""
+    plain = jax.tree.map(np.asarray, state.to_pure_dict())
+    if not tp_devices or len(tp_devices) == 1:
+        return nnx.State(jax.device_put(plain, (tp_devices or jax.devices())[0]))
+    mesh = jax.make_mesh((len(tp_devices),), (weights.TP,), axis_types=(AxisType.Auto,), devices=tp_devices)
+
+    def sharding(path, leaf):
+        name = par.weight_name(path)
+        dims = tuple(weights.TP if d == weights.TP else None for d in weights.row(name).dims)
+        return NamedSharding(mesh, P(*((None,) * (leaf.ndim - len(dims)) + dims)))  # stacked: N leads
+
+    return nnx.State(jax.device_put(plain, jax.tree_util.tree_map_with_path(sharding, plain)))
+
+
+# ----------------------------------------------------------------------------
+# The decoder: rows of one cache, the window policy, the compiled steps
+
+
+class Row:
+    """One sequence in the cache: its tokens since its window last (re)started, how many
+    of them the cache holds, and how its next tokens are chosen."""
+
+    def __init__(self, tokens, temperature, top_k, top_p):
+        self.tokens, self.position = list(tokens), len(tokens)
+        self.settings = (temperature, top_k, top_p)
+
+
+class Decoder:
+    """`slots` rows of one latent KV cache over one model. Not thread-safe: one thread
+    drives it (engine.py's, or generate's caller).
+
+    start() puts a prompt into a free row; sample() chooses the next token of every busy
+    row; advance() feeds those tokens back (restarting full windows); free() empties a
+    row. Empty rows ride along in the compiled steps with dummy inputs."""
+
+    def __init__(self, model, slots, tp_devices=None):
+        self.cfg = model.cfg
+        self.graphdef, state = nnx.split(model)
+        self.state = place_weights(state, tp_devices)
+        self.window, self.vocab, self.n_slots = model.cfg.seq_len, model.cfg.vocab_size, slots
+        self.padded_vocab = model.embed_VD[...].shape[0]
+        self.buckets = prefill_buckets(self.window)
+        self.rows = [None] * slots
+        self.reset()
+
+    def reset(self):
+        """A fresh cache and no rows (also after a failed step, which may have consumed
+        the donated cache)."""
+        self.cache = init_cache(self.cfg, self.n_slots, self.window)
+        self.logits_SV = jnp.zeros((self.n_slots, self.padded_vocab), jnp.float32)
+        self.key_data_S2 = np.zeros((self.n_slots, 2), np.uint32)
+        self.rows = [None] * self.n_slots
+
+    def warm_up(self):
+        """Compile every prefill bucket, the sampling step and the decode step now."""
+        for bucket in self.buckets:
+            self.prefill(0, [0] * bucket)
+        self.sample()
+        self.decode(np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32))
+        jax.block_until_ready(self.logits_SV)
+
+    # --- rows ---------------------------------------------------------------
+
+    def start(self, i, prompt_ids, seed, temperature, top_k, top_p=1.0):
+        """Row i takes a prompt (at most one window): a fresh key and a prefill. Returns
+        the per-position prompt log-probabilities (device arrays, padded to the bucket)."""
+        self.rows[i] = Row(prompt_ids, temperature, top_k, top_p)
+        self.key_data_S2[i] = key_data(seed)
+        return self.prefill(i, self.rows[i].tokens)
+
+    def free(self, i):
+        self.rows[i] = None
+
+    def sample(self):
+        """The next token of every row (free rows: a dummy greedy choice), as host
+        arrays: (token_S, logprob_S, top_id_SN, top_logprob_SN)."""
+        settings = [row.settings if row else (0.0, 0, 1.0) for row in self.rows]
+        temperature_S, top_k_S, top_p_S = (np.asarray(column, dtype) for column, dtype in
+                                           zip(zip(*settings), (np.float32, np.int32, np.float32)))
+        out = sample_slots(self.vocab, self.logits_SV, self.key_data_S2, temperature_S, top_k_S, top_p_S)
+        token_S, key_data_S2, logprob_S, top_id_SN, top_logprob_SN = jax.device_get(out)
+        self.key_data_S2 = np.array(key_data_S2)
+        return token_S, logprob_S, top_id_SN, top_logprob_SN
+
+    def advance(self, token_S):
+        """Every busy row takes its token: decode them all at once, each at its row's
+        position; a row whose window is full restarts from its last half window instead."""
+        tokens_S, positions_S, restarts = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32), []
+        for i, row in enumerate(self.rows):
+            if row is None:
+                continue
+            row.tokens.append(int(token_S[i]))
+            if row.position == self.window:
+                restarts.append(i)
+            else:
+                tokens_S[i], positions_S[i] = token_S[i], row.position
+                row.position += 1
+        if any(self.rows):
+            self.decode(tokens_S, positions_S)  # restarting rows decode a dummy; their prefill replaces the row
+        for i in restarts:
+            row = self.rows[i]
+            row.tokens = row.tokens[-(self.window // 2):]
+            self.prefill(i, row.tokens)
+            row.position = len(row.tokens)
+
+    # --- the compiled steps ------------------------------------------------
+
+    def prefill(self, i, ids):
+        bucket = next(b for b in self.buckets if b >= len(ids))
+        tokens_1T = jnp.asarray([list(ids) + [0] * (bucket - len(ids))], jnp.int32)
+        self.cache, self.logits_SV, prompt = prefill_slot(self.graphdef, self.vocab, self.state, self.cache, self.logits_SV,
+                                                          tokens_1T, jnp.int32(len(ids)), jnp.int32(i))
+        return prompt
+
+    def decode(self, tokens_S, positions_S):
+        self.cache, self.logits_SV = decode_slots(self.graphdef, self.state, self.cache, jnp.asarray(tokens_S, jnp.int32),
+                                                  jnp.asarray(positions_S, jnp.int32))
+
+
+# ----------------------------------------------------------------------------
+# One sequence at a time: --mode sample, the samples after training
+
+
+def generate_ids(model, prompt_ids, max_tokens, temperature, top_k, seed, top_p=1.0):
+    """`max_tokens` token ids continuing `prompt_ids`, through a one-row Decoder: the ids
+    the server returns for the same prompt, settings and seed. A prompt longer than
+    the window keeps its last window. End-of-text does not stop it."""
+    decoder = Decoder(model, 1)
+    decoder.start(0, prompt_ids[-decoder.window:], seed, temperature, top_k, top_p)
+    out = []
+    while len(out) < max_tokens:
+        token_S = decoder.sample()[0]
+        out.append(int(token_S[0]))
+        if len(out) < max_tokens:
+            decoder.advance(token_S)
+    return out
+
+
+def generate(model, tokenizer, prompt, max_tokens, temperature, top_k, seed, top_p=1.0):
+    """`prompt` and its continuation as text (an empty prompt starts from end-of-text)."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    return prompt + tokenizer.decode(generate_ids(model, ids, max_tokens, temperature, top_k, seed, top_p))

@@ -1,0 +1,248 @@
+"""Training: config -> mesh -> data -> init or resume -> compile -> the loop (eval,
+checkpoints, metrics) -> samples and plots. main.py calls train(cfg) for --mode train.
+
+Reads top to bottom as train() does; each step it names is a function below it.
+"""
+
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import checkpoint
+import flops
+import hf_interop
+import optimizers
+import parallel as par
+import progress
+import train_steps
+from dataset import open_data
+from metrics import MetricsLog, truncate_metrics
+from plots import plot_run
+from runs import build_state, describe_mesh, evaluate, is_main_process, resolve_vocab, run_dir_of, samples_from_params, say
+from utils import config_to_dict
+
+
+def train(cfg):
+    """Train the run `cfg` names (resuming it if it has checkpoints); returns its directory."""
+    run_dir = run_dir_of(cfg)
+    if hf_interop.hf_dir(cfg.train.init_from):  # the model is the one in that directory
+        cfg = hf_interop.adopt_hf_config(cfg, hf_interop.hf_dir(cfg.train.init_from))
+    os.makedirs(run_dir, exist_ok=True)
+    mesh = par.make_mesh(cfg.mesh)
+    data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
+    cfg = resolve_vocab(cfg, data)
+    par.check_config_fits_mesh(cfg, mesh)
+    describe_model(cfg, mesh)
+    graphdef, params, optimizer, opt_state, manager, start_step, wandb_id = init_or_resume(cfg, mesh, run_dir)
+    log = start_log(cfg, run_dir, start_step, wandb_id)
+    rows = par.process_rows(mesh, cfg.train.batch_size)
+    first_batch = train_batch(cfg, mesh, data, rows, start_step)
+    compiled = compile_train_step(cfg, mesh, graphdef, optimizer, params, opt_state, first_batch, start_step)
+    eval_step = train_steps.make_eval_step(graphdef, cfg, mesh, params)
+    reporter = Reporter(cfg, log, make_progress(cfg, start_step), manager, mesh)
+    params, opt_state = train_loop(cfg, mesh, data, rows, compiled, eval_step, params, opt_state, first_batch, start_step,
+                                   reporter, manager, wandb_id)
+    reporter.progress.close()
+    data.close()
+    # Every process, not only 0: each one should have read only its own rows.
+    print(f"process {jax.process_index()} loaded rows: {data.rows_loaded}", flush=True)
+    if cfg.sample.num_samples and cfg.train.steps > start_step:
+        write_samples(cfg, run_dir, params, graphdef, log)
+    log.close()
+    if cfg.log.plots and is_main_process():
+        plot_run(run_dir)
+    return run_dir
+
+
+# ----------------------------------------------------------------------------
+# The steps of train(), in order
+
+
+def describe_model(cfg, mesh):
+    say(describe_mesh(mesh))
+    total, active = flops.count_params(cfg.model)
+    bubble = par.bubble_fraction(mesh.shape['pp'], cfg.train.microbatches, cfg.train.pipeline, cfg.train.virtual_stages)
+    say(f"model: {flops.human(total)} params, {flops.human(active)} active per token; "
+        f"pipeline {cfg.train.pipeline}, bubble {bubble:.0%}")
+
+
+def init_or_resume(cfg, mesh, run_dir):
+    """Fresh state, then the run's latest checkpoint (or --train.resume_step's) over it,
+    or else --train.init_from's params. Returns (graphdef, params, optimizer, opt_state,
+    checkpoint manager, the step to start from, the wandb run id to continue)."""
+    if cfg.train.init_from:
+        checkpoint.find_params_source(cfg.train.init_from)  # a wrong path fails before anything compiles
+    graphdef, params, optimizer, opt_state = build_state(cfg, mesh)
+    manager = checkpoint.checkpoint_manager(run_dir, cfg.train.keep_checkpoints)
+    start_step, wandb_id = 0, None
+    resume_step = None if cfg.train.resume_step < 0 else cfg.train.resume_step
+    restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, cfg.run.seed, log=say,
+                                            train_cfg=cfg.train, data_cfg=cfg.data)
+    if restored is not None:
+        params, opt_state, meta = restored
+        start_step, wandb_id = meta["step"], meta.get("wandb_id")
+        say(f"resumed from {run_dir}/checkpoints/{start_step}"
+            + (" (--train.init_from ignored: this run already has checkpoints)" if cfg.train.init_from else ""))
+    elif cfg.train.init_from:
+        params = checkpoint.restore_params(cfg.train.init_from, params, cfg.model, log=say)
+        say(f"initialised params from {cfg.train.init_from} (fresh optimizer)")
+    return graphdef, params, optimizer, opt_state, manager, start_step, wandb_id
+
+
+def start_log(cfg, run_dir, start_step, wandb_id):
+    """config.json and metrics.jsonl (cut back to the checkpoint: the steps after it will
+    be redone), and the MetricsLog that appends to it."""
+    if is_main_process():
+        truncate_metrics(run_dir, start_step)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config_to_dict(cfg), f, indent=2)
+    return MetricsLog(run_dir, cfg, enabled=is_main_process(), wandb_id=wandb_id)
+
+
+def train_batch(cfg, mesh, data, rows, step):
+    """The global batch of `step`, of which this process reads `rows`."""
+    tokens = data.batch("train", step, cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, rows)
+    return par.global_batch(mesh, tokens, cfg.train.batch_size)
+
+
+def compile_train_step(cfg, mesh, graphdef, optimizer, params, opt_state, first_batch, start_step):
+    """The train step, compiled ahead of the loop, with what device 0 will hold."""
+    train_step = train_steps.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    t0 = time.perf_counter()
+    compiled = train_step.lower(params, opt_state, first_batch, jnp.asarray(start_step)).compile()
+    memory = par.memory_summary(params, opt_state, compiled, mesh.devices.flat[0])
+    human = flops.human
+    say(f"compiled train step in {time.perf_counter() - t0:.1f}s; device 0 holds params {human(memory['params_bytes'])}B, "
+        f"optimizer {human(memory['opt_bytes'])}B, step temporaries {human(memory['temp_bytes'])}B")
+    if cfg.log.show_sharding and is_main_process():
+        show_sharding(first_batch, params)
+    return compiled
+
+
+def train_loop(cfg, mesh, data, rows, compiled, eval_step, params, opt_state, first_batch, start_step, reporter, manager,
+               wandb_id):
+    """Steps start_step..train.steps, with evals and checkpoints; returns (params, opt_state).
+
+    Metrics of step s are read after step s+1 is dispatched, so the host never makes
+    the devices wait. Before an eval or a checkpoint the pending step is read first: a
+    checkpoint is only written for a step whose loss was finite."""
+    for step in range(start_step, cfg.train.steps):
+        batch = first_batch if step == start_step else train_batch(cfg, mesh, data, rows, step)
+        params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(step))
+        reporter.flush()  # the previous step's metrics
+        done = step + 1  # steps completed; what metrics.jsonl and checkpoints call "step"
+        reporter.pending = (done, metrics)
+        if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+            reporter.flush()
+            val = evaluate(eval_step, params, data, cfg, mesh, rows)
+            reporter.log.write(dict(step=done, val_loss=val))
+            if is_main_process():
+                reporter.progress.write(f"step {done}: val_loss {val:.4f}")
+            reporter.restart_clock()
+        if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
+            reporter.flush()
+            # The wandb run id travels in the checkpoint, so a resume continues the same
+            # wandb run (kept even through a stretch trained without --log.wandb).
+            meta = dict(seed=cfg.run.seed, data_position=done, config=config_to_dict(cfg),
+                        wandb_id=reporter.log.wandb_id or wandb_id)
+            checkpoint.save_checkpoint(manager, done, params, opt_state, meta)
+    reporter.flush()
+    manager.wait_until_finished()
+    return params, opt_state
+
+
+def write_samples(cfg, run_dir, params, graphdef, log):
+    """--sample.num_samples samples of the trained model: samples.txt, wandb, the terminal."""
+    samples = samples_from_params(cfg, params, graphdef, cfg.sample.num_samples)
+    if is_main_process():
+        with open(os.path.join(run_dir, "samples.txt"), "a") as f:
+            for s in samples:
+                f.write(f"--- step {cfg.train.steps}, prompt {cfg.sample.prompt!r}\n{s}\n")
+        log.log_samples(cfg.train.steps, samples)
+        say("sample:\n" + samples[0])
+
+
+# ----------------------------------------------------------------------------
+# Reading metrics on the host
+
+
+class Reporter:
+    """Reads finished steps' metrics on the host: progress bar, metrics.jsonl, wandb;
+    stops the run loudly on a non-finite loss."""
+
+    def __init__(self, cfg, log, progress, manager, mesh):
+        self.cfg, self.log, self.progress, self.manager = cfg, log, progress, manager
+        self.schedule = optimizers.lr_schedule(cfg.train)
+        self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+        self.flops_per_step = flops.flops_per_token(cfg.model) * self.tokens_per_step
+        self.peak_flops = flops.measure_peak_flops(jnp.dtype(cfg.model.dtype)) * mesh.devices.size
+        self.pending = None  # (step, device metrics) not yet read
+        self.restart_clock()
+
+    def restart_clock(self):
+        """Time spent outside training steps (eval, compile) is not charged to a step."""
+        self.last_time = time.perf_counter()
+
+    def flush(self):
+        if self.pending is None:
+            return
+        step, metrics = self.pending
+        self.pending = None
+        metrics = jax.device_get(metrics)
+        loss = float(metrics["loss"])
+        if not math.isfinite(loss):
+            self.manager.wait_until_finished()
+            self.progress.close()
+            raise SystemExit(f"error: non-finite loss {loss} at step {step}; stopping. The last good checkpoint is kept in "
+                             f"{self.manager.directory}: lower --train.lr or --train.grad_clip, then rerun to resume")
+        now = time.perf_counter()
+        elapsed = max(now - self.last_time, 1e-9)
+        self.last_time = now
+        tokens_per_sec = self.tokens_per_step / elapsed
+        mfu = self.flops_per_step / elapsed / self.peak_flops
+        self.progress.update(1)
+        self.progress.set_postfix(loss=f"{loss:.3f}", tok_s=flops.human(tokens_per_sec), mfu=f"{mfu:.1%}", refresh=False)
+        if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:
+            stats = metrics["stats_N"]
+            load_NE = stats["tokens_per_expert"] / np.maximum(stats["tokens_per_expert"].sum(-1, keepdims=True), 1)
+            assigned = max(int(np.sum(stats["tokens_per_expert"])), 1)
+            row = dict(step=step, loss=loss, lr=float(self.schedule(step - 1)), grad_norm=float(metrics["grad_norm"]),
+                       tokens_per_sec=tokens_per_sec, mfu=mfu, aux_loss=float(metrics["aux_loss"]),
+                       dropped_frac=float(np.sum(stats["dropped"])) / assigned, expert_load=load_NE.round(4))
+            moe_NE = load_NE[load_NE.sum(-1) > 0]
+            if len(moe_NE):  # imbalance: the busiest expert's share over the uniform one, mean over MoE blocks
+                row["load_max_over_mean"] = round(float(np.mean(moe_NE.max(-1) * moe_NE.shape[-1])), 4)
+            for extra in ("seq_aux_loss", "mtp_loss"):  # with --model.seq_aux_loss_weight / --model.mtp_depth
+                if extra in metrics:
+                    row[extra] = float(metrics[extra])
+            if "router_bias_NLE" in metrics:  # [MoE layer (block-major), expert]
+                bias_NLE = np.asarray(metrics["router_bias_NLE"])
+                row["router_bias"] = bias_NLE.reshape(-1, bias_NLE.shape[-1]).round(6)
+            self.log.write(row)
+
+
+def make_progress(cfg, start_step):
+    return progress.make_progress(cfg.train.steps, start_step, cfg.log.every, cfg.log.progress and is_main_process())
+
+
+def show_sharding(batch, params):
+    """Draw how the batch and one weight of each kind are laid out over the devices
+    (for stacked or expert weights, the trailing 2-D slice of block 0 / expert 0)."""
+    print("batch [B, T+1]:")
+    jax.debug.visualize_array_sharding(batch)
+    seen = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = par.weight_name(path)
+        if name in seen or leaf.ndim < 2:
+            continue
+        seen.add(name)
+        spec = tuple(leaf.sharding.spec) + (None,) * (leaf.ndim - len(leaf.sharding.spec))
+        print(f"{name} {leaf.shape} spec {leaf.sharding.spec}; its last two dims (a cell lists the devices holding that part):")
+        jax.debug.visualize_sharding(leaf.shape[-2:], NamedSharding(leaf.sharding.mesh, P(*spec[-2:])))
