@@ -1,5 +1,5 @@
 """What a data directory is made of: the tokenizer its manifest names (bytes, or a
-tiktoken encoding), its `.npy` token shards and manifest.json (DESIGN.md has the
+tiktoken encoding), its `.npy` token shards and manifest.json (docs/data.md has the
 format). The scripts in data/ write with these; dataset.py reads (and prepares the
 embedded Shakespeare through data/shakespeare.py, which writes with these too: so
 this layer sits below both).

@@ -285,6 +285,70 @@ def test_every_code_block_says_what_the_test_does_with_it():
     assert not problems, "\n".join(problems)
 
 
+SHELL_OPERATORS = {"|", "||", "&&", ";", "&", ">", ">>", "<", "2>&1"}
+
+
+def config_argvs(body):
+    """[(script, argv)] of every `python main.py|bench.py|planner.py ARGS` in a bash block and
+    the main.py flags after a launcher's `--`, as the page writes them (no overrides)."""
+    found = []
+    for line in re.sub(r"\\\n\s*", " ", body).split("\n"):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        tokens = shlex.split(line, comments=True)
+        while tokens:
+            cut = next((i for i, t in enumerate(tokens) if t in SHELL_OPERATORS), len(tokens))
+            part, tokens = tokens[:cut], tokens[cut + 1:]
+            if len(part) > 1 and part[0] == "python" and part[1] in ("main.py", "bench.py", "planner.py"):
+                found.append((part[1], part[2:]))
+            elif part and part[0].endswith("launcher.sh") and "--" in part:
+                found.append(("main.py", part[part.index("--") + 1:]))
+    return found
+
+
+def test_every_command_line_parses():
+    """Every main.py, bench.py and planner.py command on every page (run or skipped) gets
+    flags its script accepts: the parsing only, no JAX, so a misspelt flag in a block that
+    only runs under -m slow, or in one another test covers, fails here within a second."""
+    from bench import split_bench_flags
+    from planner import split_planner_flags
+    from utils import ConfigError, parse_args
+
+    rest = {"main.py": lambda argv: argv, "bench.py": lambda argv: split_bench_flags(argv)[-1],
+            "planner.py": lambda argv: split_planner_flags(argv)[1]}
+    problems, checked = [], 0
+    for page in PAGES:
+        for line, lang, body, marker in blocks(page):
+            if lang not in ("bash", "sh") or marker in ("ci", "files"):
+                continue
+            for script, argv in config_argvs(body):
+                if "--help" in argv:
+                    continue  # prints and exits; the README's `--help` is run
+                checked += 1
+                try:
+                    parse_args(rest[script](argv))
+                except (ConfigError, ValueError) as e:
+                    problems.append(f"{page}:{line}: python {script} {shlex.join(argv)}: {e}")
+    assert checked > 20 and not problems, "\n".join(problems)
+
+
+COVERED_BY = re.compile(r"tests/(test_\w+\.py)::(\w+)")
+
+
+def test_a_skip_that_names_a_test_names_one_that_exists():
+    """`skip (covered by tests/test_X.py::name)`: the test the reason names must exist, so a
+    renamed or deleted test cannot leave a block that nothing runs."""
+    missing, named = [], 0
+    for page in PAGES:
+        for line, _, _, marker in blocks(page):
+            for file, name in COVERED_BY.findall(marker or "") if (marker or "").startswith("skip") else []:
+                named += 1
+                path = os.path.join(REPO, "tests", file)
+                if not os.path.exists(path) or not re.search(rf"^def {name}\(", open(path).read(), re.M):
+                    missing.append(f"{page}:{line}: tests/{file}::{name}")
+    assert named and not missing, "skips name tests that do not exist:\n" + "\n".join(missing)
+
+
 def test_the_test_command_is_the_one_ci_runs():
     with open(os.path.join(REPO, ".ci", "run")) as f:
         ci_lines = [line.strip() for line in f]
@@ -311,7 +375,7 @@ def test_the_file_map_names_every_file_and_only_files_that_exist():
                                           f"and leaves out: {unlisted}")
 
 
-NOT_IN_THE_MAP = {".gitignore", "README.md", "requirements.txt", "requirements-test.txt", "pytest.ini"}
+NOT_IN_THE_MAP = {".gitignore", "README.md", "requirements.txt", "requirements-test.txt", "pytest.ini", "ruff.toml"}
 
 
 def tracked_top_level():
