@@ -11,15 +11,27 @@ line before it that says what the test does with it:
         shrink a run without the page saying so. `pip install` lines are not run (the
         suite runs in what they install). `slow`: only under -m slow.
     <!-- test: skip (WHY) -->      not runnable on a laptop CPU (a pod, a bucket, a
-                                   server that runs until stopped); WHY names the test
-                                   that covers it instead
+                                   server that runs until stopped), or a command another
+                                   test already runs; WHY names the test that covers it,
+                                   as `covered by tests/test_X.py::name` where it can
+                                   (that test must exist)
     <!-- test: ci -->              the test command: must appear verbatim in .ci/run
     <!-- test: files -->           the README's file map: every name exists, and every
                                    top-level file and folder is in it
 
 A block without a marker fails the test, so a new command cannot be left unrun by
-accident. Links between pages, to files and to headings must resolve, and no file of the
-repo may name a .md document the repo does not have.
+accident, and every main.py, bench.py and planner.py command on a page, run or skipped,
+must parse (a misspelt flag fails in a second, without JAX). Links between pages, to
+files and to headings must resolve, and no file of the repo may name a .md document the
+repo does not have.
+
+What the run blocks cost is compiling, not starting: on 2 cores a cold compile of a train
+step is 20-45 s of CPU, the same command with its programs in JAX's compilation cache
+(main.py's --run.compile_cache, on by default) ~8 s, of which 3.5 s are imports. So the
+overrides also make runs share programs (the same model, mesh, shapes and lr schedule as
+an earlier command, e.g. --train.decay_steps 10 like the quick start's 10 steps), blocks
+that another test runs as written are skipped and name it, and `python SCRIPT` commands
+start from a process that has the imports done (WarmPython).
 
 The figures that describe the default run (README, "What the default run gives") are
 checked against public/default_run/ (that run's config.json, metrics.jsonl and
@@ -35,6 +47,7 @@ import glob
 import json
 import os
 import re
+import resource
 import shlex
 import signal
 import subprocess
@@ -116,9 +129,17 @@ def commands(body, overrides):
         if extra:
             assert tokens[0] == "python" and not set(tokens) & {"|", ">", "&&", ";"}, \
                 f"overrides apply to plain `python ...` commands only: {line!r}"
-            line = shlex.join(tokens + extra)
+            line = without_comment(line, tokens) + " " + shlex.join(extra)  # the page's words as bash reads them (globs too)
         out.append(line)
     return out
+
+
+def without_comment(line, tokens):
+    """`line` cut before its trailing `# comment` (the shortest prefix with all its words)."""
+    for cut in [m.start() for m in re.finditer(r"\s#", line)]:
+        if shlex.split(line[:cut]) == tokens:
+            return line[:cut].rstrip()
+    return line.rstrip()
 
 
 def runnable(page, slow):
@@ -176,7 +197,8 @@ def serve():
         if pid == 0:
             return json.loads(request)
         print(pid, flush=True)
-        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+        _, status, usage = os.wait4(pid, 0)
+        print(os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime, flush=True)
     sys.exit(0)
 
 cwd, stdout, stderr, argv = serve()
@@ -211,9 +233,9 @@ class WarmPython:
         pid = int(self.server.stdout.readline())
         timer = threading.Timer(COMMAND_TIMEOUT_S, os.kill, [pid, signal.SIGKILL])
         timer.start()
-        returncode = int(self.server.stdout.readline())
+        returncode, cpu_s = self.server.stdout.readline().split()
         timer.cancel()
-        return returncode, out.read_text(), err.read_text()
+        return int(returncode), float(cpu_s), out.read_text(), err.read_text()
 
     def close(self):
         self.server.stdin.close()
@@ -237,11 +259,15 @@ def run_block(cwd, page, line, lang, body, overrides, warm):
     output = []
     for command in shell_lines:
         if warm.takes(command, cwd):
-            returncode, stdout, stderr = warm.run(command, cwd)
+            returncode, cpu_s, stdout, stderr = warm.run(command, cwd)
         else:
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             result = subprocess.run(["bash", "-eo", "pipefail", "-c", command], cwd=cwd, env=reader_env(),
                                     capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
             returncode, stdout, stderr = result.returncode, result.stdout, result.stderr
+            cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        print(f"{page}:{line}: {cpu_s:5.1f} s CPU  {command}")  # what each command costs (pytest -s shows it)
         assert returncode == 0, f"{page}:{line}: `{command}` exited {returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
         output.append(stdout + stderr)
     return "\n".join(output)
