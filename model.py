@@ -39,7 +39,7 @@ def option(default, help):
 
 
 # --model.remat values: model.apply_blocks applies layer / block / block_dots,
-# parallel.pipeline_loss applies stage.
+# the executors apply stage (around all of a pipeline stage's blocks).
 REMAT_POLICIES = ("none", "layer", "block", "block_dots", "stage")
 
 
@@ -621,7 +621,7 @@ class MoE(nnx.Module):
 
 def fold_in_rows(keys_B, data):
     """fold_in for a batch of keys, one per sequence: the dropout keys of a row are
-    derived from (seed, step, global row) by parallel.dropout_rows, then from the block,
+    derived from (seed, step, global row) by step_core.dropout_rows, then from the block,
     the layer and the branch here. So a mask never depends on the mesh or the pipeline
     schedule, only on what it masks."""
     return jax.vmap(jax.random.fold_in, (0, None))(keys_B, data)
@@ -857,7 +857,7 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
     `blocks` is a Block whose weights carry a leading axis N. `prepare` maps one
     block's weights just before use (cast to the compute dtype; under FSDP, all-gather).
     `remat` (--model.remat) says what the backward pass keeps and what it recomputes;
-    "stage" is applied around all of a stage's blocks by parallel.pipeline_loss, so
+    "stage" is applied around all of a stage's blocks by the executors, so
     here it keeps everything, like "none".
     Returns x and the MoE statistics of each block, stacked on a leading axis N.
     """

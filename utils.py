@@ -29,7 +29,7 @@ class RunConfig:
     compile_cache: str = option("~/.cache/meshformer/jax", "JAX's persistent compilation cache (reruns skip compiling); empty = off")
 
 
-# --train.pipeline values: parallel.pipeline_loss runs gpipe, pipeline.py the others.
+# --train.pipeline values: executor_gpipe.py runs gpipe, executor_1f1b.py the others (train_steps.executor_of).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: train_steps.executor_of dispatches on it
 
