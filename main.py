@@ -43,7 +43,7 @@ def main(argv):
     several_processes = setup_devices(cfg)
     try:
         RUN_MODE[cfg.mode](cfg)
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError) as e:  # a missing data directory or shard names itself and what to give
         sys.exit(f"error: {e}")
     except Exception as e:
         if not several_processes:
