@@ -157,7 +157,7 @@ def test_each_matrix_update_has_singular_values_near_one_per_block_and_expert():
             continue
         name = par.weight_name(path)
         grad = rng.standard_normal(shape.shape).astype(np.float32)
-        update = np.asarray(optimizers.orthogonal_update(path, jnp.asarray(grad), None))
+        update = np.asarray(optimizers.orthogonal_updates({"w": (path, jnp.asarray(grad))}, {})["w"])
         # One matrix: what is left after the stacked blocks' N and the routed experts' E
         # (named by the weight's shape letters), its dims grouped into fan-in and fan-out
         # as the table groups them.

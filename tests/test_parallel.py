@@ -19,7 +19,7 @@ import executor_gpipe
 import optimizers
 import parallel as par
 from model import Transformer
-from train_steps import make_eval_step, make_train_step
+from train_steps import make_eval_step, make_train_step, partition
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 2, 1), (2, 1, 4), (1, 2, 4), (1, 4, 2)]
@@ -372,7 +372,7 @@ def test_pipeline_equals_sequential_forward_and_gradient(mesh_shape):
         (loss, _), grads = executor_gpipe.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
         return loss, grads
 
-    loss, grads = jax.jit(jax.shard_map(sharded, mesh=mesh, in_specs=(specs, par.batch_spec()), out_specs=(jax.P(), specs)))(
+    loss, grads = jax.jit(partition(sharded, True, mesh, (specs, par.batch_spec()), (jax.P(), specs)))(
         params, par.global_batch(mesh, tokens, cfg.train.batch_size))
 
     host = jax.tree.map(np.asarray, jax.device_get(params))

@@ -16,6 +16,7 @@ from test_parallel import RTOL, assert_params_close, assert_same_step, initial_p
 import executor_1f1b
 import parallel as par
 import pipeline as pl
+import train_steps
 from utils import ConfigError, apply_overrides, parse_args
 
 TABLE_CASES = [(kind, pp, M, V) for kind, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
@@ -158,7 +159,7 @@ def scheduled_grads(cfg, tokens):
         (loss, _), grads = executor_1f1b.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
         return loss, grads
 
-    fn = jax.jit(jax.shard_map(sharded, mesh=mesh, in_specs=(specs, par.batch_spec()), out_specs=(jax.P(), specs)))
+    fn = jax.jit(train_steps.partition(sharded, True, mesh, (specs, par.batch_spec()), (jax.P(), specs)))
     return jax.device_get(fn(params, par.global_batch(mesh, tokens, cfg.train.batch_size)))
 
 
