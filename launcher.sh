@@ -331,7 +331,8 @@ stop_host() {
       '  tmux kill-session -t "=$session" 2>/dev/null || true  # (it may have ended on its own meanwhile)' \
       '  for signal in TERM KILL; do  # what outlived the hangup: e.g. Ray workers, in groups of their own' \
       '    for _ in 1 2 3 4 5 6 7 8 9 10; do' \
-      '      [ -n "$sid" ] && pgrep -s "$sid" >/dev/null || break; pkill "-$signal" -s "$sid"; sleep 0.5' \
+      '      [ -n "$sid" ] && pgrep -s "$sid" >/dev/null || break' \
+      '      pkill "-$signal" -s "$sid" || true; sleep 0.5  # (they may all exit between pgrep and pkill)' \
       '    done' \
       '  done' \
       '  echo stopped > "$status_file"; echo stopped' \
