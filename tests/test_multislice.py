@@ -18,6 +18,7 @@ import parallel as par
 import planner
 import tpu_compile
 import weights
+from test_launch import hosts_file, launcher, needs_ssh_and_tmux, repo, sshd, wait_for_states  # noqa: F401  (fixtures)
 from test_parallel import assert_tree_close, placed_step, tiny_config, train_steps
 from utils import ConfigError, MeshConfig, apply_overrides
 
@@ -167,3 +168,35 @@ def test_two_tpu_slices_compile_and_only_the_gradient_crosses(pod):
     assert any("DCN (crosses slices)" in line and " slice " in line for line in report)
     assert report[-1].startswith("  across slices:") and f"{sum(op.runs for op in crossing)} collectives" in report[-1]
     assert math.prod(mesh.devices.shape) == 64
+
+
+# ----------------------------------------------------------------------------
+# launcher.sh: a multi-slice job's environment (over test_launch's loopback sshd)
+
+
+@needs_ssh_and_tmux
+def test_launcher_gives_each_host_its_slice(repo, sshd, tmp_path):
+    """Hosts file with a SLICE column: every process gets the megascale runtime's
+    environment (slice 0's first host as coordinator, its own slice id) and
+    --mesh.slices; the job is a stand-in python that prints them."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/usr/bin/env bash\nenv | grep ^MEGASCALE_ | sort\nprintf "arg:%s\\n" "$@"\n')
+    fake_python.chmod(0o755)
+    hosts = hosts_file(tmp_path, "127.0.0.1 10.0.0.1 0", "localhost 10.0.0.2 0", "127.0.0.1 10.0.0.3 1", "localhost 10.0.0.4 1")
+    remote = tmp_path / "remote"
+    args = ["--name", "ms", "--remote-dir", str(remote), "--python", str(fake_python)]
+    started = launcher(repo, sshd, hosts, *args, "--", "--preset", "tiny")
+    assert started.returncode == 0, started.stdout + started.stderr
+    wait_for_states(repo, sshd, hosts, "ms", remote, lambda s: s.startswith("exit"), timeout_s=60)
+    for i in range(4):
+        log = (remote / "logs" / f"ms-p{i}.log").read_text()
+        assert f"MEGASCALE_COORDINATOR_ADDRESS=10.0.0.1:8081\nMEGASCALE_NUM_SLICES=2\nMEGASCALE_PORT=8081\n" \
+               f"MEGASCALE_SLICE_ID={i // 2}\n" in log, log
+        assert f"arg:--dist.process_id\narg:{i}\narg:--preset\narg:tiny\narg:--run.name\narg:ms\narg:--mesh.slices=2\n" in log, log
+
+
+@needs_ssh_and_tmux
+def test_launcher_refuses_slices_out_of_order(repo, sshd, tmp_path):
+    hosts = hosts_file(tmp_path, "127.0.0.1 10.0.0.1 0", "localhost 10.0.0.2 1", "127.0.0.1 10.0.0.3 0")
+    done = launcher(repo, sshd, hosts, "--name", "ms", "--remote-dir", str(tmp_path / "remote"), "--status")
+    assert done.returncode != 0 and "slice 0 out of order" in done.stderr, done.stderr
