@@ -366,9 +366,11 @@ def test_tokenize_to_shards_to_batches(tmp_path):
 
 
 def test_hf_dataset_without_the_datasets_package_or_network_fails_clearly(tmp_path):
+    # HF_HUB_OFFLINE: the same failure, at once (with no network but the hub reachable in
+    # name only, datasets retries for ~25 s first)
     result = subprocess.run([sys.executable, str(REPO / "data" / "tokenize.py"), "--hf_dataset",
                              "roneneldan/TinyStories", "--encoding", "bytes", "--out", str(tmp_path / "out")],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert result.returncode != 0
     assert "pip install datasets" in result.stderr or "Without network access" in result.stderr
 

@@ -200,7 +200,9 @@ def survivor_after(procs, victim, how, tmp_path, wait_s):
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker_killed", "coordinator_killed"])
 def test_killed_process_stops_the_other_with_a_clear_message(tmp_path, tmp_path_factory, victim):
-    procs = start_processes(tmp_path, tmp_path_factory, ["--train.steps", "100000"])
+    # --dist.timeout_s 10: a survivor blocked in a collective that gloo does not fail may
+    # otherwise wait out the default 120 s heartbeat before it learns (~100 s seen)
+    procs = start_processes(tmp_path, tmp_path_factory, ["--train.steps", "100000"], timeout_s=10)
     try:
         wait_for_training(tmp_path / "runs" / "two" / "metrics.jsonl", procs)
         status, elapsed, output = survivor_after(procs, victim, signal.SIGKILL, tmp_path, wait_s=130)
