@@ -28,7 +28,7 @@ from flax import nnx
 
 import step_core as core
 from model import axis_index, fold_in_rows
-from weights import DP, PP, TP
+from weights import BATCH_AXES, DP, PP, TP
 from pipeline import BACKWARD, FIELDS, FORWARD, schedule
 
 MANUAL = True  # runs inside jax.shard_map: every collective written out
@@ -99,7 +99,7 @@ class ScheduledStep:
         self.C = self.pp * self.V
         self.ep_axis = DP if cfg.mesh.expert_parallel else None
         self.remat = m_cfg.remat
-        self.mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=axis_index(DP) * tokens_bT1.shape[0])
+        self.mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=core.first_row(tokens_bT1.shape[0]))
         self.cot = core.sum_cotangents(cfg, jax.lax.axis_size(TP))
         # The embedding, final norm and MTP, gathered once per step (core.gather_top);
         # their gradient is summed in float32 over the step and reduce-scattered once at
@@ -213,14 +213,14 @@ class ScheduledStep:
     # --- the loop -----------------------------------------------------------
 
     def initial_carry(self):
-        """Buffers. Activations vary over dp (rows) and pp (stages); each ring has one
+        """Buffers. Activations vary over (slice, dp) (rows) and pp (stages); each ring has one
         trash slot at the end for writes with nothing to write."""
         m_cfg, sched = self.cfg.model, self.sched
         b, T = self.mb.tokens_MbT1.shape[1], self.mb.tokens_MbT1.shape[2] - 1
         act_dtype = jnp.dtype(m_cfg.dtype)
-        x0 = core.vary(jnp.zeros((b, T, m_cfg.d_model), act_dtype), (DP, PP))
+        x0 = core.vary(jnp.zeros((b, T, m_cfg.d_model), act_dtype), BATCH_AXES + (PP,))
         saved_L = 1 if self.remat == "stage" else self.L
-        zero_sum = core.vary(jnp.zeros((), jnp.float32), (DP, PP))
+        zero_sum = core.vary(jnp.zeros((), jnp.float32), BATCH_AXES + (PP,))
         # MoE statistics per chunk and block [V, L]; their types come from one block.
         stats_aval = jax.eval_shape(lambda: self.run_chunk(jax.tree.map(lambda w: w[0], self.chunks), x0, 0, 0)[2])
         return dict(

@@ -38,13 +38,13 @@ from jax.sharding import PartitionSpec as P
 
 import step_core as core
 from model import apply_blocks
-from parallel import DP, is_stacked, is_trained, weight_layout, weight_name
+from parallel import BATCH_AXES, DP, is_stacked, is_trained, weight_layout, weight_name
 
 MANUAL = False  # jit partitions a global program: the compiler writes the collectives
 
-# The residual stream [B, T, D]: rows over dp, replicated over tp (Megatron's layout
+# The residual stream [B, T, D]: rows over (slice, dp), replicated over tp (Megatron's layout
 # between layers: each tp device holds the whole activation of its rows).
-RESIDUAL_SPEC = P(DP, None, None)
+RESIDUAL_SPEC = P(BATCH_AXES, None, None)
 
 
 def compute_spec(path, one_block, expert_parallel):

@@ -29,7 +29,7 @@ def loss(params, tokens_bT1, graphdef, cfg, rng):
     top = core.gather_top(params, cfg)  # embedding, final norm, MTP: gathered once per step
     model = nnx.merge(graphdef, {**top, "blocks": params["blocks"]})
     b = tokens_bT1.shape[0]
-    mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=axis_index(DP) * b)
+    mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=core.first_row(b))
     ce_sum, stats_N, mtp_sum = pipeline_sums(model, lambda w: core.gather_block(w, cfg), mb, cfg)
     return core.loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum)
 

@@ -13,11 +13,17 @@
 #                                     prints the address to pass to --ray
 #   ./launcher.sh ... --ray-status | --ray-stop
 #
-# Hosts: a file with one host per line, "SSH_TARGET [ADDRESS]" ('#' starts a comment):
-# line i runs process i and the first line is the coordinator; ADDRESS is how the other
-# hosts reach that host (default: SSH_TARGET without "user@"). With --tpu the hosts are
-# the TPU VM's workers, in worker order (gcloud compute tpus tpu-vm describe), reached
-# by their external IPs (internal ones with --internal-ips).
+# Hosts: a file with one host per line, "SSH_TARGET [ADDRESS [SLICE]]" ('#' starts a
+# comment): line i runs process i and the first line is the coordinator; ADDRESS is how
+# the other hosts reach that host (default: SSH_TARGET without "user@"). With --tpu the
+# hosts are the TPU VM's workers, in worker order (gcloud compute tpus tpu-vm describe),
+# reached by their external IPs (internal ones with --internal-ips).
+# Multi-slice (TPU slices joined over the data-center network): --tpu A,B,... names one
+# TPU per slice, or the hosts file's SLICE column numbers each host's slice (0, 1, ...,
+# hosts of a slice on consecutive lines). Every host then gets the megascale runtime's
+# environment: MEGASCALE_COORDINATOR_ADDRESS (the first host of slice 0),
+# MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID, MEGASCALE_PORT (8081), and main.py gets
+# --mesh.slices N unless the flags set it.
 #
 # On every host, under --remote-dir (default "meshformer" in the home directory):
 #   code/<commit>/      this repo at the launcher's HEAD (git archive; uncommitted changes
@@ -111,40 +117,71 @@ check_options() {
 # ----------------------------------------------------------------------------
 # Hosts: ssh_targets[i] is how to ssh to process i's host, addresses[i] how peers reach it
 
-ssh_targets=() addresses=()
+ssh_targets=() addresses=() host_slices=()  # host_slices[i]: process i's TPU slice (multi-slice)
+MEGASCALE_PORT=8081  # the megascale runtime's port on slice 0's first host (Ray's and GKE's default)
 
 resolve_hosts() {
-  local line target address rest
+  local line target address slice rest
   if [[ -n $hosts_file ]]; then
     [[ -f $hosts_file ]] || die "no hosts file $hosts_file"
     while IFS= read -r line || [[ -n $line ]]; do
       line=${line%%#*}
-      read -r target address rest <<<"$line" || true
+      read -r target address slice rest <<<"$line" || true
       [[ -n $target ]] || continue
-      [[ -z $rest ]] || die "$hosts_file: '$line': expected 'SSH_TARGET [ADDRESS]'"
+      [[ -z $rest ]] || die "$hosts_file: '$line': expected 'SSH_TARGET [ADDRESS [SLICE]]'"
       ssh_targets+=("$target")
       addresses+=("${address:-${target#*@}}")
+      host_slices+=("${slice:-0}")
     done <"$hosts_file"
     ((${#ssh_targets[@]})) || die "$hosts_file lists no hosts"
   else
     command -v gcloud >/dev/null || die "--tpu needs the gcloud CLI (or list the hosts in a file for --hosts)"
-    local describe=(gcloud compute tpus tpu-vm describe "$tpu" --zone "$zone")
-    [[ -z $project ]] || describe+=(--project "$project")
-    local internal external
-    internal=$("${describe[@]}" --format='value(networkEndpoints[].ipAddress)') \
-      || die "could not describe TPU $tpu in zone $zone (is the name right, and gcloud logged in?)"
-    external=$("${describe[@]}" --format='value(networkEndpoints[].accessConfig.externalIp)' 2>/dev/null || true)
-    # gcloud separates list values with ';' (or ',' in some versions)
-    read -r -a addresses <<<"${internal//[;,]/ }"
-    if ((internal_ips)) || [[ -z ${external//[;,[:space:]]/} ]]; then
-      ssh_targets=("${addresses[@]}")
-    else
-      read -r -a ssh_targets <<<"${external//[;,]/ }"
-    fi
-    ((${#addresses[@]})) || die "TPU $tpu has no network endpoints (is it READY?)"
-    ((${#ssh_targets[@]} == ${#addresses[@]})) || die "TPU $tpu: some workers have no external IP; use --internal-ips from inside its network"
+    local name k=0 names
+    IFS=, read -r -a names <<<"$tpu"
+    for name in "${names[@]}"; do  # one TPU per slice, its workers in order
+      resolve_tpu_workers "$name" "$k"
+      k=$((k + 1))
+    done
     ssh_user=${ssh_user:-$(id -un)}  # gcloud's default user for TPU VMs
   fi
+  check_slices
+}
+
+# resolve_tpu_workers NAME SLICE: append TPU NAME's workers to the hosts.
+resolve_tpu_workers() {
+  local name=$1 k=$2 internal external found=() reach=()
+  local describe=(gcloud compute tpus tpu-vm describe "$name" --zone "$zone")
+  [[ -z $project ]] || describe+=(--project "$project")
+  internal=$("${describe[@]}" --format='value(networkEndpoints[].ipAddress)') \
+    || die "could not describe TPU $name in zone $zone (is the name right, and gcloud logged in?)"
+  external=$("${describe[@]}" --format='value(networkEndpoints[].accessConfig.externalIp)' 2>/dev/null || true)
+  # gcloud separates list values with ';' (or ',' in some versions)
+  read -r -a found <<<"${internal//[;,]/ }"
+  if ((internal_ips)) || [[ -z ${external//[;,[:space:]]/} ]]; then
+    reach=("${found[@]}")
+  else
+    read -r -a reach <<<"${external//[;,]/ }"
+  fi
+  ((${#found[@]})) || die "TPU $name has no network endpoints (is it READY?)"
+  ((${#reach[@]} == ${#found[@]})) || die "TPU $name: some workers have no external IP; use --internal-ips from inside its network"
+  addresses+=("${found[@]}") ssh_targets+=("${reach[@]}")
+  local _
+  for _ in "${found[@]}"; do host_slices+=("$k"); done
+}
+
+# Slices are numbered 0, 1, ... in host order (JAX numbers processes slice by slice).
+n_slices=1
+check_slices() {
+  local i expected=0
+  for i in "${!host_slices[@]}"; do
+    [[ ${host_slices[i]} =~ ^[0-9]+$ ]] || die "host ${ssh_targets[i]}: slice '${host_slices[i]}' is not a number"
+    if ((host_slices[i] == expected + 1)); then
+      expected=$((expected + 1))
+    elif ((host_slices[i] != expected)); then
+      die "host ${ssh_targets[i]}: slice ${host_slices[i]} out of order: number slices 0, 1, ... with each slice's hosts on consecutive lines"
+    fi
+  done
+  n_slices=$((expected + 1))
 }
 
 # ----------------------------------------------------------------------------
@@ -272,8 +309,14 @@ job_script() {
   printf 'cd; cd %q\n' "$remote_dir"
   printf 'echo "=== $(date -u +%%Y-%%m-%%dT%%H:%%M:%%SZ) $(hostname): run %s, process %s of %s, commit %s" >> %q\n' \
     "$name" "$i" "$n" "$commit" "logs/$(session_of "$i").log"
+  local run_flags=("${flags[@]}")
+  if ((n_slices > 1)); then  # the megascale runtime joins the slices over the data-center network
+    env+=("MEGASCALE_COORDINATOR_ADDRESS=${addresses[0]}:$MEGASCALE_PORT" "MEGASCALE_NUM_SLICES=$n_slices"
+          "MEGASCALE_SLICE_ID=${host_slices[i]}" "MEGASCALE_PORT=$MEGASCALE_PORT")
+    [[ " ${flags[*]} " == *" --mesh.slices"* ]] || run_flags+=("--mesh.slices=$n_slices")
+  fi
   printf '%q ' env "${env[@]}" "code/$commit/run.sh" --coordinator "${addresses[0]}:$port" \
-    --num-processes "$n" --process-id "$i" -- "${flags[@]}"
+    --num-processes "$n" --process-id "$i" -- "${run_flags[@]}"
   printf '2>&1 | tee -a %q\n' "logs/$(session_of "$i").log"
   printf 'echo "exit ${PIPESTATUS[0]}" > %q\n' "logs/$(session_of "$i").status"
 }

@@ -11,6 +11,11 @@ Mesh axes:
   tp  tensor parallel (Megatron): heads, FFN hidden units, expert hidden units and the
       vocabulary are split; model.py psums the partial outputs over tp.
   Experts may also be split over dp (expert parallelism, all-to-all in model.MoE).
+  slice (outermost, --mesh.slices) data parallel across TPU slices, over the data-center
+      network: the batch is split over (slice, dp), weights are replicated per slice
+      (FSDP stays within a slice), and the only collective across slices is one
+      all-reduce of the gradient shards per step (step_core.reduce_over_slices), plus
+      the scalar loss and the router load. Size 1 by default: no collective runs over it.
 
 The train and eval steps that run over this mesh: train_steps.py (one step, executors
 chosen by config; the shared loss and update in step_core.py).
@@ -30,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from model import Transformer, live_axes
 from pipeline import formula_bubble
 from utils import ConfigError
-from weights import AXES, DP, EXPERT, FSDP, PP, SHAPE_LETTER_FLAGS, is_stacked, is_trained, row, weight_name
+from weights import AXES, BATCH_AXES, DP, EXPERT, FSDP, MESH_AXES, PP, SHAPE_LETTER_FLAGS, SLICE, is_stacked, is_trained, row, weight_name
 
 
 # ----------------------------------------------------------------------------
@@ -38,26 +43,33 @@ from weights import AXES, DP, EXPERT, FSDP, PP, SHAPE_LETTER_FLAGS, is_stacked, 
 
 
 def resolve_mesh_shape(mesh_cfg, n_devices):
-    """(dp, pp, tp) with dp = -1 resolved to the devices left by pp and tp."""
-    pp, tp = mesh_cfg.pp, mesh_cfg.tp
+    """(dp, pp, tp) of one slice, with dp = -1 resolved to the devices left by slices, pp
+    and tp."""
+    pp, tp, slices = mesh_cfg.pp, mesh_cfg.tp, mesh_cfg.slices
     if pp < 1 or tp < 1:
         raise ConfigError(f"--mesh.pp ({pp}) and --mesh.tp ({tp}) must be >= 1")
+    if slices < 1 or n_devices % slices:
+        raise ConfigError(f"--mesh.slices ({slices}) must be >= 1 and divide the {n_devices} devices")
+    per_slice = n_devices // slices
     dp = mesh_cfg.dp
     if dp == -1:
-        if n_devices % (pp * tp):
-            raise ConfigError(f"{n_devices} devices cannot be split into pp={pp} x tp={tp}; choose pp x tp dividing {n_devices}")
-        dp = n_devices // (pp * tp)
-    if dp * pp * tp != n_devices:
-        raise ConfigError(f"mesh dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} devices, but there are {n_devices}; "
+        if per_slice % (pp * tp):
+            raise ConfigError(f"{per_slice} devices per slice cannot be split into pp={pp} x tp={tp}; choose pp x tp dividing {per_slice}")
+        dp = per_slice // (pp * tp)
+    if dp * pp * tp != per_slice:
+        in_slices = f" per slice ({n_devices} devices / --mesh.slices {slices})" if slices > 1 else ""
+        raise ConfigError(f"mesh dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} devices, but there are {per_slice}{in_slices}; "
                           f"set --mesh.dp -1 to use the rest, or change --mesh.* (or --run.cpu_devices)")
     return dp, pp, tp
 
 
 def make_mesh(mesh_cfg, devices=None):
-    """The (dp, pp, tp) mesh over `devices` (default: all), the same for training and
-    for planner.py --tpu.
+    """The (slice, dp, pp, tp) mesh over `devices` (default: all), the same for training
+    and for planner.py --tpu.
 
-    Device order, and why: tp is innermost, so a tp group is the closest chips (one
+    Device order, and why: slice is outermost (its devices are whole TPU slices, joined
+    by the data-center network; on CPU and GPU consecutive blocks of devices, i.e. of
+    processes); within a slice tp is innermost, so a tp group is the closest chips (one
     host's, which talk most: two all-reduces per layer); dp is outermost, so each
     host's chips share as few dp coordinates as possible, and a host loads only the
     rows of those (process_rows). On TPU, jax's topology-aware assignment
@@ -70,8 +82,23 @@ def make_mesh(mesh_cfg, devices=None):
     jax's order (process-major, which already gives both properties)."""
     devices = jax.devices() if devices is None else list(devices)
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
-    grid = tpu_device_grid(shape, devices) if devices[0].platform == "tpu" else mesh_utils.create_device_mesh(shape, devices)
-    return Mesh(grid, AXES, axis_types=(AxisType.Explicit,) * 3)
+    if devices[0].platform == "tpu":  # each slice's own grid (its torus), stacked
+        grid = np.stack([tpu_device_grid(shape, group) for group in tpu_slices(devices, mesh_cfg.slices)])
+    else:
+        grid = mesh_utils.create_device_mesh((mesh_cfg.slices,) + shape, devices)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Explicit,) * len(MESH_AXES))
+
+
+def tpu_slices(devices, slices):
+    """The devices of each TPU slice (their slice_index, 0 on a single slice), in order:
+    --mesh.slices must be the number of slices the job runs on."""
+    groups = {}
+    for d in devices:
+        groups.setdefault(getattr(d, "slice_index", 0), []).append(d)
+    if len(groups) != slices:
+        raise ConfigError(f"--mesh.slices {slices}, but the TPU devices form {len(groups)} slice(s) (their slice_index): "
+                          f"set --mesh.slices {len(groups)}")
+    return [groups[k] for k in sorted(groups)]
 
 
 def tpu_device_grid(shape, devices):
@@ -124,6 +151,8 @@ def weight_layout(name, stacked, expert_parallel):
     if stacked:
         dims = (PP,) + dims
     compute_axes = {d for d in dims if d not in (None, FSDP)}
+    # AXES, not MESH_AXES: storage is split within a slice only; every slice holds the
+    # weights whole, so no per-layer gather or reduce-scatter crosses the slow network.
     fsdp_axes = tuple(a for a in AXES if a not in compute_axes) if FSDP in dims else ()
     dims = tuple((fsdp_axes or None) if d == FSDP else d for d in dims)
     return dims, fsdp_axes, fsdp_axes and dims.index(fsdp_axes)
@@ -155,6 +184,7 @@ def check_divisible(params, specs, mesh):
 def check_config_fits_mesh(cfg, mesh):
     """Config x mesh checks that need no arrays, before anything compiles."""
     dp, pp, tp = (mesh.shape[a] for a in AXES)
+    slices = mesh.shape.get(SLICE, 1)
     m, t = cfg.model, cfg.train
     V = t.virtual_stages if t.pipeline == "interleaved" else 1
     if m.n_blocks % (pp * V):
@@ -166,9 +196,10 @@ def check_config_fits_mesh(cfg, mesh):
     if t.pipeline == "interleaved" and t.microbatches % pp:
         raise ConfigError(f"--train.pipeline interleaved sends microbatches in groups of --mesh.pp: --train.microbatches "
                           f"({t.microbatches}) must be a multiple of {pp}")
-    if t.batch_size % (dp * t.microbatches):
-        raise ConfigError(f"--train.batch_size ({t.batch_size}) must be divisible by --mesh.dp x --train.microbatches "
-                          f"({dp} x {t.microbatches} = {dp * t.microbatches})")
+    if t.batch_size % (slices * dp * t.microbatches):
+        by = f"--mesh.slices x --mesh.dp x --train.microbatches ({slices} x " if slices > 1 else "--mesh.dp x --train.microbatches ("
+        raise ConfigError(f"--train.batch_size ({t.batch_size}) must be divisible by {by}"
+                          f"{dp} x {t.microbatches} = {slices * dp * t.microbatches})")
     if cfg.mesh.expert_parallel:
         if m.n_experts % dp:
             raise ConfigError(f"--model.n_experts ({m.n_experts}) must be divisible by --mesh.dp ({dp}) with --mesh.expert_parallel")
@@ -293,11 +324,11 @@ def live_spec(spec, mesh):
 
 
 def batch_spec():
-    return P(DP, None)  # rows over dp; pp and tp devices see the same rows
+    return P(BATCH_AXES, None)  # rows over (slice, dp), slice-major; pp and tp devices see the same rows
 
 
 def global_batch(mesh, rows_for_process, batch_size):
-    """Assemble this process's rows into a global array split over dp."""
+    """Assemble this process's rows into a global array split over (slice, dp)."""
     sharding = NamedSharding(mesh, batch_spec())
     return jax.make_array_from_process_local_data(sharding, rows_for_process, (batch_size, rows_for_process.shape[1]))
 

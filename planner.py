@@ -48,6 +48,7 @@ import optimizers
 import parallel as par
 import pipeline
 import tpu_compile
+import weights
 from devices import skip_tpu_probe_without_tpu
 from flops import count_params, flops_per_token, human, measure_peak_flops
 from model import abstract_model, abstract_params, expert_capacity, padded_vocab  # noqa: F401  (abstract_model: the tests call it here)
@@ -594,10 +595,19 @@ def plan_config(cfg):
     return cfg
 
 
+# Data-center network bandwidth per TPU chip, between slices (--mesh.slices): an
+# assumption, not a measurement here. The scaling book ("How to Scale Your Model", its
+# TPU chapter) gives ~6.25 GB/s per chip (a host's ~25 GB/s NICs over its 4 chips);
+# summaries of it say 6-12 GB/s. 10-30x below one ICI ring's ring_bw above.
+DCN_BW_PER_CHIP = 6.25 * GB
+
+
 def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     """Everything the planner prints, as a dict (bytes, seconds)."""
     if hw_name not in HARDWARE:
         raise ValueError(f"unknown --hardware {hw_name!r}; choose one of {', '.join(HARDWARE)}")
+    if cfg.mesh.slices > 1:
+        return plan_across_slices(cfg, devices, hw_name, efficiency, peak)
     hw = HARDWARE[hw_name]
     cfg = plan_config(cfg)
     if cfg.mesh.dp == -1 and not devices:
@@ -689,6 +699,30 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
 
 
+def plan_across_slices(cfg, devices, hw_name, efficiency, peak):
+    """--mesh.slices S: every slice runs the one-slice step on batch / S rows (weights
+    replicated per slice, so per-device memory is one slice's), plus one all-reduce of
+    the gradient shards over the S slices per step (step_core.reduce_over_slices), over
+    the data-center network: a ring moves 2 (S - 1) / S of the shard bytes per device."""
+    S = cfg.mesh.slices
+    if cfg.train.batch_size % S or (devices and devices % S):
+        raise ConfigError(f"--mesh.slices ({S}) must divide --train.batch_size ({cfg.train.batch_size}) and the devices ({devices})")
+    one = apply_overrides(cfg, {"mesh": {"slices": 1}, "train": {"batch_size": cfg.train.batch_size // S}})
+    p = plan(one, devices // S, hw_name, efficiency, peak)
+    params = abstract_params(plan_config(cfg).model)
+    trained = jax.tree_util.tree_map_with_path(lambda path, w: w if weights.is_trained(weights.weight_name(path)) else None, params)
+    reduce_bytes = 2 if cfg.model.grad_reduce_dtype == "bfloat16" else F32
+    shard_bytes_ = layout_bytes(trained, cfg.mesh.expert_parallel, p["mesh"], itemsize=reduce_bytes)
+    seconds_ = 2 * (S - 1) / S * shard_bytes_ / DCN_BW_PER_CHIP
+    comm = dict(p["comm"], **{f"slice all-reduce of gradient shards ({shard_bytes_ / 2**20:.1f} MiB, DCN at "
+                               f"{DCN_BW_PER_CHIP / GB:g} GB/s per chip, assumed)": seconds_})
+    serial = p["step_s_serial"] + seconds_
+    return dict(p, preset=cfg.preset, devices=p["devices"] * S, mesh=dict(slice=S, **p["mesh"]), comm=comm,
+                slice_gradient_bytes=shard_bytes_, step_s_serial=serial,
+                step_s_overlapped=max(p["step_s_overlapped"], sum(comm.values())),
+                tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
+
+
 def suggestions(cfg, devices, hw_name, efficiency, peak):
     """Nearby configs on the same devices that fit: [(flags, plan)], those that keep the
     global batch first, then by memory."""
@@ -738,7 +772,8 @@ def seconds(s):
 
 def report(p):
     mesh, mem, t = p["mesh"], p["memory"], p["times"]
-    head = [f"{p['preset']} on {p['devices']} x {p['hardware']}: mesh dp={mesh['dp']} pp={mesh['pp']} tp={mesh['tp']}"
+    slices = f"slices={mesh['slice']} x " if mesh.get("slice", 1) > 1 else ""
+    head = [f"{p['preset']} on {p['devices']} x {p['hardware']}: mesh {slices}dp={mesh['dp']} pp={mesh['pp']} tp={mesh['tp']}"
             f"{' (expert parallel)' if p['expert_parallel'] else ''}, {p['dtype']}, remat {p['remat']}, "
             f"{p['microbatches']} microbatches",
             f"params: {human(p['params_total'])} total, {human(p['params_active'])} active per token"]
@@ -796,7 +831,7 @@ def tpu_check(cfg, tpu_name, p):
     """Compile the train and eval steps for a TPU slice (tpu_compile.py); print the
     compiler's bytes beside the plan's, the collectives, and the contract's last line."""
     pod = tpu_compile.pod_type(tpu_name)
-    mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(tpu_name))
+    mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(tpu_name, cfg.mesh.slices))
     compiled = tpu_compile.compile_steps(plan_config(cfg), mesh)
     tpu = tpu_compile.memory_bytes(compiled["train"])
     hbm = HARDWARE[pod.hardware].memory_bytes
@@ -881,7 +916,7 @@ def main(argv):
         devices, efficiency = int(own["devices"]), float(own["efficiency"])
         if own["tpu"]:
             pod = tpu_compile.pod_type(own["tpu"])
-            own["hardware"], devices = pod.hardware, pod.chips
+            own["hardware"], devices = pod.hardware, pod.chips * cfg.mesh.slices
         p = plan(cfg, devices, own["hardware"], efficiency)
         tpu_lines = tpu_check(cfg, own["tpu"], p) if own["tpu"] else []
     except (ConfigError, ValueError) as e:

@@ -46,11 +46,13 @@ def resolve_vocab(cfg, data):
 
 
 def describe_mesh(mesh):
-    """Which device holds which (dp, pp, tp) coordinate, and which process owns it."""
-    lines = [f"mesh {dict(mesh.shape)} over {mesh.devices.size} devices, {jax.process_count()} process(es)"]
+    """Which device holds which (dp, pp, tp) coordinate (and slice, with several), and
+    which process owns it."""
+    shown = {axis: n for axis, n in mesh.shape.items() if axis != par.SLICE or n > 1}
+    lines = [f"mesh {shown} over {mesh.devices.size} devices, {jax.process_count()} process(es)"]
     for coords in np.ndindex(mesh.devices.shape):
-        device = mesh.devices[coords]
-        lines.append(f"  device {device.id:>3} (process {device.process_index}): dp={coords[0]} pp={coords[1]} tp={coords[2]}")
+        device, at = mesh.devices[coords], dict(zip(mesh.axis_names, coords))
+        lines.append(f"  device {device.id:>3} (process {device.process_index}): " + " ".join(f"{a}={at[a]}" for a in shown))
     return "\n".join(lines)
 
 

@@ -26,9 +26,9 @@ import optax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from model import balance_router_biases, live_axes, rope_angles, router_biases
+from model import axis_index, balance_router_biases, live_axes, rope_angles, router_biases
 from parallel import axes_of, gather_for_use
-from weights import DP, PP, TP
+from weights import BATCH_AXES, DP, PP, SLICE, TP, is_trained, weight_name
 
 # ----------------------------------------------------------------------------
 # Reductions over whichever mesh axes are manual here
@@ -133,6 +133,12 @@ def dropout_rng(cfg, step):
     return jax.random.fold_in(jax.random.key(cfg.run.seed), step)
 
 
+def first_row(rows_per_device):
+    """The global index of this device's first batch row: rows are split over (slice,
+    dp), slice-major (parallel.batch_spec)."""
+    return (axis_index(SLICE) * jax.lax.axis_size(DP) + axis_index(DP)) * rows_per_device
+
+
 def dropout_rows(rng, first_row, n_rows):
     """Keys [n_rows] for global batch rows first_row, first_row + 1, ...: each device
     derives only the keys of the rows it holds."""
@@ -164,6 +170,37 @@ def gather_block(block_params, cfg):
 
 
 # ----------------------------------------------------------------------------
+# Across slices: one gradient all-reduce per step
+
+
+def per_slice(params):
+    """params typed as varying over slice, at the step's start (outside the executor).
+
+    Inside shard_map a weight replicated over slice but used with slice-varying data gets
+    its gradient psummed over slice by autodiff where it is used: for a block's weights
+    that is inside the layer loop, once per layer (and, placed after the FSDP gather by
+    gather_for_use's pcast, it would sum whole gathered weights). Typed as varying here,
+    each slice's backward reduce-scatters only within the slice, and the gradient shards
+    are summed across slices once, by reduce_over_slices (MaxText's DCN data
+    parallelism). A no-op with one slice (model.live_axes)."""
+    return jax.tree.map(lambda w: vary(w, (SLICE,)), params)
+
+
+def reduce_over_slices(grads, reduce_dtype):
+    """Sum the gradient shards over slice: one all-reduce of each weight's 1/(dp pp tp)
+    shard per step, the only bulk traffic over the data-center network, in
+    --model.grad_reduce_dtype (bfloat16 halves it). Untrained weights have no gradient (zeros)."""
+    if not manual_axes((SLICE,)):
+        return grads
+
+    def reduce(path, g):
+        if not is_trained(weight_name(path)):
+            return jnp.zeros(g.shape, g.dtype)  # (typed invariant over slice, like the weight it updates)
+        return jax.lax.psum(g.astype(reduce_dtype), SLICE).astype(g.dtype)
+    return jax.tree_util.tree_map_with_path(reduce, grads)
+
+
+# ----------------------------------------------------------------------------
 # Loss and metrics
 
 
@@ -177,7 +214,7 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
     same (mesh-invariant) numbers."""
     m_cfg, t_cfg = cfg.model, cfg.train
     n_tokens = t_cfg.batch_size * m_cfg.seq_len
-    ce = psum(ce_sum, (DP, PP)) / n_tokens
+    ce = psum(ce_sum, BATCH_AXES + (PP,)) / n_tokens
     # Routing statistics, per block, summed over the batch. Every tp device routed the
     # same tokens the same way (the router is gathered whole), but the router came out
     # of an all_gather over tp, so shard_map types the statistics as varying over tp:
@@ -186,10 +223,10 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
     aux_sum_N = stats_N.pop("aux_loss_sum")
     seq_aux_sum_N = stats_N.pop("seq_aux_loss_sum", None)  # with --model.seq_aux_loss_weight
     n_moe = n_moe_layers(m_cfg)
-    mean_over_mesh = lambda sum_N, count: pmean(psum(jnp.sum(sum_N), (DP, PP)), (TP,)) / count  # noqa: E731
+    mean_over_mesh = lambda sum_N, count: pmean(psum(jnp.sum(sum_N), BATCH_AXES + (PP,)), (TP,)) / count  # noqa: E731
     aux = jnp.zeros((), jnp.float32)
     if n_moe:  # (a dense model's all-zero statistics are not reduced: XLA:CPU aborts on that all-reduce)
-        stats_N = jax.tree.map(lambda s: pmax(psum(s, (DP,)), (TP,)), stats_N)
+        stats_N = jax.tree.map(lambda s: pmax(psum(s, BATCH_AXES), (TP,)), stats_N)
         groups_per_layer = n_tokens // (m_cfg.routing_group or m_cfg.seq_len)
         aux = mean_over_mesh(aux_sum_N, groups_per_layer * n_moe)
     loss = ce + m_cfg.aux_loss_weight * aux
@@ -198,7 +235,7 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
         metrics["seq_aux_loss"] = mean_over_mesh(seq_aux_sum_N, t_cfg.batch_size * n_moe)
         loss = loss + m_cfg.seq_aux_loss_weight * metrics["seq_aux_loss"]
     if m_cfg.mtp_depth:  # V3: lambda / depth x sum over depths of each depth's loss, each divided by all T positions
-        metrics["mtp_loss"] = psum(mtp_sum, (DP, PP)) / (n_tokens * m_cfg.mtp_depth)
+        metrics["mtp_loss"] = psum(mtp_sum, BATCH_AXES + (PP,)) / (n_tokens * m_cfg.mtp_depth)
         loss = loss + m_cfg.mtp_loss_weight * metrics["mtp_loss"]
     return loss, metrics
 
@@ -267,7 +304,7 @@ def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_spe
     if balancing(m_cfg):
         # Outside the optimizer (whose update of a bias is exactly 0: zero gradient, no
         # decay), the router biases follow the step's global load. That load was
-        # summed over dp, so the new bias is the same on every device and mesh.
+        # summed over (slice, dp), so the new bias is the same on every device and mesh.
         blocks = balance_router_biases(new_params["blocks"], metrics["stats_N"]["tokens_per_expert_LE"],
                                        m_cfg.router_bias_rate, m_cfg.block_pattern)
         new_params = dict(new_params, blocks=blocks)

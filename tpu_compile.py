@@ -86,8 +86,11 @@ def pod_type(name):
     return POD_TYPES[name]
 
 
-def pod_devices(name):
-    """The slice's devices (compile-only: real ids, coordinates and process indices)."""
+def pod_devices(name, slices=1):
+    """The slice's devices (compile-only: real ids, coordinates and process indices);
+    with slices > 1, those of that many slices of this type (multi-slice: each device's
+    slice_index says which; the compiler sends what crosses slices over the data-center
+    network)."""
     pod = pod_type(name)
     try:
         import libtpu  # noqa: F401
@@ -107,7 +110,7 @@ def pod_devices(name):
 
     with environ_set_for_now(libtpu_environ), captured_stderr():
         topology = topologies.get_topology_desc(platform="tpu", topology_name=pod.topology, chip_config_name=pod.chip_config,
-                                                chips_per_host_bounds=pod.host_bounds, num_slices=1, wrap=pod.wrap)
+                                                chips_per_host_bounds=pod.host_bounds, num_slices=slices, wrap=pod.wrap)
     return list(topology.devices)
 
 
@@ -300,7 +303,12 @@ def memory_bytes(compiled):
 # 0..N-1). collective_table reads the same ops (one parser for both).
 # Bytes per device: the op's full buffer (all-gather: its output; reduce-scatter: its
 # input, i.e. output x group size; the rest: their output). Async pairs count once (at
-# -done); "over" names the mesh axes its device groups span.
+# -done); "over" names the mesh axes its device groups span. Across TPU slices the
+# compiler writes no collective op: the part of a reduction that crosses slices is a
+# host transfer, `send(...) is_host_transfer=true` with _xla_megascale_transfer_type=
+# "ALL_REDUCE" (the megascale runtime's, over the data-center network), and the part
+# within a slice an ordinary op; such a send is counted as that kind over "slice", its
+# bytes the sent buffer (as the compiler laid it out: tiles of 128 lanes).
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -399,15 +407,22 @@ def device_groups(line, n_devices):
 
 
 def axes_spanned(groups, mesh_shape):
-    """The mesh axes along which the devices of a group differ ("dp+tp", ...; "-": none,
-    "?": groups not understood)."""
+    """The mesh axes along which the devices of a group differ ("dp+tp", "slice+dp", ...;
+    "-": none, "?": groups not understood). mesh_shape: (slice, dp, pp, tp) or, as
+    older callers give it, (dp, pp, tp)."""
     if groups is None:
         return "?"
+    names = par.MESH_AXES[-len(mesh_shape):]
     varying = set()
     for group in groups:
         coords = np.array(np.unravel_index(group, mesh_shape)).T
-        varying |= {par.AXES[i] for i in range(len(mesh_shape)) if len(set(coords[:, i])) > 1}
-    return "+".join(a for a in par.AXES if a in varying) or "-"
+        varying |= {names[i] for i in range(len(mesh_shape)) if len(set(coords[:, i])) > 1}
+    return "+".join(a for a in names if a in varying) or "-"
+
+
+def crosses_slices(over):
+    """Does a collective over these axes (axes_spanned) cross the data-center network?"""
+    return par.SLICE in over.split("+")
 
 
 @dataclass(frozen=True)
@@ -433,6 +448,13 @@ def collective_ops(hlo, mesh_shape):
             if not m:
                 continue
             result, op = m.group(1), m.group(2)
+            megascale = re.search(r'_xla_megascale_transfer_type="(\w+)"', line) if op == "send" else None
+            if megascale:  # across slices (TPU multi-slice): a host transfer over the data-center network
+                dtype, dims = ARRAY.search(result).groups()  # (its first element: the data; then a u32 and a token)
+                ops.append(CollectiveOp(megascale.group(1).lower().replace("_", "-"), par.SLICE, runs[name],
+                                        mesh_shape[0] if len(mesh_shape) == len(par.MESH_AXES) else 1,
+                                        ((dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)),)))
+                continue
             kind = op[:-len("-done")] if op.endswith("-done") else op
             if kind not in COLLECTIVE_KINDS or op.endswith("-start"):
                 continue
@@ -543,8 +565,16 @@ def memory_report(planned, tpu, hbm_bytes, pod, compile_seconds, logged=None):
 
 
 def collectives_report(table, title):
+    """Lines of a collectives() table; with several slices, the rows that cross slices
+    (over the data-center network) are marked DCN and summed at the end."""
     lines = [f"collectives of the {title} (per step, per device):",
-             f"  {'kind':<20}{'dtype':<7}{'over':<10}{'count':>7}{'bytes':>14}"]
+             f"  {'kind':<20}{'dtype':<7}{'over':<16}{'count':>7}{'bytes':>14}"]
     for (kind, dtype, over), row in sorted(table.items(), key=lambda kv: (COLLECTIVE_KINDS.index(kv[0][0]), kv[0][1:])):
-        lines.append(f"  {kind:<20}{dtype:<7}{over:<10}{row['count']:>7}{row['bytes'] / 2**20:>10.1f} MiB")
+        lines.append(f"  {kind:<20}{dtype:<7}{over:<16}{row['count']:>7}{row['bytes'] / 2**20:>10.1f} MiB"
+                     + ("  DCN (crosses slices)" if crosses_slices(over) else ""))
+    dcn = [row for (_, _, over), row in table.items() if crosses_slices(over)]
+    if dcn:
+        nbytes = sum(row["bytes"] for row in dcn)
+        lines.append(f"  across slices: {sum(row['count'] for row in dcn)} collectives, {nbytes} bytes "
+                     f"({nbytes / 2**20:.1f} MiB) per device per step")
     return lines

@@ -25,6 +25,7 @@ equals one device.
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -77,7 +78,9 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
 
     def step_fn(params, opt_state, tokens_bT1, step):
         rng = core.dropout_rng(cfg, step)
-        (_, metrics), grads = executor.value_and_grad(params, tokens_bT1, graphdef, cfg, rng)
+        # per_slice / reduce_over_slices: the gradient crosses slices once, here, not per layer
+        (_, metrics), grads = executor.value_and_grad(core.per_slice(params), tokens_bT1, graphdef, cfg, rng)
+        grads = core.reduce_over_slices(grads, jnp.dtype(cfg.model.grad_reduce_dtype))
         # the layout of these shards, for the optimizers that need whole matrices (Muon)
         return core.apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_specs)
 

@@ -14,9 +14,15 @@ inside the stacked blocks get a leading N dim (split over pp), which the names l
 
 import dataclasses
 
-# The mesh axes, named once (parallel.py builds the mesh from them).
+# The mesh axes, named once (parallel.py builds the mesh from them). AXES are those
+# within one TPU slice (ICI), the only ones weights are split over; SLICE, outermost,
+# is data parallelism across slices over the data-center network (10-100x slower), so
+# only the once-per-step gradient all-reduce crosses it (step_core.reduce_over_slices).
 DP, PP, TP = "dp", "pp", "tp"
+SLICE = "slice"
 AXES = (DP, PP, TP)
+MESH_AXES = (SLICE,) + AXES
+BATCH_AXES = (SLICE, DP)  # the batch's rows, slice-major: a global row index stays meaningful
 # Per dim of a weight, how it is split (`Weight.dims`):
 #   TP     split over tp for compute (Megatron): each device uses its slice
 #   EXPERT split over dp when expert parallelism is on (each device owns E/dp experts)

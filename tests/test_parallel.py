@@ -34,7 +34,7 @@ def tiny_config(mesh_shape=(1, 1, 1), expert_parallel=False, **model):
 
 
 def mesh_for(cfg):
-    n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
+    n = cfg.mesh.slices * cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
     return par.make_mesh(cfg.mesh, jax.devices()[:n])
 
 
@@ -436,7 +436,7 @@ def test_bad_mesh_config_raises_clear_error(mesh_shape, model, train, expert_par
 
 def test_dp_minus_one_takes_the_rest():
     cfg = apply_overrides(Config(), {"mesh": dict(dp=-1, pp=2, tp=2)})
-    assert dict(par.make_mesh(cfg.mesh, jax.devices()[:8]).shape) == {"dp": 2, "pp": 2, "tp": 2}
+    assert dict(par.make_mesh(cfg.mesh, jax.devices()[:8]).shape) == {"slice": 1, "dp": 2, "pp": 2, "tp": 2}
 
 
 def test_process_rows_cover_the_batch():

@@ -75,7 +75,8 @@ def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
     devices = devices_of(pod)
     mesh = par.make_mesh(MeshConfig(*shape), devices)
     dp, pp, tp = shape
-    grid = mesh.devices
+    assert mesh.devices.shape == (1, *shape)  # one slice
+    grid = mesh.devices[0]
     assert grid.shape == shape and sorted(d.id for d in grid.flat) == sorted(d.id for d in devices)
     per_host = chips_per_host(devices)
     for i in range(dp):
