@@ -69,11 +69,14 @@ def test_two_slices_equal_one_device(reference, two_slice_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape, pipeline, expert_parallel", [((2, 1, 2), "gpipe", True), ((1, 2, 2), "1f1b", False)],
-                         ids=["ep-dp2xtp2", "1f1b-pp2xtp2"])
-def test_two_slices_with_experts_or_a_schedule_equal_one_device(reference, shape, pipeline, expert_parallel):
+@pytest.mark.parametrize("shape, pipeline, expert_parallel, sharding",
+                         [((2, 1, 2), "gpipe", True, "manual"), ((1, 2, 2), "1f1b", False, "manual"),
+                          ((2, 1, 2), "gpipe", False, "auto")],
+                         ids=["ep-dp2xtp2", "1f1b-pp2xtp2", "auto-dp2xtp2"])
+def test_two_slices_with_experts_a_schedule_or_auto_equal_one_device(reference, shape, pipeline, expert_parallel, sharding):
+    """(Under auto the compiler places the slice reduction: equal, but not held to once per step.)"""
     cfg = two_slices(shape, train=dict(pipeline=pipeline, microbatches=2))
-    cfg = apply_overrides(cfg, {"mesh": dict(expert_parallel=expert_parallel)})
+    cfg = apply_overrides(cfg, {"mesh": dict(expert_parallel=expert_parallel, sharding=sharding)})
     assert_same_steps(train_steps(cfg), reference)
 
 

@@ -157,7 +157,7 @@ def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True
                 collectives=tpu_compile.collectives(compiled["train"].as_text(), shape),
                 eval_collectives=tpu_compile.collectives(compiled["eval"].as_text(), shape) if eval_step else None,
                 fsdp_gradient_bytes=planner.gathered_bytes(gathered, expert_parallel, dict(zip(par.AXES, shape)), 4, False),
-                hbm=planner.HARDWARE[hardware].memory_bytes, seconds=compiled["seconds"])
+                hbm=planner.HARDWARE[hardware].memory_bytes, seconds=compiled["seconds"], muon=cfg.train.optimizer == "muon")
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def check_collectives(case, shape, expert_parallel):
     """What parallel.py says runs where: FSDP all-gathers over (axes with) dp and
     reduces every weight's gradient over them, in float32 and none in bfloat16; TP
     all-reduces over tp; the pipeline ppermutes over pp; expert parallelism all-to-alls
-    over dp."""
+    over dp, Muon over the axes of its matrices' shards."""
     dp, pp, tp = shape
     kinds = kinds_over(case["collectives"])
     assert any("dp" in over for over in kinds["all-gather"])
@@ -206,9 +206,12 @@ def check_collectives(case, shape, expert_parallel):
     assert ("collective-permute" in kinds) == (pp > 1)
     if pp > 1:
         assert kinds["collective-permute"] == {"pp"}
-    assert ("all-to-all" in kinds) == expert_parallel
-    if expert_parallel:
-        assert kinds["all-to-all"] == {"dp"}
+    # all-to-alls: expert parallelism's dispatch over dp, and Muon's (moe1b's optimizer)
+    # momentum shards to each matrix's owner and back, over the axes that split the
+    # matrix (optimizers.owner_orthogonal); nothing else moves data all-to-all
+    all_to_all = kinds.get("all-to-all", set())
+    allowed = ({"dp"} if expert_parallel else set()) | ({"dp", "tp", "dp+tp"} if case["muon"] else set())
+    assert all_to_all <= allowed and ("dp" in all_to_all) >= expert_parallel and bool(all_to_all) >= case["muon"], all_to_all
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
