@@ -22,3 +22,15 @@ jax.devices()
 os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+
+# The files whose tests take longest (whole-file times, from --durations), run first.
+# pytest.ini hands out whole files to the two workers (--dist loadfile) in collection
+# order, so one of these started last would run on alone after the other worker is done.
+LONGEST_FIRST = ["test_tpu_compile.py", "test_pipeline.py", "test_parallel.py", "test_main.py", "test_hf.py",
+                 "test_checkpoint.py", "test_routing.py", "test_model.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: file order otherwise)
