@@ -141,7 +141,7 @@ def bench(cfg, steps, warmup, profile_dir=""):
     total, active = count_params(cfg.model)
     n_devices = mesh.devices.size
     return dict(
-        preset=cfg.preset, mesh=dict(mesh.shape), devices=n_devices, backend=jax.default_backend(),
+        preset=cfg.preset, mesh=par.shown_shape(mesh), devices=n_devices, backend=jax.default_backend(),
         dtype=cfg.model.dtype, params=total, active_params=active, tokens_per_step=tokens_per_step,
         compile_s=compile_s, step_s=step_s, tokens_per_sec=tokens_per_step / step_s,
         model_tflops_per_step=flops_per_token(cfg.model) * tokens_per_step / 1e12,

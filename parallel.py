@@ -89,6 +89,12 @@ def make_mesh(mesh_cfg, devices=None):
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Explicit,) * len(MESH_AXES))
 
 
+def shown_shape(mesh):
+    """{axis: size} as runs print it: the slice axis only when there are several slices
+    (one slice is the single-slice mesh users know: dp, pp, tp)."""
+    return {axis: n for axis, n in mesh.shape.items() if axis != SLICE or n > 1}
+
+
 def tpu_slices(devices, slices):
     """The devices of each TPU slice (their slice_index, 0 on a single slice), in order:
     --mesh.slices must be the number of slices the job runs on."""

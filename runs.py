@@ -48,7 +48,7 @@ def resolve_vocab(cfg, data):
 def describe_mesh(mesh):
     """Which device holds which (dp, pp, tp) coordinate (and slice, with several), and
     which process owns it."""
-    shown = {axis: n for axis, n in mesh.shape.items() if axis != par.SLICE or n > 1}
+    shown = par.shown_shape(mesh)
     lines = [f"mesh {shown} over {mesh.devices.size} devices, {jax.process_count()} process(es)"]
     for coords in np.ndindex(mesh.devices.shape):
         device, at = mesh.devices[coords], dict(zip(mesh.axis_names, coords))

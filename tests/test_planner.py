@@ -210,8 +210,11 @@ def test_compute_time_is_model_flops_over_peak():
 
 
 def test_bubble_remat_and_expert_parallel_show_up():
-    base = ["--preset", "moe1b", "--mesh.dp", "8", "--mesh.pp", "2", "--mesh.tp", "2"]
+    base = ["--preset", "moe1b", "--mesh.dp", "8", "--mesh.pp", "2", "--mesh.tp", "2", "--train.optimizer", "adamw"]
     m4 = planner.plan(parse_args(base + ["--train.microbatches", "4"]), 0, "tpu-v5p")
+    # Muon's Newton-Schulz runs after the pipeline: more compute, the same bubble
+    muon = planner.plan(parse_args(base + ["--train.microbatches", "4", "--train.optimizer", "muon"]), 0, "tpu-v5p")
+    assert muon["times"]["bubble"] == m4["times"]["bubble"] and muon["times"]["compute"] > m4["times"]["compute"]
     m16 = planner.plan(parse_args(base + ["--train.microbatches", "16"]), 0, "tpu-v5p")
     assert m4["bubble_fraction"] == pytest.approx(1 / 5) and m16["bubble_fraction"] == pytest.approx(1 / 17)
     assert m4["times"]["bubble"] == pytest.approx(m4["times"]["compute"] / 4)  # (pp-1)/M of the useful compute
