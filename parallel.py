@@ -1,5 +1,6 @@
-"""The 3-D mesh and how weights and batches sit on it: the mesh, the sharding table,
-init in place, the FSDP gather that the shard_map executors call, the global batch.
+"""The mesh (dp x pp x tp within a TPU slice, slices outermost) and how weights and
+batches sit on it: the mesh, the sharding table, init in place, the FSDP gather that
+the shard_map executors call, the global batch.
 
 Mesh axes:
   dp  data parallel + FSDP (ZeRO-3): the batch is split over dp, and so is (almost)
