@@ -712,13 +712,13 @@ def plan_across_slices(cfg, devices, hw_name, efficiency, peak):
     params = abstract_params(plan_config(cfg).model)
     trained = jax.tree_util.tree_map_with_path(lambda path, w: w if weights.is_trained(weights.weight_name(path)) else None, params)
     reduce_bytes = 2 if cfg.model.grad_reduce_dtype == "bfloat16" else F32
-    shard_bytes_ = layout_bytes(trained, cfg.mesh.expert_parallel, p["mesh"], itemsize=reduce_bytes)
-    seconds_ = 2 * (S - 1) / S * shard_bytes_ / DCN_BW_PER_CHIP
-    comm = dict(p["comm"], **{f"slice all-reduce of gradient shards ({shard_bytes_ / 2**20:.1f} MiB, DCN at "
-                               f"{DCN_BW_PER_CHIP / GB:g} GB/s per chip, assumed)": seconds_})
-    serial = p["step_s_serial"] + seconds_
+    gradient_bytes = layout_bytes(trained, cfg.mesh.expert_parallel, p["mesh"], itemsize=reduce_bytes)
+    dcn_s = 2 * (S - 1) / S * gradient_bytes / DCN_BW_PER_CHIP
+    comm = dict(p["comm"], **{f"slice all-reduce of gradient shards ({gradient_bytes / 2**20:.1f} MiB, DCN at "
+                               f"{DCN_BW_PER_CHIP / GB:g} GB/s per chip, assumed)": dcn_s})
+    serial = p["step_s_serial"] + dcn_s
     return dict(p, preset=cfg.preset, devices=p["devices"] * S, mesh=dict(slice=S, **p["mesh"]), comm=comm,
-                slice_gradient_bytes=shard_bytes_, step_s_serial=serial,
+                slice_gradient_bytes=gradient_bytes, step_s_serial=serial,
                 step_s_overlapped=max(p["step_s_overlapped"], sum(comm.values())),
                 tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
 
