@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import step_core as core
-from model import axis_index, fold_in_rows
+from layers import axis_index
+from model import fold_in_rows
 from weights import BATCH_AXES, DP, PP, TP
 from pipeline import BACKWARD, FIELDS, FORWARD, schedule
 

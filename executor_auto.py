@@ -17,7 +17,7 @@ Where the constraints are (everything else is propagated by the compiler):
   residual stream x_BTD out of the embedding and into the loss: rows over dp, whole
                   over tp (the batch arrives with rows over dp)
   expert buffers  x_GECD with --mesh.expert_parallel: experts over dp, every group
-                  (model.MoE.routed_with_capacity; the compiler picks the dispatch)
+                  (moe.MoE.routed_with_capacity; the compiler picks the dispatch)
 Storage shardings are the jit's input and output shardings, so params, optimizer state
 and checkpoints are interchangeable with --mesh.sharding manual. docs/parallelism.md
 compares what the compiler chose with the shard_map executors' choices.

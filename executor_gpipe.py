@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import step_core as core
-from model import apply_blocks, axis_index
+from layers import axis_index
+from model import apply_blocks
 from weights import DP, PP, TP
 
 MANUAL = True  # runs inside jax.shard_map: every collective written out
@@ -43,7 +44,7 @@ def pipeline_sums(model, prepare_block, mb, cfg):
     """GPipe over pp: (summed cross-entropy of this device's rows, MoE stats of this
     stage's blocks [N/pp, ...], summed MTP cross-entropy)."""
     m_cfg = cfg.model
-    n_stages, stage = jax.lax.axis_size(PP), axis_index(PP)  # (0, not varying, when pp = 1: model.live_axes)
+    n_stages, stage = jax.lax.axis_size(PP), axis_index(PP)  # (0, not varying, when pp = 1: layers.live_axes)
     tokens_MbT1, angles, keys_Mb = mb.tokens_MbT1, mb.angles, mb.keys_Mb
     M = tokens_MbT1.shape[0]
     inputs_MbT = tokens_MbT1[..., :-1]

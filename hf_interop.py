@@ -82,7 +82,7 @@ ARCHITECTURES = {  # model_type -> (class, the router score it computes; None: c
 }
 REMOTE_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_meshformer.py")
 MLP_LAYER_TYPES = {"D": "dense", "M": "sparse"}  # our layer kinds -> transformers' mlp_layer_types
-RMS_EPS = 1e-6  # model.RMSNorm's
+RMS_EPS = 1e-6  # layers.RMSNorm's
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 # Fields of our ModelConfig that no HF field carries, kept in config.json under this key
 # so that our own export imports back as exactly the model it came from.

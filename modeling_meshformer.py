@@ -19,7 +19,7 @@ attention, RMSNorm, interleaved RoPE, experts, KV cache, generate):
 - `mlp_layer_types`: "dense" or "sparse" (MoE) for each layer, in any order;
 - the router scores with `scoring_func` ("softmax" or "sigmoid"), picks the top k of the score
   (+ e_score_correction_bias, which only selects), and with `norm_topk_prob` divides the chosen
-  scores by their sum (meshformer's model.top_k_routing; with one expert per token the gate is
+  scores by their sum (meshformer's moe.top_k_routing; with one expert per token the gate is
   the raw score and norm_topk_prob is false).
 The model_type is "meshformer", not "deepseek_v3": without trust_remote_code transformers
 refuses the directory instead of computing another model from the same weights.
@@ -62,7 +62,7 @@ class MeshformerConfig(DeepseekV3Config):
 
 
 class MeshformerRouter(DeepseekV3TopkRouter):
-    """Top-k routing as meshformer's model.top_k_routing (no expert groups: the export refuses them)."""
+    """Top-k routing as meshformer's moe.top_k_routing (no expert groups: the export refuses them)."""
 
     def __init__(self, config):
         super().__init__(config)

@@ -11,7 +11,7 @@ Mesh axes:
       stage with ppermute (executor_gpipe.py, executor_1f1b.py).
   tp  tensor parallel (Megatron): heads, FFN hidden units, expert hidden units and the
       vocabulary are split; model.py psums the partial outputs over tp.
-  Experts may also be split over dp (expert parallelism, all-to-all in model.MoE).
+  Experts may also be split over dp (expert parallelism, all-to-all in moe.MoE).
   slice (outermost, --mesh.slices) data parallel across TPU slices, over the data-center
       network: the batch is split over (slice, dp), weights are replicated per slice
       (FSDP stays within a slice), and the only collective across slices is one
@@ -33,7 +33,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model import Transformer, live_axes
+from layers import live_axes
+from model import Transformer
 from pipeline import formula_bubble
 from utils import ConfigError
 from weights import AXES, BATCH_AXES, DP, EXPERT, FSDP, MESH_AXES, PP, SHAPE_LETTER_FLAGS, SLICE, is_stacked, is_trained, row, weight_name
@@ -323,7 +324,7 @@ def specs_of(tree):
 def live_spec(spec, mesh):
     """spec without the mesh axes of size 1 (the same layout): as a shard_map in_spec it
     keeps values from being typed as varying over an axis that nothing splits, so no
-    collective is needed over it (model.live_axes). A tree of specs is mapped."""
+    collective is needed over it (layers.live_axes). A tree of specs is mapped."""
     if not isinstance(spec, P):
         return jax.tree.map(lambda s: live_spec(s, mesh), spec, is_leaf=lambda x: isinstance(x, P))
     live = [tuple(a for a in axes_of(entry) if mesh.shape[a] > 1) for entry in spec]

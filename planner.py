@@ -51,7 +51,8 @@ import tpu_compile
 import weights
 from devices import skip_tpu_probe_without_tpu
 from flops import count_params, flops_per_token, human, measure_peak_flops
-from model import abstract_model, abstract_params, expert_capacity, padded_vocab  # noqa: F401  (abstract_model: the tests call it here)
+from moe import expert_capacity
+from model import abstract_model, abstract_params, padded_vocab  # noqa: F401  (abstract_model: the tests call it here)
 from utils import PRESETS, Config, ConfigError, apply_overrides, parse_args
 
 F32 = 4  # bytes: master weights, optimizer moments, softmax/norm internals, logits
@@ -285,7 +286,7 @@ def layer_bytes(s, kind, m):
 
 def matmul_output_bytes(s, kind, m, itemsize=F32):
     """What remat block_dots keeps of a layer, per token: every matmul's output, in
-    float32 (model.project accumulates in float32 and casts after; on TPU the cast is
+    float32 (layers.project accumulates in float32 and casts after; on TPU the cast is
     fused into the matmul: itemsize = the compute dtype's)."""
     attention = (s.Q + s.H * s.K + s.H * s.R + s.A + s.R + 2 * s.H * s.K  # down, up and RoPE projections
                  + 2 * s.H * s.T + s.H * s.K + s.D)  # two score products, probs x values, output projection

@@ -26,7 +26,9 @@ import optax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from model import axis_index, balance_router_biases, live_axes, rope_angles, router_biases
+from attention import rope_angles
+from layers import axis_index, live_axes
+from moe import balance_router_biases, router_biases
 from parallel import axes_of, gather_for_use
 from weights import BATCH_AXES, DP, PP, SLICE, TP, is_trained, weight_name
 
@@ -182,7 +184,7 @@ def per_slice(params):
     gather_for_use's pcast, it would sum whole gathered weights). Typed as varying here,
     each slice's backward reduce-scatters only within the slice, and the gradient shards
     are summed across slices once, by reduce_over_slices (MaxText's DCN data
-    parallelism). A no-op with one slice (model.live_axes)."""
+    parallelism). A no-op with one slice (layers.live_axes)."""
     return jax.tree.map(lambda w: vary(w, (SLICE,)), params)
 
 

@@ -56,7 +56,7 @@ def partition(fn, manual, mesh, in_specs, out_specs):
     the compiler partitions (its outputs in out_specs' shardings)."""
     if manual:
         # in_specs without the axes of size 1 (live_spec): nothing is typed as varying
-        # over them, so no collective runs over them (model.live_axes); the arguments
+        # over them, so no collective runs over them (layers.live_axes); the arguments
         # are resharded to match, which moves nothing (the same layout), and the
         # outputs keep out_specs, the specs the step was given.
         live = live_spec(in_specs, mesh)

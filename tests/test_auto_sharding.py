@@ -102,7 +102,7 @@ def test_auto_step_equals_one_device(reference, variant, mesh_shape):
 def test_auto_expert_parallel_equals_one_device_and_dispatches_tokens(reference, mesh_shape):
     """Experts stored and computed split over dp: the compiler chooses the dispatch, and
     it chooses all-to-alls over dp (without the constraint on the expert buffers in
-    model.MoE it all-gathers the experts' weights instead, i.e. no expert parallelism)."""
+    moe.MoE it all-gathers the experts' weights instead, i.e. no expert parallelism)."""
     cfg = config(mesh_shape, "auto", expert_parallel=True)
     assert_same_step(*one_step(cfg), *reference["moe"])
     table = collectives(cfg)

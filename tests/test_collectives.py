@@ -1,4 +1,4 @@
-"""No collective over an axis of size 1 (model.live_axes, parallel.live_spec): a psum,
+"""No collective over an axis of size 1 (layers.live_axes, parallel.live_spec): a psum,
 pmax, all-to-all, all-gather or ppermute over an axis that holds everything already
 moves nothing, yet XLA:CPU keeps it (an all-reduce copies its operand: on one device
 the default step ran 32 of them, 19 MB). Read off the optimized HLO of the train step."""

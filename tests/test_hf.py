@@ -71,7 +71,7 @@ def random_model(m, seed=0):
     return nnx.merge(graphdef, jax.tree.map(jnp.asarray, host)), host
 
 
-FAN_IN = {  # weight name suffix -> its input axes (model.init_normal's fan_in)
+FAN_IN = {  # weight name suffix -> its input axes (layers.init_normal's fan_in)
     "DQ": "D", "QHK": "Q", "QHR": "Q", "DA": "D", "DR": "D", "AHK": "A", "HKD": "HK",
     "DF": "D", "FD": "F", "DE": "D", "EDF": "D", "EFD": "F", "VD": "D"}
 

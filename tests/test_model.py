@@ -18,8 +18,9 @@ import optax
 import pytest
 from flax import nnx
 
-from model import (MLAttention, MoE, Transformer, apply_blocks, apply_rope, assign_slots, decode_step,
-                   expert_capacity, init_cache, load_balance_loss, rope_angles)
+from attention import MLAttention, apply_rope, rope_angles
+from model import Transformer, apply_blocks, decode_step, init_cache
+from moe import MoE, assign_slots, expert_capacity, load_balance_loss
 from utils import PRESETS, Config, apply_overrides
 
 BYTE_VOCAB = 256  # the preset may leave vocab_size to the data (0); these tests use byte tokens

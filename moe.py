@@ -1,0 +1,289 @@
+"""The Mixture-of-Experts layer (DeepSeekMoE): the router (softmax or sigmoid scores,
+group-limited top-k, the aux-loss-free selection bias), expert capacity per routing
+group, the load-balance losses, and dispatch to the experts (on one device, or with
+expert parallelism over a mesh axis). Shape legend: model.py's docstring.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from layers import ACC_DTYPE, DenseFFN, init_normal, is_auto_axis, live_axes, residual_scale
+
+# ----------------------------------------------------------------------------
+# Routing
+
+
+class RouterBias(nnx.Variable):
+    """A per-expert bias added to the routing scores for the top-k *selection* only
+    (DeepSeek-V3's aux-loss-free balancing, arXiv:2412.19437 section 2.1.2). Train state
+    but not a trained weight: no gradient reaches it (it only picks indices) and the
+    optimizer leaves it alone; `balanced_bias` moves it after every step."""
+
+
+def limit_to_top_groups(choice_SE, n_groups, topk_groups):
+    """Group-limited routing (DeepSeek-V2 section 2.1.3, V3's node-limited routing):
+    experts are split into n_groups contiguous groups; each token keeps only the
+    experts of its topk_groups best groups, a group's score being the sum of its two
+    highest (biased) scores (V3; HF's DeepseekV3TopkRouter does the same). The other
+    experts get -inf, so the top-k that follows picks inside the kept groups.
+
+    With expert parallelism, device d of dp holds experts [d E/dp, (d+1) E/dp): when
+    n_groups = dp a group is one device's experts, so a token's choices land on at
+    most topk_groups devices. (Our all_to_all still moves fixed-size capacity buffers
+    to every device, so here that bounds where tokens go, not the bytes sent.)
+    """
+    S, E = choice_SE.shape
+    by_group_SPE = choice_SE.reshape(S, n_groups, E // n_groups)
+    group_score_SP = jnp.sum(jax.lax.top_k(by_group_SPE, 2)[0], axis=-1)
+    _, top_groups_SX = jax.lax.top_k(group_score_SP, topk_groups)
+    kept_SP = jnp.any(jnp.arange(n_groups)[None, :, None] == top_groups_SX[:, None, :], axis=-1)
+    return jnp.where(jnp.repeat(kept_SP, E // n_groups, axis=1), choice_SE, -jnp.inf)
+
+
+def top_k_routing(x_SD, router_DE, top_k, score, bias_E=None, n_groups=1, topk_groups=1, routed_scale=1.0):
+    """Router: each token picks its top_k experts; gates are normalised to sum to 1.
+
+    Returns gates_SX, experts_SX (int) and probs_SE (normalised scores, for the
+    load-balance loss). With top_k = 1 the gate is the raw score (Switch Transformer). Routing runs in float32: a tie broken differently in bfloat16
+    would send a token elsewhere.
+    DeepSeek-V3 options: bias_E shifts the scores that *select* experts, while the
+    gates come from the unbiased scores; n_groups > 1 limits each token to its
+    topk_groups best expert groups; routed_scale multiplies the gates (V3's
+    routed_scaling_factor), i.e. the routed experts' output.
+    """
+    logits_SE = jnp.dot(x_SD.astype(ACC_DTYPE), router_DE.astype(ACC_DTYPE))
+    if score == "softmax":
+        scores_SE = jax.nn.softmax(logits_SE, axis=-1)
+    else:  # sigmoid (DeepSeek-V3): independent affinities, normalised afterwards
+        scores_SE = jax.nn.sigmoid(logits_SE)
+    probs_SE = scores_SE / jnp.sum(scores_SE, axis=-1, keepdims=True)
+    # Selection only picks indices, so no gradient flows through it.
+    choice_SE = jax.lax.stop_gradient(scores_SE if bias_E is None else scores_SE + bias_E.astype(ACC_DTYPE))
+    if n_groups > 1:
+        choice_SE = limit_to_top_groups(choice_SE, n_groups, topk_groups)
+    _, experts_SX = jax.lax.top_k(choice_SE, top_k)
+    top_scores_SX = jnp.take_along_axis(scores_SE, experts_SX, axis=-1)
+    if top_k == 1:  # (normalising one score would make every gate 1: no gradient for the router)
+        return top_scores_SX * routed_scale, experts_SX, probs_SE
+    gates_SX = top_scores_SX / jnp.sum(top_scores_SX, axis=-1, keepdims=True)
+    return gates_SX * routed_scale, experts_SX, probs_SE
+
+
+def balanced_bias(bias_NE, tokens_per_expert_NE, rate):
+    """One step of aux-loss-free balancing (DeepSeek-V3 section 2.1.2):
+    bias_e += rate * sign(mean load - load_e). An overloaded expert's bias falls, an
+    underloaded one's rises, one at mean load keeps it. The load is the step's global
+    count of assignments (before capacity drops), so every device and mesh computes
+    the same bias."""
+    load_NE = tokens_per_expert_NE.astype(jnp.float32)
+    return bias_NE + rate * jnp.sign(jnp.mean(load_NE, axis=-1, keepdims=True) - load_NE)
+
+
+def balance_router_biases(blocks, tokens_per_expert_NLE, rate, block_pattern):
+    """blocks (a pure dict of stacked block params) with every MoE layer's
+    router_bias_E moved by `balanced_bias`; MoE layer l of a block is the l-th "M" of
+    its pattern."""
+    layers = dict(blocks["layers"])
+    for moe_layer, i in enumerate(i for i, kind in enumerate(block_pattern) if kind == "M"):
+        ffn = dict(layers[i]["ffn"])
+        ffn["router_bias_E"] = balanced_bias(ffn["router_bias_E"], tokens_per_expert_NLE[:, moe_layer], rate)
+        layers[i] = dict(layers[i], ffn=ffn)
+    return dict(blocks, layers=layers)
+
+
+def router_biases(blocks, block_pattern):
+    """[N, L, E]: the router bias of every MoE layer (for logging)."""
+    return jnp.stack([blocks["layers"][i]["ffn"]["router_bias_E"] for i, kind in enumerate(block_pattern) if kind == "M"], axis=1)
+
+
+def expert_capacity(group_size, top_k, n_experts, capacity_factor):
+    """Slots per expert per routing group: factor x tokens x k / experts (GShard).
+
+    The k matters: a group makes tokens x k assignments, so without it the expected
+    load of an expert would exceed its capacity whenever k > 1.
+    """
+    return max(1, math.ceil(capacity_factor * group_size * top_k / n_experts))
+
+
+def assign_slots(experts_SX, n_experts, capacity):
+    """Give every (token, choice) a slot in its expert's buffer, or drop it.
+
+    Priority is token order (then choice order within a token): a token competes for a
+    slot only with the tokens before it, so what is dropped at position t never depends
+    on later tokens and the model stays causal. (Choice-major priority, all first
+    choices before any second choice, would let a later token's first choice evict an
+    earlier token's second choice: the future would leak into the past.)
+    Done by a stable sort: O(S*X log(S*X)), no [S, E, C] one-hot.
+    Returns slot_SX (e * capacity + position; n_experts * capacity when dropped),
+    kept_SX and tokens_per_expert_E (demand before dropping).
+    """
+    S, X = experts_SX.shape
+    experts_N = experts_SX.reshape(-1)  # token-major order
+    order = jnp.argsort(experts_N, stable=True)
+    tokens_per_expert_E = jnp.zeros((n_experts,), jnp.int32).at[experts_N].add(1)
+    first_index_E = jnp.cumsum(tokens_per_expert_E) - tokens_per_expert_E
+    position_sorted = jnp.arange(S * X) - first_index_E[experts_N[order]]
+    position_SX = jnp.zeros((S * X,), jnp.int32).at[order].set(position_sorted).reshape(S, X)
+    kept_SX = position_SX < capacity
+    slot_SX = jnp.where(kept_SX, experts_SX * capacity + position_SX, n_experts * capacity)
+    return slot_SX, kept_SX, tokens_per_expert_E
+
+
+def load_balance_loss(probs_SE, tokens_per_expert_E, top_k):
+    """Switch Transformer auxiliary loss, E * sum_e f_e * P_e (arXiv:2101.03961 eq. 4).
+
+    f_e is the fraction of the group's top-k assignments that chose expert e, P_e the
+    mean router probability. Both are 1/E under perfectly uniform routing, where the
+    loss takes its minimum value of 1.
+    """
+    S, E = probs_SE.shape
+    fraction_E = tokens_per_expert_E.astype(ACC_DTYPE) / (S * top_k)
+    return E * jnp.sum(fraction_E * jnp.mean(probs_SE, axis=0))
+
+
+def sequence_balance_loss(probs_BTE, experts_BTX, n_experts):
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20), summed over sequences:
+    the Switch formula above with f and P taken over each whole sequence. (With the
+    default --model.routing_group, one group per sequence, it is the same number as
+    the Switch loss; it differs when routing groups are shorter.)"""
+    tokens_per_expert_BE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_BTX)
+    return jnp.sum(jax.vmap(load_balance_loss, (0, 0, None))(probs_BTE, tokens_per_expert_BE, experts_BTX.shape[-1]))
+
+
+class MoE(nnx.Module):
+    """Shared experts (see every token) + top-k routed experts (DeepSeekMoE).
+
+    Tokens are routed in groups of `group_size` consecutive tokens of one sequence.
+    Capacity and dropping are decided per group, and groups never straddle sequences,
+    so which tokens are dropped does not depend on how the batch is split over
+    devices.
+    """
+
+    def __init__(self, cfg, rngs):
+        D, E, F = cfg.d_model, cfg.n_experts, cfg.d_expert
+        self.top_k, self.score = cfg.top_k, cfg.router_score
+        self.capacity_factor = cfg.capacity_factor
+        self.group_size = cfg.routing_group or cfg.seq_len
+        self.router_DE = init_normal(rngs, (D, E), D)
+        self.router_bias_E = RouterBias(jnp.zeros((E,), jnp.float32)) if cfg.router_bias_rate > 0 else None
+        self.n_groups, self.topk_groups, self.routed_scale = cfg.n_groups, cfg.topk_groups, cfg.routed_scale
+        self.sequence_loss = cfg.seq_aux_loss_weight > 0
+        self.w_gate_EDF = init_normal(rngs, (E, D, F), D)
+        self.w_up_EDF = init_normal(rngs, (E, D, F), D)
+        self.w_down_EFD = init_normal(rngs, (E, F, D), F, residual_scale(cfg))
+        self.shared = DenseFFN(D, cfg.n_shared * F, "swiglu", rngs, residual_scale(cfg)) if cfg.n_shared else None
+
+    def route(self, x_GSD):
+        """top_k_routing of each group: (gates_GSX, experts_GSX, probs_GSE)."""
+        bias_E = None if self.router_bias_E is None else self.router_bias_E[...]
+        route = functools.partial(top_k_routing, top_k=self.top_k, score=self.score, bias_E=bias_E, n_groups=self.n_groups,
+                                  topk_groups=self.topk_groups, routed_scale=self.routed_scale)
+        return jax.vmap(route, (0, None))(x_GSD, self.router_DE[...])
+
+    def expert_ffn(self, x_GECD):
+        """SwiGLU of each local expert on its buffer of tokens.
+
+        Each expert's slots of all groups become one row dim N = G x C, so every matmul is
+        a batch (over E) of plain 2-D products (see `project` for why that is faster)."""
+        G, E, C, D = x_GECD.shape
+        x_END = x_GECD.transpose(1, 0, 2, 3).reshape(E, G * C, D)
+
+        def expert_matmul(x_ENI, w_EIO):
+            return jnp.einsum("eni,eio->eno", x_ENI, w_EIO.astype(x_ENI.dtype), preferred_element_type=ACC_DTYPE).astype(x_ENI.dtype)
+
+        hidden_ENF = jax.nn.silu(expert_matmul(x_END, self.w_gate_EDF[...])) * expert_matmul(x_END, self.w_up_EDF[...])
+        y_END = expert_matmul(hidden_ENF, self.w_down_EFD[...])
+        return y_END.reshape(E, G, C, D).transpose(1, 0, 2, 3)
+
+    def routed_with_capacity(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis):
+        G, S, D = x_GSD.shape
+        capacity = expert_capacity(S, self.top_k, n_experts, self.capacity_factor)
+        slot_GSX, kept_GSX, tokens_per_expert_GE = jax.vmap(assign_slots, (0, None, None))(experts_GSX, n_experts, capacity)
+
+        def fill_slots(x_SD, slot_SX):  # gather tokens into [E*C] slots; empty slots read a zero row
+            token_for_slot = jnp.full((n_experts * capacity,), S, jnp.int32)
+            token_for_slot = token_for_slot.at[slot_SX].set(jnp.broadcast_to(jnp.arange(S)[:, None], slot_SX.shape), mode="drop")
+            return jnp.concatenate([x_SD, jnp.zeros((1, D), x_SD.dtype)])[token_for_slot]
+
+        x_GECD = jax.vmap(fill_slots)(x_GSD, slot_GSX).reshape(G, n_experts, capacity, D)
+        if ep_axis is None or not (is_auto_axis(ep_axis) or live_axes(ep_axis)):  # one expert group: nothing to send
+            y_GECD = self.expert_ffn(x_GECD)
+        elif is_auto_axis(ep_axis):
+            # Automatic sharding (executor_auto.py): only say that each expert's slots
+            # should sit where the expert lives (experts over ep_axis, every group);
+            # the compiler inserts the dispatch there and back.
+            by_expert = jax.sharding.PartitionSpec(None, ep_axis)
+            x_GECD = jax.lax.with_sharding_constraint(x_GECD, by_expert)
+            y_GECD = jax.lax.with_sharding_constraint(self.expert_ffn(x_GECD), by_expert)
+        else:
+            # Expert parallelism: this device holds E/dp experts. all_to_all sends each
+            # expert's slots to the device that owns it (split E, stack groups), the
+            # experts run, and the inverse all_to_all brings the results home.
+            x_GECD = jax.lax.all_to_all(x_GECD, ep_axis, split_axis=1, concat_axis=0, tiled=True)
+            y_GECD = self.expert_ffn(x_GECD)
+            y_GECD = jax.lax.all_to_all(y_GECD, ep_axis, split_axis=0, concat_axis=1, tiled=True)
+
+        def combine(y_ECD, slot_SX, gates_SX, kept_SX):  # each token sums its k expert outputs
+            y_slots = jnp.concatenate([y_ECD.reshape(-1, D), jnp.zeros((1, D), y_ECD.dtype)])
+            weights_SX = jnp.where(kept_SX, gates_SX, 0.0).astype(y_ECD.dtype)
+            return jnp.einsum("sxd,sx->sd", y_slots[slot_SX], weights_SX)
+
+        y_GSD = jax.vmap(combine)(y_GECD, slot_GSX, gates_GSX, kept_GSX)
+        dropped = jnp.sum(~kept_GSX)
+        return y_GSD, tokens_per_expert_GE, dropped
+
+    def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts):
+        """No capacity: sort all (token, choice) pairs by expert and run a grouped
+        matmul (jax.lax.ragged_dot) over the contiguous runs of each expert."""
+        G, S, D = x_GSD.shape
+        X = self.top_k
+        experts_N = experts_GSX.reshape(-1)
+        order = jnp.argsort(experts_N, stable=True)
+        token_of_pair = jnp.arange(G * S * X) // X
+        x_ND = x_GSD.reshape(G * S, D)[token_of_pair[order]]
+        tokens_per_expert_E = jnp.zeros((n_experts,), jnp.int32).at[experts_N].add(1)
+        gate = jax.lax.ragged_dot(x_ND, self.w_gate_EDF[...], tokens_per_expert_E)
+        up = jax.lax.ragged_dot(x_ND, self.w_up_EDF[...], tokens_per_expert_E)
+        y_ND = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.w_down_EFD[...], tokens_per_expert_E)
+        y_pairs = jnp.zeros_like(y_ND).at[order].set(y_ND).reshape(G, S, X, D)
+        y_GSD = jnp.einsum("gsxd,gsx->gsd", y_pairs, gates_GSX.astype(y_pairs.dtype))
+        tokens_per_expert_GE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_GSX)
+        return y_GSD, tokens_per_expert_GE, jnp.zeros((), jnp.int32)
+
+    def __call__(self, x_BTD, tp_axis=None, ep_axis=None):
+        """Returns y_BTD (a partial sum over tp) and routing statistics summed over
+        this call's groups: aux_loss_sum, tokens_per_expert_E, dropped, groups."""
+        B, T, D = x_BTD.shape
+        n_experts = self.router_DE[...].shape[1]
+        group = min(self.group_size, T)
+        if T % group:
+            raise ValueError(f"routing groups of {group} tokens must divide the sequence length {T}: "
+                             f"a group must never straddle two sequences (set --model.routing_group)")
+        x_GSD = x_BTD.reshape(B * T // group, group, D)
+        gates_GSX, experts_GSX, probs_GSE = self.route(x_GSD)
+        if self.capacity_factor > 0:
+            y_GSD, tokens_per_expert_GE, dropped = self.routed_with_capacity(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis)
+        else:
+            y_GSD, tokens_per_expert_GE, dropped = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, n_experts)
+        y_BTD = y_GSD.reshape(B, T, D)
+        if self.shared is not None:
+            y_BTD = y_BTD + self.shared(x_BTD)
+        aux_G = jax.vmap(load_balance_loss, (0, 0, None))(probs_GSE, tokens_per_expert_GE, self.top_k)
+        stats = dict(aux_loss_sum=jnp.sum(aux_G), tokens_per_expert=jnp.sum(tokens_per_expert_GE, 0),
+                     dropped=dropped, groups=jnp.asarray(x_GSD.shape[0], jnp.int32))
+        if self.sequence_loss:
+            stats["seq_aux_loss_sum"] = sequence_balance_loss(probs_GSE.reshape(B, T, n_experts), experts_GSX.reshape(B, T, -1), n_experts)
+        return y_BTD, stats
+
+    def decode(self, x_BTD):
+        """Inference: every token gets all of its top-k experts (no capacity)."""
+        B, T, D = x_BTD.shape
+        x_GSD = x_BTD.reshape(B * T, 1, D)
+        gates_GSX, experts_GSX, _ = self.route(x_GSD)
+        y_GSD, _, _ = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, self.router_DE[...].shape[1])
+        y_BTD = y_GSD.reshape(B, T, D)
+        return y_BTD + self.shared(x_BTD) if self.shared is not None else y_BTD
