@@ -32,6 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import hf_interop
+from moe import has_router_bias
 from utils import ConfigError
 from weights import is_trained, weight_name
 
@@ -112,13 +113,16 @@ def check_model_config(saved_model_cfg, model_cfg, where):
     current = {k: v for k, v in vars(model_cfg).items()}
     # Fields that change the computation but not the weights may differ.
     free = {"dropout", "dtype", "remat", "unroll_blocks", "capacity_factor", "aux_loss_weight", "routing_group",
-            "router_bias_rate", "seq_aux_loss_weight", "mtp_loss_weight"}
+            "router_bias_rate", "router_bias", "seq_aux_loss_weight", "mtp_loss_weight"}
     diffs = [f"--model.{k}: checkpoint {saved_model_cfg.get(k)!r} vs now {v!r}" for k, v in current.items()
              if k not in free and k in saved_model_cfg and saved_model_cfg[k] != v]
-    # The rate may change, but a bias exists only when it is > 0 (older checkpoints have none).
-    if (saved_model_cfg.get("router_bias_rate", 0) > 0) != (model_cfg.router_bias_rate > 0):
+    # The rate may change, but a bias exists only when it is > 0 or --model.router_bias
+    # (older checkpoints have neither).
+    saved_bias = saved_model_cfg.get("router_bias_rate", 0) > 0 or saved_model_cfg.get("router_bias", False)
+    if saved_bias != has_router_bias(model_cfg):
         diffs.append(f"--model.router_bias_rate: checkpoint {saved_model_cfg.get('router_bias_rate', 0)!r} vs now "
-                     f"{model_cfg.router_bias_rate!r} (router biases exist only when it is > 0)")
+                     f"{model_cfg.router_bias_rate!r} (router biases exist only when it is > 0 or --model.router_bias is set; "
+                     f"router_bias: checkpoint {saved_model_cfg.get('router_bias', False)!r} vs now {model_cfg.router_bias!r})")
     if diffs:
         raise ConfigError(f"the checkpoint in {where} was written for another model ({'; '.join(diffs)}); "
                           f"use the same --model.* flags, or another --run.name")

@@ -75,6 +75,8 @@ class ModelConfig:
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
     router_bias_rate: float = option(0.0, "aux-loss-free balancing (DeepSeek-V3): after every step each expert's selection bias "
                                           "moves by this towards uniform load; 0 = off (V3 used 0.001)")
+    router_bias: bool = option(False, "a per-expert router selection bias exists even at --model.router_bias_rate 0, where it "
+                                      "stays frozen; --train.init_from hf: sets it for a DeepSeek-V3 checkpoint (e_score_correction_bias)")
     seq_aux_loss_weight: float = option(0.0, "weight of DeepSeek-V3's sequence-wise balance loss (V3 used 0.0001)")
     n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
     topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
@@ -154,7 +156,7 @@ class Block(nnx.Module):
         self.layers = nnx.List([Layer(cfg, kind, rngs) for kind in cfg.block_pattern])
         self.n_experts = cfg.n_experts
         self.sequence_loss = cfg.seq_aux_loss_weight > 0 and "M" in cfg.block_pattern
-        self.balancing = cfg.router_bias_rate > 0 and "M" in cfg.block_pattern
+        self.balancing = cfg.router_bias_rate > 0 and "M" in cfg.block_pattern  # (a frozen bias needs no loads)
 
     def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat_layers=False):
         """Returns x_BTD and the MoE statistics of this block's MoE layers, summed

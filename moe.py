@@ -24,6 +24,12 @@ class RouterBias(nnx.Variable):
     optimizer leaves it alone; `balanced_bias` moves it after every step."""
 
 
+def has_router_bias(cfg):
+    """The MoE layers hold router_bias_E: trained by balancing (router_bias_rate > 0), or
+    frozen as imported (router_bias, e.g. DeepSeek-V3's e_score_correction_bias)."""
+    return cfg.router_bias_rate > 0 or cfg.router_bias
+
+
 def limit_to_top_groups(choice_SE, n_groups, topk_groups):
     """Group-limited routing (DeepSeek-V2 section 2.1.3, V3's node-limited routing):
     experts are split into n_groups contiguous groups; each token keeps only the
@@ -169,7 +175,7 @@ class MoE(nnx.Module):
         self.capacity_factor = cfg.capacity_factor
         self.group_size = cfg.routing_group or cfg.seq_len
         self.router_DE = init_normal(rngs, (D, E), D)
-        self.router_bias_E = RouterBias(jnp.zeros((E,), jnp.float32)) if cfg.router_bias_rate > 0 else None
+        self.router_bias_E = RouterBias(jnp.zeros((E,), jnp.float32)) if has_router_bias(cfg) else None
         self.n_groups, self.topk_groups, self.routed_scale = cfg.n_groups, cfg.topk_groups, cfg.routed_scale
         self.sequence_loss = cfg.seq_aux_loss_weight > 0
         self.w_gate_EDF = init_normal(rngs, (E, D, F), D)
