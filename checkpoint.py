@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+import hf_config
 import hf_interop
 from moe import has_router_bias
 from utils import ConfigError
@@ -288,9 +289,9 @@ def find_params_source(path):
     """('export', dir) or ('run', run_dir) for --train.init_from / sampling; a clear
     error for a path that is neither (checked before anything compiles). `hf:DIR` is
     ('hf', DIR), a Hugging Face directory (hf_interop.py)."""
-    if hf_interop.hf_dir(path) is not None:
-        hf_path = os.path.abspath(hf_interop.hf_dir(path))
-        hf_interop.read_hf_config(hf_path)
+    if hf_config.hf_dir(path) is not None:
+        hf_path = os.path.abspath(hf_config.hf_dir(path))
+        hf_config.read_hf_config(hf_path)
         return "hf", hf_path
     path = os.path.abspath(path)
     if not os.path.exists(path):
@@ -311,7 +312,7 @@ def restore_params(path, params, model_cfg, log=warn):
     damaged checkpoint is reported and the previous one used, but nothing is moved."""
     kind, path = find_params_source(path)
     if kind == "hf":
-        return hf_interop.load_params(path, params, model_cfg)
+        return hf_interop.load_params(path, params, model_cfg, log)
     if kind == "export":
         with open(os.path.join(path, "config.json")) as f:
             check_model_config(json.load(f)["model"], model_cfg, path)

@@ -1,50 +1,45 @@
-"""Hugging Face interop: this model <-> a transformers checkpoint directory.
+"""Hugging Face interop: this model <-> a transformers checkpoint directory (weights;
+config.json is hf_config.py's, the tokenizer hf_tokenizer.py's).
 
 The model here is arithmetically a DeepSeek-V3 (MLA attention with decoupled RoPE,
-shared + routed SwiGLU experts, RMSNorm, tied embedding), so a run leaves the repo as a
-directory that `AutoModelForCausalLM.from_pretrained` loads: with transformers' own,
-built-in classes where one computes the model, else with a short subclass of its
-DeepseekV3 that the export writes beside the weights (modeling_meshformer.py, loaded
-with trust_remote_code=True; config.json's auto_map points at it):
+shared + routed SwiGLU experts, RMSNorm), so a run leaves the repo as a directory that
+`AutoModelForCausalLM.from_pretrained` loads: with transformers' own, built-in classes
+where one computes the model, else with a short subclass of its DeepseekV3 that the
+export writes beside the weights (modeling_meshformer.py, loaded with
+trust_remote_code=True; config.json's auto_map points at it):
 
   dense layers first only (D...DM...M), and
-    router_score sigmoid (or no MoE layer) -> deepseek_v3 (DeepseekV3ForCausalLM)
-    router_score softmax, top_k 1           -> deepseek_v2 (DeepseekV2ForCausalLM)
+    router_score sigmoid (or no MoE layer)                      -> deepseek_v3 (DeepseekV3ForCausalLM)
+    router_score softmax, raw gates (no renormalisation or top 1),
+      no expert groups, no selection bias                       -> deepseek_v2 (DeepseekV2ForCausalLM)
   anything else (the default run's DM x 2 with a softmax top-2 router; moe1b's
-  DDDDDM x 8)                               -> meshformer  (MeshformerForCausalLM, remote code)
+  DDDDDM x 8)                                                   -> meshformer  (MeshformerForCausalLM, remote code)
 
-Why: transformers' DeepseekV3 router always scores experts with a sigmoid. Its
-DeepseekV2 scores with a softmax but never renormalises the top k (its router deletes
-norm_topk_prob: gate = softmax score x routed_scaling_factor), which is ours only when
-k = 1, where our gate is the raw score too. Both put dense layers only first
-(first_k_dense_replace). Mistral4 renormalises softmax scores, but is dense-first too and
-transformers 5.24 leaves it out of AutoModelForCausalLM (so out of `lm_eval --model hf`).
-modeling_meshformer.py adds the two missing pieces (a per-layer dense/MoE list,
-`mlp_layer_types`; a softmax or sigmoid router with the top k renormalised) and reuses
-everything else of transformers' DeepseekV3; its model_type is not deepseek_v3, so
-without trust_remote_code transformers refuses it rather than compute another model.
+And back: DeepSeek-V3, DeepSeek-V2-Lite and Moonlight checkpoints import
+(`--train.init_from hf:DIR`), streamed: load_params reads, for every shard of every
+param that this process's devices hold, only that shard's slice of the HF tensors
+(safetensors_reader.py), never the whole model into one host's memory.
 
-How the pieces map (ours -> HF, per layer l = block n x len(pattern) + position i; the
-names and layouts are the rows of weights.WEIGHTS, under HF_MODULES):
+How the pieces map (ours -> HF, per layer l = first_dense + block n x len(pattern) +
+position i, or l = i for the dense prefix's layer i; the names and layouts are the rows
+of weights.WEIGHTS, under HF_MODULES):
 
   wq_down_DQ                    q_a_proj [Q, D]            (transposed: torch stores [out, in])
   wq_up_QHK | wq_rope_QHR       q_b_proj [H (K + R), Q]    per head: K content dims, then R RoPE dims
+  wq_DHK | wq_rope_DHR          q_proj [H (K + R), D]      (q_latent 0: no query latent)
   wkv_down_DA | wk_rope_DR      kv_a_proj_with_mqa [A + R, D]
   wk_up_AHK | wv_up_AHK         kv_b_proj [H (K + K), A]   per head: K key dims, then K value dims
   wo_HKD                        o_proj [D, H K]
+  router_bias_E                 gate.e_score_correction_bias (zeros when ours has none)
   final_norm / sqrt(D)          model.norm                 (our logits are scaled by 1/sqrt(D); a model
                                                            imported from HF keeps HF's weight: final_norm_folded)
-  embed_VD (padded rows too)    embed_tokens, tied to lm_head
+  embed_VD (padded rows too)    embed_tokens
+  head_VD                       lm_head                    (tie_embeddings false; tied: embed_tokens is both)
 
 RoPE: ours rotates pairs (x[2i], x[2i+1]); HF's `rope_interleave: true` rotates the same
 pairs (it writes them out de-interleaved, to queries and keys alike, which leaves every
 score unchanged), and DeepseekV2 rotates them as complex numbers in place, so RoPE
-weights copy as they are. Softmax scale 1/sqrt(K + R) on all three.
-
-Routing fields: config.json states every one DeepSeek's own has (scoring_func,
-topk_method, norm_topk_prob, n_group, topk_group, routed_scaling_factor,
-first_k_dense_replace, moe_layer_freq, rope_theta), since vLLM reads some with other
-defaults than transformers (scoring_func defaults to softmax there).
+weights copy as they are.
 
 Vocabulary: the exported vocab_size is our padded one, so HF's logits and loss are ours
 over every row; generation_config.json suppresses the padding ids, as our sampler does.
@@ -56,9 +51,11 @@ Experts: per-expert tensors (experts.{e}.gate_proj...) for deepseek_v3 and deeps
 DeepSeek's own checkpoints have them (transformers fuses them on load); fused ones
 (experts.gate_up_proj, experts.down_proj) for meshformer, as its classes store them
 (transformers converts names for its own model types only, not for remote code).
+Either imports.
 """
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -67,235 +64,306 @@ import shutil
 import jax
 import ml_dtypes
 import numpy as np
-from flax import nnx
 
-from model import Transformer, padded_vocab
-from utils import ConfigError, apply_overrides
+from errors import ConfigError
+from hf_config import (ARCH_FIELDS, REMOTE_CODE, adopt_hf_config, architecture_of, check_exportable, from_hf_config, read_hf_config,
+                       to_hf_config)
+from hf_tokenizer import write_tokenizer
+from model import abstract_params
+from safetensors_reader import Checkpoint
 from weights import WEIGHTS, row
 
-HF_PREFIX = "hf:"
-ARCHITECTURES = {  # model_type -> (class, the router score it computes; None: config.json's scoring_func)
-    "deepseek_v3": ("DeepseekV3ForCausalLM", "sigmoid"),
-    "deepseek_v2": ("DeepseekV2ForCausalLM", "softmax"),
-    "mistral4": ("Mistral4ForCausalLM", "softmax"),  # imported, never exported (not in AutoModelForCausalLM)
-    "meshformer": ("MeshformerForCausalLM", None),  # remote code: REMOTE_CODE, written beside the weights
-}
-REMOTE_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_meshformer.py")
-MLP_LAYER_TYPES = {"D": "dense", "M": "sparse"}  # our layer kinds -> transformers' mlp_layer_types
-RMS_EPS = 1e-6  # layers.RMSNorm's
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-# Fields of our ModelConfig that no HF field carries, kept in config.json under this key
-# so that our own export imports back as exactly the model it came from.
-OURS_KEY = "meshformer"
-OURS_FIELDS = ("vocab_size", "vocab_multiple", "n_blocks", "block_pattern", "final_norm_folded")
+# Our module names -> HF's (DeepseekV3's modeling code). Each weight's own tensor name
+# under its module, and how it is laid out there, is its row in weights.WEIGHTS.
+HF_MODULES = {"attn_norm": "input_layernorm", "attn": "self_attn", "q_norm": "q_a_layernorm", "kv_norm": "kv_a_layernorm",
+              "ffn_norm": "post_attention_layernorm", "ffn": "mlp", "shared": "shared_experts", "final_norm": "norm"}
+TOP_LEVEL = {"head_VD"}  # weights whose HF tensor sits outside `model.` (lm_head.weight)
 
 
-def hf_dir(init_from):
-    """The directory of --train.init_from hf:DIR, or None for other sources."""
-    return init_from[len(HF_PREFIX):] if init_from.startswith(HF_PREFIX) else None
+def hf_name(keys, prefix, fused_experts=False):
+    """The HF tensor of our weight at `keys` (module names, then the weight name) under
+    `prefix` ("model." or "model.layers.{l}."); routed experts' names hold `{e}`
+    unless fused_experts (one tensor for all experts)."""
+    hf = row(keys[-1]).hf
+    tensor = hf.fused if fused_experts and hf.fused else hf.name
+    if keys[-1] in TOP_LEVEL:
+        return tensor
+    return prefix + ".".join([*(HF_MODULES[k] for k in keys[:-1]), tensor])
 
 
-def layer_kinds(m):
-    """The whole stack, layer by layer: e.g. "DMDM" for 2 blocks of "DM"."""
-    return m.block_pattern * m.n_blocks
+def hf_layout(tree, prefix, fused_experts):
+    """{HF tensor: [keys of our weights in it]} for a dict of our weights (one layer's, or
+    the top level's), the weights of one tensor in table order (concatenated along their
+    last dim)."""
+    layout = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = tuple(k.key for k in path)
+        layout.setdefault(hf_name(keys, prefix, fused_experts), []).append(keys)
+    order = list(WEIGHTS)
+    return {name: sorted(parts, key=lambda keys: order.index(keys[-1])) for name, parts in layout.items()}
 
 
-# ----------------------------------------------------------------------------
-# Config: ours -> HF
+def torch_shape(shape, weight):
+    """HF's shape for ours: [E.., out, in] (nn.Linear's [out, in]) for a weight with
+    fan-in dims, whose fan-in and fan-out dims flatten into `in` and `out`."""
+    if weight.fan_in is None:
+        return tuple(shape)
+    b = int(weight.routed)
+    return (*shape[:b], math.prod(shape[b + weight.fan_in:]), math.prod(shape[b:b + weight.fan_in]))
 
 
-def check_exportable(m):
-    """Raise ConfigError for a model HF's classes cannot express, saying what would export.
-    Every layer layout exports (architecture_of picks the class)."""
-    kinds = layer_kinds(m)
-    if "D" in kinds and m.ffn_activation != "swiglu":
-        raise ConfigError(f"--model.ffn_activation {m.ffn_activation}: HF's DeepseekV3 dense layers are SwiGLU; "
-                          "train with --model.ffn_activation swiglu to export")
-    if "M" in kinds and m.n_experts < 2:
-        raise ConfigError("--model.n_experts must be >= 2 to export: HF's router ranks experts in groups of at least 2")
-    routing = {"--model.router_bias_rate": (m.router_bias_rate, 0.0), "--model.n_groups": (m.n_groups, 1),
-               "--model.routed_scale": (m.routed_scale, 1.0)}
-    if "M" in kinds and any(value != off for value, off in routing.values()):
-        on = ", ".join(f"{flag} {value}" for flag, (value, off) in routing.items() if value != off)
-        raise ConfigError(f"{on}: the exporter does not yet write DeepSeek-V3's routing options (HF's "
-                          "e_score_correction_bias, n_group / topk_group, routed_scaling_factor); export a model trained without them")
-
-
-def to_hf_config(m, tokenizer, dtype):
-    """config.json of the export: every field derived from our ModelConfig `m`."""
-    check_exportable(m)
-    kinds = layer_kinds(m)
-    model_type, architecture = architecture_of(m)
-    score = ARCHITECTURES[model_type][1] or m.router_score
-    config = dict(
-        architectures=[architecture], model_type=model_type, dtype=dtype,
-        vocab_size=padded_vocab(m.vocab_size, m.vocab_multiple), hidden_size=m.d_model,
-        num_hidden_layers=len(kinds), first_k_dense_replace=len(kinds) - len(kinds.lstrip("D")),
-        intermediate_size=m.d_ff, hidden_act="silu",
-        num_attention_heads=m.n_heads, num_key_value_heads=m.n_heads,
-        q_lora_rank=m.q_latent, kv_lora_rank=m.kv_latent,
-        qk_nope_head_dim=m.head_dim, qk_rope_head_dim=m.rope_dim, v_head_dim=m.head_dim,
-        rope_interleave=True, attention_bias=False, attention_dropout=0.0,
-        n_routed_experts=m.n_experts, n_shared_experts=m.n_shared, moe_intermediate_size=m.d_expert,
-        num_experts_per_tok=m.top_k,
-        # Ours renormalises the top-k scores to sum to 1, except with one expert, whose
-        # gate is its raw score (DeepseekV2 ignores the field: it exports only k = 1).
-        norm_topk_prob=m.top_k > 1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
-        # Every routing field DeepSeek's own config.json states, so that a loader that
-        # reads them with other defaults (vLLM: getattr(config, "scoring_func",
-        # "softmax"), layer_idx % moe_layer_freq) routes as we do. noaux_tc: top k of the
-        # score plus e_score_correction_bias (written, zeros); greedy: top k of the score.
-        scoring_func=score, topk_method="noaux_tc" if score == "sigmoid" else "greedy",
-        moe_layer_freq=1, rope_theta=m.rope_theta,
-        max_position_embeddings=m.seq_len, rms_norm_eps=RMS_EPS, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eot_id, pad_token_id=None, use_cache=True,
-        initializer_range=0.02,
-    )
-    # "default" RoPE spans head_dim, which both configs set to qk_rope_head_dim
-    config["rope_parameters"] = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if model_type == "deepseek_v2":
-        config["mlp_bias"] = False
-    else:
-        config["num_nextn_predict_layers"] = 0
-    if model_type == "meshformer":  # modeling_meshformer.py: DeepseekV3 with any layer layout and router
-        stem = os.path.splitext(os.path.basename(REMOTE_CODE))[0]
-        config.update(auto_map={"AutoConfig": f"{stem}.MeshformerConfig", "AutoModelForCausalLM": f"{stem}.MeshformerForCausalLM"},
-                      mlp_layer_types=[MLP_LAYER_TYPES[kind] for kind in kinds])
-    config[OURS_KEY] = {k: getattr(m, k) for k in OURS_FIELDS}
-    return config
-
-
-def architecture_of(m):
-    """(model_type, class) of the export: the built-in transformers class that computes
-    this layout and router, else our remote code (module docstring). A model without
-    MoE layers has no router: deepseek_v3."""
-    kinds = layer_kinds(m)
-    dense_first = "D" not in kinds.lstrip("D")
-    if "M" not in kinds or (dense_first and m.router_score == "sigmoid"):
-        model_type = "deepseek_v3"
-    elif dense_first and m.router_score == "softmax" and m.top_k == 1:
-        model_type = "deepseek_v2"
-    else:
-        model_type = "meshformer"
-    return model_type, ARCHITECTURES[model_type][0]
+def leaf_at(tree, keys):
+    for k in keys:
+        tree = tree[k]
+    return tree
 
 
 # ----------------------------------------------------------------------------
-# Config: HF -> ours
+# Import: where each of our weights is in the checkpoint, read by box
 
 
-ARCH_FIELDS = ("vocab_size", "vocab_multiple", "d_model", "n_heads", "head_dim", "rope_dim", "q_latent", "kv_latent",
-               "rope_theta", "n_blocks", "block_pattern", "d_ff", "ffn_activation", "n_experts", "n_shared", "top_k",
-               "d_expert", "router_score", "final_norm_folded")
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One of our weights in an HF checkpoint.
 
+    names: its HF tensor for each block (stacked weights), or the one tensor; a routed
+      expert's name holds `{e}` when the checkpoint stores one tensor per expert.
+    whole: the shape of everything in that tensor, ours (no N): our part and its siblings
+      concatenated along the last dim, our part from `offset` on.
+    transform: applied to what is read (the final norm's representation)."""
+    names: tuple
+    stacked: bool
+    weight: object
+    whole: tuple
+    offset: int
+    transform: object = None
 
-def from_hf_config(hf, m):
-    """Our ModelConfig for an HF config dict: `m` with its architecture fields replaced.
-    What this model cannot express is a ConfigError naming the HF field."""
-
-    model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ConfigError(f"config.json has model_type {model_type!r}; this model imports "
-                          f"{', '.join(ARCHITECTURES)} (MLA + DeepSeek MoE) checkpoints")
-
-    def need(ok, field, why):
-        if not ok:
-            raise ConfigError(f"cannot import: config.json field {field} = {hf.get(field)!r}: {why}")
-
-    # As transformers reads it (PreTrainedConfig.convert_rope_params_to_dict): the legacy
-    # `rope_scaling` (transformers 4.x's and DeepSeek's own configs) wins over
-    # `rope_parameters`, and rope_theta may sit beside it at the top level.
-    rope_field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    rope = dict(hf.get(rope_field) or {"rope_type": "default"})
-    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    L, k = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 0)
-    need(hf.get("q_lora_rank") is not None, "q_lora_rank", "this model always has a query latent (MLA's low-rank query)")
-    need(hf.get("v_head_dim") == hf["qk_nope_head_dim"], "v_head_dim", f"values here are as wide as the key content part "
-         f"(qk_nope_head_dim = {hf['qk_nope_head_dim']})")
-    need(hf.get("num_key_value_heads", hf["num_attention_heads"]) == hf["num_attention_heads"], "num_key_value_heads",
-         "MLA here has one key/value head per query head")
-    need(hf.get("hidden_act", "silu") == "silu", "hidden_act", "experts and dense layers here are SwiGLU (silu)")
-    need(not hf.get("attention_bias", False), "attention_bias", "projections here have no bias")
-    need(not hf.get("mlp_bias", False), "mlp_bias", "projections here have no bias")
-    need(hf.get("tie_word_embeddings", False), "tie_word_embeddings", "the output layer here is the input embedding")
-    need(math.isclose(hf.get("rms_norm_eps", RMS_EPS), RMS_EPS), "rms_norm_eps", f"RMSNorm here uses eps {RMS_EPS}")
-    need(hf.get("rope_interleave", True), "rope_interleave", "RoPE here rotates interleaved pairs (x[2i], x[2i+1])")
-    if model_type != "mistral4":
-        need(rope_type == "default", rope_field, f"rope_type {rope_type!r}: RoPE here is unscaled (no YaRN)")
-    else:
-        need(rope_type in ("default", "linear") and rope.get("factor", 1.0) == 1.0 and not rope.get("llama_4_scaling_beta"),
-             rope_field, "RoPE here is unscaled (no YaRN, no llama-4 query scaling)")
-    kinds = "D" * k + "M" * (L - k)
-    if model_type == "meshformer":  # our remote code: any layout, either score
-        by_type = {v: kind for kind, v in MLP_LAYER_TYPES.items()}
-        layer_types = hf.get("mlp_layer_types") or []
-        need(len(layer_types) == L and all(t in by_type for t in layer_types), "mlp_layer_types",
-             f"one of {', '.join(by_type)} per layer ({L} layers)")
-        kinds = "".join(by_type[t] for t in layer_types)
-    score = ARCHITECTURES[model_type][1] or hf.get("scoring_func", "softmax")
-    moe = "M" in kinds
-    if moe:
-        top_k = hf["num_experts_per_tok"]
-        if ARCHITECTURES[model_type][1]:
-            need(hf.get("scoring_func", score) == score, "scoring_func", f"{model_type}'s class in transformers scores "
-                 f"experts with a {score}; a config that says otherwise is read one way by transformers, another by vLLM")
+    def read(self, tensors, index, shape):
+        """Our weight's elements at `index` (a tuple of slices, as make_array_from_callback
+        gives), reading only those from `tensors`."""
+        ranges = [s.indices(n)[:2] for s, n in zip(index, shape)]
+        if self.stacked:
+            (n0, n1), ranges = ranges[0], ranges[1:]
+            x = np.stack([self.read_one(tensors, self.names[n], ranges) for n in range(n0, n1)])
         else:
-            need(score in ("softmax", "sigmoid"), "scoring_func", "routers here score with a softmax or a sigmoid")
-        need(hf.get("routed_scaling_factor", 1.0) == 1.0, "routed_scaling_factor", "routed expert outputs here are not "
-             "rescaled (DeepSeek-V3 routing options are not in this model yet)")
-        need(hf.get("n_group", 1) in (1, None) or hf.get("topk_group") == hf.get("n_group"), "n_group",
-             f"with topk_group {hf.get('topk_group')}: group-limited routing is not in this model yet")
-        if model_type == "deepseek_v2":  # its router never renormalises, whatever norm_topk_prob says
-            need(top_k == 1, "num_experts_per_tok", "HF's DeepseekV2 gates are the top-k softmax scores, not "
-                 "renormalised (it ignores norm_topk_prob); gates here are renormalised over the top k when k > 1")
-            need(hf.get("topk_method", "greedy") == "greedy", "topk_method", "group-limited routing is not in this model yet")
-        else:
-            need(bool(hf.get("norm_topk_prob", True)) == (top_k > 1), "norm_topk_prob", "gates here are renormalised "
-                 "over the top k when k > 1 and are the raw score when k = 1")
-    ours = hf.get(OURS_KEY, {})
-    if ours and ours.get("block_pattern", "") * ours.get("n_blocks", 0) == kinds:
-        n_blocks, pattern = ours["n_blocks"], ours["block_pattern"]  # our own export: the same grouping
-    elif len(set(kinds)) == 1:
-        n_blocks, pattern = L, kinds[0]  # one layer per block, so the pipeline can split them anywhere
-    else:
-        n_blocks, pattern = 1, kinds
-    vocab, multiple = hf["vocab_size"], math.gcd(hf["vocab_size"], m.vocab_multiple)
-    if ours and padded_vocab(ours.get("vocab_size", 0), ours.get("vocab_multiple", 1)) == hf["vocab_size"]:
-        vocab, multiple = ours["vocab_size"], ours["vocab_multiple"]  # the padding rows stay padding
-    new = dict(
-        vocab_size=vocab, vocab_multiple=multiple, d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
-        head_dim=hf["qk_nope_head_dim"], rope_dim=hf["qk_rope_head_dim"], q_latent=hf["q_lora_rank"],
-        kv_latent=hf["kv_lora_rank"], rope_theta=float(rope.get("rope_theta", 10000.0)), n_blocks=n_blocks,
-        block_pattern=pattern, d_ff=hf.get("intermediate_size", m.d_ff), ffn_activation="swiglu",
-        router_score=score,
-        # HF's norm weight kept as it is, bit for bit (times 1/sqrt(D) it would not map
-        # back); our own export says which way its model had it.
-        final_norm_folded=ours.get("final_norm_folded", not ours))
-    if moe:
-        new.update(n_experts=hf["n_routed_experts"], n_shared=hf.get("n_shared_experts", 0), top_k=hf["num_experts_per_tok"],
-                   d_expert=hf["moe_intermediate_size"])
-    return dataclasses.replace(m, **new)
+            x = self.read_one(tensors, self.names[0], ranges)
+        return x if self.transform is None else self.transform(x)
+
+    def read_one(self, tensors, name, ranges):
+        ranges = [*ranges[:-1], (ranges[-1][0] + self.offset, ranges[-1][1] + self.offset)]
+        fan_in = self.weight.fan_in
+        if "{e}" in name:  # one tensor per expert: [out, in] each
+            (e0, e1), rest = ranges[0], ranges[1:]
+            return np.stack([read_box(tensors, name.format(e=e), fan_in, 0, self.whole[1:], rest) for e in range(e0, e1)])
+        return read_box(tensors, name, fan_in, int(self.weight.routed), self.whole, ranges)
+
+    def tensor_shapes(self):
+        """{HF tensor: the shape it must have}."""
+        if "{e}" in self.names[0]:
+            one = torch_shape(self.whole[1:], dataclasses.replace(self.weight, routed=False))
+            return {name.format(e=e): one for name in self.names for e in range(self.whole[0])}
+        return {name: torch_shape(self.whole, self.weight) for name in self.names}
 
 
-def read_hf_config(path):
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ConfigError(f"--train.init_from hf:{path}: no config.json there; give a Hugging Face model directory "
-                          "(DeepseekV3 format, e.g. from --mode export_hf)")
-    with open(config_path) as f:
-        return json.load(f)
+def read_box(tensors, name, fan_in, lead, whole, ranges):
+    """Our box `ranges` (per dim of `whole`) of HF tensor `name`: as it is for a weight
+    without fan-in dims; else from torch's [lead.., out, in], where our in and out dims are
+    flattened, read as the rectangles of contiguous runs that make up the box."""
+    if fan_in is None:
+        return tensors.read(name, tuple(slice(a, b) for a, b in ranges))
+    lead_box = tuple(slice(a, b) for a, b in ranges[:lead])
+    in_runs = contiguous_runs(whole[lead:lead + fan_in], ranges[lead:lead + fan_in])
+    out_runs = contiguous_runs(whole[lead + fan_in:], ranges[lead + fan_in:])
+    x = np.concatenate([np.concatenate([tensors.read(name, lead_box + (slice(*o), slice(*i))) for i in in_runs], -1)
+                        for o in out_runs], -2)  # [lead.., out box, in box], each flattened row-major
+    return np.swapaxes(x, -1, -2).reshape([b - a for a, b in ranges])
 
 
-def adopt_hf_config(cfg, path):
-    """cfg with the model architecture of the HF directory `path` (training-time fields,
-    such as seq_len, dtype and capacity_factor, stay as configured)."""
-    model = from_hf_config(read_hf_config(path), cfg.model)
-    return apply_overrides(cfg, {"model": {k: getattr(model, k) for k in ARCH_FIELDS}})
+def contiguous_runs(sizes, ranges):
+    """The flat index runs [start, stop), in row-major order, of the box `ranges` of an
+    array of shape `sizes` flattened: the innermost dims the box covers whole join the
+    first partial dim from the inside into one run per index of the dims outside it.
+    (q_b_proj's rows: per head h of a tp shard, the K content rows of its K + R.)"""
+    j = len(sizes) - 1
+    while j > 0 and tuple(ranges[j]) == (0, sizes[j]):
+        j -= 1
+    inner = math.prod(sizes[j + 1:])
+    runs = []
+    for outer in itertools.product(*(range(a, b) for a, b in ranges[:j])):
+        base = int(np.ravel_multi_index(outer, sizes[:j])) * sizes[j] if j else 0
+        runs.append(((base + ranges[j][0]) * inner, (base + ranges[j][1]) * inner))
+    return runs
+
+
+def layer_sources(shapes, L, fused_experts):
+    """{our keys under a layer: Source} for one layer's weights (no N), at HF layer(s) L
+    (a list: one per block when stacked)."""
+    sources = {}
+    for template, parts in hf_layout(shapes, "model.layers.{l}.", fused_experts).items():
+        part_shapes = [leaf_at(shapes, keys).shape for keys in parts]
+        whole = (*part_shapes[0][:-1], sum(s[-1] for s in part_shapes))
+        offsets = np.cumsum([0] + [s[-1] for s in part_shapes])
+        for keys, offset in zip(parts, offsets):
+            sources[keys] = Source(tuple(template.replace("{l}", str(layer)) for layer in L), True, row(keys[-1]), whole,
+                                   int(offset))
+    return sources
+
+
+def import_sources(m, tensors):
+    """{our param path (keys): Source} for every param of model `m` that a checkpoint
+    holds (not MTP's: DeepSeek-V3's MTP layer is an MoE layer, ours dense). Checks, from
+    the headers alone, that every tensor is there with its shape, and that none is left
+    over, so a wrong checkpoint fails before a byte of weights is read."""
+    shapes = abstract_params(m)
+    top = {k: shapes[k] for k in ("embed_VD", "head_VD") if k in shapes}
+    sources = {}
+    for template, parts in hf_layout(top, "model.", False).items():
+        sources[parts[0]] = Source((template,), False, row(parts[0][-1]), shapes[parts[0][0]].shape, 0)
+    sources[("final_norm", "scale_D")] = Source(("model.norm.weight",), False, row("scale_D"), (m.d_model,), 0,
+                                                lambda x: final_norm_in(x, m))
+
+    def fused(shapes, L):  # the checkpoint's choice: per-expert tensors or fused ones
+        fused_only = hf_layout(shapes, "model.layers.{l}.", True).keys() - hf_layout(shapes, "model.layers.{l}.", False).keys()
+        return any(name.replace("{l}", str(L)) in tensors for name in fused_only)
+
+    for j, layer in (shapes.get("prefix") or {}).items():
+        for keys, source in layer_sources(layer, [j], fused(layer, j)).items():
+            sources[("prefix", j, *keys)] = dataclasses.replace(source, stacked=False)
+    P = len(m.block_pattern)
+    for i, layer in shapes["blocks"]["layers"].items():
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layer)
+        L = [m.first_dense + n * P + i for n in range(m.n_blocks)]
+        for keys, source in layer_sources(layer, L, fused(layer, L[0])).items():
+            sources[("blocks", "layers", i, *keys)] = source
+    check_tensors(sources, tensors, m)
+    return sources
+
+
+def check_tensors(sources, tensors, m):
+    """Every tensor the model needs is there with its shape; none is left over."""
+    where = getattr(tensors, "path", "the state dict")
+    needed = {}
+    for keys, source in sources.items():
+        needed |= source.tensor_shapes()
+    for name, shape in needed.items():
+        if name not in tensors:
+            if name.endswith("e_score_correction_bias"):
+                raise ConfigError(f"hf:{where} has no tensor {name}, which config.json's topk_method noaux_tc (DeepSeek-V3's "
+                                  "router) implies: is it the model its config.json describes?")
+            raise ConfigError(f"hf:{where} has no tensor {name}: is it the model its config.json describes?")
+        if tuple(tensors.shapes[name]) != tuple(shape):
+            raise ConfigError(f"hf:{where}: tensor {name} has shape {tuple(tensors.shapes[name])}; the model of its "
+                              f"config.json needs {tuple(shape)}")
+    n_layers = m.first_dense + m.n_blocks * len(m.block_pattern)
+    # Multi-token-prediction layers (DeepSeek-V3's extra layers after the last) are not
+    # next-token weights of this model; a tied model's lm_head copy is the embedding.
+    extra = tuple(f"model.layers.{j}." for j in range(n_layers, n_layers + 8))
+    unused = [k for k in tensors.names() if k not in needed and not k.startswith(extra)
+              and not (k == "lm_head.weight" and m.tie_embeddings)]
+    for name in [k for k in unused if k.endswith("e_score_correction_bias")]:
+        if np.any(tensors.read(name) != 0):
+            raise ConfigError(f"hf:{where}: {name} is not zero, and this model has no router bias: set --model.router_bias "
+                              "(frozen) or --model.router_bias_rate > 0 (trained on)")
+        unused.remove(name)  # zeros: the same routing without one
+    if unused:
+        raise ConfigError(f"hf:{where} has tensors this model has no place for, e.g. {unused[:3]}")
+
+
+def mtp_note(m, tensors):
+    """One line for a checkpoint with MTP layers (DeepSeek-V3's num_nextn_predict_layers), or None."""
+    n_layers = m.first_dense + m.n_blocks * len(m.block_pattern)
+    if any(k.startswith(f"model.layers.{n_layers}.") for k in tensors.names()):
+        return (f"note: the checkpoint's multi-token-prediction layers (model.layers.{n_layers}.*) are skipped: "
+                "DeepSeek-V3's MTP block is an MoE layer, ours (--model.mtp_depth) dense")
+    return None
+
+
+class StateDict:
+    """An HF state dict in memory, read like a safetensors_reader.Checkpoint."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self.shapes = {k: tuple(np.shape(v)) for k, v in tensors.items()}
+
+    def __contains__(self, name):
+        return name in self.tensors
+
+    def names(self):
+        return list(self.tensors)
+
+    def read(self, name, box=None):
+        x = np.asarray(self.tensors[name])
+        return np.asarray(x if box is None else x[box], np.float32)
+
+
+def load_params(path, params, m, log=None):
+    """Weights of the HF directory `path` into the shardings of `params` (any mesh, any
+    number of processes), streamed: each process reads, tensor by tensor, only the
+    slices of the shards its own devices hold (jax.make_array_from_callback calls back
+    per addressable shard). Params the checkpoint has no tensor for (MTP) keep `params`'."""
+    expected = from_hf_config(read_hf_config(path), m)
+    diffs = [f"{k} {getattr(m, k)!r} vs {getattr(expected, k)!r}" for k in ARCH_FIELDS if getattr(m, k) != getattr(expected, k)]
+    if diffs:
+        raise ConfigError(f"the model config differs from hf:{path}'s ({'; '.join(diffs)})")
+    with Checkpoint(path) as tensors:
+        sources = import_sources(m, tensors)
+        note = mtp_note(m, tensors)
+        if note and log is not None:
+            log(note)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        arrays = []
+        for key_path, target in leaves:
+            source = sources.get(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in key_path))
+            if source is None:
+                arrays.append(target)
+                continue
+            arrays.append(jax.make_array_from_callback(target.shape, target.sharding, shard_reader(source, tensors, target.shape)))
+    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def shard_reader(source, tensors, shape):
+    """make_array_from_callback's callback for one param: its slice at `index`, read once
+    per process (devices holding the same slice, a replicated norm scale, share it)."""
+    read = {}
+
+    def callback(index):
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in read:
+            read[key] = source.read(tensors, index, shape)
+        return read[key]
+    return callback
+
+
+def adopt_checkpoint(cfg, path):
+    """cfg with the model of the HF directory `path` (hf_config.adopt_hf_config), after
+    the checks of load_params that need no arrays (tensor names and shapes, file
+    headers): a bad checkpoint fails before anything is built or written."""
+    cfg = adopt_hf_config(cfg, path)
+    with Checkpoint(path) as tensors:
+        import_sources(cfg.model, tensors)
+    return cfg
+
+
+def from_hf_state(tensors, m):
+    """Our params (pure dict of float32 numpy arrays, stacked blocks; no MTP) from an HF
+    state dict in memory; the inverse of `to_hf_state`. Per-expert or fused experts."""
+    state = StateDict(tensors)
+    sources = import_sources(m, state)
+    shapes = dict(jax.tree_util.tree_flatten_with_path(abstract_params(m))[0])
+    out = {}
+    for key_path, shape in shapes.items():
+        keys = tuple(k.key for k in key_path)
+        if keys in sources:
+            node = out
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = sources[keys].read(state, tuple(slice(None) for _ in shape.shape), shape.shape)
+    return out
 
 
 # ----------------------------------------------------------------------------
-# Weights: ours <-> HF state dict (numpy, float32)
+# Export: ours -> HF state dict (numpy)
 
 
 def final_norm_out(scale_D, m, dtype=np.float32):
@@ -321,42 +389,6 @@ def final_norm_in(weight_D, m):
     return (weight_D.astype(np.float64) * math.sqrt(m.d_model)).astype(np.float32)
 
 
-# Our module names -> HF's (DeepseekV3's modeling code). Each weight's own tensor name
-# under its module, and how it is laid out there, is its row in weights.WEIGHTS.
-HF_MODULES = {"attn_norm": "input_layernorm", "attn": "self_attn", "q_norm": "q_a_layernorm", "kv_norm": "kv_a_layernorm",
-              "ffn_norm": "post_attention_layernorm", "ffn": "mlp", "shared": "shared_experts", "final_norm": "norm"}
-
-
-def hf_name(keys, prefix, fused_experts=False):
-    """The HF tensor of our weight at `keys` (module names, then the weight name) under
-    `prefix` ("model." or "model.layers.{l}."); routed experts' names hold `{e}`
-    unless fused_experts (one tensor for all experts)."""
-    hf = row(keys[-1]).hf
-    tensor = hf.fused if fused_experts and hf.fused else hf.name
-    return prefix + ".".join([*(HF_MODULES[k] for k in keys[:-1]), tensor])
-
-
-def hf_layout(tree, prefix, fused_experts):
-    """{HF tensor: [keys of our weights in it]} for a dict of our weights (one layer's, or
-    the top level's), the weights of one tensor in table order (concatenated along their
-    last dim)."""
-    layout = {}
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        keys = tuple(k.key for k in path)
-        layout.setdefault(hf_name(keys, prefix, fused_experts), []).append(keys)
-    order = list(WEIGHTS)
-    return {name: sorted(parts, key=lambda keys: order.index(keys[-1])) for name, parts in layout.items()}
-
-
-def torch_shape(shape, weight):
-    """HF's shape for ours: [E.., out, in] (nn.Linear's [out, in]) for a weight with
-    fan-in dims, whose fan-in and fan-out dims flatten into `in` and `out`."""
-    if weight.fan_in is None:
-        return tuple(shape)
-    b = int(weight.routed)
-    return (*shape[:b], math.prod(shape[b + weight.fan_in:]), math.prod(shape[b:b + weight.fan_in]))
-
-
 def to_hf_tensors(tree, prefix, fused_experts):
     """{HF name: array} of a dict of our weights (numpy, no N dim)."""
     out = {}
@@ -373,30 +405,15 @@ def to_hf_tensors(tree, prefix, fused_experts):
     return out
 
 
-def from_hf_tensors(shapes, prefix, get, fused_experts):
-    """Our weights (a dict like `shapes`, a dict of ShapeDtypeStructs without N) from the
-    HF tensors under `prefix`; the inverse of to_hf_tensors. get(name): HF's tensor."""
-    out = {}
-    for name, parts in hf_layout(shapes, prefix, fused_experts).items():
-        weight = row(parts[0][-1])
-        part_shapes = [leaf_at(shapes, keys).shape for keys in parts]
-        whole = (*part_shapes[0][:-1], sum(s[-1] for s in part_shapes))  # ours, before the split
-        x = np.stack([get(name.format(e=e)) for e in range(whole[0])]) if "{e}" in name else get(name)
-        if x.shape != torch_shape(whole, weight):
-            raise ConfigError(f"{name} has shape {x.shape} in the checkpoint; this model's is {torch_shape(whole, weight)}")
-        x = (np.swapaxes(x, -1, -2) if weight.fan_in is not None else x).reshape(whole)
-        for keys, part in zip(parts, np.split(x, np.cumsum([s[-1] for s in part_shapes])[:-1], axis=-1)):
-            node = out
-            for k in keys[:-1]:
-                node = node.setdefault(k, {})
-            node[keys[-1]] = part
-    return out
-
-
-def leaf_at(tree, keys):
-    for k in keys:
-        tree = tree[k]
-    return tree
+def layer_to_hf(w, kind, L, m, model_type):
+    """{HF name: array} of one layer's weights (numpy, no N) at HF layer L."""
+    D, fused_experts = m.d_model, model_type == "meshformer"
+    if kind == "M" and "shared" not in w["ffn"]:  # HF's MoE layers always have shared experts: none = width 0
+        w["ffn"]["shared"] = {"w_gate_DF": np.zeros((D, 0), np.float32), "w_up_DF": np.zeros((D, 0), np.float32),
+                              "w_down_FD": np.zeros((0, D), np.float32)}
+    if kind == "M" and model_type != "deepseek_v2" and "router_bias_E" not in w["ffn"]:
+        w["ffn"]["router_bias_E"] = np.zeros((m.n_experts,), np.float32)  # noaux_tc's bias: ours, or zeros
+    return to_hf_tensors(w, f"model.layers.{L}.", fused_experts)
 
 
 def to_hf_state(params, m, dtype=np.float32):
@@ -406,160 +423,22 @@ def to_hf_state(params, m, dtype=np.float32):
     meshformer's fused expert tensors, as its (remote-code) class stores them.
     Multi-token prediction modules are not exported (num_nextn_predict_layers 0)."""
     check_exportable(m)
-    D = m.d_model
     model_type = architecture_of(m)[0]
-    fused_experts = model_type == "meshformer"
-    top = {"embed_VD": params["embed_VD"], "final_norm": {"scale_D": final_norm_out(params["final_norm"]["scale_D"], m, dtype)}}
-    out = to_hf_tensors(top, "model.", fused_experts)
+    top = {k: params[k] for k in ("embed_VD", "head_VD") if k in params}
+    top["final_norm"] = {"scale_D": final_norm_out(params["final_norm"]["scale_D"], m, dtype)}
+    out = to_hf_tensors(top, "model.", False)
+    for j, layer in (params.get("prefix") or {}).items():
+        out |= layer_to_hf(jax.tree.map(np.asarray, layer), "D", int(j), m, model_type)
     P = len(m.block_pattern)
     for n in range(m.n_blocks):
         for i, kind in enumerate(m.block_pattern):
             w = jax.tree.map(lambda a: np.asarray(a[n]), params["blocks"]["layers"][i])
-            L = f"model.layers.{n * P + i}."
-            if kind == "M" and "shared" not in w["ffn"]:  # HF's MoE layers always have shared experts: none = width 0
-                w["ffn"]["shared"] = {"w_gate_DF": np.zeros((D, 0), np.float32), "w_up_DF": np.zeros((D, 0), np.float32),
-                                      "w_down_FD": np.zeros((0, D), np.float32)}
-            out |= to_hf_tensors(w, L, fused_experts)
-            if kind == "M" and model_type != "deepseek_v2":  # its selection bias (ours, router_bias_rate > 0, is refused above)
-                out[hf_name(("ffn", "router_bias_E"), L)] = np.zeros((m.n_experts,), np.float32)
+            out |= layer_to_hf(w, kind, m.first_dense + n * P + i, m, model_type)
     return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in out.items()}
-
-
-def from_hf_state(tensors, m):
-    """Our params (pure dict of float32 numpy arrays, stacked blocks) from an HF state
-    dict; the inverse of `to_hf_state`. Accepts per-expert and fused expert tensors."""
-    shapes = nnx.state(nnx.eval_shape(lambda: Transformer(m, nnx.Rngs(0)))).to_pure_dict()  # no allocation
-    used = set()
-
-    def get(name):
-        if name not in tensors:
-            raise ConfigError(f"the checkpoint has no tensor {name}: is it the model its config.json describes?")
-        used.add(name)
-        return np.asarray(tensors[name], np.float32)
-
-    def layer(index, layer_shapes):
-        L = f"model.layers.{index}."
-        bias = hf_name(("ffn", "router_bias_E"), L)
-        if bias in tensors and np.any(get(bias) != 0):
-            raise ConfigError(f"cannot import: {bias} is not zero: selecting experts with a score bias "
-                              "(DeepSeek-V3's aux-loss-free balancing) is not in this model yet")
-        fused_only = hf_layout(layer_shapes, L, True).keys() - hf_layout(layer_shapes, L, False).keys()
-        return from_hf_tensors(layer_shapes, L, get, fused_experts=any(name in tensors for name in fused_only))
-
-    P = len(m.block_pattern)
-    stacked = []
-    for i in range(P):
-        layer_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"]["layers"][i])
-        per_block = [layer(n * P + i, layer_shapes) for n in range(m.n_blocks)]
-        stacked.append(jax.tree.map(lambda *xs: np.stack(xs), *per_block))
-    top = from_hf_tensors({"embed_VD": shapes["embed_VD"], "final_norm": shapes["final_norm"]}, "model.", get, False)
-    params = {"embed_VD": top["embed_VD"], "final_norm": {"scale_D": final_norm_in(top["final_norm"]["scale_D"], m)},
-              "blocks": {"layers": {i: w for i, w in enumerate(stacked)}}}
-    # Multi-token-prediction layers (DeepSeek-V3's extra layers after the last) and an
-    # untied lm_head copy are not next-token weights of this model.
-    n_layers = m.n_blocks * P
-    unused = [k for k in tensors if k not in used and k != "lm_head.weight"
-              and not k.startswith(tuple(f"model.layers.{j}." for j in range(n_layers, n_layers + 8)))]
-    if unused:
-        raise ConfigError(f"the checkpoint has tensors this model has no place for, e.g. {unused[:3]}")
-    return params
 
 
 # ----------------------------------------------------------------------------
 # Files
-
-
-def read_safetensors(path):
-    """{name: float32 numpy array} from model.safetensors or a sharded index."""
-    from safetensors.numpy import load_file
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ConfigError(f"hf:{path} has no model.safetensors (or model.safetensors.index.json)")
-    tensors = {}
-    for name in files:
-        tensors |= load_file(os.path.join(path, name))
-    return tensors
-
-
-def load_params(path, params, m):
-    """Weights of the HF directory `path` in the shardings of `params` (any mesh, any
-    number of processes: each device takes its own slice of the host arrays)."""
-    hf = read_hf_config(path)
-    expected = from_hf_config(hf, m)
-    diffs = [f"{k} {getattr(m, k)!r} vs {getattr(expected, k)!r}" for k in ARCH_FIELDS if getattr(m, k) != getattr(expected, k)]
-    if diffs:
-        raise ConfigError(f"the model config differs from hf:{path}'s ({'; '.join(diffs)})")
-    host = from_hf_state(read_safetensors(path), m)
-    targets, treedef = jax.tree_util.tree_flatten_with_path(params)
-
-    def lookup(path_keys):
-        node = host
-        for key in path_keys:
-            node = node[getattr(key, "key", getattr(key, "idx", None))]
-        return node
-
-    arrays = []
-    for key_path, target in targets:
-        value = lookup(key_path)
-        if value.shape != target.shape:
-            raise ConfigError(f"{jax.tree_util.keystr(key_path)}: checkpoint shape {value.shape}, model {target.shape}")
-        arrays.append(jax.make_array_from_callback(target.shape, target.sharding, lambda index, v=value: v[index]))
-    return jax.tree_util.tree_unflatten(treedef, arrays)
-
-
-def tokenizer_json(tokenizer):
-    """tokenizer.json (the `tokenizers` library's format, written out directly) for our
-    byte tokenizer or a tiktoken encoding: byte-level BPE, ids = our ids."""
-    byte_char = bytes_to_unicode()
-
-    def text(token_bytes):
-        return "".join(byte_char[b] for b in token_bytes)
-
-    encoding = tokenizer._encoding
-    if encoding is None:  # bytes: id = byte value, no merges, no split pattern
-        vocab, merges, pre = {byte_char[b]: b for b in range(256)}, [], []
-        specials = {"<|endoftext|>": tokenizer.eot_id}
-    else:  # tiktoken: its ranks are its ids; merges as transformers' TikTokenConverter derives them
-        ranks = encoding._mergeable_ranks
-        vocab, merges = {text(t): r for t, r in ranks.items()}, []
-        for token, rank in ranks.items():
-            pairs = [(token[:j], token[j:]) for j in range(1, len(token)) if token[:j] in ranks and token[j:] in ranks]
-            merges += [(ranks[a], ranks[b], rank, a, b) for a, b in pairs]
-        merges = [[text(a), text(b)] for *_, a, b in sorted(merges, key=lambda x: (x[2], x[0], x[1]))]
-        pre = [{"type": "Split", "pattern": {"Regex": encoding._pat_str}, "behavior": "Isolated", "invert": False}]
-        specials = dict(encoding._special_tokens)
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-    return {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True} for s, i in sorted(specials.items(), key=lambda x: x[1])],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre + [byte_level]},
-        "post_processor": dict(byte_level, trim_offsets=False),
-        "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                  "vocab": vocab, "merges": merges},
-    }
-
-
-def bytes_to_unicode():
-    """GPT-2's map from the 256 byte values to printable characters (byte-level BPE)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
 
 
 def write_hf_dir(out_dir, params, m, tokenizer, dtype="float32"):
@@ -588,14 +467,3 @@ def write_hf_dir(out_dir, params, m, tokenizer, dtype="float32"):
         shutil.copyfile(REMOTE_CODE, os.path.join(out_dir, os.path.basename(REMOTE_CODE)))
     write_tokenizer(out_dir, tokenizer, m.seq_len)
     return out_dir
-
-
-def write_tokenizer(out_dir, tokenizer, max_length):
-    """tokenizer.json + tokenizer_config.json, which AutoTokenizer loads (no tiktoken
-    or transformers needed here to write them)."""
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-                        "pad_token": "<|endoftext|>", "model_max_length": max_length, "clean_up_tokenization_spaces": False}
-    with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
-        json.dump(tokenizer_json(tokenizer), f, ensure_ascii=False)
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config, f, indent=2)

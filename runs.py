@@ -14,6 +14,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import checkpoint
+import hf_config
 import hf_interop
 import optimizers
 import parallel as par
@@ -99,8 +100,8 @@ def load_run_params(cfg, devices=None, check=None):
     resolved config, before any init."""
     run_dir = run_dir_of(cfg)
     config_path = os.path.join(run_dir, "config.json")
-    if hf_interop.hf_dir(cfg.train.init_from):
-        cfg = hf_interop.adopt_hf_config(cfg, hf_interop.hf_dir(cfg.train.init_from))
+    if hf_config.hf_dir(cfg.train.init_from):
+        cfg = hf_interop.adopt_checkpoint(cfg, hf_config.hf_dir(cfg.train.init_from))
     elif not os.path.exists(config_path):
         raise ConfigError(f"no run at {run_dir} (missing config.json): train first, or pass --run.name/--run.out_dir")
     else:
@@ -128,13 +129,13 @@ def export_run(cfg):
 
 def export_hf_run(cfg):
     """<run_dir>/hf: the run's latest params as a Hugging Face directory (hf_interop.py)."""
-    cfg, graphdef, params = load_run_params(cfg, check=lambda cfg: hf_interop.check_exportable(cfg.model))
+    cfg, graphdef, params = load_run_params(cfg, check=lambda cfg: hf_config.check_exportable(cfg.model))
     host = host_params(params)
     out = os.path.join(run_dir_of(cfg), "hf")
     if is_main_process():
         tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
         hf_interop.write_hf_dir(out, host, cfg.model, tokenizer, cfg.export.dtype)
-        model_type, architecture = hf_interop.architecture_of(cfg.model)
+        model_type, architecture = hf_config.architecture_of(cfg.model)
         remote = " with its modeling code: load it with trust_remote_code=True" if model_type == "meshformer" else ""
         say(f"Hugging Face export ({architecture}, {cfg.export.dtype}): {out}, "
             f"{human(checkpoint.directory_bytes(out))}B{remote}")

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import checkpoint
 import flops
+import hf_config
 import hf_interop
 import optimizers
 import parallel as par
@@ -32,8 +33,8 @@ from utils import config_to_dict
 def train(cfg):
     """Train the run `cfg` names (resuming it if it has checkpoints); returns its directory."""
     run_dir = run_dir_of(cfg)
-    if hf_interop.hf_dir(cfg.train.init_from):  # the model is the one in that directory
-        cfg = hf_interop.adopt_hf_config(cfg, hf_interop.hf_dir(cfg.train.init_from))
+    if hf_config.hf_dir(cfg.train.init_from):  # the model is the one in that directory
+        cfg = hf_interop.adopt_checkpoint(cfg, hf_config.hf_dir(cfg.train.init_from))
     os.makedirs(run_dir, exist_ok=True)
     mesh = par.make_mesh(cfg.mesh)
     data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())

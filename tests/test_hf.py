@@ -24,7 +24,9 @@ transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
 import checkpoint  # noqa: E402
+import hf_config  # noqa: E402
 import hf_interop  # noqa: E402
+import hf_tokenizer  # noqa: E402
 import parallel as par  # noqa: E402
 import sampling  # noqa: E402
 from dataset import get_tokenizer  # noqa: E402
@@ -211,7 +213,7 @@ def test_tiktoken_tokenizer_loads_in_transformers(tmp_path):
     from test_data import tiny_encoding
 
     tokenizer = get_tokenizer(tiny_encoding())
-    hf_interop.write_tokenizer(str(tmp_path), tokenizer, 64)
+    hf_tokenizer.write_tokenizer(str(tmp_path), tokenizer, 64)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     text = "in the end, and on the other hand: thé ünïcode 123 4567\n\n  the  end  "
     assert theirs(text).input_ids == tokenizer.encode(text)
@@ -249,7 +251,7 @@ def loader_fields(m, score, topk_method, n_dense):
         moe_intermediate_size=m.d_expert, intermediate_size=m.d_ff, hidden_act="silu", hidden_size=m.d_model,
         num_hidden_layers=m.n_blocks * len(m.block_pattern), num_attention_heads=m.n_heads, num_key_value_heads=m.n_heads,
         qk_nope_head_dim=m.head_dim, qk_rope_head_dim=m.rope_dim, v_head_dim=m.head_dim, kv_lora_rank=m.kv_latent,
-        q_lora_rank=m.q_latent, max_position_embeddings=m.seq_len, rms_norm_eps=hf_interop.RMS_EPS, attention_bias=False,
+        q_lora_rank=m.q_latent, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps, attention_bias=False,
         rope_interleave=True, tie_word_embeddings=True, vocab_size=320,
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta})
 
@@ -263,7 +265,7 @@ def test_export_config_states_every_field_vllm_and_transformers_read_with_our_me
                                                                                       tmp_path):
     """Present in config.json itself (not a class default: vLLM has other defaults)."""
     m = model_cfg("tiny", **overrides)
-    config = hf_interop.to_hf_config(m, BYTES, "float32")
+    config = hf_config.to_hf_config(m, BYTES, "float32")
     expected = loader_fields(m, score, topk_method, n_dense)
     assert {k: config.get(k, "<missing>") for k in expected} == expected
     assert "index_topk" not in config  # vLLM would take it for DeepSeek-V3.2 (sparse attention)
@@ -271,33 +273,35 @@ def test_export_config_states_every_field_vllm_and_transformers_read_with_our_me
 
 def test_import_reads_legacy_rope_scaling_as_transformers_does(tmp_path):
     """transformers reads `rope_scaling or rope_parameters` (convert_rope_params_to_dict),
-    with rope_theta beside it: a YaRN model written by transformers 4.x or DeepSeek must
-    be refused, not imported unscaled."""
+    with rope_theta beside it: a YaRN model written by transformers 4.x or DeepSeek
+    imports as YaRN, never unscaled."""
     path = str(tmp_path / "hf")
     hf_made_model(path, first_k_dense=1, n_layers=2)
-    good = hf_interop.read_hf_config(path)
+    good = hf_config.read_hf_config(path)
     m = model_cfg("tiny")
-    yarn = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0}
+    yarn = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 0.707}
     legacy = dict(good, rope_scaling=yarn, rope_theta=10000.0)
-    with pytest.raises(ConfigError, match="rope_scaling.*yarn"):
-        hf_interop.from_hf_config(legacy, m)
+    imported = hf_config.from_hf_config(legacy, m)
+    assert (imported.rope_scaling, imported.rope_factor, imported.rope_original_len, imported.yarn_mscale,
+            imported.yarn_mscale_all_dim, imported.yarn_beta_fast, imported.yarn_beta_slow) == ("yarn", 40.0, 4096, 0.707, 0.0, 32.0, 1.0)
     assert transformers.DeepseekV3Config(**{k: v for k, v in legacy.items() if k != "rope_parameters"}).rope_parameters["rope_type"] == "yarn"
     plain = dict({k: v for k, v in good.items() if k != "rope_parameters"}, rope_scaling=None, rope_theta=50000.0)
-    assert hf_interop.from_hf_config(plain, m).rope_theta == 50000.0
+    assert hf_config.from_hf_config(plain, m).rope_theta == 50000.0
+    assert hf_config.from_hf_config(plain, m).rope_scaling == "none"
     with pytest.raises(ConfigError, match="scoring_func"):
-        hf_interop.from_hf_config(dict(good, scoring_func="softmax"), m)
+        hf_config.from_hf_config(dict(good, scoring_func="softmax"), m)
 
 
 def test_every_layout_exports_with_a_built_in_class_where_one_computes_it_else_remote_code():
     for m in (model_cfg("shakespeare"), apply_overrides(Config(), PRESETS["moe1b"]).model):  # DM x 2, DDDDDM x 8
-        hf_interop.check_exportable(m)
-        assert hf_interop.architecture_of(m) == ("meshformer", "MeshformerForCausalLM")
+        hf_config.check_exportable(m)
+        assert hf_config.architecture_of(m) == ("meshformer", "MeshformerForCausalLM")
     with pytest.raises(ConfigError, match="ffn_activation"):
-        hf_interop.check_exportable(model_cfg("shakespeare", block_pattern="D", ffn_activation="gelu"))
+        hf_config.check_exportable(model_cfg("shakespeare", block_pattern="D", ffn_activation="gelu"))
     # the built-in class that computes the router and the layout: sigmoid -> DeepseekV3;
     # softmax -> DeepseekV2 (whose gates are never renormalised, i.e. ours at k = 1 only);
     # both dense layers first only; no MoE layer, no router. Anything else: meshformer.
-    kinds = {(score, k, pattern): hf_interop.architecture_of(model_cfg("shakespeare", router_score=score, top_k=k, n_blocks=1,
+    kinds = {(score, k, pattern): hf_config.architecture_of(model_cfg("shakespeare", router_score=score, top_k=k, n_blocks=1,
                                                                         block_pattern=pattern))[0]
              for score in ("sigmoid", "softmax") for k in (1, 2) for pattern in ("M", "D", "DM", "MD")}
     assert kinds == {**{(s, k, p): "deepseek_v3" for s in ("sigmoid", "softmax") for k in (1, 2) for p in ("D",)},
@@ -318,9 +322,10 @@ HF_KINDS = {  # model_type -> (config class, model class, what the class needs t
 }
 
 
-def hf_made_model(path, first_k_dense, n_layers, dtype=torch.float32, seed=0, kind="deepseek_v3", **config):
+def hf_made_model(path, first_k_dense, n_layers, dtype=torch.float32, seed=0, kind="deepseek_v3", max_shard_size=None, **config):
     """A random DeepseekV3ForCausalLM (or DeepseekV2ForCausalLM) built and saved by
-    transformers, every weight drawn at a scale where all of them matter."""
+    transformers (in files of at most max_shard_size), every weight drawn at a scale
+    where all of them matter."""
     config_class, model_class, needs = HF_KINDS[kind]
     config = getattr(transformers, config_class)(
         vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=n_layers,
@@ -337,7 +342,7 @@ def hf_made_model(path, first_k_dense, n_layers, dtype=torch.float32, seed=0, ki
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
     hf = hf.to(dtype).eval()
-    hf.save_pretrained(path)
+    hf.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return hf
 
 
@@ -355,7 +360,7 @@ def test_transformers_model_imported_on_a_2x2x2_mesh_gives_transformers_loss(tmp
     cfg = apply_overrides(Config(), PRESETS["tiny"])
     cfg = apply_overrides(cfg, {"model": dict(seq_len=32, capacity_factor=0.0), "train": dict(batch_size=4, microbatches=2),
                                 "mesh": dict(dp=2, pp=2, tp=2)})
-    cfg = hf_interop.adopt_hf_config(cfg, path)
+    cfg = hf_config.adopt_hf_config(cfg, path)
     assert (cfg.model.n_blocks, cfg.model.block_pattern, cfg.model.vocab_size) == (4, "M", 300)
     mesh = par.make_mesh(cfg.mesh)
     par.check_config_fits_mesh(cfg, mesh)
@@ -371,9 +376,9 @@ def test_transformers_dense_first_model_imported_gives_transformers_logits_and_l
     path = str(tmp_path / "hf")
     mtp = dict(num_nextn_predict_layers=1) if kind == "deepseek_v3" else {}  # MTP: not a next-token weight
     hf = hf_made_model(path, first_k_dense=1, n_layers=3, kind=kind, **mtp)
-    m = hf_interop.from_hf_config(hf_interop.read_hf_config(path), model_cfg("tiny", seq_len=32))
-    assert (m.n_blocks, m.block_pattern, m.router_score, m.final_norm_folded) == (
-        1, "DMM", {"deepseek_v3": "sigmoid", "deepseek_v2": "softmax"}[kind], True)
+    m = hf_config.from_hf_config(hf_config.read_hf_config(path), model_cfg("tiny", seq_len=32))
+    assert (m.first_dense, m.n_blocks, m.block_pattern, m.router_score, m.final_norm_folded) == (
+        1, 2, "M", {"deepseek_v3": "sigmoid", "deepseek_v2": "softmax"}[kind], True)
     abstract = nnx.eval_shape(lambda: Transformer(m, nnx.Rngs(0)))
     graphdef, shapes = nnx.split(abstract)
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
@@ -397,7 +402,7 @@ def test_transformers_model_round_trips_through_import_and_export_bit_for_bit(ki
     for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
         path = str(tmp_path / name)
         hf_made_model(path, first_k_dense=1, n_layers=3, dtype=dtype, kind=kind)
-        m = hf_interop.from_hf_config(hf_interop.read_hf_config(path), model_cfg("tiny"))
+        m = hf_config.from_hf_config(hf_config.read_hf_config(path), model_cfg("tiny"))
         original = safetensors_of(path)
         host = hf_interop.from_hf_state(original, m)
         out = hf_interop.write_hf_dir(str(tmp_path / f"again-{name}"), host, m, BYTES, name)
@@ -406,8 +411,8 @@ def test_transformers_model_round_trips_through_import_and_export_bit_for_bit(ki
         for key in original:
             assert again[key].dtype == original[key].dtype and np.array_equal(bits(again[key]), bits(original[key])), key
         # and our export of it imports as the same model, final norm representation included
-        arch = lambda c: {k: getattr(c, k) for k in hf_interop.ARCH_FIELDS}  # noqa: E731
-        assert arch(hf_interop.from_hf_config(hf_interop.read_hf_config(out), model_cfg("shakespeare"))) == arch(m)
+        arch = lambda c: {k: getattr(c, k) for k in hf_config.ARCH_FIELDS}  # noqa: E731
+        assert arch(hf_config.from_hf_config(hf_config.read_hf_config(out), model_cfg("shakespeare"))) == arch(m)
 
 
 @pytest.mark.parametrize("overrides", [dict(n_blocks=4, block_pattern="MM"), dict(n_blocks=2, block_pattern="DM", router_score="softmax")],
@@ -419,8 +424,8 @@ def test_our_export_round_trips_bit_for_bit(overrides, tmp_path):
     m = model_cfg("tiny", **overrides)
     host = random_host(m, seed=5)
     out = hf_interop.write_hf_dir(str(tmp_path / "hf"), host, m, BYTES, "float32")
-    imported = hf_interop.from_hf_config(hf_interop.read_hf_config(out), model_cfg("shakespeare"))
-    arch = lambda c: {k: getattr(c, k) for k in hf_interop.ARCH_FIELDS}  # noqa: E731
+    imported = hf_config.from_hf_config(hf_config.read_hf_config(out), model_cfg("shakespeare"))
+    arch = lambda c: {k: getattr(c, k) for k in hf_config.ARCH_FIELDS}  # noqa: E731
     assert arch(imported) == arch(m)  # the grouping into blocks, the padding, and the unfolded final norm come back too
     assert not imported.final_norm_folded  # so fine-tuning it trains what the run trained
     written = safetensors_of(out)
@@ -438,39 +443,62 @@ def test_our_export_round_trips_bit_for_bit(overrides, tmp_path):
 def test_configs_this_model_cannot_express_name_the_field(tmp_path):
     path = str(tmp_path / "hf")
     hf_made_model(path, first_k_dense=1, n_layers=2)
-    good = hf_interop.read_hf_config(path)
+    good = hf_config.read_hf_config(path)
     m = model_cfg("tiny")
-    hf_interop.from_hf_config(good, m)
-    for field, value in [("q_lora_rank", None), ("v_head_dim", 16), ("tie_word_embeddings", False),
-                         ("routed_scaling_factor", 2.5), ("n_group", 4), ("hidden_act", "gelu"),
-                         ("rope_parameters", {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}),
-                         ("norm_topk_prob", False), ("model_type", "llama")]:
-        with pytest.raises(ConfigError, match=field):
-            hf_interop.from_hf_config(dict(good, **{field: value}, topk_group=2), m)
-    tensors = safetensors_of(path)
-    tensors["model.layers.1.mlp.gate.e_score_correction_bias"] = np.full((8,), 0.1, np.float32)
-    with pytest.raises(ConfigError, match="e_score_correction_bias"):
-        hf_interop.from_hf_state(tensors, hf_interop.from_hf_config(good, m))
+    hf_config.from_hf_config(good, m)
+    for field, value in [("v_head_dim", 16), ("hidden_act", "gelu"), ("num_key_value_heads", 2), ("attention_bias", True),
+                         ("rope_parameters", {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+                         ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                              "attention_factor": 2.0, "rope_theta": 10000.0}),
+                         ("rope_interleave", False), ("moe_layer_freq", 2), ("n_group", 3), ("topk_group", 5),
+                         ("topk_method", "group_limited_greedy"), ("quantization_config", {"quant_method": "fp8"}),
+                         ("model_type", "llama")]:
+        with pytest.raises(ConfigError, match=field) as error:
+            hf_config.from_hf_config(dict(good, **{field: value}), m)
+        assert "\n" not in str(error.value) and "not in this model yet" not in str(error.value)
+    with pytest.raises(ConfigError, match="norm_topk_prob"):  # one expert renormalised is a gate of 1: ours is the raw score
+        hf_config.from_hf_config(dict(good, num_experts_per_tok=1, norm_topk_prob=True), m)
 
     # meshformer (our remote code): the layout comes from mlp_layer_types, the score from scoring_func
-    ours = hf_interop.to_hf_config(model_cfg("tiny", n_blocks=2, block_pattern="DM", router_score="softmax"), BYTES, "float32")
-    del ours[hf_interop.OURS_KEY]  # as transformers' save_pretrained of a MeshformerForCausalLM would write it
-    imported = hf_interop.from_hf_config(ours, m)
+    ours = hf_config.to_hf_config(model_cfg("tiny", n_blocks=2, block_pattern="DM", router_score="softmax"), BYTES, "float32")
+    del ours[hf_config.OURS_KEY]  # as transformers' save_pretrained of a MeshformerForCausalLM would write it
+    imported = hf_config.from_hf_config(ours, m)
     assert (imported.n_blocks, imported.block_pattern, imported.router_score) == (1, "DMDM", "softmax")
     for field, value in [("mlp_layer_types", ["dense", "sparse", "dense"]), ("mlp_layer_types", ["dense", "moe"] * 2),
-                         ("scoring_func", "sqrtsoftplus"), ("norm_topk_prob", False)]:
+                         ("scoring_func", "sqrtsoftplus")]:
         with pytest.raises(ConfigError, match=field):
-            hf_interop.from_hf_config(dict(ours, **{field: value}), m)
+            hf_config.from_hf_config(dict(ours, **{field: value}), m)
 
-    # DeepseekV2: softmax gates that are never renormalised are ours only with one expert per token
+    # DeepseekV2: group-limited routing by the best score per group is not V3's top-2 sum
     path = str(tmp_path / "v2")
     hf_made_model(path, first_k_dense=1, n_layers=2, kind="deepseek_v2")
-    good = hf_interop.read_hf_config(path)
-    assert hf_interop.from_hf_config(good, m).router_score == "softmax"
-    for field, value in [("num_experts_per_tok", 2), ("topk_method", "group_limited_greedy"),
-                         ("rope_parameters", {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0})]:
+    good = hf_config.read_hf_config(path)
+    assert hf_config.from_hf_config(good, m).router_score == "softmax"
+    for field, value in [("topk_method", "group_limited_greedy"), ("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")]:
         with pytest.raises(ConfigError, match=field):
-            hf_interop.from_hf_config(dict(good, **{field: value}), m)
+            hf_config.from_hf_config(dict(good, **{field: value}), m)
+
+
+def test_what_the_issue_found_refused_now_imports_with_its_meaning(tmp_path):
+    """issue 30's table: each field (real value) that the importer refused maps to ours."""
+    path = str(tmp_path / "hf")
+    hf_made_model(path, first_k_dense=1, n_layers=2)
+    good = hf_config.read_hf_config(path)
+    m = model_cfg("tiny")
+    yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+    cases = [(dict(tie_word_embeddings=False), dict(tie_embeddings=False)),
+             (dict(q_lora_rank=None), dict(q_latent=0)),
+             (dict(rope_scaling=yarn), dict(rope_scaling="yarn", rope_factor=40.0, rope_original_len=4096, yarn_beta_fast=32.0,
+                                            yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=1.0)),
+             (dict(routed_scaling_factor=2.5), dict(routed_scale=2.5)),
+             (dict(n_group=4, topk_group=2, topk_method="noaux_tc"), dict(n_groups=4, topk_groups=2, router_bias=True)),
+             (dict(rms_norm_eps=1e-5), dict(norm_eps=1e-5)),
+             (dict(norm_topk_prob=False), dict(norm_topk=False)),
+             (dict(first_k_dense_replace=1), dict(first_dense=1, n_blocks=1, block_pattern="M"))]
+    for hf, ours in cases:
+        imported = hf_config.from_hf_config(dict(good, **hf), m)
+        assert {k: getattr(imported, k) for k in ours} == ours, hf
 
 
 # ----------------------------------------------------------------------------
@@ -562,7 +590,7 @@ def test_command_line_transformers_model_exports_bit_for_bit_and_fine_tunes_resu
     assert "resumed from" in run(*fine_tune, "--train.resume_step", "2").stdout  # steps 3 and 4 again
     run("--mode", "export_hf", "--run.name", "ft", "--export.dtype", "float32")
     with open(runs / "ft" / "hf" / "config.json") as f:
-        assert json.load(f)[hf_interop.OURS_KEY]["final_norm_folded"] is True
+        assert json.load(f)[hf_config.OURS_KEY]["final_norm_folded"] is True
     own = run("--mode", "eval", "--run.name", "ft")
     exported = run("--mode", "eval", "--run.name", "ft2", "--train.init_from", f"hf:{runs / 'ft' / 'hf'}")
     assert val_loss(exported) == pytest.approx(val_loss(own), abs=1e-5)
@@ -570,7 +598,7 @@ def test_command_line_transformers_model_exports_bit_for_bit_and_fine_tunes_resu
     # the run's checkpoint refuses the preset's own model (the final norm means another thing) in one line
     with open(runs / "ft" / "config.json") as f:
         saved = json.load(f)["model"]
-    preset = dataclasses.replace(apply_overrides(Config(), PRESETS["tiny"]).model, **{k: saved[k] for k in hf_interop.ARCH_FIELDS
+    preset = dataclasses.replace(apply_overrides(Config(), PRESETS["tiny"]).model, **{k: saved[k] for k in hf_config.ARCH_FIELDS
                                                                                       if k != "final_norm_folded"})
     with pytest.raises(ConfigError, match=r"--model.final_norm_folded: checkpoint True vs now False") as error:
         checkpoint.check_model_config(saved, preset, "runs/ft")
