@@ -1,7 +1,7 @@
 """Hugging Face remote code for the meshformer exports that no built-in transformers class computes.
 
 This file is not imported by the repo: `python main.py --mode export_hf` copies it beside the
-weights when transformers' own classes cannot compute the model (hf_interop.architecture_of),
+weights when transformers' own classes cannot compute the model (hf_config.architecture_of),
 and config.json's `auto_map` points AutoConfig and AutoModelForCausalLM at it, so that
 
     AutoModelForCausalLM.from_pretrained("runs/NAME/hf", trust_remote_code=True)
@@ -18,9 +18,10 @@ So this is transformers' DeepseekV3 with two changes, everything else its own co
 attention, RMSNorm, interleaved RoPE, experts, KV cache, generate):
 - `mlp_layer_types`: "dense" or "sparse" (MoE) for each layer, in any order;
 - the router scores with `scoring_func` ("softmax" or "sigmoid"), picks the top k of the score
-  (+ e_score_correction_bias, which only selects), and with `norm_topk_prob` divides the chosen
-  scores by their sum (meshformer's moe.top_k_routing; with one expert per token the gate is
-  the raw score and norm_topk_prob is false).
+  (+ e_score_correction_bias, which only selects; within the topk_group best of n_group expert
+  groups, as DeepseekV3), and with `norm_topk_prob` divides the chosen scores by their sum
+  (meshformer's moe.top_k_routing; with one expert per token the gate is the raw score and
+  norm_topk_prob is false), times routed_scaling_factor.
 The model_type is "meshformer", not "deepseek_v3": without trust_remote_code transformers
 refuses the directory instead of computing another model from the same weights.
 """
@@ -62,7 +63,9 @@ class MeshformerConfig(DeepseekV3Config):
 
 
 class MeshformerRouter(DeepseekV3TopkRouter):
-    """Top-k routing as meshformer's moe.top_k_routing (no expert groups: the export refuses them)."""
+    """Top-k routing as meshformer's moe.top_k_routing: DeepseekV3's (selection bias,
+    expert groups ranked by their two best biased scores, norm_topk_prob,
+    routed_scaling_factor) with a softmax or a sigmoid score."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -72,7 +75,13 @@ class MeshformerRouter(DeepseekV3TopkRouter):
         hidden_states = hidden_states.view(-1, self.hidden_dim)
         router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
         scores = router_logits.softmax(dim=-1) if self.scoring_func == "softmax" else router_logits.sigmoid()
-        topk_indices = torch.topk(scores + self.e_score_correction_bias, k=self.top_k, dim=-1, sorted=False)[1]
+        choice = scores + self.e_score_correction_bias
+        if self.num_group > 1:  # keep the experts of each token's topk_group best groups (as DeepseekV3TopkRouter)
+            by_group = choice.view(-1, self.num_group, self.num_experts // self.num_group)
+            best_groups = torch.topk(by_group.topk(2, dim=-1)[0].sum(dim=-1), k=self.topk_group, dim=-1, sorted=False)[1]
+            kept = torch.zeros(by_group.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, best_groups, True)
+            choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.num_group, dim=1), float("-inf"))
+        topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         topk_weights = scores.gather(1, topk_indices)
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)

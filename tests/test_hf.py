@@ -60,6 +60,8 @@ def random_model(m, seed=0):
         name = jax.tree_util.keystr(path)
         if "scale_D" in name:
             return (1 + 0.3 * rng.standard_normal(x.shape)).astype(np.float32)
+        if "router_bias_E" in name:  # a trained selection bias: it moves which experts win, never the gates
+            return (0.05 * rng.standard_normal(x.shape)).astype(np.float32)
         letters = name.split("_")[-1].strip("']")
         dims = dict(zip(letters, x.shape[-len(letters):]))
         std = 1 / np.sqrt(np.prod([dims[a] for a in FAN_IN[letters]]))
@@ -75,7 +77,7 @@ def random_model(m, seed=0):
 
 FAN_IN = {  # weight name suffix -> its input axes (layers.init_normal's fan_in)
     "DQ": "D", "QHK": "Q", "QHR": "Q", "DA": "D", "DR": "D", "AHK": "A", "HKD": "HK",
-    "DF": "D", "FD": "F", "DE": "D", "EDF": "D", "EFD": "F", "VD": "D"}
+    "DF": "D", "FD": "F", "DE": "D", "EDF": "D", "EFD": "F", "VD": "D", "DD": "D", "DHK": "D", "DHR": "D"}
 
 
 def random_host(m, seed=0):
@@ -156,9 +158,14 @@ EXPORT_CASES = {  # id: (preset, overrides, expected model_type)
     "shakespeare-sigmoid-dense-first": ("shakespeare", dict(router_score="sigmoid", n_blocks=1, block_pattern="DMM"), "deepseek_v3"),
     "shakespeare-softmax-moe": ("shakespeare", dict(block_pattern="M"), "meshformer"),
     "shakespeare-dense": ("shakespeare", dict(block_pattern="D"), "deepseek_v3"),
+    # DeepSeek-V3's routing options on (selection bias, 4 expert groups of 2, top 2 groups,
+    # routed scale 2.5): the preset (blocks DM x 2: remote code), and dense-first (built in)
+    "deepseek_v3-preset": ("deepseek_v3", dict(), "meshformer"),
+    "tiny-v3-routing-dense-first": ("tiny", dict(seq_len=64, n_blocks=1, block_pattern="DMMM", router_bias_rate=0.001, n_groups=4,
+                                                 topk_groups=2, routed_scale=2.5), "deepseek_v3"),
 }
 SEEDS = {"tiny-softmax-top1-dense-first": 1}  # seed 0 draws a model whose greedy continuation repeats one token
-FAST_EXPORT_CASES = ("tiny-sigmoid-moe", "tiny-default-layout", "tiny-softmax-top1-dense-first")  # the rest: slow
+FAST_EXPORT_CASES = ("tiny-sigmoid-moe", "tiny-default-layout", "tiny-softmax-top1-dense-first", "deepseek_v3-preset")  # the rest: slow
 
 
 @pytest.mark.parametrize("case", [c if c in FAST_EXPORT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in EXPORT_CASES])
