@@ -58,10 +58,22 @@ OURS_FIELDS = ("vocab_size", "vocab_multiple", "first_dense", "n_blocks", "block
 YARN_FIELDS = {  # ours -> HF's rope_parameters key (transformers' defaults where it has them)
     "rope_factor": "factor", "rope_original_len": "original_max_position_embeddings", "yarn_beta_fast": "beta_fast",
     "yarn_beta_slow": "beta_slow", "yarn_mscale": "mscale", "yarn_mscale_all_dim": "mscale_all_dim"}
-# Fields that do not change what the model computes: loaders' and trainers' knobs.
+# The config.json fields from_hf_config reads (each maps to ours, or is refused by name).
+READ = ("model_type", "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank", "intermediate_size", "hidden_act", "attention_bias",
+        "mlp_bias", "rope_interleave", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps", "tie_word_embeddings",
+        "num_hidden_layers", "first_k_dense_replace", "moe_layer_freq", "mlp_layer_types", "n_routed_experts",
+        "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok", "scoring_func", "topk_method", "norm_topk_prob",
+        "routed_scaling_factor", "n_group", "topk_group", "quantization_config", OURS_KEY)
+# Fields that do not change what the model computes: loaders' and trainers' knobs, values
+# transformers derives from the fields above (head_dim = qk_rope_head_dim, qk_head_dim),
+# and PretrainedConfig's own. Any other field is refused by name: it may be a feature
+# this model does not have (DeepSeek-V3.2's index_topk, sparse attention).
 IGNORED = ("architectures", "auto_map", "aux_loss_alpha", "seq_aux", "ep_size", "pretraining_tp", "use_cache",
            "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype", "transformers_version",
-           "initializer_range", "attention_dropout", "max_position_embeddings", "num_nextn_predict_layers")
+           "initializer_range", "attention_dropout", "max_position_embeddings", "num_nextn_predict_layers", "head_dim",
+           "qk_head_dim", "output_router_logits", "_name_or_path", "chunk_size_feed_forward", "id2label", "label2id",
+           "is_encoder_decoder", "output_attentions", "output_hidden_states", "problem_type", "return_dict")
 # The architecture: what an HF directory decides (adopt_hf_config), and what must match it.
 ARCH_FIELDS = ("vocab_size", "vocab_multiple", "d_model", "n_heads", "head_dim", "rope_dim", "q_latent", "kv_latent",
                "rope_theta", "first_dense", "n_blocks", "block_pattern", "d_ff", "ffn_activation", "n_experts", "n_shared",
@@ -163,7 +175,9 @@ def to_hf_config(m, tokenizer, dtype):
         stem = os.path.splitext(os.path.basename(REMOTE_CODE))[0]
         config.update(auto_map={"AutoConfig": f"{stem}.MeshformerConfig", "AutoModelForCausalLM": f"{stem}.MeshformerForCausalLM"},
                       mlp_layer_types=[MLP_LAYER_TYPES[kind] for kind in kinds])
-    config[OURS_KEY] = {k: getattr(m, k) for k in OURS_FIELDS}
+    # (router_bias: whether the exported model had a bias, trained or frozen; without one
+    # its zeros are not imported as one)
+    config[OURS_KEY] = {k: getattr(m, k) for k in OURS_FIELDS} | {"router_bias": has_router_bias(m)}
     return config
 
 
@@ -195,6 +209,9 @@ def from_hf_config(hf, m):
         if not ok:
             raise ConfigError(f"cannot import: config.json field {field} = {hf.get(field)!r}: {why}")
 
+    unknown = sorted(set(hf) - set(READ) - set(IGNORED))
+    need(not unknown, unknown[0] if unknown else "", "a field this importer does not know: the checkpoint may compute "
+         "something this model cannot (ask for it in an issue)")
     need(not hf.get("quantization_config"), "quantization_config", "weights are read as float32/bfloat16 here; convert "
          "the FP8 checkpoint to bfloat16 first (DeepSeek-V3's inference/fp8_cast_bf16.py)")
     need(hf.get("v_head_dim") == hf["qk_nope_head_dim"], "v_head_dim", f"values here are as wide as the key content part "
@@ -209,9 +226,10 @@ def from_hf_config(hf, m):
          "here is an MoE layer (give the layout as mlp_layer_types, our remote code's field)")
     new = rope_fields(hf, model_type, need)
     kinds, new = layout(hf, model_type, need, new)
+    ours = hf.get(OURS_KEY, {})
     if "M" in kinds:
         new |= routing_fields(hf, model_type, need)
-    ours = hf.get(OURS_KEY, {})
+        new["router_bias"] = ours.get("router_bias", new["router_bias"])  # our own export says whether it had one
     vocab, multiple = hf["vocab_size"], math.gcd(hf["vocab_size"], m.vocab_multiple)
     if ours and padded_vocab(ours.get("vocab_size", 0), ours.get("vocab_multiple", 1)) == hf["vocab_size"]:
         vocab, multiple = ours["vocab_size"], ours["vocab_multiple"]  # the padding rows stay padding
@@ -293,7 +311,7 @@ def routing_fields(hf, model_type, need):
     else:  # DeepseekV3's router: score + e_score_correction_bias selects, groups by top-2 sums
         need(hf.get("topk_method", "noaux_tc") in ("noaux_tc", "greedy"), "topk_method",
              "transformers' DeepseekV3 routes noaux_tc (score + e_score_correction_bias, groups by their top-2 sum)")
-        norm_topk, bias = bool(hf.get("norm_topk_prob", True)), True
+        norm_topk, bias = bool(hf.get("norm_topk_prob", True)), model_type != "mistral4"  # (Mistral4's has no bias)
         need(not (norm_topk and top_k == 1), "norm_topk_prob", "with one expert per token a renormalised gate is 1; "
              "gates here are the raw score then")
     need(n_experts % groups[0] == 0 and (groups[0] == 1 or n_experts // groups[0] >= 2), "n_group",

@@ -459,7 +459,7 @@ def test_configs_this_model_cannot_express_name_the_field(tmp_path):
                                               "attention_factor": 2.0, "rope_theta": 10000.0}),
                          ("rope_interleave", False), ("moe_layer_freq", 2), ("n_group", 3), ("topk_group", 5),
                          ("topk_method", "group_limited_greedy"), ("quantization_config", {"quant_method": "fp8"}),
-                         ("model_type", "llama")]:
+                         ("index_topk", 2048), ("model_type", "llama")]:
         with pytest.raises(ConfigError, match=field) as error:
             hf_config.from_hf_config(dict(good, **{field: value}), m)
         assert "\n" not in str(error.value) and "not in this model yet" not in str(error.value)
@@ -484,6 +484,20 @@ def test_configs_this_model_cannot_express_name_the_field(tmp_path):
     for field, value in [("topk_method", "group_limited_greedy"), ("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")]:
         with pytest.raises(ConfigError, match=field):
             hf_config.from_hf_config(dict(good, **{field: value}), m)
+
+
+def test_every_field_of_transformers_deepseek_configs_is_read_or_known_not_to_matter():
+    """Each field of transformers' DeepseekV3Config and DeepseekV2Config (and of the
+    configs DeepSeek and Moonlight ship) is read with our meaning, or changes nothing
+    this model computes; an unknown one is refused by name (test above)."""
+    known = set(hf_config.READ) | set(hf_config.IGNORED)
+    for config in (transformers.DeepseekV3Config(), transformers.DeepseekV2Config()):
+        assert set(config.to_dict()) <= known, set(config.to_dict()) - known
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_hf_real import REAL_CONFIGS
+
+    for name, config in REAL_CONFIGS.items():
+        assert set(config) <= known, (name, set(config) - known)
 
 
 def test_what_the_issue_found_refused_now_imports_with_its_meaning(tmp_path):
