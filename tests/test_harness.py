@@ -98,9 +98,10 @@ def lm_eval(model, model_args, task_dir, out_dir, *extra):
 
 
 @pytest.mark.slow
-def test_lm_eval_through_the_server_equals_lm_eval_on_the_hf_export(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "deepseek_v3"])  # deepseek_v3: router bias, expert groups, routed scale (remote code)
+def test_lm_eval_through_the_server_equals_lm_eval_on_the_hf_export(tmp_path, preset):
     cache = tmp_path / "data_cache"
-    run_args = ["--preset", "tiny", "--run.out_dir", str(tmp_path / "runs"), "--run.name", "r", "--data.cache_dir", str(cache),
+    run_args = ["--preset", preset, "--run.out_dir", str(tmp_path / "runs"), "--run.name", "r", "--data.cache_dir", str(cache),
                 "--log.progress", "false", "--log.plots", "false", "--sample.num_samples", "0"]
     for extra in (["--train.steps", "30", "--train.eval_every", "1000"], ["--mode", "export_hf", "--export.dtype", "float32"]):
         result = subprocess.run([sys.executable, "main.py", *run_args, *extra], cwd=REPO, capture_output=True, text=True,
@@ -129,7 +130,8 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_the_hf_export(tmp_path):
         finally:
             server.terminate()
             server.wait(timeout=60)
-    exported = lm_eval("hf", f"pretrained={hf_dir},dtype=float32", task_dir, tmp_path / "out_hf", "--device", "cpu")
+    remote = ",trust_remote_code=True" if (hf_dir / "modeling_meshformer.py").exists() else ""  # (the deepseek_v3 preset's DM blocks)
+    exported = lm_eval("hf", f"pretrained={hf_dir},dtype=float32{remote}", task_dir, tmp_path / "out_hf", "--device", "cpu")
 
     (served_acc, served_ll), (hf_acc, hf_ll) = served, exported
     assert sorted(served_ll) == sorted(hf_ll) and len(hf_ll) == 4 * N_ITEMS

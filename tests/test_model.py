@@ -373,7 +373,10 @@ def test_initial_loss_is_that_of_a_uniform_guess(preset):
     whole of it starts at 11.516, ln 100352 = 11.516."""
     cfg = apply_overrides(Config(), PRESETS[preset]).model
     shrink = dict(n_blocks=1, seq_len=64) if preset == "moe1b" else {}
-    cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size or BYTE_VOCAB + 1, dtype="float32", **shrink)  # bytes + end-of-text
+    if preset in ("moonlight", "deepseek_v2_lite"):  # 16B: one MoE block, 8 experts, a 32k vocabulary here
+        shrink = dict(n_blocks=1, seq_len=64, n_experts=8, vocab_size=32768)
+    cfg = dataclasses.replace(cfg, **shrink)
+    cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size or BYTE_VOCAB + 1, dtype="float32")  # bytes + end-of-text
     model = Transformer(cfg, nnx.Rngs(0))
     tokens_BT1 = random_tokens(1, (2, cfg.seq_len + 1), cfg.vocab_size)
     logits_BTV, _ = nnx.jit(lambda model, tokens_BT: model(tokens_BT))(model, tokens_BT1[:, :-1])
