@@ -127,7 +127,7 @@ def test_muon_update_has_rms_0_2_times_the_learning_rate():
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_weight_matrix_is_muons(preset):
-    """Muon trains every weight with 2+ dims but the embedding and the routers (the
+    """Muon trains every weight with 2+ dims but the embedding, the untied head and the routers (the
     muon flag in weights.WEIGHTS); a new weight matrix without it would silently fall to AdamW."""
     import planner
 
@@ -136,7 +136,7 @@ def test_every_weight_matrix_is_muons(preset):
     shapes = planner.abstract_params(cfg.model)
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         name = par.weight_name(path)
-        matrix = leaf.ndim - par.is_stacked(path) >= 2 and name not in ("embed_VD", "router_DE")
+        matrix = leaf.ndim - par.is_stacked(path) >= 2 and name not in ("embed_VD", "head_VD", "router_DE")  # (head: AdamW, weights.py)
         assert optimizers.is_matrix(path) == matrix, name
 
 
