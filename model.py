@@ -86,18 +86,6 @@ class ModelConfig:
     mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): extra blocks predicting tokens 2..depth+1 ahead, "
                                "trained with the rest, ignored by sampling and eval; 0 = off")
     mtp_loss_weight: float = option(0.3, "weight of the MTP loss (mean over depths; V3 used 0.3, later 0.1)")
-    # TEMP (hf branch): declarations only of the feat/prefix branches' fields, so hf_config runs before they merge
-    tie_embeddings: bool = option(True, "TEMP")
-    rope_scaling: str = option("none", "TEMP")
-    rope_factor: float = option(1.0, "TEMP")
-    rope_original_len: int = option(4096, "TEMP")
-    yarn_beta_fast: float = option(32.0, "TEMP")
-    yarn_beta_slow: float = option(1.0, "TEMP")
-    yarn_mscale: float = option(1.0, "TEMP")
-    yarn_mscale_all_dim: float = option(0.0, "TEMP")
-    norm_eps: float = option(1e-6, "TEMP")
-    norm_topk: bool = option(True, "TEMP")
-    first_dense: int = option(0, "TEMP")
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
     grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
