@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model import Transformer
+from model import Transformer, padded_vocab
 
 
 def count_params(model_cfg):
@@ -31,8 +31,9 @@ def flops_per_token(model_cfg):
     """Model FLOPs to train on one token (forward + backward = 3 x forward).
 
     forward = 2 x (active matmul params) + attention scores and values:
-      matmul params: every active weight except the embedding lookup (a gather), but the
-      tied output layer is a real matmul of V x D, so it counts once;
+      matmul params: every active weight except the embedding lookup (a gather) and the
+      norm scales; the output layer is a real matmul of V x D: the tied embedding counts
+      once, as it, and an untied head (--model.tie_embeddings false) counts, its embedding not;
       attention: per layer 2 x T x H x (K + R) for q.k and 2 x T x H x K for p.v
       (full T x T, as in the PaLM paper's MFU accounting).
     Remat recomputation is not counted: MFU measures useful work.
@@ -40,7 +41,8 @@ def flops_per_token(model_cfg):
     m = model_cfg
     total, active = count_params(m)
     norms = m.d_model * (2 * m.n_blocks * len(m.block_pattern) + 1) + m.n_blocks * len(m.block_pattern) * (m.q_latent + m.kv_latent)
-    matmul_params = active - norms  # the embedding counts once, as the output layer
+    lookup = 0 if m.tie_embeddings else padded_vocab(m.vocab_size, m.vocab_multiple) * m.d_model  # the untied embedding: a gather
+    matmul_params = active - norms - lookup
     n_layers = m.n_blocks * len(m.block_pattern)
     attention = n_layers * 2 * m.seq_len * m.n_heads * (2 * m.head_dim + m.rope_dim)
     return 3 * (2 * matmul_params + attention)

@@ -56,9 +56,18 @@ class ModelConfig:
     n_heads: int = option(4, "attention heads (H)")
     head_dim: int = option(32, "per-head dim of queries/keys/values, content part (K)")
     rope_dim: int = option(16, "per-head dim of the decoupled RoPE query/key part (R)")
-    q_latent: int = option(64, "MLA query latent width (Q)")
+    q_latent: int = option(64, "MLA query latent width (Q); 0 = full-rank queries from x, no latent (HF q_lora_rank null)")
     kv_latent: int = option(32, "MLA key/value latent width (A); with R, all the KV cache stores")
     rope_theta: float = option(10000.0, "RoPE base")
+    rope_scaling: str = option("none", "RoPE frequency scaling: none | yarn (DeepSeek-V2/V3's long-context YaRN, attention.py)")
+    rope_factor: float = option(1.0, "yarn: context extension factor (HF rope_scaling.factor)")
+    rope_original_len: int = option(4096, "yarn: the context the RoPE was trained on (HF original_max_position_embeddings)")
+    yarn_beta_fast: float = option(32.0, "yarn: pairs turning more often than this over the original context keep their frequency")
+    yarn_beta_slow: float = option(1.0, "yarn: pairs turning less often than this are interpolated (frequency / factor)")
+    yarn_mscale: float = option(1.0, "yarn: mscale (with yarn_mscale_all_dim, the RoPE parts' factor is their mscale ratio)")
+    yarn_mscale_all_dim: float = option(0.0, "yarn: mscale_all_dim; non-zero: the softmax scale x mscale(factor, this)^2")
+    norm_eps: float = option(1e-6, "eps of the RMSNorms of the residual stream (HF rms_norm_eps; the latent norms keep 1e-6)")
+    tie_embeddings: bool = option(True, "the output layer is the input embedding; false = a separate head (HF lm_head)")
     embed_row_norm: float = option(2.0, "norm of the tied embedding's rows at init (std = this / sqrt(D)); "
                                         "the untrained output logits are at most this (model.py)")
     n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
@@ -79,6 +88,8 @@ class ModelConfig:
     n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
     topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
     routed_scale: float = option(1.0, "multiply the routed experts' output by this (DeepSeek-V3 routed_scaling_factor)")
+    norm_topk: bool = option(True, "renormalise the routed gates over the top k (HF norm_topk_prob); false = raw scores "
+                                   "(DeepSeek-V2-Lite)")
     final_norm_folded: bool = option(False, "the final norm's scale holds the logits' 1/sqrt(D) (set by --train.init_from hf:, "
                                             "which keeps HF's norm weight bit for bit); false = logits of final_norm(x) / sqrt(D)")
     mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): extra blocks predicting tokens 2..depth+1 ahead, "
@@ -122,9 +133,9 @@ class Layer(nnx.Module):
 
     def __init__(self, cfg, kind, rngs):
         self.kind = kind
-        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = MLAttention(cfg, rngs)
-        self.ffn_norm = RMSNorm(cfg.d_model)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = MoE(cfg, rngs) if kind == "M" else DenseFFN(cfg.d_model, cfg.d_ff, cfg.ffn_activation, rngs, residual_scale(cfg))
         self.dropout = cfg.dropout
 
@@ -200,12 +211,12 @@ class MTPModule(nnx.Module):
 
     def __init__(self, cfg, rngs):
         D = cfg.d_model
-        self.hidden_norm = RMSNorm(D)
-        self.embed_norm = RMSNorm(D)
+        self.hidden_norm = RMSNorm(D, cfg.norm_eps)
+        self.embed_norm = RMSNorm(D, cfg.norm_eps)
         self.w_hidden_DD = init_normal(rngs, (D, D), 2 * D)
         self.w_embed_DD = init_normal(rngs, (D, D), 2 * D)
         self.block = Block(dataclasses.replace(cfg, block_pattern="D" * len(cfg.block_pattern)), rngs)
-        self.final_norm = RMSNorm(D)
+        self.final_norm = RMSNorm(D, cfg.norm_eps)
 
     def __call__(self, h_BTD, next_embed_BTD, angles, tp_axis=None, rng=None):
         x_BTD = (project(self.hidden_norm(h_BTD), self.w_hidden_DD[...])
@@ -217,7 +228,7 @@ MTP_RNG_SALT = 2**31 - 1  # dropout keys of the MTP blocks: each row's key folde
 
 
 # ----------------------------------------------------------------------------
-# The Transformer: embedding, N stacked Blocks, final norm, tied output layer.
+# The Transformer: embedding, N stacked Blocks, final norm, output layer (tied or not).
 
 
 def padded_vocab(vocab_size, multiple):
@@ -247,9 +258,16 @@ class Transformer(nnx.Module):
             return Block(cfg, rngs)
 
         self.blocks = make_blocks(rngs)  # every weight has a leading axis N (blocks)
-        self.final_norm = RMSNorm(cfg.d_model)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         # Made last, so the weights above are the same with or without MTP.
         self.mtp = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.mtp_depth)]) if cfg.mtp_depth else None
+        if not cfg.tie_embeddings:
+            # A separate output layer (DeepSeek's lm_head), made after everything else so
+            # that every other weight is the one the tied model would have. Its rows play
+            # the output role of the tied rows, whose std embed_row_norm / sqrt(D) was
+            # chosen for that role (a logit is its row's norm x cos, see `logits`), so they
+            # start the same: the untrained model again guesses near uniformly.
+            self.head_VD = init_normal(rngs, (V, cfg.d_model), cfg.d_model, cfg.embed_row_norm)
 
     def embed(self, tokens_BT, tp_axis=None):
         """Vocab-parallel lookup: each tp device holds rows [offset, offset + V/tp) and
@@ -262,7 +280,8 @@ class Transformer(nnx.Module):
         return psum_if(x_BTD, tp_axis)
 
     def logits(self, x_BTD, norm=None):
-        """Output layer of the tied embedding (the local vocabulary rows under tp).
+        """Output layer: the tied embedding, or the separate head (the local vocabulary
+        rows under tp, either way: vocab-parallel logits).
         `norm`: the final norm to apply (an MTP depth has its own)."""
         # Scaled by 1/sqrt(D): the normed x has norm sqrt(D), so a logit is the row's
         # norm (embed_row_norm at init) times cos(x, row): ~N(0, norm^2/D) at init.
@@ -273,7 +292,8 @@ class Transformer(nnx.Module):
         else:
             x_BTD = (norm or self.final_norm)(x_BTD) / math.sqrt(x_BTD.shape[-1])
         # (in x's dtype: the sharded step hands the table over in float32, parallel.gather_for_use)
-        return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...].astype(x_BTD.dtype), preferred_element_type=ACC_DTYPE)
+        table_VD = self.embed_VD[...] if self.cfg.tie_embeddings else self.head_VD[...]
+        return jnp.einsum("btd,vd->btv", x_BTD, table_VD.astype(x_BTD.dtype), preferred_element_type=ACC_DTYPE)
 
     def loss_sum(self, x_BTD, targets_BT, tp_axis=None, norm=None, mask_BT=None):
         """Summed token cross-entropy with vocab-parallel logits [B, T, V/tp] (over the
@@ -322,7 +342,7 @@ class Transformer(nnx.Module):
         The reference that every sharded and pipelined layout is tested against.
         """
         x_BTD = self.embed(tokens_BT)
-        angles = rope_angles(start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape), self.cfg.rope_dim, self.cfg.rope_theta)
+        angles = rope_angles(start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape), self.cfg)
         x_BTD, stats_N = apply_blocks(self.blocks, x_BTD, angles, unroll=self.cfg.unroll_blocks)
         return (self.logits(x_BTD), stats_N) + ((x_BTD,) if return_hidden else ())
 
@@ -389,7 +409,7 @@ def decode_step(model, tokens_BT, cache, start):
     cfg = model.cfg
     x_BTD = model.embed(tokens_BT)
     positions_BT = jnp.broadcast_to(jnp.reshape(start, (-1, 1)) + jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-    angles = rope_angles(positions_BT, cfg.rope_dim, cfg.rope_theta)
+    angles = rope_angles(positions_BT, cfg)
     block_def, block_state = nnx.split(model.blocks)
 
     def body(x_BTD, state_and_cache):

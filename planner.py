@@ -248,8 +248,9 @@ def norm_bytes(width):
 
 def attention_bytes(s):
     """MLAttention.__call__, per token."""
+    latent_q = norm_bytes(s.Q) + s.Q * s.c if s.Q else s.D * s.c  # q_norm internals, q_BTQ; full-rank: a 4th user of x
     return (norm_bytes(s.D) + 3 * s.D * s.c  # attn_norm; its output, kept by each of the 3 down-projections
-            + norm_bytes(s.Q) + s.Q * s.c  # q latent: q_norm internals, q_BTQ
+            + latent_q
             + norm_bytes(s.A) + s.A * s.c  # kv latent: kv_norm internals, kv_BSA
             + 2 * s.H * s.K * s.c + s.H * s.R * s.c + s.R * s.c  # q_nope, k_nope, q_rope, k_rope
             + s.H * s.T * (F32 + s.c) + 2 * s.H * F32  # scores_BHTS (float32), probs (compute dtype), softmax max/sum

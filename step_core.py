@@ -119,7 +119,7 @@ def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
     else:
         tokens_MbT1 = tokens_bT1.reshape(M, b, T1)
         keys_Mb = None if rng is None else dropout_rows(rng, first_row, B).reshape(M, b)
-    angles = rope_angles(jnp.arange(T1 - 1)[None, :], cfg.model.rope_dim, cfg.model.rope_theta)
+    angles = rope_angles(jnp.arange(T1 - 1)[None, :], cfg.model)
     return Microbatches(tokens_MbT1, angles, keys_Mb)
 
 

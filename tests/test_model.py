@@ -62,7 +62,7 @@ def loss_and_grads(**overrides):
 
 def angles_for(cfg, batch, length, start=0):
     positions_BT = start + jnp.broadcast_to(jnp.arange(length), (batch, length))
-    return rope_angles(positions_BT, cfg.rope_dim, cfg.rope_theta)
+    return rope_angles(positions_BT, cfg)
 
 
 def train_loss(model, tokens_BT1):
@@ -157,7 +157,7 @@ def test_dense_blocks_run_and_are_causal(activation):
 
 @functools.partial(jax.jit, static_argnums=4)
 def jitted_rope_score(q_R, k_R, i, j, rope_dim):
-    angles = rope_angles(jnp.stack([i, j])[None], rope_dim, TINY.rope_theta)  # [1, 2, R/2]
+    angles = rope_angles(jnp.stack([i, j])[None], tiny(rope_dim=rope_dim))  # [1, 2, R/2]
     rotated = apply_rope(jnp.stack([q_R, k_R])[None], angles)[0]
     return rotated[0] @ rotated[1]
 
