@@ -113,9 +113,9 @@ def apply_rope(x_BTxR, angles_BTR2, scale=1.0):
 class MLAttention(nnx.Module):
     def __init__(self, cfg, rngs):
         D, H, K, R, Q, A = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.q_latent, cfg.kv_latent
+        self.full_rank_queries = Q == 0
         # The latent norms keep eps 1e-6 whatever --model.norm_eps says: DeepSeek's
         # q_a_layernorm / kv_a_layernorm (and transformers') ignore rms_norm_eps.
-        self.full_rank_queries = Q == 0
         if Q:  # queries through their own latent (DeepSeek-V3)
             self.wq_down_DQ = init_normal(rngs, (D, Q), D)
             self.q_norm = RMSNorm(Q)

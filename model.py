@@ -68,7 +68,7 @@ class ModelConfig:
     yarn_mscale_all_dim: float = option(0.0, "yarn: mscale_all_dim; non-zero: the softmax scale x mscale(factor, this)^2")
     norm_eps: float = option(1e-6, "eps of the RMSNorms of the residual stream (HF rms_norm_eps; the latent norms keep 1e-6)")
     tie_embeddings: bool = option(True, "the output layer is the input embedding; false = a separate head (HF lm_head)")
-    embed_row_norm: float = option(2.0, "norm of the tied embedding's rows at init (std = this / sqrt(D)); "
+    embed_row_norm: float = option(2.0, "norm of the embedding's (and an untied head's) rows at init (std = this / sqrt(D)); "
                                         "the untrained output logits are at most this (model.py)")
     n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
     block_pattern: str = option("DM", "layers of one block: D = dense FFN, M = MoE FFN")
