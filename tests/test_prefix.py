@@ -22,7 +22,9 @@ from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_
 import executor_1f1b
 import executor_gpipe
 import parallel as par
+import planner
 import sampling
+from flops import flops_per_token, part_flops_per_token, stage_flops_per_token
 from model import Transformer, decode_step, init_cache
 from train_steps import partition
 from utils import ConfigError, apply_overrides, parse_args
@@ -135,3 +137,18 @@ def test_negative_first_dense_is_a_config_error():
     with pytest.raises(ConfigError, match=r"--model\.first_dense \(-1\) must be >= 0"):
         parse_args(["--model.first_dense", "-1"])
 
+
+
+def test_planner_puts_the_prefix_on_the_first_stage():
+    """Per-stage FLOPs sum to the model's; the first stage carries the prefix (what
+    the same model without one lacks), the last the output layer; the plan charges the
+    prefix's time on stage 0 and its activations."""
+    m = tiny(**PREFIX)
+    stages, without = stage_flops_per_token(m, 2), stage_flops_per_token(tiny(n_blocks=4), 2)
+    assert sum(stages) == pytest.approx(flops_per_token(m))
+    assert stages[0] - without[0] == pytest.approx(part_flops_per_token(m)["prefix"]) and stages[1] == pytest.approx(without[1])
+    cfg = apply_overrides(prefix_config((1, 2, 1)), {"model": dict(dtype="float32")})
+    plan = planner.plan(cfg, 0, "tpu-v5p")
+    assert plan["stage_flops_per_token"] == stages and plan["times"]["prefix_imbalance"] > 0
+    assert any(k.startswith("dense prefix (stage 0)") for k in plan["activations"])
+    assert planner.plan(tiny_config((1, 2, 1), n_blocks=4), 0, "tpu-v5p")["times"]["prefix_imbalance"] == 0
