@@ -17,16 +17,15 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_model import random_tokens, tiny
-from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, mesh_for, plain_loss, tiny_config, token_batch, train_steps
+from test_pipeline import scheduled_grads
+from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, plain_loss, tiny_config, token_batch, train_steps
 
 import executor_1f1b
 import executor_gpipe
-import parallel as par
 import planner
 import sampling
 from flops import flops_per_token, part_flops_per_token, stage_flops_per_token
 from model import Transformer, decode_step, init_cache
-from train_steps import partition
 from utils import ConfigError, apply_overrides, parse_args
 
 PREFIX = dict(first_dense=2, n_blocks=4)
@@ -55,27 +54,13 @@ def test_prefix_two_steps_equal_one_device(reference, mesh_shape, pipeline, shar
     assert_same_steps(result, reference)
 
 
-def sharded_loss_and_grads(cfg, executor, tokens):
-    mesh = mesh_for(cfg)
-    graphdef, host_params = initial_params(cfg.model)
-    specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
-    params = jax.device_put(host_params, par.named(mesh, specs))
-
-    def sharded(params, tokens_bT1):
-        (loss, _), grads = executor.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
-        return loss, grads
-
-    fn = jax.jit(partition(sharded, True, mesh, (specs, par.batch_spec()), (jax.P(), specs)))
-    return jax.device_get(fn(params, par.global_batch(mesh, tokens, cfg.train.batch_size)))
-
-
 @pytest.mark.parametrize("pipeline, executor", [pytest.param("gpipe", executor_gpipe, marks=pytest.mark.slow), ("1f1b", executor_1f1b)])
 def test_pipelined_prefix_equals_plain_forward(pipeline, executor):
     """Loss and every gradient leaf of the pipelined, sharded step against autodiff of
     model.__call__ (the plain single-device reference) on dp2 x pp2 x tp2."""
     cfg = prefix_config((2, 2, 2), pipeline)
     tokens = token_batch(cfg, seed=3)
-    loss, grads = sharded_loss_and_grads(cfg, executor, tokens)
+    loss, grads = scheduled_grads(cfg, tokens, executor)
     graphdef, host_params = initial_params(cfg.model)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: plain_loss(nnx.merge(graphdef, p), jnp.asarray(tokens), cfg)))(host_params)
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
@@ -85,9 +70,7 @@ def test_pipelined_prefix_equals_plain_forward(pipeline, executor):
 
 def test_prefix_decode_equals_full_forward():
     """Prefill, then one token at a time through the latent cache, whose first entries
-    are the prefix layers': the logits equal the full forward's; the sampler (whose
-    prefill writes every cache entry's row) continues a prompt as greedy decoding of
-    the full forward does."""
+    are the prefix layers': the logits equal the full forward's."""
     cfg = tiny(**PREFIX, capacity_factor=0.0)
     model = Transformer(cfg, nnx.Rngs(0))
     B, T, prompt = 2, cfg.seq_len, 5
@@ -104,10 +87,19 @@ def test_prefix_decode_equals_full_forward():
         pieces.append(logits_BTV)
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full_BTV, atol=1e-4, rtol=0)
 
+
+@pytest.mark.slow
+def test_sampler_with_a_prefix_decodes_greedily():
+    """The sampler's prefill writes every cache entry's row (the prefix's too): it
+    continues a prompt as greedy decoding of the full forward does."""
+    cfg = tiny(**PREFIX, capacity_factor=0.0)
+    model = Transformer(cfg, nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    prompt, tokens_BT = 5, random_tokens(4, (1, cfg.seq_len))
     # Greedy continuation without a cache: the full forward over a fixed-length buffer
     # (positions after t cannot affect logits at t).
     forward = jax.jit(lambda state, t: nnx.merge(graphdef, state)(t)[0])
-    buffer_1T = tokens_BT[:1].at[:, prompt:].set(0)
+    buffer_1T = tokens_BT.at[:, prompt:].set(0)
     for t in range(prompt, prompt + 4):
         buffer_1T = buffer_1T.at[:, t].set(jnp.argmax(forward(state, buffer_1T)[0, t - 1, :cfg.vocab_size]))
     generated = sampling.generate_ids(model, [int(i) for i in tokens_BT[0, :prompt]], 4, temperature=0.0, top_k=0, seed=0)
@@ -118,10 +110,9 @@ def test_adding_a_prefix_keeps_the_other_weights_init():
     """The prefix is made last: every other weight draws the same random numbers with
     or without it. Only the residual branches' output projections differ, by the
     residual scale's factor (the prefix's layers count in the depth)."""
-    without = nnx.state(nnx.eval_shape(lambda: Transformer(tiny(n_blocks=4), nnx.Rngs(0))))
-    plain = jax.jit(lambda: nnx.state(Transformer(tiny(n_blocks=4), nnx.Rngs(0))).to_pure_dict())()
-    with_prefix = jax.jit(lambda: nnx.state(Transformer(tiny(**PREFIX), nnx.Rngs(0))).to_pure_dict())()
-    assert "prefix" not in without and set(with_prefix) - set(plain) == {"prefix"}
+    plain = nnx.state(Transformer(tiny(n_blocks=4), nnx.Rngs(0))).to_pure_dict()
+    with_prefix = nnx.state(Transformer(tiny(**PREFIX), nnx.Rngs(0))).to_pure_dict()
+    assert set(with_prefix) - set(plain) == {"prefix"}
     factor = np.sqrt((4 + 2) / 4)  # 1 / sqrt(2 x layers): 4 layers without, 6 with
     for path, want in jax.tree_util.tree_flatten_with_path(plain)[0]:
         got = with_prefix
