@@ -3,7 +3,8 @@
 Read bottom-up: the pieces (layers.py: init, projection, RMSNorm, the dense FFN),
 attention (attention.py: RoPE and MLA with its latent KV cache), the MoE layer (moe.py:
 router, capacity, experts), then here the Layer, the Block, multi-token prediction, and
-last the Transformer that stacks Blocks.
+last the Transformer: embedding, an optional dense prefix of Layers (DeepSeek's first
+k dense layers), the stacked Blocks, the output layer.
 
 Every layer is written for the *local* shard of its weights: the number of heads,
 hidden units or experts is read off the weight shapes, so the same code runs on one
@@ -71,6 +72,8 @@ class ModelConfig:
     embed_row_norm: float = option(2.0, "norm of the embedding's (and an untied head's) rows at init (std = this / sqrt(D)); "
                                         "the untrained output logits are at most this (model.py)")
     n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
+    first_dense: int = option(0, "dense layers before the blocks (HF first_k_dense_replace): each a full layer (MLA attention "
+                                 "+ dense FFN of d_ff hidden units), run on the first pipeline stage beside the embedding")
     block_pattern: str = option("DM", "layers of one block: D = dense FFN, M = MoE FFN")
     d_ff: int = option(512, "hidden units of dense FFN layers (F)")
     ffn_activation: str = option("swiglu", "dense FFN activation: swiglu | gelu")
@@ -159,6 +162,13 @@ class Layer(nnx.Module):
             y_BTD, stats = self.ffn(h_BTD), None
         return x_BTD + self.drop(psum_if(y_BTD, tp_axis), rngs[1]), stats
 
+    def decode(self, x_BTD, angles, cache, start):
+        """The layer on T new tokens given the latent cache of earlier ones (decode_step)."""
+        y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), angles, cache, start)
+        x_BTD = x_BTD + y_BTD
+        h_BTD = self.ffn_norm(x_BTD)
+        return x_BTD + (self.ffn.decode(h_BTD) if self.kind == "M" else self.ffn(h_BTD)), cache
+
 
 class Block(nnx.Module):
     def __init__(self, cfg, rngs):
@@ -187,10 +197,7 @@ class Block(nnx.Module):
     def decode(self, x_BTD, angles, caches, start):
         new_caches = []
         for layer, cache in zip(self.layers, caches):
-            y_BTD, cache = layer.attn.decode(layer.attn_norm(x_BTD), angles, cache, start)
-            x_BTD = x_BTD + y_BTD
-            h_BTD = layer.ffn_norm(x_BTD)
-            x_BTD = x_BTD + (layer.ffn.decode(h_BTD) if layer.kind == "M" else layer.ffn(h_BTD))
+            x_BTD, cache = layer.decode(x_BTD, angles, cache, start)
             new_caches.append(cache)
         return x_BTD, new_caches
 
@@ -225,10 +232,11 @@ class MTPModule(nnx.Module):
 
 
 MTP_RNG_SALT = 2**31 - 1  # dropout keys of the MTP blocks: each row's key folded with salt + depth, apart from the blocks' own
+PREFIX_RNG_SALT = 2**30  # dropout keys of the dense prefix: salt + layer, apart from the blocks' (0..N-1) and MTP's
 
 
 # ----------------------------------------------------------------------------
-# The Transformer: embedding, N stacked Blocks, final norm, output layer (tied or not).
+# The Transformer: embedding, dense prefix, N stacked Blocks, final norm, output layer (tied or not).
 
 
 def padded_vocab(vocab_size, multiple):
@@ -268,6 +276,9 @@ class Transformer(nnx.Module):
             # chosen for that role (a logit is its row's norm x cos, see `logits`), so they
             # start the same: the untrained model again guesses near uniformly.
             self.head_VD = init_normal(rngs, (V, cfg.d_model), cfg.d_model, cfg.embed_row_norm)
+        # The dense prefix (DeepSeek's first_k_dense_replace layers), made after MTP and the head
+        # for the same reason. Not stacked (no N dim): it runs on the first pipeline stage only.
+        self.prefix = nnx.List([Layer(cfg, "D", rngs) for _ in range(cfg.first_dense)]) if cfg.first_dense else None
 
     def embed(self, tokens_BT, tp_axis=None):
         """Vocab-parallel lookup: each tp device holds rows [offset, offset + V/tp) and
@@ -278,6 +289,23 @@ class Transformer(nnx.Module):
         mine_BT = (local_BT >= 0) & (local_BT < table_VD.shape[0])
         x_BTD = jnp.where(mine_BT[..., None], table_VD[jnp.clip(local_BT, 0, table_VD.shape[0] - 1)], 0)
         return psum_if(x_BTD, tp_axis)
+
+    def run_prefix(self, x_BTD, angles, tp_axis=None, keys_B=None, remat="none"):
+        """The dense prefix on the embedded x_BTD (a no-op without one). Layer i's dropout
+        keys are each row's key folded with PREFIX_RNG_SALT + i. remat: what the backward
+        pass keeps of each prefix layer, as apply_blocks keeps of a block (each layer's
+        input; with block_dots its matmul outputs)."""
+        for i, layer in enumerate(self.prefix or ()):
+            layer_def, layer_state = nnx.split(layer)  # (a pure function of the weights: callable under any jax transform)
+
+            def run(state, x_BTD, keys_B):
+                return nnx.merge(layer_def, state)(x_BTD, angles, tp_axis, None, keys_B)[0]
+            if remat in ("layer", "block", "stage"):
+                run = jax.checkpoint(run)
+            elif remat == "block_dots":
+                run = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_saveable)
+            x_BTD = run(layer_state, x_BTD, None if keys_B is None else fold_in_rows(keys_B, PREFIX_RNG_SALT + i))
+        return x_BTD
 
     def logits(self, x_BTD, norm=None):
         """Output layer: the tied embedding, or the separate head (the local vocabulary
@@ -343,6 +371,7 @@ class Transformer(nnx.Module):
         """
         x_BTD = self.embed(tokens_BT)
         angles = rope_angles(start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape), self.cfg)
+        x_BTD = self.run_prefix(x_BTD, angles)
         x_BTD, stats_N = apply_blocks(self.blocks, x_BTD, angles, unroll=self.cfg.unroll_blocks)
         return (self.logits(x_BTD), stats_N) + ((x_BTD,) if return_hidden else ())
 
@@ -395,9 +424,13 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
 
 
 def init_cache(cfg, batch, max_len, dtype=jnp.float32):
-    """Per block and layer: (kv latent [N, B, S, A], RoPE key [N, B, S, R])."""
-    shape = (cfg.n_blocks, batch, max_len)
-    return [(jnp.zeros(shape + (cfg.kv_latent,), dtype), jnp.zeros(shape + (cfg.rope_dim,), dtype)) for _ in cfg.block_pattern]
+    """Per layer of the dense prefix, then per layer of the block pattern: (kv latent
+    [N, B, S, A], RoPE key [N, B, S, R]), N = 1 for a prefix layer (so every entry has
+    the same layout: rows are dim 1, positions dim 2)."""
+    def entry(n):
+        shape = (n, batch, max_len)
+        return jnp.zeros(shape + (cfg.kv_latent,), dtype), jnp.zeros(shape + (cfg.rope_dim,), dtype)
+    return [entry(1) for _ in range(cfg.first_dense)] + [entry(cfg.n_blocks) for _ in cfg.block_pattern]
 
 
 def decode_step(model, tokens_BT, cache, start):
@@ -410,6 +443,10 @@ def decode_step(model, tokens_BT, cache, start):
     x_BTD = model.embed(tokens_BT)
     positions_BT = jnp.broadcast_to(jnp.reshape(start, (-1, 1)) + jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     angles = rope_angles(positions_BT, cfg)
+    prefix_cache, cache = list(cache[:cfg.first_dense]), list(cache[cfg.first_dense:])
+    for i, layer in enumerate(model.prefix or ()):
+        x_BTD, (kv_BSA, rope_BSR) = layer.decode(x_BTD, angles, jax.tree.map(lambda c: c[0], prefix_cache[i]), start)
+        prefix_cache[i] = (kv_BSA[None], rope_BSR[None])
     block_def, block_state = nnx.split(model.blocks)
 
     def body(x_BTD, state_and_cache):
@@ -418,7 +455,7 @@ def decode_step(model, tokens_BT, cache, start):
         return x_BTD, block_cache
 
     x_BTD, cache = jax.lax.scan(body, x_BTD, (block_state, cache))
-    return model.logits(x_BTD), cache
+    return model.logits(x_BTD), prefix_cache + cache
 
 
 # ----------------------------------------------------------------------------

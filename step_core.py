@@ -152,7 +152,7 @@ def dropout_rows(rng, first_row, n_rows):
 
 
 def gather_top(params, cfg):
-    """The weights outside the stacked blocks (embedding, final norm, MTP), gathered
+    """The weights outside the stacked blocks (embedding, dense prefix, final norm, MTP), gathered
     once per step (parallel.gather_for_use; they come out in the reduce dtype so their
     gradient accumulates over the microbatches in it). Only some stages use them
     (inside a cond): typed as varying over pp, their gradient is summed over the stages

@@ -316,6 +316,7 @@ def validate_model(cfg):
         (m.capacity_factor >= 0, "--model.capacity_factor must be >= 0 (0 = dropless)"),
         (m.router_bias_rate >= 0 and m.seq_aux_loss_weight >= 0, "--model.router_bias_rate and --model.seq_aux_loss_weight must be >= 0"),
         (m.routed_scale > 0, f"--model.routed_scale must be > 0, got {m.routed_scale}"),
+        (m.first_dense >= 0, f"--model.first_dense ({m.first_dense}) must be >= 0 (dense layers before the blocks; 0 = none)"),
         (0 <= m.mtp_depth < m.seq_len, f"--model.mtp_depth ({m.mtp_depth}) must be >= 0 and below --model.seq_len ({m.seq_len})"),
         (m.n_groups >= 1 and m.n_experts % m.n_groups == 0,
          f"--model.n_groups ({m.n_groups}) must be >= 1 and divide --model.n_experts ({m.n_experts})"),

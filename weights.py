@@ -9,7 +9,8 @@ has a row and every row a parameter. This module imports nothing from the projec
 everything can import it.
 
 Names end in their shape letters (model.py legend): `wq_up_QHK` is [Q, H, K]. Weights
-inside the stacked blocks get a leading N dim (split over pp), which the names leave out.
+inside the stacked blocks get a leading N dim (split over pp), which the names leave out;
+the dense prefix's layers (model.Transformer.prefix) are not stacked and have none.
 """
 
 import dataclasses
