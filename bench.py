@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import dtype_probe
 import parallel as par
 import pipeline
 import train_steps
@@ -162,7 +163,7 @@ def main(argv):
         return
     setup_devices(cfg)
     try:
-        result = bench(cfg, steps, warmup, profile_dir)
+        result = bench(dtype_probe.resolve_dtype(cfg), steps, warmup, profile_dir)
     except ConfigError as e:  # a mesh the model does not fit: say which flag to change
         sys.exit(f"error: {e}")
     for key, value in result.items():
