@@ -46,6 +46,7 @@ def dtype_lines(stdout):
     return [line for line in stdout.splitlines() if line.startswith("dtype: ")]
 
 
+@pytest.mark.slow  # three main.py runs of the tiny preset
 def test_each_outcome_lands_in_config_json_and_a_resume_keeps_it(tmp_path, data_cache):
     steps = ["--model.dtype", "auto", "--train.decay_steps", "4", "--train.eval_every", "1000", "--train.checkpoint_every", "2"]
     cfg = parse_args(["--preset", "tiny", *steps])
