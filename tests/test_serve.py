@@ -403,7 +403,8 @@ def test_a_fresh_server_is_ready_when_it_says_so(run, tmp_path):
     url, states = f"http://127.0.0.1:{port}", []
     with open(tmp_path / "serve.log", "w+") as log:
         proc = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run, "--serve.port", str(port),
-                                 "--serve.slots", str(SLOTS), "--serve.queue", str(QUEUE), "--serve.max_tokens", str(MAX_TOKENS)],
+                                 "--serve.slots", str(SLOTS), "--serve.queue", str(QUEUE), "--serve.max_tokens", str(MAX_TOKENS),
+                                 "--run.compile_cache", str(tmp_path / "jax_cache")],  # cold: every program compiles here
                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, MESHFORMER_API_KEY=KEY))
         try:
             deadline = time.time() + 300
@@ -422,6 +423,24 @@ def test_a_fresh_server_is_ready_when_it_says_so(run, tmp_path):
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+
+
+def test_a_queued_sequence_whose_client_left_leaves_the_queue_at_once(loaded):
+    """Cancelled while it waits (here: in an engine still loading, whose loop has not
+    started), a sequence leaves the queue at once and says so, without waiting for the
+    engine's next iteration; a running one is the engine's to free."""
+    from engine import Engine, Sequence
+
+    cfg, params = loaded
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
+    engine = Engine(nnx.merge(graphdef, params), SLOTS, QUEUE)
+    events = [[] for _ in range(3)]
+    seqs = [Sequence([1, 2, 3], 5, 0.0, 0, 1.0, i, events[i].append) for i in range(3)]
+    engine.submit(seqs)
+    seqs[1].cancel()
+    assert engine.busy() == (0, 2) and events == [[], [("done", "cancelled")], []]
+    seqs[1].cancel()  # twice: still one "done"
+    assert events[1] == [("done", "cancelled")]
 
 
 def test_a_chunked_body_over_the_limit_is_413_before_it_ends(server):
