@@ -5,7 +5,9 @@ bfloat16 halves the bytes of every activation, and on CPUs with bfloat16 matmul 
 run was tuned on such a machine (363 GFLOP/s in bfloat16, 274 s). Most laptop CPUs have
 no such units; XLA:CPU then converts, and bfloat16 is the slower of the two (a 2-vCPU
 AMD EPYC without them: 46.8 vs ~72 GFLOP/s, and the default run 842 s in bfloat16
-against 572 s in float32). So `auto` measures instead of guessing:
+against 572 s in float32). Nor does a CPU flag decide it: a 2-vCPU Intel Xeon VM that
+lists avx512_bf16 ran the default's step 2.4x faster in float32 (bench.py: 7.2K against
+3.0K tokens/s). So `auto` measures instead of guessing:
 
 - on TPU and GPU: bfloat16, without a probe (their matmul units are built for it);
 - on CPU: the model's own matmuls (its projections and expert products at this run's
@@ -46,8 +48,8 @@ DTYPES = ("bfloat16", "float32")
 # machine where the two are close computes what the README shows; and the probe's
 # fastest-of-N timings move by up to ~10% on a shared machine, which must not flip the
 # choice from one machine (or cache) to the next. The machines measured are far from
-# the margin either way: float32 ~1.5x faster (an AMD EPYC without bfloat16 units),
-# bfloat16 about 5x faster (the development VM, issue 34).
+# the margin either way: float32 1.5-2x faster (an AMD EPYC without bfloat16 units; the
+# Intel Xeon above), bfloat16 about 5x faster (the development VM, issue 34).
 FLOAT32_MARGIN = 1.2
 REPEATS = 5  # timed calls per dtype, alternating; the fastest counts (a neighbour's burst only slows one)
 PROBE_FLOPS = 5e9  # at most, per probe call (the default run's 4 GFLOP fit whole): ~20-100 ms on a laptop core
