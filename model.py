@@ -99,7 +99,8 @@ class ModelConfig:
                                "trained with the rest, ignored by sampling and eval; 0 = off")
     mtp_loss_weight: float = option(0.3, "weight of the MTP loss (mean over depths; V3 used 0.3, later 0.1)")
     dropout: float = option(0.0, "dropout on residual branches")
-    dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
+    dtype: str = option("auto", "compute dtype: float32 | bfloat16 | auto (the faster here: bfloat16 on TPU/GPU, on CPU a "
+                                "timed probe of the model's matmuls, dtype_probe.py); weights, Adam and softmax/norms stay float32")
     grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
                                                "weights): float32 | bfloat16 (halves their bytes, loses precision)")
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "

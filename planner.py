@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
+import dtype_probe
 import optimizers
 import parallel as par
 import pipeline
@@ -602,6 +603,7 @@ def muon_cost(params, expert_parallel, mesh_shape, tiled=False):
 
 
 def plan_config(cfg):
+    cfg = dtype_probe.for_accelerator(cfg)  # --model.dtype auto is bfloat16 on the accelerators planned for
     if cfg.model.vocab_size == 0:  # the byte tokenizer of the embedded default
         cfg = apply_overrides(cfg, {"model": {"vocab_size": 257}})
     return cfg

@@ -298,7 +298,7 @@ def validate_model(cfg):
         (set(m.block_pattern) <= {"D", "M"} and m.block_pattern, f"--model.block_pattern must be a string of D and M, got {m.block_pattern!r}"),
         (m.ffn_activation in ("swiglu", "gelu"), f"--model.ffn_activation must be swiglu or gelu, got {m.ffn_activation!r}"),
         (m.router_score in ("softmax", "sigmoid"), f"--model.router_score must be softmax or sigmoid, got {m.router_score!r}"),
-        (m.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
+        (m.dtype in ("float32", "bfloat16", "auto"), f"--model.dtype must be float32, bfloat16 or auto, got {m.dtype!r}"),
         (m.grad_reduce_dtype in ("float32", "bfloat16"), f"--model.grad_reduce_dtype must be float32 or bfloat16, got {m.grad_reduce_dtype!r}"),
         (m.attention in ("matmul", "dot_product_attention"), f"--model.attention must be matmul or dot_product_attention, got {m.attention!r}"),
         (cfg.export.dtype in ("float32", "bfloat16"), f"--export.dtype must be float32 or bfloat16, got {cfg.export.dtype!r}"),
