@@ -101,7 +101,8 @@ class PhaseClock:
         self.carried["down"] += down
         n = sum(1 for r in rows if r.get("event") == "restart" and r["step"] <= step) + 1
         return dict(step=step, event="restart", restart=n, reason=reason, steps_redone=last_step - step,
-                    redone_s=round(redone, 3), down_s=round(down, 3), time=round(time.time(), 3))
+                    redone_s=round(redone, 3), down_s=round(down, 3), stopped_at=round(alive, 3),
+                    started_at=round(self.start, 3), time=round(time.time(), 3))
 
 
 def summary(totals, restarts=0):
