@@ -14,6 +14,7 @@ import sys
 import numpy as np
 
 from flops import human
+from goodput import PHASES
 from metrics import read_metrics
 
 PLOT_DPI = 150  # a 6.4 x 4.4 inch figure is 960 x 660 px: sharp at README width
@@ -241,8 +242,6 @@ def draw_goodput(fig, rows, cfg):
     totals_rows = [r for r in rows if "goodput" in r]
     if not totals_rows:
         return None
-    from goodput import PHASES
-
     last = totals_rows[-1]
     seconds = [last["goodput"].get(p, 0.0) for p in PHASES]
     wall = sum(seconds)

@@ -29,7 +29,10 @@ notifier reports a preemption once.
 import os
 import signal
 
+import jax
 import numpy as np
+from jax._src import distributed  # JAX's preemption sync manager lives on its state
+from jax.experimental import multihost_utils
 
 PREEMPTED_EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, "the user is invited to retry"
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -37,8 +40,6 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 def jax_sync_manager():
     """JAX's preemption sync manager when jax.distributed runs with it, else None."""
-    from jax._src import distributed
-
     return distributed.global_state.preemption_sync_manager if distributed.global_state.client else None
 
 
@@ -47,8 +48,6 @@ class Preemption:
     and says at which step every process stops (should_stop)."""
 
     def __init__(self):
-        import jax
-
         self.processes = jax.process_count()
         self.received = None  # the first signal's name, in this process
         self.previous = {}
@@ -78,11 +77,7 @@ class Preemption:
         if self.processes == 1:
             return self.received is not None
         if self.jax_owns_sigterm:
-            from jax.experimental import multihost_utils
-
             return multihost_utils.reached_preemption_sync_point(step)
-        from jax.experimental import multihost_utils
-
         return bool(np.any(multihost_utils.process_allgather(np.asarray(self.received is not None))))
 
     def why(self):

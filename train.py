@@ -24,6 +24,7 @@ import parallel as par
 import progress
 import train_steps
 from dataset import open_data
+from devices import align_processes
 from metrics import MetricsLog, read_metrics, truncate_metrics
 from plots import plot_run
 from preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -55,6 +56,7 @@ def train(cfg):
         with clock.phase("compile"):
             compiled = compile_train_step(cfg, mesh, graphdef, optimizer, params, opt_state, first_batch, start_step)
         eval_step = train_steps.make_eval_step(graphdef, cfg, mesh, params)
+        align_processes("compiled", cfg.dist.timeout_s)  # the first step sets up its collectives
         reporter = Reporter(cfg, log, make_progress(cfg, start_step), manager, mesh)
         params, opt_state, stopped_at = train_loop(cfg, mesh, data, rows, compiled, eval_step, params, opt_state, first_batch,
                                                    start_step, reporter, manager, wandb_id, clock, preemption)
@@ -94,6 +96,7 @@ def init_or_resume(cfg, mesh, run_dir):
     if cfg.train.init_from:
         checkpoint.find_params_source(cfg.train.init_from)  # a wrong path fails before anything compiles
     graphdef, params, optimizer, opt_state = build_state(cfg, mesh)
+    align_processes("before_restore", cfg.dist.timeout_s)  # (the manager's first collective follows)
     manager = checkpoint.checkpoint_manager(run_dir, cfg.train.keep_checkpoints, log=say)
     start_step, wandb_id = 0, None
     resume_step = None if cfg.train.resume_step < 0 else cfg.train.resume_step
