@@ -425,7 +425,13 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
 
 
 def schedule_of(cfg, pp):
-    return pipeline.schedule(cfg.train.pipeline, pp, cfg.train.microbatches, cfg.train.virtual_stages)
+    return cached_schedule(cfg.train.pipeline, pp, cfg.train.microbatches, cfg.train.virtual_stages)
+
+
+@lru_cache(maxsize=1024)
+def cached_schedule(kind, pp, microbatches, virtual_stages):
+    """pipeline.schedule, once per (kind, pp, M, V): the search asks for each many times."""
+    return pipeline.schedule(kind, pp, microbatches, virtual_stages)
 
 
 def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):

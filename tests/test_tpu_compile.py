@@ -310,3 +310,99 @@ def test_full_moe1b_compiles_fits_and_the_planner_is_within_15_percent(devices_o
     check_collectives(case, shape, expert_parallel)
     assert abs(case["plan"]["total_bytes"] / case["tpu"]["total"] - 1) <= PLANNER_TOLERANCE
     assert case["plan"]["total_bytes"] >= tpu_compile.live_total(case["tpu"], case["log"]), "the planner says less than the compiler keeps live"
+
+
+# ----------------------------------------------------------------------------
+# What the compiled schedule overlaps (tpu_compile.overlap) and the dot FLOPs it runs
+
+
+def compile_ppermute_beside_a_matmul(independent):
+    """A 4-chip program that sends a [1024, 1024] bf16 shard to the next chip (2 MiB) and
+    runs a [1024, 1024] @ [1024, 1024] matmul: one that does not need what was sent
+    (the compiler may run it between the send's start and done), or one that does."""
+    from jax import shard_map
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = Mesh(np.array(tpu_compile.pod_devices("v4-8")).reshape(4), ("tp",))
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+
+    def f(w, a, b):
+        sent = jax.lax.ppermute(w, "tp", ring)
+        return sent.sum() + (a @ b).sum() if independent else (sent @ b).sum()
+    step = jax.jit(shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P(), check_vma=False))
+    args = [jax.ShapeDtypeStruct(shape, jax.numpy.bfloat16, sharding=NamedSharding(mesh, spec))
+            for shape, spec in (((4096, 1024), P("tp")), ((1024, 1024), P()), ((1024, 1024), P()))]
+    with tpu_compile.captured_stderr():
+        return step.lower(*args).compile().as_text()
+
+
+SENT_BYTES = 1024 * 1024 * 2
+MATMUL_FLOPS = 2 * 1024 ** 3
+
+
+@pytest.mark.parametrize("independent", [True, False])
+def test_overlap_of_a_compiled_send_beside_a_matmul(independent):
+    """The matmul that does not need the sent shard is scheduled between the send's
+    start and done (overlapped); the one that needs it runs after (exposed)."""
+    hlo = compile_ppermute_beside_a_matmul(independent)
+    found = tpu_compile.overlap(hlo, (4,))
+    hidden = SENT_BYTES if independent else 0
+    assert (found["overlapped"], found["exposed"]) == (hidden, SENT_BYTES - hidden)
+    assert tpu_compile.dot_flops(hlo) == MATMUL_FLOPS  # XLA:TPU writes the matmul as a convolution
+
+
+# A scheduled module by hand: a loop of 3 trips whose body sends 4 KiB while a fused
+# matmul runs (overlapped) or before it (exposed), and a plain all-gather (exposed).
+LOOP_HLO = """HloModule m, is_scheduled=true
+
+%matmul (p0: bf16[64,128], p1: bf16[128,256]) -> bf16[64,256] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,256]{1,0} parameter(1)
+  ROOT %convolution.1 = bf16[64,256]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+
+%body (t: (s32[], f32[1024], bf16[64,128], bf16[128,256])) -> (s32[], f32[1024], bf16[64,128], bf16[128,256]) {
+  %t = (s32[], f32[1024]{0}, bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[1024]{0} get-tuple-element(%t), index=1
+  %a = bf16[64,128]{1,0} get-tuple-element(%t), index=2
+  %b = bf16[128,256]{1,0} get-tuple-element(%t), index=3
+  %collective-permute-start = (f32[1024]{0}, f32[1024]{0}, u32[], u32[]) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  FIRST
+  %collective-permute-done = f32[1024]{0} collective-permute-done(%collective-permute-start)
+  SECOND
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[1024]{0}, bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%next, %collective-permute-done, %a, %b)
+}
+
+%cond (t: (s32[], f32[1024], bf16[64,128], bf16[128,256])) -> pred[] {
+  %t = (s32[], f32[1024]{0}, bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[1024], a: bf16[64,128], b: bf16[128,256]) -> (s32[], f32[1024], bf16[64,128], bf16[128,256]) {
+  %x = f32[1024]{0} parameter(0)
+  %a = bf16[64,128]{1,0} parameter(1)
+  %b = bf16[128,256]{1,0} parameter(2)
+  %all-gather = f32[2048]{0} all-gather(%x), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}, bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%zero, %x, %a, %b)
+  ROOT %while = (s32[], f32[1024]{0}, bf16[64,128]{1,0}, bf16[128,256]{1,0}) while(%init), condition=%cond, body=%body
+}
+"""
+FUSED_MATMUL = "%fusion = bf16[64,256]{1,0} fusion(%a, %b), kind=kOutput, calls=%matmul"
+
+
+@pytest.mark.parametrize("matmul_between", [True, False])
+def test_overlap_parser_on_a_scheduled_loop(matmul_between):
+    """Bytes per step: the loop's send 3 x 4 KiB, overlapped only when the matmul sits
+    between its start and done; the all-gather (8 KiB, not async) always exposed."""
+    hlo = LOOP_HLO.replace("FIRST" if matmul_between else "SECOND", FUSED_MATMUL).replace("FIRST", "").replace("SECOND", "")
+    found = tpu_compile.overlap(hlo, (2,))
+    sent = 3 * 4096
+    assert found["overlapped"] == (sent if matmul_between else 0)
+    assert found["exposed"] == 8192 + (0 if matmul_between else sent)
+    assert tpu_compile.dot_flops(hlo) == 3 * 2 * 64 * 256 * 128
