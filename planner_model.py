@@ -521,10 +521,17 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     executed = model_flops + 6 * routed_per_layer * n_moe * tokens_per_step * (slot_factor - 1)
     if m.remat in RECOMPUTE_FORWARD or t.pipeline != "gpipe":  # (the hand-written backward always recomputes)
         executed *= 4 / 3
-    compute = executed / (n_devices * peak * efficiency)
+    # The output layer runs on the last stage only, after the pipeline's ticks
+    # (parallel.last_stage_loss_sums), with the other stages waiting: its matmul is split
+    # over dp x tp, not pp. (Recomputed per microbatch under every remat: 4 forwards.)
+    head = 4 * 2 * s.V * tp * m.d_model * tokens_per_step
+    body = executed - min(head, executed) if pp > 1 else executed
+    compute = body / (n_devices * peak * efficiency)
     bubble = compute * (pp - 1) / t.microbatches  # = a fraction (pp-1)/(M+pp-1) of the pipelined compute
     if t.pipeline != "gpipe":
         bubble = compute * scheduled_bubble_factor(cfg, pp)
+    if pp > 1:
+        compute += (executed - body) / (dp * tp * peak * efficiency)
 
     c = s.c
     ep = cfg.mesh.expert_parallel
@@ -533,27 +540,59 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     # embedding and final norm are gathered once per step.
     passes = 2 if m.remat in KEEP_GATHERED else 3
     comm = {}
+    # The same collectives' buffers as the TPU compiler's optimized HLO counts them
+    # (tpu_compile.collectives): an all-gather's output, the rest their output; per
+    # device per step, by "kind over axes". tests/test_tpu_compile.py compares the two.
+    buffers = {}
+
+    def add_buffer(kind, axes, nbytes):
+        key = f"{kind} over {'+'.join(axes)}"
+        buffers[key] = buffers.get(key, 0) + nbytes
+
+    # The gradients are reduced in --model.grad_reduce_dtype (float32 by default): twice
+    # the gathered bytes in bfloat16.
+    reduced = (F32 if m.grad_reduce_dtype == "float32" else 2) / c
     for axes, nbytes in store["block_traffic"].items():
         key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
-        seconds = passes * ticks * blocks_here * nbytes / collective_bw(hw, mesh_shape, axes)
+        seconds = (passes - 1 + reduced) * ticks * blocks_here * nbytes / collective_bw(hw, mesh_shape, axes)
         comm[key] = comm.get(key, 0) + seconds
+        whole = nbytes * math.prod(mesh_shape[a] for a in axes) / (math.prod(mesh_shape[a] for a in axes) - 1)
+        add_buffer("all-gather", axes, (passes - 1) * ticks * blocks_here * whole)
+        add_buffer("reduce-scatter", axes, reduced * ticks * blocks_here * whole)
     for axes, nbytes in store["top_traffic"].items():
         key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
-        comm[key] = comm.get(key, 0) + 2 * nbytes / collective_bw(hw, mesh_shape, axes)
+        comm[key] = comm.get(key, 0) + (1 + reduced) * nbytes / collective_bw(hw, mesh_shape, axes)
+        whole = nbytes * math.prod(mesh_shape[a] for a in axes) / (math.prod(mesh_shape[a] for a in axes) - 1)
+        add_buffer("all-gather", axes, whole)
+        add_buffer("reduce-scatter", axes, reduced * whole)
     x_bytes = s.b * s.T * s.D * c
     layers_here = blocks_here * len(m.block_pattern)
-    if tp > 1:  # 2 all-reduces per layer forward (attention out, FFN out), 2 backward (their inputs), 2 more under remat
-        all_reduce = 2 * (tp - 1) / tp * x_bytes
-        per_layer = 4 if m.remat == "none" else 6
-        comm["tp all-reduce of activations"] = ticks * layers_here * per_layer * all_reduce / collective_bw(hw, mesh_shape, ("tp",))
+    if tp > 1:
+        # Per layer 2 all-reduces forward (attention out, FFN out), 2 more under remat,
+        # and 2 backward (their inputs' cotangents, in float32: the TPU compiler's HLO);
+        # the vocab-split embedding's output once per step, forward and backward.
+        forward = 2 if m.remat == "none" else 4
+        per_layer = forward * x_bytes + 2 * x_bytes * F32 // c
+        embedding = t.microbatches * x_bytes * (1 + F32 // c)
+        buffer_bytes = ticks * layers_here * per_layer + embedding
+        comm["tp all-reduce of activations"] = 2 * (tp - 1) / tp * buffer_bytes / collective_bw(hw, mesh_shape, ("tp",))
+        add_buffer("all-reduce", ("tp",), buffer_bytes)
     if pp > 1:  # one microbatch activation to the next stage per tick, and its gradient back
         comm["pp ppermute of activations"] = 2 * ticks * x_bytes / hw.p2p_bw
+        add_buffer("collective-permute", ("pp",), 2 * ticks * x_bytes)
     if ep and dp > 1:  # x_GECD out and y_GECD back, forward and backward (and recompute)
         buffer = s.b * s.T / s.S * s.E * s.C * s.D * c
         moe_here = m.n_blocks // pp * m.block_pattern.count("M")
         per_layer = 4 if m.remat == "none" else 6
         comm["ep all-to-all of expert buffers"] = ticks * moe_here * per_layer * buffer * (dp - 1) / dp / collective_bw(hw, mesh_shape, ("dp",))
-    return dict(compute=compute, bubble=bubble, model_flops=model_flops, executed_flops=executed), comm
+        add_buffer("all-to-all", ("dp",), ticks * moe_here * per_layer * buffer)
+    # What one device's matmul units run per step, stages in lockstep: its share of the
+    # executed FLOPs, stretched by the ticks where the table leaves it idle (GPipe's
+    # bubble ticks compute on zeros; the hand-written schedules' ticks last their
+    # costliest stage).
+    device_flops = (compute + bubble) * peak * efficiency
+    return dict(compute=compute, bubble=bubble, model_flops=model_flops, executed_flops=executed,
+                device_flops=device_flops, collective_bytes=buffers), comm
 
 
 def newton_schulz_flops(fan_in, fan_out):
@@ -717,8 +756,12 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     if muon:  # Newton-Schulz in float32 (assumed at the same efficiency), and its all-to-alls
         times["optimizer_flops"] = muon["flops"]
         times["compute"] += muon["flops"] / (peak * efficiency)
+        times["device_flops"] += muon["flops"]
         for axes, nbytes in muon["traffic"].items():
             comm[f"muon all-to-all of momentum and updates over {axes}"] = nbytes / collective_bw(hw, mesh_shape, tuple(axes.split("+")))
+            S = math.prod(mesh_shape[a] for a in axes.split("+"))
+            key = f"all-to-all over {axes}"
+            times["collective_bytes"][key] = times["collective_bytes"].get(key, 0) + nbytes * S / (S - 1)
     total_params, active_params = model_params_count(shape_keys(cfg)[0])
     serial = times["compute"] + times["bubble"] + sum(comm.values())
     overlapped = max(times["compute"] + times["bubble"], sum(comm.values()))

@@ -488,17 +488,26 @@ def operand_names(args):
 
 
 def matmul_flops(line, result, args, dims_of):
-    """FLOPs of one dot, or of a convolution (XLA:TPU writes its matmuls as convolutions:
+    """FLOPs of one dot, or of a convolution (XLA:TPU writes matmuls as convolutions:
     dim_labels=bf_io->bf), from its result and operand shapes: 2 x result elements x
-    contracted size (a convolution's: the kernel's elements over its output features)."""
+    contracted size. A convolution contracts its kernel's input features and its window
+    taps; a batched matmul is written as a window over the batch dim with the input
+    dilated by the window's size (window={size=8 stride=7 lhs_dilate=8}), whose taps
+    all but one land on holes: a window dim counts ceil(size / lhs_dilate) taps."""
     out = math.prod(int(d) for d in ARRAY.search(result).group(2).split(",") if d)
     lhs, rhs = operand_names(args)[:2]
     if " dot(" in line:
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
         return 2 * out * math.prod(dims_of[lhs][int(d)] for d in contracting.split(",") if d)
     kernel_labels = re.search(r"dim_labels=[^_]+_([^-]+)->", line).group(1)
-    kernel = dims_of[rhs]
-    return 2 * out * math.prod(kernel) // kernel[kernel_labels.index("o")]
+    in_features = dims_of[rhs][kernel_labels.index("i")]
+    window = re.search(r"window=\{size=([\dx]+)(?:[^}]*lhs_dilate=([\dx]+))?", line)
+    taps = 1
+    if window:
+        sizes = [int(n) for n in window.group(1).split("x")]
+        dilations = [int(n) for n in window.group(2).split("x")] if window.group(2) else [1] * len(sizes)
+        taps = math.prod(-(-size // dilate) for size, dilate in zip(sizes, dilations))
+    return 2 * out * in_features * taps
 
 
 def dot_flops(hlo, name_part=""):
