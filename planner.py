@@ -57,7 +57,7 @@ from model import abstract_model, abstract_params  # noqa: F401  (the tests call
 from planner_model import (DEFAULT_EFFICIENCY, GiB, HARDWARE, gathered_bytes, layout_bytes, plan,  # noqa: F401
                            plan_config, recomputed_block_bytes)
 from planner_search import search, suggestions
-from utils import ConfigError, parse_args
+from utils import ConfigError, apply_overrides, parse_args
 
 BOOLEAN_FLAGS = ("search",)  # planner flags that take no value
 
@@ -91,11 +91,12 @@ def search_main(cfg, own, devices, efficiency):
     if not ranked:
         raise ConfigError(f"no layout of {cfg.preset} fits {preset['devices']} x {preset['hardware']} at --train.batch_size "
                           f"{cfg.train.batch_size}: try more devices, a smaller batch or a smaller model")
-    lines = planner_report.search_report(ranked, preset, planner_search.layout_flags(cfg), tried, too_big, int(own["top"]))
+    preset_flags = planner_search.layout_flags(apply_overrides(cfg, {"mesh": {"dp": preset["mesh"]["dp"]}}))  # (dp -1 resolved)
+    lines = planner_report.search_report(ranked, preset, preset_flags, tried, too_big, int(own["top"]))
     if own["tpu"]:
-        lines += planner_report.compile_ranked(cfg, ranked, own["tpu"], int(own["compile"]))
+        lines += planner_report.compile_ranked(ranked, own["tpu"], int(own["compile"]))
     best = next((r for r in ranked if r.compiled_fits is not False), ranked[0])
-    lines.append(f'best_step_ms={best.step_s * 1e3:.1f} preset_step_ms={preset["step_s_serial"] * 1e3:.1f} best_flags="{best.flags}"')
+    lines.append(f'best_step_ms={best.step_s * 1e3:.6g} preset_step_ms={preset["step_s_serial"] * 1e3:.6g} best_flags="{best.flags}"')
     return lines
 
 

@@ -144,8 +144,8 @@ def print_pod_table(argv):
 
 def search_row(rank, r):
     p = r.plan
-    return (f"{rank:>4} {p['step_s_serial'] * 1e3:9.1f} {p['step_s_overlapped'] * 1e3:9.1f} {p['tokens_per_sec']:>11,.0f} "
-            f"{r.mfu:6.1%} {p['total_bytes'] / GiB:7.2f}   {r.flags}")
+    return (f"{rank:>4} {p['step_s_serial'] * 1e3:9.4g} {p['step_s_overlapped'] * 1e3:9.4g} {p['tokens_per_sec']:>13,.0f} "
+            f"{r.mfu:6.1%} {p['total_bytes'] / GiB:7.3g}   {r.flags}")
 
 
 def search_report(ranked, preset, preset_flags, tried, too_big, top):
@@ -157,7 +157,7 @@ def search_report(ranked, preset, preset_flags, tried, too_big, top):
              f"tokens per step: {tried} layouts divide the model and the batch, {len(ranked)} fit, {too_big} do not",
              f"(compute at an assumed {p['efficiency']:.0%} of peak; step = compute + bubble + communication, not overlapped; "
              "MFU = model FLOPs / (step x peak))", "",
-             f"{'rank':>4} {'step ms':>9} {'overlap':>9} {'tokens/s':>11} {'MFU':>6} {'GiB/dev':>7}   flags"]
+             f"{'rank':>4} {'step ms':>9} {'overlap':>9} {'tokens/s':>13} {'MFU':>6} {'GiB/dev':>7}   flags"]
     lines += [search_row(i + 1, r) for i, r in enumerate(ranked[:top])]
     own = Ranked(preset_flags, preset)
     rank = next((i + 1 for i, r in enumerate(ranked) if r.flags == preset_flags), None)
@@ -165,4 +165,64 @@ def search_report(ranked, preset, preset_flags, tried, too_big, top):
                                               " (does not fit):" if not preset["fits"] else ":"),
               search_row(rank or 0, own).replace("   0 ", "   - ", 1),
               f"best / preset: {preset['step_s_serial'] / ranked[0].step_s:.2f}x the tokens/s"]
+    return lines
+
+
+def mib(n):
+    return f"{n / 2**20:10.1f} MiB"
+
+
+def compiled_layout(cfg, tpu_name):
+    """The TPU compiler's figures for one layout's train step: memory, whether it fits,
+    dot FLOPs and collective bytes per device, and what of it the schedule overlaps."""
+    pod = tpu_compile.pod_type(tpu_name)
+    cfg = plan_config(cfg)
+    mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(tpu_name, cfg.mesh.slices))
+    compiled = tpu_compile.compile_steps(cfg, mesh, eval_step=False)
+    hlo, shape = compiled["train"].as_text(), tuple(mesh.shape.values())
+    tpu, logged = tpu_compile.memory_bytes(compiled["train"]), compiled["log"]["train"]
+    by_kind = {}
+    for (kind, _, over), row in tpu_compile.collectives(hlo, shape).items():
+        by_kind[f"{kind} over {over}"] = by_kind.get(f"{kind} over {over}", 0) + row["bytes"]
+    return dict(tpu=tpu, log=logged, fits=tpu_compile.fits(tpu, logged, HARDWARE[pod.hardware].memory_bytes),
+                hbm=HARDWARE[pod.hardware].memory_bytes, dot_flops=tpu_compile.dot_flops(hlo), collective_bytes=by_kind,
+                overlap=tpu_compile.overlap(hlo, shape), seconds=compiled["seconds"]["train"])
+
+
+def compiled_report(rank, r, c):
+    """Lines: one layout, the planner's figures beside the compiler's."""
+    p, t = r.plan, r.plan["times"]
+    reserved = (c["log"] or {}).get("runtime reserved", 0)
+    verdict = (f"fits ({c['tpu']['total'] / GiB:.2f} GiB + the runtime's {reserved / GiB:.2f} GiB of {c['hbm'] / GiB:.0f})"
+               if c["fits"] else f"does NOT fit: {c['tpu']['total'] / GiB:.2f} GiB + the runtime's {reserved / GiB:.2f} GiB "
+               f"> {c['hbm'] / GiB:.0f} GiB HBM: drops out")
+    lines = [f"rank {rank}: {r.flags}", f"  compiled in {c['seconds']:.0f} s: {verdict}",
+             f"  {'':<34}{'planner':>14}{'TPU compiler':>15}",
+             f"  {'bytes per device':<34}{p['total_bytes'] / GiB:10.2f} GiB{c['tpu']['total'] / GiB:11.2f} GiB",
+             f"  {'dot FLOPs per device (lockstep)':<34}{human(t['device_flops']):>13}F{human(c['dot_flops']):>14}F"]
+    planned = t["collective_bytes"]
+    for key in sorted(set(planned) | set(c["collective_bytes"])):
+        if planned.get(key, 0) or c["collective_bytes"].get(key, 0) > 2**20 / 10:
+            lines.append(f"  {key:<34}{mib(planned.get(key, 0)):>14} {mib(c['collective_bytes'].get(key, 0)):>14}")
+    lines.append(f"  {'collectives, all':<34}{mib(sum(planned.values())):>14} {mib(sum(c['collective_bytes'].values())):>14}")
+    ov = c["overlap"]
+    total = ov["overlapped"] + ov["exposed"]
+    lines.append(f"  the compiled schedule overlaps {ov['overlapped'] / 2**20:.1f} MiB of it with matmul work and leaves "
+                 f"{ov['exposed'] / 2**20:.1f} MiB exposed ({ov['exposed'] / max(total, 1):.0%})")
+    return lines
+
+
+def compile_ranked(ranked, tpu_name, k):
+    """--tpu TYPE --search: compile the top k layouts; those the compiler says do not fit
+    (or will not compile) drop out (Ranked.compiled_fits = False), with the reason."""
+    lines = ["", f"the top {k} compiled for {tpu_name} with the TPU compiler (train step, on this CPU):"]
+    for rank, r in enumerate(ranked[:k], 1):
+        try:
+            c = compiled_layout(r.cfg, tpu_name)
+        except Exception as e:  # a compile error (e.g. out of memory at compile time) drops the layout
+            r.compiled_fits = False
+            lines += [f"rank {rank}: {r.flags}", f"  does not compile, drops out: {str(e).splitlines()[0][:200]}"]
+            continue
+        r.compiled_fits = c["fits"]
+        lines += compiled_report(rank, r, c)
     return lines

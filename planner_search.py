@@ -86,6 +86,7 @@ def layouts(cfg, n_devices):
 class Ranked:
     flags: str
     plan: dict
+    cfg: object = None  # the layout's Config
     compiled_fits: bool | None = None  # what the TPU compiler says (--tpu --search), None: not compiled
 
     @property
@@ -112,7 +113,7 @@ def search(cfg, devices, hw_name, efficiency, peak=None):
         tried += 1
         peak = p["peak_flops"]  # (cpu: measured once)
         if p["fits"]:
-            fitting.append(Ranked(layout_flags(layout), p))
+            fitting.append(Ranked(layout_flags(layout), p, layout))
         else:
             too_big += 1
     return sorted(fitting, key=lambda r: r.step_s), tried, too_big
