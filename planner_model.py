@@ -535,10 +535,18 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
 
     c = s.c
     ep = cfg.mesh.expert_parallel
+    # The hand-written schedules run len(table) ticks of one chunk each, and every
+    # compiled tick gathers the chunk's weights for a forward and again for a backward,
+    # whichever op the stage runs (the gathers sit outside the tick's cond, in the TPU
+    # compiler's HLO): 3 passes per tick under every remat policy.
+    blocks_per_tick = blocks_here
+    if t.pipeline != "gpipe":
+        sched = schedule_of(cfg, pp)
+        ticks, blocks_per_tick = len(sched.table), m.n_blocks // (pp * sched.virtual_stages)
     # FSDP: every tick gathers every local block (and the backward pass reduce-scatters
     # its gradient, the same bytes); under remat the recompute gathers again. The
     # embedding and final norm are gathered once per step.
-    passes = 2 if m.remat in KEEP_GATHERED else 3
+    passes = 2 if m.remat in KEEP_GATHERED and t.pipeline == "gpipe" else 3
     comm = {}
     # The same collectives' buffers as the TPU compiler's optimized HLO counts them
     # (tpu_compile.collectives): an all-gather's output, the rest their output; per
@@ -554,11 +562,11 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     reduced = (F32 if m.grad_reduce_dtype == "float32" else 2) / c
     for axes, nbytes in store["block_traffic"].items():
         key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
-        seconds = (passes - 1 + reduced) * ticks * blocks_here * nbytes / collective_bw(hw, mesh_shape, axes)
+        seconds = (passes - 1 + reduced) * ticks * blocks_per_tick * nbytes / collective_bw(hw, mesh_shape, axes)
         comm[key] = comm.get(key, 0) + seconds
         whole = nbytes * math.prod(mesh_shape[a] for a in axes) / (math.prod(mesh_shape[a] for a in axes) - 1)
-        add_buffer("all-gather", axes, (passes - 1) * ticks * blocks_here * whole)
-        add_buffer("reduce-scatter", axes, reduced * ticks * blocks_here * whole)
+        add_buffer("all-gather", axes, (passes - 1) * ticks * blocks_per_tick * whole)
+        add_buffer("reduce-scatter", axes, reduced * ticks * blocks_per_tick * whole)
     for axes, nbytes in store["top_traffic"].items():
         key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
         comm[key] = comm.get(key, 0) + (1 + reduced) * nbytes / collective_bw(hw, mesh_shape, axes)
@@ -566,12 +574,12 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
         add_buffer("all-gather", axes, whole)
         add_buffer("reduce-scatter", axes, reduced * whole)
     x_bytes = s.b * s.T * s.D * c
-    layers_here = blocks_here * len(m.block_pattern)
+    layers_here = blocks_per_tick * len(m.block_pattern)
     if tp > 1:
         # Per layer 2 all-reduces forward (attention out, FFN out), 2 more under remat,
         # and 2 backward (their inputs' cotangents, in float32: the TPU compiler's HLO);
         # the vocab-split embedding's output once per step, forward and backward.
-        forward = 2 if m.remat == "none" else 4
+        forward = 2 if m.remat == "none" and t.pipeline == "gpipe" else 4
         per_layer = forward * x_bytes + 2 * x_bytes * F32 // c
         embedding = t.microbatches * x_bytes * (1 + F32 // c)
         buffer_bytes = ticks * layers_here * per_layer + embedding
@@ -580,10 +588,15 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     if pp > 1:  # one microbatch activation to the next stage per tick, and its gradient back
         comm["pp ppermute of activations"] = 2 * ticks * x_bytes / hw.p2p_bw
         add_buffer("collective-permute", ("pp",), 2 * ticks * x_bytes)
+    if t.pipeline == "interleaved":  # each chunk to the stage that runs it and its gradient back, once per step
+        # (V x V ppermutes of a chunk's float32 storage shard each way: executor_1f1b.move_chunks)
+        moved = 2 * sched.virtual_stages * store["block_params_untiled"]
+        comm["pp ppermute of the chunks and their gradients"] = moved / hw.p2p_bw
+        add_buffer("collective-permute", ("pp",), moved)
     if ep and dp > 1:  # x_GECD out and y_GECD back, forward and backward (and recompute)
         buffer = s.b * s.T / s.S * s.E * s.C * s.D * c
-        moe_here = m.n_blocks // pp * m.block_pattern.count("M")
-        per_layer = 4 if m.remat == "none" else 6
+        moe_here = blocks_per_tick * m.block_pattern.count("M")
+        per_layer = 4 if m.remat == "none" and t.pipeline == "gpipe" else 6
         comm["ep all-to-all of expert buffers"] = ticks * moe_here * per_layer * buffer * (dp - 1) / dp / collective_bw(hw, mesh_shape, ("dp",))
         add_buffer("all-to-all", ("dp",), ticks * moe_here * per_layer * buffer)
     # What one device's matmul units run per step, stages in lockstep: its share of the
@@ -591,6 +604,15 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     # bubble ticks compute on zeros; the hand-written schedules' ticks last their
     # costliest stage).
     device_flops = (compute + bubble) * peak * efficiency
+    if t.pipeline != "gpipe":
+        # The compiled program's count (tpu_compile.dot_flops, a cond at its costliest
+        # branch): a tick is a cond for the forward and one for the backward, so every
+        # tick counts a forward of a chunk, a backward (recompute + vjp: 3 forwards) and,
+        # in the forward's, the head and its gradient (3 forwards of the output layer).
+        # An upper bound on what a device runs (the step time above counts the table).
+        forward = body / n_devices / (4 * t.microbatches * sched.virtual_stages)
+        head_forward = 2 * s.V * m.d_model * s.b * s.T
+        device_flops = ticks * ((1 + BACKWARD_TICK_COST) * forward + 3 * head_forward)
     return dict(compute=compute, bubble=bubble, model_flops=model_flops, executed_flops=executed,
                 device_flops=device_flops, collective_bytes=buffers), comm
 
@@ -669,6 +691,7 @@ def storage(model_key, train_key, mesh_items, expert_parallel, tiled):
         optimizer=layout_bytes(optimizer_shapes(model_key, train_key), ep, mesh_shape, tiled=tiled),
         gradients=layout_bytes(params, ep, mesh_shape, itemsize=F32, tiled=tiled),
         block_gradients=layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled),
+        block_params_untiled=layout_bytes(blocks, ep, mesh_shape),
         one_block=gathered_bytes(blocks, ep, mesh_shape, c, one_block=True, tiled=tiled),
         top_gathered=gathered_bytes(top, ep, mesh_shape, top_bytes, one_block=False, tiled=tiled),
         top_gathered_f32=gathered_bytes(top, ep, mesh_shape, F32, one_block=False, tiled=tiled),

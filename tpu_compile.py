@@ -433,6 +433,7 @@ class CollectiveOp:
     group_size: int
     arrays: tuple  # ((dtype, bytes), ...) of its result on one device
     overlapped: bool = False  # an async pair with matmul work scheduled between start and done (overlap())
+    computation: str = ""  # the HLO computation it sits in
 
 
 def collective_ops(hlo, mesh_shape):
@@ -478,7 +479,7 @@ def collective_ops(hlo, mesh_shape):
             done_name = re.match(r"^\s*(?:ROOT )?%(\S+) =", line).group(1)
             hidden = pairs[name].get(done_name, ("", False))[1] or wrapped_overlapped.get(name, False)
             ops.append(CollectiveOp(kind, axes_spanned(groups, mesh_shape), runs[name],
-                                    len(groups[0]) if groups else 1, arrays, hidden))
+                                    len(groups[0]) if groups else 1, arrays, hidden, name))
     return ops
 
 
@@ -617,6 +618,42 @@ def overlap(hlo, mesh_shape):
         out["by kind"][(op.kind, op.over)][where] += nbytes
     out["by kind"] = dict(out["by kind"])
     return out
+
+
+def busiest_collective_bytes(hlo, mesh_shape):
+    """{"kind over axes": bytes} per device per step, as collectives() counts an op's bytes,
+    but a conditional counting only its costliest branch (by bytes), as dot_flops does:
+    a device runs one branch, and the HLO does not say which (the 1F1B executor's
+    per-tick cond: each tick at its costliest op)."""
+    comps, entry = split_computations(hlo)
+    own = defaultdict(lambda: defaultdict(int))
+    for op in collective_ops(hlo, mesh_shape):
+        nbytes = sum(b for _, b in op.arrays) * (op.group_size if op.kind == "reduce-scatter" else 1)
+        own[op.computation][f"{op.kind} over {op.over}"] += nbytes
+    memo = {}
+
+    def total(name):
+        if name in memo:
+            return memo[name]
+        memo[name] = {}
+        out = defaultdict(int, own.get(name, {}))
+
+        def add(table, times):
+            for key, nbytes in table.items():
+                out[key] += times * nbytes
+        for line in comps.get(name, []):
+            loop = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
+            if loop:
+                add(total(loop.group(2)), trip_count(line, comps.get(loop.group(1), [])))
+                continue
+            for callee in re.findall(r"(?:calls|to_apply)=%([^\s,}]+)", line):
+                add(total(callee), 1)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                add(max((total(c.strip().lstrip("%")) for c in group.split(",")), key=lambda t: sum(t.values())), 1)
+        memo[name] = dict(out)
+        return memo[name]
+
+    return total(entry)
 
 
 def collective_table(hlo_text, mesh):
