@@ -35,15 +35,7 @@ main.py flag, plus:
                       the README's table: every preset compiled for the pods people use
                       (TABLE_MESHES below), the TPU compiler's bytes beside the planner's
 
-Memory per device:
-  params       float32 master weights, this device's storage shard (exact)
-  optimizer    its state: AdamW mu + nu, or Muon's momentum for the matrices (float32 shards); step counts (exact)
-  gradients    float32 gradient shards, alive from the backward pass to the update
-  gathered     weights all-gathered for use in the compute dtype (FSDP)
-  activations  what the backward pass keeps, by remat policy (the formula below)
-The first two are exact (tests/test_planner.py checks them against the real arrays);
-the rest are a model of what XLA keeps live at the peak, checked against the
-compiled step's memory_analysis() at small sizes.
+What each row of memory and time means: planner_model.py.
 """
 
 import json

@@ -530,8 +530,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     bubble = compute * (pp - 1) / t.microbatches  # = a fraction (pp-1)/(M+pp-1) of the pipelined compute
     if t.pipeline != "gpipe":
         bubble = compute * scheduled_bubble_factor(cfg, pp)
-    if pp > 1:
-        compute += (executed - body) / (dp * tp * peak * efficiency)
+    head_s = (executed - body) / (dp * tp * peak * efficiency)  # (0 without a pipeline: it is in the compute)
 
     c = s.c
     ep = cfg.mesh.expert_parallel
@@ -603,7 +602,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     # executed FLOPs, stretched by the ticks where the table leaves it idle (GPipe's
     # bubble ticks compute on zeros; the hand-written schedules' ticks last their
     # costliest stage).
-    device_flops = (compute + bubble) * peak * efficiency
+    device_flops = (compute + bubble + head_s) * peak * efficiency
     if t.pipeline != "gpipe":
         # The compiled program's count (tpu_compile.dot_flops, a cond at its costliest
         # branch): a tick is a cond for the forward and one for the backward, so every
@@ -613,7 +612,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
         forward = body / n_devices / (4 * t.microbatches * sched.virtual_stages)
         head_forward = 2 * s.V * m.d_model * s.b * s.T
         device_flops = ticks * ((1 + BACKWARD_TICK_COST) * forward + 3 * head_forward)
-    return dict(compute=compute, bubble=bubble, model_flops=model_flops, executed_flops=executed,
+    return dict(compute=compute, bubble=bubble, head=head_s, model_flops=model_flops, executed_flops=executed,
                 device_flops=device_flops, collective_bytes=buffers), comm
 
 
@@ -786,8 +785,8 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
             key = f"all-to-all over {axes}"
             times["collective_bytes"][key] = times["collective_bytes"].get(key, 0) + nbytes * S / (S - 1)
     total_params, active_params = model_params_count(shape_keys(cfg)[0])
-    serial = times["compute"] + times["bubble"] + sum(comm.values())
-    overlapped = max(times["compute"] + times["bubble"], sum(comm.values()))
+    serial = times["compute"] + times["bubble"] + times["head"] + sum(comm.values())
+    overlapped = max(times["compute"] + times["bubble"] + times["head"], sum(comm.values()))
     return dict(
         preset=cfg.preset, hardware=hw.name, devices=n_devices, mesh=mesh_shape, dtype=cfg.model.dtype,
         remat=cfg.model.remat, microbatches=cfg.train.microbatches, expert_parallel=cfg.mesh.expert_parallel,

@@ -46,6 +46,7 @@ def report(p):
                  seconds(t["compute"])))
     if p["mesh"]["pp"] > 1:
         rows.append((f"  pipeline bubble ({p['pipeline']}: {p['bubble_fraction']:.1%} of the table idle)", seconds(t["bubble"])))
+        rows.append(("  output layer and loss on the last stage (the others wait)", seconds(t["head"])))
     rows += [("  " + name, seconds(value)) for name, value in p["comm"].items()]
     rows.append(("  step, communication not overlapped", seconds(p["step_s_serial"]) + f"   ({p['tokens_per_sec']:,.0f} tokens/s)"))
     rows.append(("  step, communication fully overlapped", seconds(p["step_s_overlapped"])))

@@ -465,3 +465,28 @@ def test_planner_dot_flops_and_collective_bytes_are_the_compilers(time_cases, na
     assert planned["device_flops"] == pytest.approx(case["dot_flops"], rel=TIME_TOLERANCE)
     compiled_bytes = sum(case["busiest_bytes"].values())
     assert sum(planned["collective_bytes"].values()) == pytest.approx(compiled_bytes, rel=BYTES_TOLERANCE.get(name, TIME_TOLERANCE))
+
+
+@pytest.mark.slow
+def test_tpu_search_compiles_the_top_layout_and_prints_the_compilers_figures_beside_the_planners():
+    """planner.py --tpu v4-64 --search on the scaled-down moe1b: the best layout is
+    compiled; its block says whether the compiler fits it, the compiler's bytes, dot FLOPs
+    and collectives beside the planner's, and what of the communication the schedule
+    overlaps; the last line names a layout the compiler did not reject."""
+    import io
+    import re
+    from contextlib import redirect_stdout
+    model_flags = [f"--model.{k}={v}" for k, v in SMALL_MOE1B.items()]
+    out = io.StringIO()
+    with redirect_stdout(out):
+        planner.main(["--preset", "moe1b", "--tpu", "v4-64", "--search", "--compile", "1", "--top", "3",
+                      "--train.batch_size", "64", *model_flags])
+    text = out.getvalue()
+    block = text[text.index("the top 1 compiled for v4-64"):]
+    assert re.search(r"compiled in \d+ s: fits \(", block), block
+    for row in ("bytes per device", "dot FLOPs per device (lockstep)", "collectives, all",
+                "the compiled schedule overlaps"):
+        assert row in block, row
+    last = re.fullmatch(r'best_step_ms=[0-9.e+-]+ preset_step_ms=[0-9.e+-]+ best_flags="([^"]+)"', text.splitlines()[-1])
+    first = re.search(r"^rank 1: (.*)$", block, re.M).group(1)
+    assert last and last.group(1) == first
