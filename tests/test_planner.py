@@ -249,3 +249,44 @@ def test_bubble_remat_and_expert_parallel_show_up():
     assert ep["comm"]["ep all-to-all of expert buffers"] > 0
     # each device gathers only its own experts (E/dp) instead of all of them
     assert ep["memory"]["gathered weights"] < m4["memory"]["gathered weights"]
+
+
+# ----------------------------------------------------------------------------
+# --search (planner_search.py)
+
+LAST_LINE = re.compile(r'best_step_ms=([0-9.e+-]+) preset_step_ms=([0-9.e+-]+) best_flags="([^"]+)"')
+ROW = re.compile(r"^\s*(\d+)\s+([0-9.e+-]+)\s+([0-9.e+-]+)\s+([0-9,]+)\s+([0-9.]+)%\s+([0-9.e+-]+)\s+(--.*)$")
+
+
+def test_search_ranks_layouts_that_fit_and_finds_one_faster_than_moe1b_on_32_v4():
+    """The issue's command: every listed layout, planned again from its printed flags,
+    divides the 32 devices, the model and the batch, fits 32 GiB and takes the step
+    printed, fastest first; some layouts tried did not fit (so the filter is real);
+    the preset's layout is listed with its rank; the best is >= 1.3x the preset's
+    tokens/s; the last line is the scripts' contract."""
+    text = run_cli("--preset", "moe1b", "--hardware", "tpu-v4", "--mesh.dp", "8", "--mesh.pp", "2", "--mesh.tp", "2",
+                   "--search", "--top", "12")
+    lines = text.splitlines()
+    last = LAST_LINE.fullmatch(lines[-1])
+    assert last, lines[-1]
+    tried, fit, too_big = (int(n) for n in re.search(r"(\d+) layouts divide .*, (\d+) fit, (\d+) do not", text).groups())
+    assert tried == fit + too_big and too_big > 0 and fit >= 12
+    table = lines[next(i for i, line in enumerate(lines) if line.lstrip().startswith("rank")) + 1:]
+    rows = [ROW.match(line) for line in table[:table.index("")]]
+    assert len(rows) == 12
+    steps = []
+    for row in rows:
+        cfg = parse_args(["--preset", "moe1b", *row.group(7).split()])
+        assert (cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp, cfg.train.batch_size % (cfg.mesh.dp * cfg.train.microbatches)) == (32, 0)
+        p = planner.plan(cfg, 32, "tpu-v4")  # raises if the layout does not divide the model
+        assert p["fits"] and p["total_bytes"] <= 32 * 2**30
+        assert float(row.group(2)) == pytest.approx(p["step_s_serial"] * 1e3, rel=1e-3)
+        steps.append(p["step_s_serial"])
+    assert steps == sorted(steps)
+    preset_row = re.search(r"the preset's own layout \(rank (\d+)\):\n\s*\d+\s+([0-9.e+-]+) .*--mesh.dp 8 --mesh.pp 2 --mesh.tp 2 "
+                           r"--train.pipeline gpipe --train.microbatches 4 --model.remat block\n", text)
+    assert preset_row and int(preset_row.group(1)) > 12
+    best, preset = float(last.group(1)), float(last.group(2))
+    assert best == pytest.approx(float(rows[0].group(2)), rel=1e-3) and last.group(3) == rows[0].group(7)
+    assert preset == pytest.approx(planner.plan(parse_args(["--preset", "moe1b"]), 0, "tpu-v4")["step_s_serial"] * 1e3, rel=1e-4)
+    assert preset / best >= 1.3
