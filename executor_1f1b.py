@@ -129,7 +129,7 @@ class ScheduledStep:
     def differentiable_block(self, state, x_bTD, m, n):
         """(y, the block's balance-loss sums): what the loss depends on."""
         y, stats = self.block(state, x_bTD, m, n)
-        return y, balance_sums(stats)
+        return y, core.balance_sums(stats)
 
     def run_chunk(self, chunk, x_bTD, m, c):
         """Forward through chunk c's L blocks: (y, every block's input [L, ...], stats [L])."""
@@ -149,7 +149,7 @@ class ScheduledStep:
         if self.remat == "stage":  # recompute the whole chunk from its input, then its vjp
             def f(chunk, x):
                 y, _, stats = self.run_chunk(chunk, x, m, c)
-                return y, balance_sums(stats)
+                return y, core.balance_sums(stats)
             (_, sums), vjp = jax.vjp(f, chunk, xs_LbTD[0])
             g_chunk, gx = vjp((gy, self.balance_cotangents(sums)))
             return gx, g_chunk
@@ -271,9 +271,3 @@ class ScheduledStep:
         stats_N = from_chunks(carry["stats"], PP)
         return core.loss_and_metrics(carry["ce"], stats_N, self.cfg, carry["mtp"]), grads
 
-
-def balance_sums(stats):
-    """(load-balance loss sum, sequence-wise loss sum; 0 without it) of a block's or a
-    chunk's MoE statistics: the parts of the loss the blocks' backward seeds."""
-    aux = stats["aux_loss_sum"]
-    return aux, stats.get("seq_aux_loss_sum", jnp.zeros_like(aux))
