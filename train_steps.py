@@ -6,7 +6,7 @@
 
 The executor is chosen by the config:
 
-    --mesh.sharding manual, pp = 1, --train.pipeline gpipe executor_accumulate (shard_map, a vjp per microbatch)
+    --mesh.sharding manual, pp = 1, gpipe, microbatches > 1  executor_accumulate (shard_map, a vjp per microbatch)
     --mesh.sharding manual, --train.pipeline gpipe        executor_gpipe   (shard_map, autodiff)
     --mesh.sharding manual, --train.pipeline 1f1b         executor_1f1b    (shard_map, hand-written backward)
     --mesh.sharding manual, --train.pipeline interleaved  executor_1f1b
@@ -46,8 +46,8 @@ def executor_of(cfg):
     """The module that computes (loss, metrics, grads) under this config."""
     if cfg.mesh.sharding == "auto":
         return executor_auto
-    if cfg.mesh.pp == 1 and cfg.train.pipeline == "gpipe":  # no pipeline: plain accumulation over the microbatches
-        return executor_accumulate
+    if cfg.mesh.pp == 1 and cfg.train.pipeline == "gpipe" and cfg.train.microbatches > 1:
+        return executor_accumulate  # no pipeline: accumulation (one microbatch: GPipe's autodiff is the same)
     return PIPELINE_EXECUTORS[cfg.train.pipeline]
 
 
