@@ -5,16 +5,19 @@ hand, inside the shard_map step.
 pipeline.py builds the table (for every tick and stage: a forward or backward pass of
 one microbatch through one chunk of blocks, or nothing, and which ring slots hold its
 buffers). This file runs it: one lax.scan over the ticks, one lax.cond per tick on the
-stage's op. A backward tick recomputes each block of its chunk from the block's saved
-input and runs its vjp (so under these schedules remat none behaves as block; layer
-and block_dots still bound what one block's backward holds); gradients accumulate in
-the loop. The loss's derivatives with respect to each device's sums (cross-entropy,
+stage's op. A forward tick runs each block of its chunk under jax.vjp and stashes the
+vjp's residuals that depend on the block's input; the backward tick of that microbatch
+runs only the vjp from them (Megatron's 1F1B: no recompute, memory of the microbatches
+in flight, not of M). The remat policy says what the stash holds: none, everything;
+block, each block's input (its backward recomputes it); block_dots, the matmul
+outputs; layer, each layer's input; stage, only the chunk's input (the chunk is
+recomputed). Gradients accumulate in the loop. The loss's derivatives with respect to each device's sums (cross-entropy,
 balance losses, MTP) come from the step core (step_core.sum_cotangents), the same
 loss that autodiff differentiates under GPipe, so both give the same gradients.
 
-What a backward tick needs from its forward tick (the "residuals") is kept as the input
-of each of the chunk's blocks (remat stage: the chunk's input) in a ring of slots
-[R, L, b, T, D], R = the most microbatches in flight on a stage (pp for 1f1b).
+What a backward tick needs from its forward tick is kept in rings of slots, R = the
+most microbatches in flight on a stage (pp for 1f1b): the chunk's input [R + 1, b, T,
+D] (one trash slot) and each stash leaf [R, L, ...] (stash_block, unstash_block).
 
 Interleaved: storage keeps blocks contiguous (stage s stores blocks [s N/pp,
 (s+1) N/pp)), so init, checkpoints, eval and the planner's layouts do not depend on the
