@@ -134,9 +134,10 @@ def test_schedule_step_equals_one_device_everywhere(reference, mesh_shape, kind,
     assert_same_step(metrics, params, *reference)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("remat", ["block_dots", "stage"])  # (each policy under gpipe: test_parallel)
+@pytest.mark.parametrize("remat", ["none", *(pytest.param(p, marks=pytest.mark.slow) for p in ("block_dots", "stage", "layer"))])
 def test_hand_written_backward_under_remat_policies(reference, remat):
+    """Each policy is what the stash keeps (none: every residual of every block, so the
+    backward tick runs no forward again); each policy under gpipe: test_parallel."""
     metrics, params = one_step(schedule_config((2, 2, 2), "1f1b", 2, remat=remat))
     assert_same_step(metrics, params, *reference)
 
