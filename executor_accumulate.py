@@ -23,7 +23,7 @@ FSDP (the block weights split over dp), --train.gather_once:
   auto   (the default) once when M > 1 and that costs at most GATHER_ONCE_SHARE of the
          device's memory (gather_once_bytes; memory as jax reports it: TPU and GPU),
          else per microbatch (also on CPU, which reports no memory).
-The embedding, final norm and MTP are gathered once per step either way
+The embedding, dense prefix, final norm and MTP are gathered once per step either way
 (step_core.gather_top), their gradient summed in float32 and reduce-scattered once.
 
 Everything else is the step core's: microbatches and per-row dropout keys, the loss
@@ -76,6 +76,7 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
         """((cross-entropy, MTP, balance losses per block), MoE statistics) of one microbatch."""
         model = nnx.merge(graphdef, {**top, "blocks": blocks})
         x_bTD = model.embed(tokens_bT1[:, :-1], TP).astype(dtype)
+        x_bTD = model.run_prefix(x_bTD, mb.angles, TP, keys_b, m_cfg.remat)  # the dense prefix (--model.first_dense), if any
 
         def run_blocks(x_bTD):
             return apply_blocks(model.blocks, x_bTD, mb.angles, TP, ep_axis, keys_b, remat=m_cfg.remat,

@@ -44,13 +44,14 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
+import dtype_probe
 import optimizers
 import parallel as par
 import pipeline
 import tpu_compile
 import weights
 from devices import skip_tpu_probe_without_tpu
-from flops import count_params, flops_per_token, human, measure_peak_flops
+from flops import count_params, flops_per_token, human, measure_peak_flops, part_flops_per_token, stage_flops_per_token
 from moe import expert_capacity
 from model import abstract_model, abstract_params, padded_vocab  # noqa: F401  (abstract_model: the tests call it here)
 from utils import PRESETS, Config, ConfigError, apply_overrides, parse_args
@@ -248,8 +249,9 @@ def norm_bytes(width):
 
 def attention_bytes(s):
     """MLAttention.__call__, per token."""
+    latent_q = norm_bytes(s.Q) + s.Q * s.c if s.Q else s.D * s.c  # q_norm internals, q_BTQ; full-rank: a 4th user of x
     return (norm_bytes(s.D) + 3 * s.D * s.c  # attn_norm; its output, kept by each of the 3 down-projections
-            + norm_bytes(s.Q) + s.Q * s.c  # q latent: q_norm internals, q_BTQ
+            + latent_q
             + norm_bytes(s.A) + s.A * s.c  # kv latent: kv_norm internals, kv_BSA
             + 2 * s.H * s.K * s.c + s.H * s.R * s.c + s.R * s.c  # q_nope, k_nope, q_rope, k_rope
             + s.H * s.T * (F32 + s.c) + 2 * s.H * F32  # scores_BHTS (float32), probs (compute dtype), softmax max/sum
@@ -398,6 +400,9 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
             out["saved: every local block's input, every tick"] = ticks * blocks_here * x_bytes
             block_phase = recomputed_block
     out["pipeline buffers (embedded inputs, stage outputs)"] = (t.microbatches + ticks) * x_bytes
+    if m.first_dense:  # stage 0 runs every microbatch through the prefix before the loop; kept as a block's layers are
+        kept = {"none": layer_bytes(s, "D", m), "block_dots": matmul_output_bytes(s, "D", m)}.get(m.remat, s.D * s.c)
+        out[f"dense prefix (stage 0): {m.first_dense} layer(s), every microbatch"] = t.microbatches * m.first_dense * tokens * kept
     rows = tokens  # the loss takes one microbatch at a time
     loss_phase = 2 * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)
     phases = {"loss: float32 logits + their gradient": loss_phase,
@@ -439,6 +444,8 @@ def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False)
     loss_phase = 2 * tokens * s.V * F32 + tokens * (norm_bytes(s.D) + s.D * s.c)
     phases = {"loss: float32 logits + their gradient": loss_phase,
               "backward tick of one " + ("chunk" if m.remat == "stage" else "block") + " (recomputed)": block_phase}
+    if m.first_dense:  # stage 0's first backward tick also recomputes the dense prefix and walks back through it
+        phases["backward tick of the dense prefix (recomputed)"] = block_phase + tokens * m.first_dense * layer_bytes(s, "D", m)
     peak = max(phases, key=phases.get)
     out["peak of two phases: " + peak] = phases[peak]
     return out, phases
@@ -507,6 +514,10 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     bubble = compute * (pp - 1) / t.microbatches  # = a fraction (pp-1)/(M+pp-1) of the pipelined compute
     if t.pipeline != "gpipe":
         bubble = compute * scheduled_bubble_factor(cfg, pp)
+    # The dense prefix runs on stage 0 alone while the other stages wait (GPipe: every
+    # microbatch's before the loop; 1f1b: inside stage 0's first-chunk ticks, which
+    # every stage waits for): its share of the compute takes pp times as long.
+    imbalance = compute * (pp - 1) * part_flops_per_token(m)["prefix"] / flops_per_token(m) if m.first_dense else 0.0
 
     c = s.c
     blocks = {k: v for k, v in params.items() if k == "blocks"}
@@ -530,7 +541,8 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
     if tp > 1:  # 2 all-reduces per layer forward (attention out, FFN out), 2 backward (their inputs), 2 more under remat
         all_reduce = 2 * (tp - 1) / tp * x_bytes
         per_layer = 4 if m.remat == "none" else 6
-        comm["tp all-reduce of activations"] = ticks * layers_here * per_layer * all_reduce / collective_bw(hw, mesh_shape, ("tp",))
+        layer_passes = ticks * layers_here + t.microbatches * m.first_dense  # (the dense prefix: stage 0, every microbatch)
+        comm["tp all-reduce of activations"] = layer_passes * per_layer * all_reduce / collective_bw(hw, mesh_shape, ("tp",))
     if pp > 1:  # one microbatch activation to the next stage per tick, and its gradient back
         comm["pp ppermute of activations"] = 2 * ticks * x_bytes / hw.p2p_bw
     if ep and dp > 1:  # x_GECD out and y_GECD back, forward and backward (and recompute)
@@ -538,7 +550,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, params):
         moe_here = m.n_blocks // pp * m.block_pattern.count("M")
         per_layer = 4 if m.remat == "none" else 6
         comm["ep all-to-all of expert buffers"] = ticks * moe_here * per_layer * buffer * (dp - 1) / dp / collective_bw(hw, mesh_shape, ("dp",))
-    return dict(compute=compute, bubble=bubble, model_flops=model_flops, executed_flops=executed), comm
+    return dict(compute=compute, bubble=bubble, prefix_imbalance=imbalance, model_flops=model_flops, executed_flops=executed), comm
 
 
 def newton_schulz_flops(fan_in, fan_out):
@@ -591,6 +603,7 @@ def muon_cost(params, expert_parallel, mesh_shape, tiled=False):
 
 
 def plan_config(cfg):
+    cfg = dtype_probe.for_accelerator(cfg)  # --model.dtype auto is bfloat16 on the accelerators planned for
     if cfg.model.vocab_size == 0:  # the byte tokenizer of the embedded default
         cfg = apply_overrides(cfg, {"model": {"vocab_size": 257}})
     return cfg
@@ -684,8 +697,9 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         for axes, nbytes in muon["traffic"].items():
             comm[f"muon all-to-all of momentum and updates over {axes}"] = nbytes / collective_bw(hw, mesh_shape, tuple(axes.split("+")))
     total_params, active_params = count_params(cfg.model)
-    serial = times["compute"] + times["bubble"] + sum(comm.values())
-    overlapped = max(times["compute"] + times["bubble"], sum(comm.values()))
+    pipelined = times["compute"] + times["bubble"] + times["prefix_imbalance"]
+    serial = pipelined + sum(comm.values())
+    overlapped = max(pipelined, sum(comm.values()))
     return dict(
         preset=cfg.preset, hardware=hw.name, devices=n_devices, mesh=mesh_shape, dtype=cfg.model.dtype,
         remat=cfg.model.remat, microbatches=cfg.train.microbatches, expert_parallel=ep,
@@ -696,6 +710,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         available_bytes=available, fits=total_bytes <= available,
         peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
         pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, shape[1]).bubble(),
+        stage_flops_per_token=stage_flops_per_token(cfg.model, shape[1]),
         step_s_serial=serial, step_s_overlapped=overlapped,
         tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
 
@@ -794,6 +809,10 @@ def report(p):
                  seconds(t["compute"])))
     if p["mesh"]["pp"] > 1:
         rows.append((f"  pipeline bubble ({p['pipeline']}: {p['bubble_fraction']:.1%} of the table idle)", seconds(t["bubble"])))
+        if t["prefix_imbalance"]:
+            rows.append(("  the dense prefix on stage 0 alone, the other stages waiting", seconds(t["prefix_imbalance"])))
+        rows.append(("  model FLOPs per token by stage: " + ", ".join(human(f) for f in p["stage_flops_per_token"])
+                     + " (first: + dense prefix; last: + output layer, MTP)", ""))
     rows += [("  " + name, seconds(value)) for name, value in p["comm"].items()]
     rows.append(("  step, communication not overlapped", seconds(p["step_s_serial"]) + f"   ({p['tokens_per_sec']:,.0f} tokens/s)"))
     rows.append(("  step, communication fully overlapped", seconds(p["step_s_overlapped"])))

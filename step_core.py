@@ -119,7 +119,7 @@ def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
     else:
         tokens_MbT1 = tokens_bT1.reshape(M, b, T1)
         keys_Mb = None if rng is None else dropout_rows(rng, first_row, B).reshape(M, b)
-    angles = rope_angles(jnp.arange(T1 - 1)[None, :], cfg.model.rope_dim, cfg.model.rope_theta)
+    angles = rope_angles(jnp.arange(T1 - 1)[None, :], cfg.model)
     return Microbatches(tokens_MbT1, angles, keys_Mb)
 
 
@@ -152,7 +152,7 @@ def dropout_rows(rng, first_row, n_rows):
 
 
 def gather_top(params, cfg):
-    """The weights outside the stacked blocks (embedding, final norm, MTP), gathered
+    """The weights outside the stacked blocks (embedding, dense prefix, final norm, MTP), gathered
     once per step (parallel.gather_for_use; they come out in the reduce dtype so their
     gradient accumulates over the microbatches in it). Only some stages use them
     (inside a cond): typed as varying over pp, their gradient is summed over the stages

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import dtype_probe
 import optimizers
 import parallel as par
 import train_steps
@@ -183,6 +184,7 @@ def abstract_state(cfg, mesh):
 def compile_steps(cfg, mesh, eval_step=True):
     """{"train": compiled, "eval": compiled, "seconds": {name: compile seconds}}: the
     real train and eval steps (train_steps.make_train_step / make_eval_step)."""
+    cfg = dtype_probe.for_accelerator(cfg)  # --model.dtype auto is bfloat16 on a TPU
     par.check_config_fits_mesh(cfg, mesh)
     optimizer, params, opt_state = abstract_state(cfg, mesh)
     graphdef = abstract_model(cfg.model)[0]

@@ -12,6 +12,7 @@ five dense layers and one MoE layer with 2 shared + top-2 of 8 routed experts, 4
 microbatches; narrower, float32 because XLA:CPU computes bfloat16 in float32 anyway).
 """
 
+import dataclasses
 import io
 import os
 import re
@@ -27,7 +28,7 @@ import optimizers
 import parallel as par
 import planner
 import tpu_compile
-from flops import flops_per_token
+from flops import count_params, flops_per_token
 from train_steps import make_train_step
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides, parse_args
 
@@ -39,11 +40,14 @@ TEMP_TOLERANCE = 0.15
 def case_config(preset, mesh_shape, remat, expert_parallel=False):
     """The tiny preset (microbatches = pp), or moe1b scaled down (64 sequences, 4
     microbatches); "moe1b-vocab16k" has a 16x larger vocabulary, so that the loss (the
-    float32 logits and their gradient) is the peak, as it is for the full moe1b."""
+    float32 logits and their gradient) is the peak, as it is for the full moe1b;
+    "tiny-options" has an untied head and full-rank queries (their own weights)."""
     dp, pp, tp = mesh_shape
     cfg = apply_overrides(Config(), PRESETS[preset.split("-")[0]])
-    if preset == "tiny":
+    if preset.startswith("tiny"):
         model, train = dict(vocab_size=256), dict(microbatches=pp)
+        if preset == "tiny-options":
+            model.update(tie_embeddings=False, q_latent=0)
     else:
         model, train = dict(SMALL_MOE1B), dict(batch_size=64, microbatches=4)
         if preset == "moe1b-vocab16k":
@@ -78,7 +82,7 @@ def compiled_temp_bytes(cfg):
 
 @pytest.mark.parametrize("preset, mesh_shape, expert_parallel", [
     ("tiny", (1, 1, 1), False), ("tiny", (2, 2, 2), False), ("tiny", (4, 1, 2), False), ("tiny", (8, 1, 1), True),
-    ("tiny", (2, 2, 2), True), ("moe1b", (2, 2, 2), False), ("moe1b", (4, 1, 2), True),
+    ("tiny", (2, 2, 2), True), ("moe1b", (2, 2, 2), False), ("moe1b", (4, 1, 2), True), ("tiny-options", (2, 2, 2), False),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_params_and_optimizer_bytes_are_exact(preset, mesh_shape, expert_parallel):
     """The planner's shard arithmetic equals the bytes the sharded arrays hold on a device
@@ -141,7 +145,8 @@ def test_params_and_optimizer_bytes_are_exact(preset, mesh_shape, expert_paralle
 # model.apply_blocks), PLANNER_ALL_CASES=1 all of them.
 
 FAST_CASES = [("tiny", (2, 2, 2), "none"), ("tiny", (2, 2, 2), "block"), ("tiny", (4, 1, 2), "block"), ("moe1b", (2, 2, 2), "block"),
-              ("moe1b", (2, 2, 2), "stage"), ("moe1b", (4, 1, 2), "block_dots"), ("moe1b-vocab16k", (1, 1, 1), "block")]
+              ("moe1b", (2, 2, 2), "stage"), ("moe1b", (4, 1, 2), "block_dots"), ("moe1b-vocab16k", (1, 1, 1), "block"),
+              ("tiny-options", (2, 2, 2), "block")]
 ALL_CASES = [(preset, mesh, remat) for preset in ("tiny", "moe1b") for mesh in ((1, 1, 1), (2, 2, 2), (4, 1, 2))
              for remat in REMAT_POLICIES] + [
     ("moe1b-vocab16k", (1, 1, 1), "block"), ("moe1b-vocab16k", (2, 2, 2), "block"), ("moe1b-vocab16k", (4, 1, 2), "none")]
@@ -207,6 +212,25 @@ def test_compute_time_is_model_flops_over_peak():
     flops = flops_per_token(cfg.model) * cfg.train.batch_size * cfg.model.seq_len
     assert plan["times"]["compute"] == pytest.approx(flops / (8 * 989e12 * 0.5))
     assert plan["times"]["bubble"] == 0
+
+
+def test_untied_head_and_full_rank_queries_are_counted():
+    """flops.count_params counts the untied head (total and active: every token uses it)
+    and the full-rank query weights instead of the latent ones (no q_norm); the model
+    FLOPs count the output layer once either way (the untied embedding is a lookup), and
+    the full-rank queries' matmuls instead of the latent's."""
+    m = apply_overrides(Config(), PRESETS["tiny"]).model
+    m = dataclasses.replace(m, vocab_size=256)
+    V, D, H, K, R, Q = 256, m.d_model, m.n_heads, m.head_dim, m.rope_dim, m.q_latent
+    layers = m.n_blocks * len(m.block_pattern)
+    total, active = count_params(m)
+    untied = dataclasses.replace(m, tie_embeddings=False)
+    assert count_params(untied) == (total + V * D, active + V * D)
+    assert flops_per_token(untied) == flops_per_token(m)
+    full_rank = dataclasses.replace(m, q_latent=0)
+    matmuls = layers * (D * H * (K + R) - D * Q - Q * H * (K + R))  # the query projections' weights, without q_norm's
+    assert count_params(full_rank) == (total + matmuls - layers * Q, active + matmuls - layers * Q)
+    assert flops_per_token(full_rank) == flops_per_token(m) + 3 * 2 * matmuls
 
 
 def test_bubble_remat_and_expert_parallel_show_up():
