@@ -5,10 +5,13 @@ hand, inside the shard_map step.
 pipeline.py builds the table (for every tick and stage: a forward or backward pass of
 one microbatch through one chunk of blocks, or nothing, and which ring slots hold its
 buffers). This file runs it: one lax.scan over the ticks, one lax.cond per tick on the
-stage's op. A backward tick recomputes each block of its chunk from the block's saved
-input and runs its vjp (so under these schedules remat none behaves as block; layer
-and block_dots still bound what one block's backward holds); gradients accumulate in
-the loop. The loss's derivatives with respect to each device's sums (cross-entropy,
+stage's op. A forward tick runs each block of its chunk under jax.vjp and stashes the
+vjp's residuals that depend on the block's input; the backward tick of that microbatch
+runs only the vjp from them (Megatron's 1F1B: no recompute, memory of the microbatches
+in flight, not of M). The remat policy says what the stash holds: none, everything;
+block, each block's input (its backward recomputes it); block_dots, the matmul
+outputs; layer, each layer's input; stage, only the chunk's input (the chunk is
+recomputed). Gradients accumulate in the loop. The loss's derivatives with respect to each device's sums (cross-entropy,
 balance losses, MTP) come from the step core (step_core.sum_cotangents), the same
 loss that autodiff differentiates under GPipe, so both give the same gradients.
 
@@ -16,9 +19,9 @@ The first chunk's forward on stage 0 starts with the embedding and the dense pre
 (--model.first_dense); its backward tick recomputes both and runs their vjp (embed,
 embed_backward), the prefix's weights being top-level ones, gathered once per step.
 
-What a backward tick needs from its forward tick (the "residuals") is kept as the input
-of each of the chunk's blocks (remat stage: the chunk's input) in a ring of slots
-[R, L, b, T, D], R = the most microbatches in flight on a stage (pp for 1f1b).
+What a backward tick needs from its forward tick is kept in rings of slots, R = the
+most microbatches in flight on a stage (pp for 1f1b): the chunk's input [R + 1, b, T,
+D] (one trash slot) and each stash leaf [R, L, ...] (stash_block, unstash_block).
 
 Interleaved: storage keeps blocks contiguous (stage s stores blocks [s N/pp,
 (s+1) N/pp)), so init, checkpoints, eval and the planner's layouts do not depend on the
@@ -29,6 +32,7 @@ to stage c % pp) with ppermutes, and its gradient back the same way.
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend.core import Literal
 
 import step_core as core
 from layers import axis_index
@@ -114,6 +118,7 @@ class ScheduledStep:
         self.chunks = to_chunks(params["blocks"], self.V, PP)  # [V, L, ...]: this stage's chunks
         self.L = jax.tree.leaves(self.chunks)[0].shape[1]
         self.block_def = nnx.split(self.model_with(self.top).blocks)[0]
+        self._x_dependent = None  # depends_on_x's answer, once traced
 
     def model_with(self, top):
         return nnx.merge(self.graphdef, {**top, "blocks": self.params["blocks"]})
@@ -130,11 +135,6 @@ class ScheduledStep:
         block = nnx.merge(self.block_def, core.gather_block(state, self.cfg))
         return block(x_bTD, self.mb.angles, TP, self.ep_axis, block_rng, remat_layers=self.remat == "layer")
 
-    def differentiable_block(self, state, x_bTD, m, n):
-        """(y, the block's balance-loss sums): what the loss depends on."""
-        y, stats = self.block(state, x_bTD, m, n)
-        return y, balance_sums(stats)
-
     def run_chunk(self, chunk, x_bTD, m, c):
         """Forward through chunk c's L blocks: (y, every block's input [L, ...], stats [L])."""
         def body(x, state_and_j):
@@ -148,28 +148,86 @@ class ScheduledStep:
     def balance_cotangents(self, sums):
         return (jnp.full_like(sums[0], self.cot["aux"]), jnp.full_like(sums[1], self.cot["seq_aux"]))
 
-    def backward_chunk(self, chunk, xs_LbTD, gy, m, c):
+    # --- the stash: what a block's backward needs, kept from its forward ----
+
+    def block_fn(self, m, n):
+        """Block n on microbatch m as a function of its gathered weights and its input,
+        ((y, balance-loss sums), MoE stats), wrapped by the remat policy: what its vjp
+        keeps is what the policy saves (none: everything; block: the input; block_dots:
+        the matmul outputs; layer: each layer's input)."""
+        keys_Mb = self.mb.keys_Mb
+        block_rng = None if keys_Mb is None else fold_in_rows(keys_Mb[m], n)  # as model.apply_blocks folds block n
+
+        def f(w, x_bTD):
+            y, stats = nnx.merge(self.block_def, w)(x_bTD, self.mb.angles, TP, self.ep_axis, block_rng,
+                                                      remat_layers=self.remat == "layer")
+            return (y, core.balance_sums(stats)), stats
+        if self.remat == "block":
+            return jax.checkpoint(f)
+        if self.remat == "block_dots":
+            return jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable)
+        return f
+
+    def gathered(self, state, tie):
+        """A block's weights gathered for use, tied to `tie` (its input, or its output's
+        gradient) so the gather stays in the loop (see model.apply_blocks)."""
+        return core.gather_block(jax.lax.optimization_barrier((state, tie))[0], self.cfg)
+
+    def depends_on_x(self, w, x_bTD, m, n):
+        """Which leaves of a block's vjp depend on its input (traced once): those are
+        stashed; the rest (the weights as the matmuls use them, dropout masks, RoPE
+        tables) are made again from the weights and keys in the backward tick."""
+        if self._x_dependent is None:
+            def leaves(w, x, m, n):
+                return jax.tree.leaves(jax.vjp(self.block_fn(m, n), w, x, has_aux=True)[1])
+            self._x_dependent = depends_on(jax.make_jaxpr(leaves)(w, x_bTD, m, n).jaxpr, len(jax.tree.leaves(w)))
+        return self._x_dependent
+
+    def stash_block(self, state, x_bTD, m, n):
+        """Forward of block n, keeping its residuals: (y, stats, the stash)."""
+        w = self.gathered(state, x_bTD)
+        (y, _), vjp, stats = jax.vjp(self.block_fn(m, n), w, x_bTD, has_aux=True)
+        stash = [leaf for leaf, dep in zip(jax.tree.leaves(vjp), self.depends_on_x(w, x_bTD, m, n)) if dep]
+        return y, stats, stash
+
+    def unstash_block(self, state, stash, gy, m, n):
+        """Backward of block n from its stash: (gradient of its input, of its weights).
+        The vjp's other leaves come from a forward on zeros whose x-dependent part
+        nothing reads (jit's dead-code elimination drops it: no matmul runs again)."""
+        w, gather_vjp = jax.vjp(lambda s: self.gathered(s, gy), state)
+        (_, sums), vjp, _ = jax.vjp(self.block_fn(m, n), w, jnp.zeros_like(gy), has_aux=True)
+        leaves, treedef = jax.tree.flatten(vjp)
+        stashed = iter(stash)
+        vjp = jax.tree.unflatten(treedef, [next(stashed) if dep else leaf
+                                           for leaf, dep in zip(leaves, self.depends_on_x(w, gy, m, n))])
+        g_w, gx = vjp((gy, self.balance_cotangents(sums)))
+        return gx, gather_vjp(g_w)[0]
+
+    def run_chunk_stashing(self, chunk, x_bTD, m, c):
+        """Forward through chunk c's L blocks: (y, every block's stash [L, ...], stats [L])."""
+        def body(x, state_and_j):
+            state, j = state_and_j
+            y, stats, stash = self.stash_block(state, x, m, c * self.L + j)
+            return y, (stash, stats)
+        y, (stash_L, stats_L) = jax.lax.scan(body, x_bTD, (chunk, jnp.arange(self.L)),
+                                             unroll=self.L if self.cfg.model.unroll_blocks else 1)
+        return y, stash_L, stats_L
+
+    def backward_chunk(self, chunk, xs_LbTD, stash_L, gy, m, c):
         """Hand-written backward of chunk c: (gradient of its input, of its weights)."""
+        if self.remat != "stage":  # from the stash: only the backward runs
+            def body(g, state_stash_j):
+                state, stash, j = state_stash_j
+                return self.unstash_block(state, stash, g, m, c * self.L + j)
+            return jax.lax.scan(body, gy, (chunk, stash_L, jnp.arange(self.L)), reverse=True,
+                                unroll=self.L if self.cfg.model.unroll_blocks else 1)
         if self.remat == "stage":  # recompute the whole chunk from its input, then its vjp
             def f(chunk, x):
                 y, _, stats = self.run_chunk(chunk, x, m, c)
-                return y, balance_sums(stats)
+                return y, core.balance_sums(stats)
             (_, sums), vjp = jax.vjp(f, chunk, xs_LbTD[0])
             g_chunk, gx = vjp((gy, self.balance_cotangents(sums)))
             return gx, g_chunk
-
-        differentiable = self.differentiable_block
-        if self.remat == "block_dots":  # keep the matmul outputs of the block being differentiated
-            differentiable = jax.checkpoint(differentiable, policy=jax.checkpoint_policies.dots_saveable)
-
-        def body(g, state_x_j):
-            state, x, j = state_x_j
-            (_, sums), vjp = jax.vjp(lambda s, x: differentiable(s, x, m, c * self.L + j), state, x)
-            g_state, gx = vjp((g, self.balance_cotangents(sums)))
-            return gx, g_state
-        gx, g_chunk = jax.lax.scan(body, gy, (chunk, xs_LbTD, jnp.arange(self.L)), reverse=True,
-                                   unroll=self.L if self.cfg.model.unroll_blocks else 1)
-        return gx, g_chunk
 
     # --- the two ops --------------------------------------------------------
 
@@ -190,12 +248,16 @@ class ScheduledStep:
         return ce, model.mtp_loss_sum(y_bTD, tokens_bT1, self.mb.angles, TP, keys_b)
 
     def forward_op(self, x_saved, m, v, c):
-        """F: (output to send, block inputs to save, stats, (ce, mtp), gradient of the output, of top)."""
+        """F: (output to send, the chunk's input, its blocks' stash, stats, (ce, mtp), gradient of the output, of top)."""
         top = self.top
         x = jax.lax.cond(c == 0, lambda: core.vary(self.embed(top, m).astype(x_saved.dtype), tuple(jax.typeof(x_saved).manual_axis_type.varying)),
                          lambda: x_saved)  # the embedding and prefix, on the first chunk of stage 0 only
         chunk = jax.tree.map(lambda w: w[v], self.chunks)
-        y, xs_LbTD, stats_L = self.run_chunk(chunk, x, m, c)
+        if self.remat == "stage":  # keep only the chunk's input
+            y, _, stats_L = self.run_chunk(chunk, x, m, c)
+            stash_L = []
+        else:
+            y, stash_L, stats_L = self.run_chunk_stashing(chunk, x, m, c)
 
         def head(y):  # the head and loss, on the last chunk of the last stage only
             sums, vjp = jax.vjp(lambda t, y: self.head_sums(t, y, m), top, y)
@@ -203,14 +265,13 @@ class ScheduledStep:
             return sums, gy, jax.tree.map(lambda g: g.astype(jnp.float32), g_top)
 
         sums, gy, g_top = core.when(c == self.C - 1, head, y)
-        saved = xs_LbTD[:1] if self.remat == "stage" else xs_LbTD
-        return y, saved, stats_L, sums, gy, g_top
+        return y, x, stash_L, stats_L, sums, gy, g_top
 
-    def backward_op(self, xs_LbTD, gy, m, v, c):
+    def backward_op(self, x_bTD, stash_L, gy, m, v, c):
         """B: (gradient to send, of the chunk's weights, of top)."""
         top = self.top
         chunk = jax.tree.map(lambda w: w[v], self.chunks)
-        gx, g_chunk = self.backward_chunk(chunk, xs_LbTD, gy, m, c)
+        gx, g_chunk = self.backward_chunk(chunk, x_bTD[None], stash_L, gy, m, c)
 
         def embed_backward(gx):  # the embedding's and prefix's gradient, on the first chunk of stage 0 only
             x_bTD, vjp = jax.vjp(lambda t: self.embed(t, m), top)  # (recomputing the prefix, as a backward tick does a chunk)
@@ -228,12 +289,15 @@ class ScheduledStep:
         b, T = self.mb.tokens_MbT1.shape[1], self.mb.tokens_MbT1.shape[2] - 1
         act_dtype = jnp.dtype(m_cfg.dtype)
         x0 = core.vary(jnp.zeros((b, T, m_cfg.d_model), act_dtype), BATCH_AXES + (PP,))
-        saved_L = 1 if self.remat == "stage" else self.L
         zero_sum = core.vary(jnp.zeros((), jnp.float32), BATCH_AXES + (PP,))
         # MoE statistics per chunk and block [V, L]; their types come from one block.
         stats_aval = jax.eval_shape(lambda: self.run_chunk(jax.tree.map(lambda w: w[0], self.chunks), x0, 0, 0)[2])
+        # The stash: per slot, every leaf of the chunk's blocks' residuals [L, ...].
+        stash_avals = [] if self.remat == "stage" else jax.eval_shape(
+            lambda: self.run_chunk_stashing(jax.tree.map(lambda w: w[0], self.chunks), x0, 0, 0)[1])
         return dict(
-            res=jnp.zeros((sched.res_slots + 1, saved_L) + x0.shape, act_dtype) + x0,
+            res=jnp.zeros((sched.res_slots + 1,) + x0.shape, act_dtype) + x0,
+            stash=[jnp.stack([z] * sched.res_slots) for z in core.zeros_of(stash_avals)],  # (no trash slot: see tick)
             grads=jnp.zeros((sched.grad_slots + 1,) + x0.shape, act_dtype) + x0,
             x_recv=x0, g_recv=x0,
             g_chunks=jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), self.chunks),
@@ -246,12 +310,20 @@ class ScheduledStep:
         op, m, v, res_slot, recv_x_slot, grad_slot, recv_grad_slot = (row_S[self.stage, i] for i in range(len(FIELDS)))
         c = v * pp + self.stage
         act_dtype = jnp.dtype(self.cfg.model.dtype)
-        res = carry["res"].at[recv_x_slot, 0].set(carry["x_recv"])  # what the previous stage sent last tick
+        res = carry["res"].at[recv_x_slot].set(carry["x_recv"])  # what the previous stage sent last tick
         grads = carry["grads"].at[recv_grad_slot].set(carry["g_recv"])  # what the next stage sent
-        y, saved, stats_L, (ce, mtp), gy, g_top_f = core.when(op == FORWARD, self.forward_op, res[res_slot, 0], m, v, c)
-        gx, g_chunk, g_top_b = core.when(op == BACKWARD, self.backward_op, res[res_slot], grads[grad_slot], m, v, c)
+        # (named_ops: tpu_compile.dot_flops(hlo, "forward_op") counts one op's matmuls)
+        y, x_in, stash_L, stats_L, (ce, mtp), gy, g_top_f = core.when(op == FORWARD, named_op(self.forward_op), res[res_slot], m, v, c)
+        stash_slot = jnp.minimum(res_slot, sched.res_slots - 1)  # (the stash ring has no trash slot)
+        gx, g_chunk, g_top_b = core.when(op == BACKWARD, named_op(self.backward_op), res[res_slot],
+                                         [buf[stash_slot] for buf in carry["stash"]], grads[grad_slot], m, v, c)
         is_f, is_head = op == FORWARD, (op == FORWARD) & (c == self.C - 1)
-        res = res.at[jnp.where(is_f, res_slot, sched.res_slots)].set(saved.astype(act_dtype))
+        write = jnp.where(is_f, res_slot, sched.res_slots)
+        res = res.at[write].set(x_in.astype(act_dtype))  # (the embedding's output, on chunk 0: kept for remat stage)
+        # A stash slot is as big as a microbatch's activations: rather than a trash slot,
+        # a tick that is no forward writes the slot's own value back.
+        stash = [buf.at[stash_slot].set(jnp.where(is_f, leaf.astype(buf.dtype), buf[stash_slot]))
+                 for buf, leaf in zip(carry["stash"], stash_L)]
         grads = grads.at[jnp.where(is_head, grad_slot, sched.grad_slots)].set(gy.astype(act_dtype))
         g_chunks = jax.tree.map(lambda acc, g: acc.at[v].add(g.astype(jnp.float32)), carry["g_chunks"], g_chunk)
         g_top = jax.tree.map(lambda acc, f, g: acc + f + g, carry["g_top"], g_top_f, g_top_b)
@@ -262,7 +334,7 @@ class ScheduledStep:
             g_recv = jax.lax.ppermute(gx, PP, [(j, i) for i, j in forward_pairs])
         else:
             x_recv, g_recv = y, gx
-        return dict(res=res, grads=grads, x_recv=x_recv.astype(act_dtype), g_recv=g_recv.astype(act_dtype),
+        return dict(res=res, stash=stash, grads=grads, x_recv=x_recv.astype(act_dtype), g_recv=g_recv.astype(act_dtype),
                     g_chunks=g_chunks, g_top=g_top, stats=stats, ce=carry["ce"] + ce, mtp=carry["mtp"] + mtp), None
 
     def run(self):
@@ -280,8 +352,20 @@ class ScheduledStep:
         return core.loss_and_metrics(carry["ce"], stats_N, self.cfg, carry["mtp"]), grads
 
 
-def balance_sums(stats):
-    """(load-balance loss sum, sequence-wise loss sum; 0 without it) of a block's or a
-    chunk's MoE statistics: the parts of the loss the blocks' backward seeds."""
-    aux = stats["aux_loss_sum"]
-    return aux, stats.get("seq_aux_loss_sum", jnp.zeros_like(aux))
+def depends_on(jaxpr, n_weights):
+    """Which outputs of jaxpr(weights..., x, ...) depend on x (its input n_weights):
+    a walk over its equations; an equation with such an input taints all its outputs
+    (inside loops and conds too, which can only stash more, never less)."""
+    tainted = {jaxpr.invars[n_weights]}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return [not isinstance(v, Literal) and v in tainted for v in jaxpr.outvars]
+
+
+def named_op(method):
+    """method, its ops under jax.named_scope(its name) (in the HLO's op_name metadata)."""
+    def run(*args):
+        with jax.named_scope(method.__name__):
+            return method(*args)
+    return run

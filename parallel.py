@@ -259,7 +259,7 @@ def param_bytes_on_device(tree, device):
 # Inside shard_map: the FSDP gather
 
 
-def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype=jnp.float32):
+def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype=jnp.float32, whole_stack=False):
     """FSDP: cast local weights to the compute dtype and all-gather their storage-only
     split (the FSDP dim). Casting first halves the bytes sent in bfloat16. In the
     backward pass each all_gather becomes a reduce-scatter (psum_scatter): every device
@@ -274,13 +274,16 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype
     False: the tied embedding and the final norm, gathered once per step and used by
     every microbatch) come out in reduce_dtype, so that their gradient accumulates
     over the microbatches in it; their users cast them to the compute dtype.
-    one_block: the weights of one block, sliced out of the stack (no N dim)."""
+    one_block: the weights of one block, sliced out of the stack (no N dim).
+    whole_stack: the blocks' stacked weights [N, ...] all at once (executor_accumulate's
+    gather once per step); they come out in reduce_dtype too, so that their gradient,
+    summed over the microbatches, reaches the reduce-scatter unrounded."""
     out_dtype = jnp.dtype(dtype) if one_block else jnp.promote_types(dtype, reduce_dtype)
 
     def gather(path, w):
         if not is_trained(weight_name(path)):  # replicated, float32, no gradient: nothing to gather
             return w
-        _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block, expert_parallel)
+        _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block or whole_stack, expert_parallel)
         replicated = live_axes(tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying))
         if replicated:  # (in the wider of the two: the forward values must not change)
             w = jax.lax.pcast(w.astype(jnp.promote_types(dtype, reduce_dtype)), replicated, to="varying")

@@ -242,6 +242,14 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
     return loss, metrics
 
 
+def balance_sums(stats):
+    """(load-balance loss sum, sequence-wise loss sum; zeros without it) of a block's,
+    a chunk's or a stack's MoE statistics: the parts of the loss the blocks' backward
+    seeds (with sum_cotangents' aux and seq_aux)."""
+    aux = stats["aux_loss_sum"]
+    return aux, stats.get("seq_aux_loss_sum", jnp.zeros_like(aux))
+
+
 def sum_cotangents(cfg, tp):
     """d loss / d (one device's sums), for a backward written by hand: loss_and_metrics
     is linear in the sums, so these are constants. The 1/tp of the two balance losses

@@ -6,6 +6,7 @@
 
 The executor is chosen by the config:
 
+    --mesh.sharding manual, pp = 1, gpipe, microbatches > 1  executor_accumulate (shard_map, a vjp per microbatch)
     --mesh.sharding manual, --train.pipeline gpipe        executor_gpipe   (shard_map, autodiff)
     --mesh.sharding manual, --train.pipeline 1f1b         executor_1f1b    (shard_map, hand-written backward)
     --mesh.sharding manual, --train.pipeline interleaved  executor_1f1b
@@ -30,6 +31,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import executor_1f1b
+import executor_accumulate
 import executor_auto
 import executor_gpipe
 import step_core as core
@@ -42,7 +44,11 @@ PIPELINE_EXECUTORS = {"gpipe": executor_gpipe, "1f1b": executor_1f1b, "interleav
 
 def executor_of(cfg):
     """The module that computes (loss, metrics, grads) under this config."""
-    return executor_auto if cfg.mesh.sharding == "auto" else PIPELINE_EXECUTORS[cfg.train.pipeline]
+    if cfg.mesh.sharding == "auto":
+        return executor_auto
+    if cfg.mesh.pp == 1 and cfg.train.pipeline == "gpipe" and cfg.train.microbatches > 1:
+        return executor_accumulate  # no pipeline: accumulation (one microbatch: GPipe's autodiff is the same)
+    return PIPELINE_EXECUTORS[cfg.train.pipeline]
 
 
 def check_auto_mesh(mesh):

@@ -31,6 +31,7 @@ class RunConfig:
 
 # --train.pipeline values: executor_gpipe.py runs gpipe, executor_1f1b.py the others (train_steps.executor_of).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+GATHER_ONCE = ("auto", "true", "false")  # --train.gather_once: executor_accumulate.gathers_once reads it
 SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: train_steps.executor_of dispatches on it
 
 
@@ -80,6 +81,9 @@ class TrainConfig:
                                 "DeepseekV3-format directory whose architecture the model takes) with a fresh optimizer")
     pipeline: str = option("gpipe", "pipeline schedule over pp: gpipe (all forwards, then all backwards) | 1f1b (one forward, "
                                     "one backward: at most pp microbatches alive) | interleaved (1f1b over virtual_stages chunks per stage)")
+    gather_once: str = option("auto", "pp = 1 with several microbatches (executor_accumulate.py): all-gather the FSDP-split "
+                                      "block weights once per step (true: holds them whole, and their float32 gradient) or "
+                                      "per microbatch (false) | auto: once when that costs at most a quarter of the device's memory")
     virtual_stages: int = option(2, "interleaved: chunks of blocks per stage (V); a microbatch passes every stage V times")
 
 
@@ -366,6 +370,7 @@ def validate_model(cfg):
         (t.optimizer in ("muon", "adamw"), f"--train.optimizer must be muon or adamw, got {t.optimizer!r}"),
         (0 <= t.muon_momentum < 1, f"--train.muon_momentum must be in [0, 1), got {t.muon_momentum}"),
         (t.pipeline in PIPELINE_SCHEDULES, f"--train.pipeline must be one of {', '.join(PIPELINE_SCHEDULES)}, got {t.pipeline!r}"),
+        (t.gather_once in GATHER_ONCE, f"--train.gather_once must be one of {', '.join(GATHER_ONCE)}, got {t.gather_once!r}"),
         (t.virtual_stages >= 1, f"--train.virtual_stages must be >= 1, got {t.virtual_stages}"),
         (t.eval_capacity_factor >= 0, "--train.eval_capacity_factor must be >= 0 (0 = dropless)"),
         (cfg.serve.slots >= 1 and cfg.serve.max_tokens >= 1 and cfg.serve.queue >= 0,

@@ -3,9 +3,11 @@ balancing, the sequence-wise loss, group-limited routing, scaled routed output, 
 each executor computes what one device computes (8 fake CPU devices, fp32).
 
     1f1b and interleaved (hand-written backward) on dp2 x pp2 x tp2
+    accumulation (pp = 1, a vjp per microbatch) on one device and on dp4 x tp2, the
+        FSDP gather per microbatch and once per step
     auto (the compiler partitions it) on dp4 x tp2
 
-Compared with the GPipe executor on one device: the loss and its parts, every gradient
+Compared with the GPipe executor on one device, the whole batch as one microbatch: the loss and its parts, every gradient
 leaf (before the optimizer, which would hide a leaf's scale), and after one whole step
 the grad norm, the router biases and every updated weight.
 
@@ -20,14 +22,20 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_parallel import RTOL, assert_tree_close, initial_params, mesh_for, token_batch
 
+import executor_accumulate
+import executor_gpipe
 import optimizers
 import parallel as par
 import train_steps
 from utils import PRESETS, Config, apply_overrides
 
-CASES = [((2, 2, 2), "manual", "1f1b"), pytest.param(((2, 2, 2), "manual", "interleaved"), marks=pytest.mark.slow),
-         pytest.param(((4, 1, 2), "auto", "gpipe"), marks=pytest.mark.slow)]
-CASE_IDS = ["2x2x2-1f1b", "2x2x2-interleaved", "4x1x2-auto"]
+CASES = [((2, 2, 2), "manual", "1f1b"), ((1, 1, 1), "manual", "gpipe"),
+         pytest.param(((2, 2, 2), "manual", "interleaved"), marks=pytest.mark.slow),
+         pytest.param(((4, 1, 2), "auto", "gpipe"), marks=pytest.mark.slow),
+         pytest.param(((4, 1, 2), "manual", "gpipe", "false"), marks=pytest.mark.slow),
+         pytest.param(((4, 1, 2), "manual", "gpipe", "true"), marks=pytest.mark.slow)]
+CASE_IDS = ["2x2x2-1f1b", "1x1x1-accumulate", "2x2x2-interleaved", "4x1x2-auto", "4x1x2-accumulate-gather-per-microbatch",
+            "4x1x2-accumulate-gather-once"]
 
 
 # The options of real DeepSeek-family checkpoints (issue 30; tests/test_model_options.py
@@ -39,16 +47,19 @@ OPTION_CASES = [((2, 2, 2), "manual", "gpipe"), ((2, 2, 2), "manual", "1f1b"), p
 OPTION_CASE_IDS = ["2x2x2-gpipe", "2x2x2-1f1b", "4x1x2-auto"]
 
 
-def v3_config(mesh_shape=(1, 1, 1), sharding="manual", pipeline="gpipe", **model):
+def v3_config(mesh_shape=(1, 1, 1), sharding="manual", pipeline="gpipe", gather_once="auto", microbatches=None, **model):
     """The deepseek_v3 preset, smaller in T, B and vocabulary, its blocks in a loop
     (compiles faster); 4 blocks so that interleaved has 2 chunks per stage on pp = 2.
     The automatic executor keeps pp = 1: its 4 dp rows take 2 microbatches of 2 rows
-    each (the same rows' sums in another order). model: more model fields."""
+    each (the same rows' sums in another order); so does the accumulation executor
+    (manual, pp = 1, microbatches > 1: executor_accumulate), on 1x1x1 with 4. model:
+    more model fields."""
     dp, pp, tp = mesh_shape
     cfg = apply_overrides(Config(), PRESETS["deepseek_v3"])
     return apply_overrides(cfg, {"model": dict(vocab_size=256, seq_len=32, n_blocks=4, dtype="float32", unroll_blocks=False, **model),
                                  "mesh": dict(dp=dp, pp=pp, tp=tp, sharding=sharding),
-                                 "train": dict(batch_size=8, microbatches=2 if dp == 4 else 4, pipeline=pipeline, virtual_stages=2)})
+                                 "train": dict(batch_size=8, microbatches=microbatches or (2 if dp == 4 else 4), pipeline=pipeline,
+                                               virtual_stages=2, gather_once=gather_once)})
 
 
 def placed(cfg):
@@ -87,7 +98,8 @@ def whole_step(cfg):
 
 @pytest.fixture(scope="module")
 def reference():
-    one = v3_config()
+    one = v3_config(microbatches=1)  # the whole batch at once: GPipe's autodiff, no accumulation
+    assert train_steps.executor_of(one) is executor_gpipe
     return executor_gradients(one), whole_step(one)
 
 
@@ -99,13 +111,16 @@ def trained_leaves(tree):
 
 @pytest.fixture(scope="module")
 def options_reference():
-    one = v3_config(**REAL_CHECKPOINT_OPTIONS)
+    one = v3_config(microbatches=1, **REAL_CHECKPOINT_OPTIONS)  # (GPipe's autodiff, as `reference`)
     return executor_gradients(one), whole_step(one)
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_every_v3_feature_under_every_executor_equals_one_device(reference, case):
-    assert_equals_one_device(v3_config(*case), reference)
+    cfg = v3_config(*case)
+    if case[1:3] == ("manual", "gpipe"):
+        assert train_steps.executor_of(cfg) is executor_accumulate
+    assert_equals_one_device(cfg, reference)
 
 
 @pytest.mark.parametrize("case", OPTION_CASES, ids=OPTION_CASE_IDS)

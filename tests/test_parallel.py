@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import executor_accumulate
 import executor_gpipe
 import optimizers
 import parallel as par
 from model import Transformer
-from train_steps import make_eval_step, make_train_step, partition
+from train_steps import executor_of, make_eval_step, make_train_step, partition
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides
 
 RTOL = 1e-5
@@ -184,12 +185,23 @@ def test_dropout_under_the_hand_written_schedules_equals_one_device(reference, k
     assert_same_steps(train_steps(cfg), reference["dropout"])
 
 
-@pytest.mark.parametrize("mesh_shape, microbatches", [((1, 1, 1), 4), ((4, 1, 2), 2)], ids=["1x1x1-M4", "4x1x2-M2"])
-def test_gradient_accumulation_equals_one_microbatch(reference, mesh_shape, microbatches):
-    """pp = 1 with several microbatches accumulates the gradient over them: the same
-    steps as the whole batch at once."""
-    cfg = apply_overrides(tiny_config(mesh_shape), {"train": dict(microbatches=microbatches)})
-    assert_same_steps(train_steps(cfg), reference["moe"])
+ACCUMULATION_CASES = [("moe", (1, 1, 1), 4, "false"), ("moe", (4, 1, 2), 2, "true"),
+                      *(pytest.param(*case, marks=pytest.mark.slow) for case in [
+                          ("moe", (4, 1, 2), 2, "false"), ("dropout", (2, 1, 4), 2, "auto"), ("moe-ep", (8, 1, 1), 2, "true"),
+                          ("moe-ep", (2, 1, 4), 4, "false")])]
+
+
+@pytest.mark.parametrize("variant, mesh_shape, microbatches, gather_once", ACCUMULATION_CASES,
+                         ids=lambda x: MESH_IDS(x) if isinstance(x, tuple) else str(x))
+def test_gradient_accumulation_equals_one_microbatch(reference, variant, mesh_shape, microbatches, gather_once):
+    """pp = 1 with several microbatches accumulates the gradient over them
+    (executor_accumulate: a vjp per microbatch), the FSDP gather once per step or per
+    microbatch, with dropout, with expert parallelism: the same steps as the whole
+    batch at once (GPipe's autodiff on one device)."""
+    kwargs = DROPOUT if variant == "dropout" else dict(expert_parallel=variant == "moe-ep")
+    cfg = apply_overrides(tiny_config(mesh_shape, **kwargs), {"train": dict(microbatches=microbatches, gather_once=gather_once)})
+    assert executor_of(cfg) is executor_accumulate
+    assert_same_steps(train_steps(cfg), reference["dropout" if variant == "dropout" else "moe"])
 
 
 @pytest.mark.parametrize("remat", [pytest.param(policy, marks=[pytest.mark.slow] if policy in ("layer", "block_dots") else [])

@@ -21,11 +21,13 @@ from test_pipeline import scheduled_grads
 from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, plain_loss, tiny_config, token_batch, train_steps
 
 import executor_1f1b
+import executor_accumulate
 import executor_gpipe
 import planner
 import sampling
 from flops import flops_per_token, part_flops_per_token, stage_flops_per_token
 from model import Transformer, decode_step, init_cache
+from train_steps import executor_of
 from utils import ConfigError, apply_overrides, parse_args
 
 PREFIX = dict(first_dense=2, n_blocks=4)
@@ -52,6 +54,14 @@ def test_prefix_two_steps_equal_one_device(reference, mesh_shape, pipeline, shar
     has a non-zero gradient: the prefix is trained, not skipped."""
     result = train_steps(prefix_config(mesh_shape, pipeline, sharding, dropout=0.1))
     assert_same_steps(result, reference)
+
+
+def test_prefix_under_accumulation_equals_one_device(reference):
+    """pp = 1 with 2 microbatches (executor_accumulate) runs the prefix in each
+    microbatch's vjp, with dropout, on dp4 x tp2."""
+    cfg = apply_overrides(prefix_config((4, 1, 2), dropout=0.1), {"train": dict(microbatches=2)})
+    assert executor_of(cfg) is executor_accumulate
+    assert_same_steps(train_steps(cfg), reference)
 
 
 @pytest.mark.parametrize("pipeline, executor", [pytest.param("gpipe", executor_gpipe, marks=pytest.mark.slow), ("1f1b", executor_1f1b)])
