@@ -323,6 +323,11 @@ def local_sizes(cfg, mesh_shape, compute_bytes=None):
                  c=compute_bytes or (2 if m.dtype == "bfloat16" else 4))
 
 
+def accumulates(cfg, pp):
+    """Does the step run executor_accumulate (train_steps.executor_of's rule)?"""
+    return cfg.mesh.sharding == "manual" and pp == 1 and cfg.train.pipeline == "gpipe" and cfg.train.microbatches > 1
+
+
 def pipeline_loops(cfg, pp):
     """(ticks, blocks per stage): GPipe's loop runs M + pp - 1 ticks, and at every tick
     each stage loops over its n_blocks / pp blocks."""
@@ -388,6 +393,11 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
     pp = mesh_shape["pp"]
     s = local_sizes(cfg, mesh_shape, compute_bytes)
     ticks, blocks_here = pipeline_loops(cfg, pp)
+    # Accumulation (executor_accumulate.py: pp = 1, M > 1) runs each microbatch's forward
+    # and backward before the next: one microbatch's activations are alive, as at M = 1.
+    held = 1 if accumulates(cfg, pp) else t.microbatches
+    if accumulates(cfg, pp):
+        ticks = 1
     tokens = s.b * s.T  # per microbatch
     per_block = tokens * sum(layer_bytes(s, kind, m) for kind in m.block_pattern)
     x_bytes = tokens * s.D * s.c  # one microbatch's residual stream
@@ -411,10 +421,10 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
         else:  # block
             out["saved: every local block's input, every tick"] = ticks * blocks_here * x_bytes
             block_phase = recomputed_block
-    out["pipeline buffers (embedded inputs, stage outputs)"] = (t.microbatches + ticks) * x_bytes
+    out["pipeline buffers (embedded inputs, stage outputs)"] = (held + ticks) * x_bytes
     if m.first_dense:  # stage 0 runs every microbatch through the prefix before the loop; kept as a block's layers are
         kept = {"none": layer_bytes(s, "D", m), "block_dots": matmul_output_bytes(s, "D", m)}.get(m.remat, s.D * s.c)
-        out[f"dense prefix (stage 0): {m.first_dense} layer(s), every microbatch"] = t.microbatches * m.first_dense * tokens * kept
+        out[f"dense prefix (stage 0): {m.first_dense} layer(s), every microbatch"] = held * m.first_dense * tokens * kept
     rows = tokens  # the loss takes one microbatch at a time
     loss_phase = 2 * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)
     phases = {"loss: float32 logits + their gradient": loss_phase,
