@@ -50,13 +50,16 @@ OPTION_CASE_IDS = ["2x2x2-gpipe", "2x2x2-1f1b", "4x1x2-auto"]
 def v3_config(mesh_shape=(1, 1, 1), sharding="manual", pipeline="gpipe", gather_once="auto", microbatches=None, **model):
     """The deepseek_v3 preset, smaller in T, B and vocabulary, its blocks in a loop
     (compiles faster); 4 blocks so that interleaved has 2 chunks per stage on pp = 2.
+    Every loss term on: the preset's aux_loss_weight is 0 (V3 balances by its biases),
+    so it is set here, or a wrong aux-loss gradient would go unseen.
     The automatic executor keeps pp = 1: its 4 dp rows take 2 microbatches of 2 rows
     each (the same rows' sums in another order); so does the accumulation executor
     (manual, pp = 1, microbatches > 1: executor_accumulate), on 1x1x1 with 4. model:
     more model fields."""
     dp, pp, tp = mesh_shape
     cfg = apply_overrides(Config(), PRESETS["deepseek_v3"])
-    return apply_overrides(cfg, {"model": dict(vocab_size=256, seq_len=32, n_blocks=4, dtype="float32", unroll_blocks=False, **model),
+    return apply_overrides(cfg, {"model": dict(vocab_size=256, seq_len=32, n_blocks=4, dtype="float32", unroll_blocks=False,
+                                               **{"aux_loss_weight": 0.01, **model}),
                                  "mesh": dict(dp=dp, pp=pp, tp=tp, sharding=sharding),
                                  "train": dict(batch_size=8, microbatches=microbatches or (2 if dp == 4 else 4), pipeline=pipeline,
                                                virtual_stages=2, gather_once=gather_once)})
@@ -145,3 +148,18 @@ def assert_equals_one_device(cfg, reference):
     assert np.abs(ref_bias).max() > 0  # the biases moved: balancing ran
     np.testing.assert_allclose(bias, ref_bias, atol=1e-7)
     assert_tree_close(params, ref_params, what="params ")
+
+
+def test_every_loss_term_reaches_the_automatic_executor(reference):
+    """The fast selection's check of the automatic executor (its mesh case above is
+    slow): on one device, where it compiles fastest, its loss, every loss part and
+    every gradient leaf equal the GPipe executor's, so a loss term it dropped (MTP, the
+    balance losses) or weighted wrongly fails here. (1f1b's hand-written cotangents of
+    the same terms: the 2x2x2-1f1b case above, with the aux loss weighted.)"""
+    (ref_loss, ref_parts, ref_grads), _ = reference
+    loss, parts, grads = executor_gradients(v3_config(sharding="auto"))
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    for key, want in ref_parts.items():
+        assert want > 0, key
+        np.testing.assert_allclose(parts[key], want, rtol=RTOL, err_msg=key)
+    assert_tree_close(trained_leaves(grads), trained_leaves(ref_grads), what="gradient ")
