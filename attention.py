@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from blockwise_attention import blockwise_attention
 from layers import ACC_DTYPE, RMSNorm, init_normal, project, psum_if, residual_scale
 
 # ----------------------------------------------------------------------------
@@ -58,7 +59,7 @@ class MLAttention(nnx.Module):
         self.wv_up_AHK = init_normal(rngs, (A, H, K), A)
         self.wo_HKD = init_normal(rngs, (H, K, D), H * K, residual_scale(cfg))
         self.softmax_scale = 1.0 / math.sqrt(K + R)
-        self.implementation = cfg.attention
+        self.implementation, self.block = cfg.attention, cfg.attention_block
 
     def queries(self, x_BTD, angles):
         q_BTQ = self.q_norm(project(x_BTD, self.wq_down_DQ[...]))
@@ -79,7 +80,11 @@ class MLAttention(nnx.Module):
         kv_BSA, k_rope_BSR = self.latents(x_BTD, angles)
         k_nope_BSHK = project(kv_BSA, self.wk_up_AHK[...])
         v_BSHK = project(kv_BSA, self.wv_up_AHK[...])
-        if self.implementation == "dot_product_attention":
+        if self.implementation == "blockwise":  # positions: global ones under context parallelism
+            positions_T = jnp.arange(T)
+            out_BTHK = blockwise_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, positions_T, positions_T,
+                                           self.softmax_scale, self.block)
+        elif self.implementation == "dot_product_attention":
             out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK)
         else:
             # Heads-major layout, so each product is a batch of plain 2-D matmuls (on

@@ -89,7 +89,9 @@ class ModelConfig:
     grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
                                                "weights): float32 | bfloat16 (halves their bytes, loses precision)")
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "
-                                      "dot_product_attention (jax.nn's, cuDNN flash attention on GPU)")
+                                      "dot_product_attention (jax.nn's, cuDNN flash attention on GPU) | blockwise (online softmax over "
+                                      "key blocks: memory linear in seq_len; blockwise_attention.py)")
+    attention_block: int = option(512, "blockwise attention: queries and keys per block (must divide seq_len, or exceed it)")
     remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
                                 "block (each block from its input) | block_dots (each block, keeping its matmul outputs) | "
                                 "stage (all of a pipeline stage's blocks, per microbatch, from the stage input)")

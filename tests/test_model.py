@@ -249,12 +249,12 @@ def reference_mla(w, x_BTD, positions_BT, theta):
     return np.einsum("bthk,hkd->btd", np.einsum("bhts,bshk->bthk", probs_BHTS, v_BSHK), w["wo_HKD"])
 
 
-@pytest.mark.parametrize("implementation", ["matmul", "dot_product_attention"])
+@pytest.mark.parametrize("implementation", ["matmul", "dot_product_attention", "blockwise"])
 def test_attention_equals_a_plain_reference(implementation):
-    """Both attention kernels against MLA written out in numpy from the weights alone
+    """Every attention kernel (blockwise: in 4 blocks of queries and keys) against MLA written out in numpy from the weights alone
     (reference_mla: its own norms, projections and RoPE, nothing of MLAttention's), at
     positions 5.., with norm scales that are not all ones."""
-    cfg = tiny(attention=implementation)
+    cfg = tiny(attention=implementation, attention_block=TINY.seq_len // 4)
     attn = MLAttention(cfg, nnx.Rngs(0))
     attn.q_norm.scale_D[...] = 1 + 0.5 * jax.random.normal(jax.random.key(2), (cfg.q_latent,))
     attn.kv_norm.scale_D[...] = 1 + 0.5 * jax.random.normal(jax.random.key(3), (cfg.kv_latent,))
