@@ -29,11 +29,14 @@ CASE_IDS = ["2x2x2-1f1b", "2x2x2-interleaved", "4x1x2-auto"]
 def v3_config(mesh_shape=(1, 1, 1), sharding="manual", pipeline="gpipe"):
     """The deepseek_v3 preset, smaller in T, B and vocabulary, its blocks in a loop
     (compiles faster); 4 blocks so that interleaved has 2 chunks per stage on pp = 2.
+    Every loss term on: the preset's aux_loss_weight is 0 (V3 balances by its biases),
+    so it is set here, or a wrong aux-loss gradient would go unseen.
     The automatic executor keeps pp = 1: its 4 dp rows take 2 microbatches of 2 rows
     each (the same rows' sums in another order)."""
     dp, pp, tp = mesh_shape
     cfg = apply_overrides(Config(), PRESETS["deepseek_v3"])
-    return apply_overrides(cfg, {"model": dict(vocab_size=256, seq_len=32, n_blocks=4, dtype="float32", unroll_blocks=False),
+    return apply_overrides(cfg, {"model": dict(vocab_size=256, seq_len=32, n_blocks=4, dtype="float32", unroll_blocks=False,
+                                               aux_loss_weight=0.01),
                                  "mesh": dict(dp=dp, pp=pp, tp=tp, sharding=sharding),
                                  "train": dict(batch_size=8, microbatches=2 if dp == 4 else 4, pipeline=pipeline, virtual_stages=2)})
 
@@ -103,3 +106,18 @@ def test_every_v3_feature_under_every_executor_equals_one_device(reference, case
     assert np.abs(ref_bias).max() > 0  # the biases moved: balancing ran
     np.testing.assert_allclose(bias, ref_bias, atol=1e-7)
     assert_tree_close(params, ref_params, what="params ")
+
+
+def test_every_loss_term_reaches_the_automatic_executor(reference):
+    """The fast selection's check of the automatic executor (its mesh case above is
+    slow): on one device, where it compiles fastest, its loss, every loss part and
+    every gradient leaf equal the GPipe executor's, so a loss term it dropped (MTP, the
+    balance losses) or weighted wrongly fails here. (1f1b's hand-written cotangents of
+    the same terms: the 2x2x2-1f1b case above, with the aux loss weighted.)"""
+    (ref_loss, ref_parts, ref_grads), _ = reference
+    loss, parts, grads = executor_gradients(v3_config(sharding="auto"))
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    for key, want in ref_parts.items():
+        assert want > 0, key
+        np.testing.assert_allclose(parts[key], want, rtol=RTOL, err_msg=key)
+    assert_tree_close(trained_leaves(grads), trained_leaves(ref_grads), what="gradient ")
