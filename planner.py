@@ -613,6 +613,9 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     cfg = plan_config(cfg)
     if cfg.mesh.dp == -1 and not devices:
         raise ConfigError("--mesh.dp -1 takes the devices left by pp and tp: say how many with --devices N")
+    if cfg.mesh.cp > 1:
+        raise ConfigError("planner.py does not count --mesh.cp yet (its activations, latent gathers and attention FLOPs): "
+                          "plan with --mesh.cp 1")
     n_devices = devices or cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
     shape = par.resolve_mesh_shape(cfg.mesh, n_devices)
     mesh = abstract_mesh(shape)
@@ -634,7 +637,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # remat none and layer keep every local block's gathered weights for the backward
     # pass, and stage holds them all while it recomputes a tick; block and block_dots
     # gather one block at a time (again in the backward pass).
-    ticks, blocks_here = pipeline_loops(cfg, shape[1])
+    ticks, blocks_here = pipeline_loops(cfg, mesh_shape["pp"])
     n_gathered = blocks_here if cfg.model.remat in ("none", "layer", "stage") else 1
     # The embedding and final norm come out of their gather in the gradient-reduction
     # dtype (float32 by default), so that their gradient accumulates over microbatches
@@ -657,7 +660,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     # of a tick writes its blocks' gradients into a stack of their own, which is then
     # added to the running sum over ticks: two copies of the blocks' gradients.
     if cfg.train.pipeline != "gpipe":  # a backward tick's gradient of one chunk, added to the step's sum
-        chunk_grad_bytes = layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled) // schedule_of(cfg, shape[1]).virtual_stages
+        chunk_grad_bytes = layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled) // schedule_of(cfg, mesh_shape["pp"]).virtual_stages
         memory["a backward tick's gradient of one chunk"] = chunk_grad_bytes
         # the embedding's and final norm's gradient, gathered, summed over the step in float32
         # (the sum, and a forward and a backward tick's contributions)
@@ -695,7 +698,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         loss_phase_bytes=int(next(v for k, v in phases.items() if k.startswith("loss"))), gpu=bool(hw.node_size),
         available_bytes=available, fits=total_bytes <= available,
         peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
-        pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, shape[1]).bubble(),
+        pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, mesh_shape["pp"]).bubble(),
         step_s_serial=serial, step_s_overlapped=overlapped,
         tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
 
