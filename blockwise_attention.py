@@ -67,6 +67,18 @@ def block_scores(q_nope_BHtK, q_rope_BHtR, q_pos_t, k_nope_BHsK, k_rope_BsR, k_p
     return jnp.where(visible_ts, scores * scale, -jnp.inf)
 
 
+def varying_like(tree, *refs):
+    """tree typed as varying over every mesh axis any of refs varies over (inside
+    shard_map; a no-op outside): a loop's zero-initialised carry must have the type the
+    block update gives it, and lax.cond's skip branch returns the carry as it is."""
+    axes = set().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))
+
+    def vary(x):
+        missing = tuple(axes - set(jax.typeof(x).manual_axis_type.varying))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(vary, tree)
+
+
 def any_visible(q_pos_t, k_pos_s):
     """Does any query of the block see any key of the block? (Else the block pair is skipped.)"""
     return jnp.min(k_pos_s) <= jnp.max(q_pos_t)
@@ -100,6 +112,7 @@ def forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, 
 
         B, H, t, K = q_nope_BHtK.shape
         init = (jnp.full((B, H, t), -jnp.inf, ACC_DTYPE), jnp.zeros((B, H, t), ACC_DTYPE), jnp.zeros((B, H, t, K), ACC_DTYPE))
+        init = varying_like(init, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S)
         max_BHt, sum_BHt, acc_BHtK = jax.lax.scan(visit, init, keys)[0]
         return acc_BHtK / sum_BHt[..., None], max_BHt + jnp.log(sum_BHt)
 
@@ -156,12 +169,12 @@ def _attention_bwd(scale, block, saved, d_out_BTHK):
             return jax.lax.cond(any_visible(q_pos_t, k_pos_s), update, lambda c: c, carry), None
 
         zeros = lambda x: jnp.zeros(x.shape, ACC_DTYPE)  # noqa: E731
-        init = (d_queries, (zeros(k_nope_BHsK), zeros(k_rope_BsR), zeros(v_BHsK)))
+        init = (d_queries, varying_like((zeros(k_nope_BHsK), zeros(k_rope_BsR), zeros(v_BHsK)), *saved, d_out_BTHK))
         d_queries, d_key = jax.lax.scan(visit, init, (queries, jnp.arange(queries[2].shape[0])))[0]
         return d_queries, d_key
 
     keys = key_blocks(k_nope_BSHK, k_rope_BSR, v_BSHK, k_pos_S, block)
-    d_queries = (jnp.zeros(queries[0].shape, ACC_DTYPE), jnp.zeros(queries[1].shape, ACC_DTYPE))
+    d_queries = varying_like((jnp.zeros(queries[0].shape, ACC_DTYPE), jnp.zeros(queries[1].shape, ACC_DTYPE)), *saved, d_out_BTHK)
     (d_q_nope_nBHtK, d_q_rope_nBHtR), (d_k_nope_nBHsK, d_k_rope_nBsR, d_v_nBHsK) = jax.lax.scan(one_key_block, d_queries, keys)
     B, S, R = k_rope_BSR.shape
     d_k_rope_BSR = d_k_rope_nBsR.transpose(1, 0, 2, 3).reshape(B, S, R)

@@ -22,7 +22,7 @@ from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides, par
 SEQ_LEN, ROUTING_GROUP = 256, 16  # a routing group must divide T / (2 cp) = 16 at cp 8
 
 
-def v3_config(dp=1, cp=1, pp=1, tp=1, **model):
+def v3_config(dp=1, cp=1, pp=1, tp=1, optimizer="adamw", **model):
     """The deepseek_v3 preset narrower (D 64) and shorter in vocabulary, 2 blocks in a loop,
     with the aux loss weighted (the preset's 0 would hide its gradient) and routing groups
     of 16 tokens (the preset's whole-sequence group would straddle cp ranks)."""
@@ -30,12 +30,17 @@ def v3_config(dp=1, cp=1, pp=1, tp=1, **model):
     model = dict(vocab_size=256, seq_len=SEQ_LEN, d_model=64, n_blocks=2, dtype="float32", unroll_blocks=False,
                  aux_loss_weight=0.01, routing_group=ROUTING_GROUP, attention_block=16) | model
     return apply_overrides(cfg, {"model": model, "mesh": dict(dp=dp, cp=cp, pp=pp, tp=tp),
-                                 "train": dict(batch_size=4, microbatches=2 if pp > 1 else 1, optimizer="adamw")})
+                                 "train": dict(batch_size=4, microbatches=2 if pp > 1 else 1, optimizer=optimizer)})
+
+
+@functools.cache
+def one_device(optimizer="adamw"):
+    return train_steps(v3_config(optimizer=optimizer))
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return {attention: train_steps(v3_config(attention=attention)) for attention in ("matmul",)}
+    return {"matmul": one_device()}
 
 
 def trained_leaves(tree):
@@ -77,6 +82,13 @@ def test_context_parallel_blockwise_attention_equals_one_device(reference):
     """The blockwise kernel on cp 4 (blocks of 16 = one chunk: the skipped block pairs
     are whole chunks) against the matmul kernel on one device."""
     assert_equals_one_device(train_steps(v3_config(cp=4, attention="blockwise")), reference["matmul"])
+
+
+@pytest.mark.slow
+def test_context_parallel_with_muon_equals_one_device():
+    """Muon orthogonalizes each matrix on one owner among the devices that store it:
+    with storage over dp x cp those owners are other devices than without cp."""
+    assert_equals_one_device(train_steps(v3_config(dp=2, cp=2, tp=2, optimizer="muon")), one_device("muon"))
 
 
 @functools.cache
