@@ -99,7 +99,7 @@ class MLAttention(nnx.Module):
             # The RoPE key is shared by every head: rows (h, t) of one sequence meet the same keys.
             q_rope_BNR = q_rope_BTHR.transpose(0, 2, 1, 3).reshape(B, -1, q_rope_BTHR.shape[-1])
             scores_BHTS += jnp.matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1), preferred_element_type=ACC_DTYPE).reshape(scores_BHTS.shape)
-            causal_TS = k_pos_S[None, :] <= q_pos_T[:, None]
+            causal_TS = jnp.tril(jnp.ones((T, T), bool)) if chunks is None else k_pos_S[None, :] <= q_pos_T[:, None]
             scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
             probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
             out_BTHK = jnp.matmul(probs_BHTS, v_BHSK, preferred_element_type=ACC_DTYPE).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
