@@ -1,11 +1,12 @@
-"""Attention: rotary position embeddings and Multi-head Latent Attention (MLA) with
-its latent KV cache. Shape legend: model.py's docstring.
+"""Attention: rotary position embeddings (optionally YaRN-scaled) and Multi-head Latent
+Attention (MLA) with its latent KV cache. Shape legend: model.py's docstring.
 """
 
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from blockwise_attention import blockwise_attention
@@ -16,21 +17,86 @@ from layers import ACC_DTYPE, RMSNorm, init_normal, project, psum_if, residual_s
 # Rotary position embeddings
 
 
-def rope_angles(positions_BT, rope_dim, theta):
-    """Rotation angles [B, T, R/2] for rotary embeddings (Su et al. 2021).
+def rope_angles(positions_BT, cfg):
+    """Rotation angles [B, T, R/2] for rotary embeddings (Su et al. 2021), with the
+    frequencies of cfg.rope_scaling (rope_frequencies).
 
-    Computed once per forward and applied to queries *and* keys, so the two can never
-    use different frequencies; the score then depends only on relative position.
+    The only place angles are made: the step's prologue, the plain forward and decoding
+    all call it, and it is applied to queries *and* keys, so the two can never use
+    different frequencies; the score then depends only on relative position.
     """
-    inv_freq = theta ** (-jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim)
-    return positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    return positions_BT.astype(jnp.float32)[..., None] * rope_frequencies(cfg)
 
 
-def apply_rope(x_BTxR, angles_BTR2):
-    """Rotate pairs (x[2i], x[2i+1]) by angle[i]; x may have a head axis before R."""
+def rope_frequencies(cfg):
+    """Inverse frequencies [R/2] of the RoPE pairs: theta^(-2i/R), or YaRN's."""
+    if cfg.rope_scaling == "yarn":
+        return jnp.asarray(yarn_frequencies(cfg), jnp.float32)
+    return cfg.rope_theta ** (-jnp.arange(0, cfg.rope_dim, 2, dtype=jnp.float32) / cfg.rope_dim)
+
+
+# YaRN (Peng et al. 2023, arXiv:2309.00071), as DeepSeek-V2/V3 and transformers
+# (modeling_rope_utils._compute_yarn_parameters) define it. A model trained on
+# rope_original_len positions runs on rope_factor x as many: pairs that turn fewer
+# than beta_slow times over the original context are interpolated (frequency /
+# factor: positions squeezed back into the range they were trained on), pairs that
+# turn more than beta_fast times keep their frequency (they only ever saw relative
+# offsets, which do not change), and the pairs between ramp linearly from one to the
+# other. Two scale corrections come with it: the RoPE part of queries and keys is
+# multiplied by yarn_attention_factor (transformers multiplies cos and sin), and the
+# softmax scale by yarn_mscale(factor, mscale_all_dim)^2 (attention_softmax_scale).
+
+
+def yarn_mscale(factor, mscale=1.0):
+    """YaRN's attention temperature, 0.1 mscale ln(factor) + 1 (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(cfg):
+    """YaRN's inverse frequencies [R/2] (numpy float64, cast by the caller)."""
+    R, base = cfg.rope_dim, cfg.rope_theta
+
+    def pair_turning(rotations):  # the (fractional) pair index that turns `rotations` times over the original context
+        return R * math.log(cfg.rope_original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    # transformers' default truncate=True: the ramp's ends are whole pairs
+    low = max(math.floor(pair_turning(cfg.yarn_beta_fast)), 0)
+    high = min(math.ceil(pair_turning(cfg.yarn_beta_slow)), R - 1)
+    if low == high:
+        high += 0.001  # (transformers': no division by zero)
+    interpolated_R2 = np.clip((np.arange(R // 2) - low) / (high - low), 0, 1)  # 0: keep the frequency, 1: divide it by factor
+    inv_freq_R2 = 1.0 / base ** (np.arange(0, R, 2) / R)
+    return inv_freq_R2 / cfg.rope_factor * interpolated_R2 + inv_freq_R2 * (1 - interpolated_R2)
+
+
+def yarn_attention_factor(cfg):
+    """What multiplies the rotated RoPE parts of queries and keys (1 without YaRN):
+    transformers' attention_factor, mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    when both are set (DeepSeek-V3: 1 / 1, so 1), else mscale(factor)."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.yarn_mscale and cfg.yarn_mscale_all_dim:
+        return yarn_mscale(cfg.rope_factor, cfg.yarn_mscale) / yarn_mscale(cfg.rope_factor, cfg.yarn_mscale_all_dim)
+    return yarn_mscale(cfg.rope_factor)
+
+
+def attention_softmax_scale(cfg):
+    """1/sqrt(K + R), times mscale(factor, mscale_all_dim)^2 under YaRN with
+    mscale_all_dim set (DeepSeek's correction: longer contexts want sharper softmaxes)."""
+    scale = 1.0 / math.sqrt(cfg.head_dim + cfg.rope_dim)
+    if cfg.rope_scaling == "yarn" and cfg.yarn_mscale_all_dim:
+        scale *= yarn_mscale(cfg.rope_factor, cfg.yarn_mscale_all_dim) ** 2
+    return scale
+
+
+def apply_rope(x_BTxR, angles_BTR2, scale=1.0):
+    """Rotate pairs (x[2i], x[2i+1]) by angle[i]; x may have a head axis before R.
+    scale: yarn_attention_factor, on cos and sin (as transformers applies it)."""
     if x_BTxR.ndim == 4:  # [B, T, H, R]: the same angle for every head
         angles_BTR2 = angles_BTR2[:, :, None, :]
     cos, sin = jnp.cos(angles_BTR2), jnp.sin(angles_BTR2)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x = x_BTxR.astype(jnp.float32)
     x_even, x_odd = x[..., 0::2], x[..., 1::2]
     rotated = jnp.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], axis=-1)
@@ -49,29 +115,39 @@ def apply_rope(x_BTxR, angles_BTR2):
 class MLAttention(nnx.Module):
     def __init__(self, cfg, rngs):
         D, H, K, R, Q, A = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.q_latent, cfg.kv_latent
-        self.wq_down_DQ = init_normal(rngs, (D, Q), D)
-        self.q_norm = RMSNorm(Q)
-        self.wq_up_QHK = init_normal(rngs, (Q, H, K), Q)
-        self.wq_rope_QHR = init_normal(rngs, (Q, H, R), Q)
+        self.full_rank_queries = Q == 0
+        # The latent norms keep eps 1e-6 whatever --model.norm_eps says: DeepSeek's
+        # q_a_layernorm / kv_a_layernorm (and transformers') ignore rms_norm_eps.
+        if Q:  # queries through their own latent (DeepSeek-V3)
+            self.wq_down_DQ = init_normal(rngs, (D, Q), D)
+            self.q_norm = RMSNorm(Q)
+            self.wq_up_QHK = init_normal(rngs, (Q, H, K), Q)
+            self.wq_rope_QHR = init_normal(rngs, (Q, H, R), Q)
+        else:  # full-rank queries straight from x (DeepSeek-V2-Lite, Moonlight: q_lora_rank null)
+            self.wq_DHK = init_normal(rngs, (D, H, K), D)
+            self.wq_rope_DHR = init_normal(rngs, (D, H, R), D)
         self.wkv_down_DA = init_normal(rngs, (D, A), D)
         self.kv_norm = RMSNorm(A)
         self.wk_rope_DR = init_normal(rngs, (D, R), D)
         self.wk_up_AHK = init_normal(rngs, (A, H, K), A)
         self.wv_up_AHK = init_normal(rngs, (A, H, K), A)
         self.wo_HKD = init_normal(rngs, (H, K, D), H * K, residual_scale(cfg))
-        self.softmax_scale = 1.0 / math.sqrt(K + R)
+        self.softmax_scale = attention_softmax_scale(cfg)
+        self.rope_scale = yarn_attention_factor(cfg)
         self.implementation, self.block = cfg.attention, cfg.attention_block
 
     def queries(self, x_BTD, angles):
-        q_BTQ = self.q_norm(project(x_BTD, self.wq_down_DQ[...]))
-        q_nope_BTHK = project(q_BTQ, self.wq_up_QHK[...])
-        q_rope_BTHR = apply_rope(project(q_BTQ, self.wq_rope_QHR[...]), angles)
-        return q_nope_BTHK, q_rope_BTHR
+        if self.full_rank_queries:
+            q_nope_BTHK, q_rope_BTHR = project(x_BTD, self.wq_DHK[...]), project(x_BTD, self.wq_rope_DHR[...])
+        else:
+            q_BTQ = self.q_norm(project(x_BTD, self.wq_down_DQ[...]))
+            q_nope_BTHK, q_rope_BTHR = project(q_BTQ, self.wq_up_QHK[...]), project(q_BTQ, self.wq_rope_QHR[...])
+        return q_nope_BTHK, apply_rope(q_rope_BTHR, angles, self.rope_scale)
 
     def latents(self, x_BTD, angles):
         """What the cache stores: the normalised KV latent and the shared RoPE key."""
         kv_BTA = self.kv_norm(project(x_BTD, self.wkv_down_DA[...]))
-        k_rope_BTR = apply_rope(project(x_BTD, self.wk_rope_DR[...]), angles)
+        k_rope_BTR = apply_rope(project(x_BTD, self.wk_rope_DR[...]), angles, self.rope_scale)
         return kv_BTA, k_rope_BTR
 
     def __call__(self, x_BTD, angles, tp_axis=None):

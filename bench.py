@@ -17,6 +17,11 @@ same mesh.
 with the hand-written shard_map step on the same mesh: step time, temporaries, and the
 collectives of the compiled program (kind, mesh axes, count, bytes per device).
 
+`run_estimate_s` is the wall time of `python main.py` with the same flags, estimated from
+the measured step (compile + steps x step time + evaluations + RUN_OVERHEAD_S): on this
+machine, in the dtype the run would compute in (`--model.dtype auto` resolves here as in
+main.py, dtype_probe.py).
+
 Takes every main.py flag, plus --json PATH, --steps N (timed steps, default 10),
 --warmup N (untimed steps after compile, default 2) and --profile DIR (trace the steps
 once more and print device time per kind of XLA op), --show-schedule (print the pipeline
@@ -38,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import dtype_probe
 import parallel as par
 import pipeline
 import train_steps
@@ -106,6 +112,19 @@ def profile_steps(compiled, params, opt_state, batch, steps, trace_dir, top=25):
     return params, opt_state
 
 
+# What a run spends outside its steps and evaluations: starting Python and JAX, preparing
+# the embedded data, sampling, plots. Measured: the default run on a 2-vCPU AMD EPYC VM in
+# float32, 572 s = 4.4 s compile + 1000 x 0.53 s steps + 7 s evals + 30 s (issue 34).
+RUN_OVERHEAD_S = 30
+FORWARD_SHARE = 1 / 3  # an evaluation batch is a forward pass: a third of a train step's FLOPs
+
+
+def run_estimate_s(compile_s, step_s, steps, eval_batches):
+    """Wall time of `python main.py` with the benched flags, from this machine's measured
+    step: the README's time estimate (its arithmetic on two machines: docs/benchmarks.md)."""
+    return compile_s + step_s * (steps + FORWARD_SHARE * eval_batches) + RUN_OVERHEAD_S
+
+
 def bench(cfg, steps, warmup, profile_dir=""):
     if cfg.model.vocab_size == 0:  # the byte tokenizer of the embedded default
         cfg = apply_overrides(cfg, {"model": {"vocab_size": 257}})
@@ -137,6 +156,7 @@ def bench(cfg, steps, warmup, profile_dir=""):
         params, opt_state = profile_steps(compiled, params, opt_state, batch, steps, profile_dir)
 
     peak = measure_peak_flops(jnp.dtype(cfg.model.dtype), size=2048 if jax.default_backend() == "cpu" else 8192)
+    evals = -(-cfg.train.steps // cfg.train.eval_every)  # every eval_every steps and at the end
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
     total, active = count_params(cfg.model)
     n_devices = mesh.devices.size
@@ -147,6 +167,7 @@ def bench(cfg, steps, warmup, profile_dir=""):
         model_tflops_per_step=flops_per_token(cfg.model) * tokens_per_step / 1e12,
         peak_tflops_per_device=peak / 1e12,
         mfu=flops_per_token(cfg.model) * tokens_per_step / step_s / (n_devices * peak),
+        run_estimate_s=run_estimate_s(compile_s, step_s, cfg.train.steps, evals * cfg.train.eval_batches),
         pipeline=cfg.train.pipeline, bubble=schedule_of(cfg).bubble(),
         loss=float(metrics["loss"]), sharding=cfg.mesh.sharding, **memory, collectives=collectives)
 
@@ -162,7 +183,7 @@ def main(argv):
         return
     setup_devices(cfg)
     try:
-        result = bench(cfg, steps, warmup, profile_dir)
+        result = bench(dtype_probe.resolve_dtype(cfg), steps, warmup, profile_dir)
     except ConfigError as e:  # a mesh the model does not fit: say which flag to change
         sys.exit(f"error: {e}")
     for key, value in result.items():

@@ -36,6 +36,7 @@ from utils import ConfigError
 from weights import is_trained, weight_name
 
 ITEMS = ("params", "opt_state", "meta")
+TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax writes <step><TMP_MARK>-<time> and renames it to <step> once complete
 
 
 def warn(message):
@@ -47,9 +48,14 @@ def warn(message):
 # Saving
 
 
-def checkpoint_manager(run_dir, keep):
+def checkpoint_manager(run_dir, keep, log=None):
     """The training run's manager: writes asynchronously, keeps the `keep` latest, and
-    deletes temporary directories left by a write that was interrupted."""
+    deletes temporary directories left by a write that was interrupted (saying which, to
+    `log`)."""
+    directory = os.path.join(run_dir, "checkpoints")
+    partial = sorted(n for n in os.listdir(directory) if TMP_MARK in n) if os.path.isdir(directory) else []
+    for name in partial if log else []:
+        log(f"skipping the partial checkpoint {os.path.join(directory, name)} (a write cut short; removed)")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True,
                                            cleanup_tmp_directories=True)
     return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")), options=options, item_names=ITEMS)

@@ -11,6 +11,7 @@ import sys
 import threading
 
 import jax
+from jax._src import distributed  # its client: the coordination service's barriers
 from jax._src import hardware_utils  # the checks JAX itself uses to suggest plugins
 
 
@@ -92,6 +93,16 @@ def setup_devices(cfg):
     finally:
         never_met.cancel()
     return True
+
+
+def align_processes(name, timeout_s):
+    """Wait until every process of a multi-process run gets here (JAX's coordination
+    service: no deadline but `timeout_s`). gloo gives a peer 30 s to join a communicator
+    it sets up on first use (then "Gloo context initialization failed: DEADLINE_EXCEEDED");
+    on a crowded host one process can trail another by more than that (seen on 2 cores
+    shared by ~16 busy processes), so train.py aligns them before the first collectives."""
+    if distributed.global_state.client is not None and jax.process_count() > 1:
+        distributed.global_state.client.wait_at_barrier(f"meshformer_{name}", timeout_in_ms=int(timeout_s * 1000))
 
 
 CONNECT_GRACE_S = 10  # JAX's own connect timeout fires this long after ours, so ours is the one seen

@@ -40,9 +40,14 @@ class Sequence:
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
         self.want_prompt_logprobs = want_prompt_logprobs
         self.cancelled = False  # set from any thread; the engine frees the slot at its next step
+        self.engine = None  # the engine it was submitted to
 
     def cancel(self):
+        """From any thread: a waiting sequence leaves the queue now (it is "done",
+        "cancelled"); a running one frees its slot at the engine's next step."""
         self.cancelled = True
+        if self.engine is not None:
+            self.engine.drop_waiting(self)
 
 
 class Slot:
@@ -70,6 +75,7 @@ class Engine:
         self.wakeup = threading.Condition()
         self.stopping = False
         self.thread = None
+        self.ready = threading.Event()  # set once every program is compiled and the loop runs
 
     # --- the outside -------------------------------------------------------
 
@@ -78,8 +84,21 @@ class Engine:
         with self.wakeup:
             if len(self.waiting) + len(seqs) > self.queue_limit + self.free_slots():
                 raise QueueFull(f"{len(self.waiting)} sequences are already waiting for a slot (--serve.queue {self.queue_limit})")
+            for seq in seqs:
+                seq.engine = self
             self.waiting.extend(seqs)
             self.wakeup.notify()
+
+    def drop_waiting(self, seq):
+        """Take a cancelled sequence out of the queue at once, not at the loop's next
+        iteration: that may be a long step (or, while loading, a compile) away, and
+        meanwhile /health would count a client that has gone."""
+        with self.wakeup:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                return  # running (its slot is freed at the next step) or done
+        seq.emit(("done", "cancelled"))
 
     def free_slots(self):
         return sum(s is None for s in self.slots)
@@ -89,10 +108,12 @@ class Engine:
             return self.n_slots - self.free_slots(), len(self.waiting)
 
     def start(self):
-        """Compile every step now (no request waits for a compile), then serve."""
+        """Compile every step now (no request waits for a compile), then serve.
+        Sequences submitted meanwhile wait in the queue."""
         self.decoder.warm_up()
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self.thread.start()
+        self.ready.set()
 
     def stop(self):
         with self.wakeup:

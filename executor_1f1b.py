@@ -12,6 +12,10 @@ the loop. The loss's derivatives with respect to each device's sums (cross-entro
 balance losses, MTP) come from the step core (step_core.sum_cotangents), the same
 loss that autodiff differentiates under GPipe, so both give the same gradients.
 
+The first chunk's forward on stage 0 starts with the embedding and the dense prefix
+(--model.first_dense); its backward tick recomputes both and runs their vjp (embed,
+embed_backward), the prefix's weights being top-level ones, gathered once per step.
+
 What a backward tick needs from its forward tick (the "residuals") is kept as the input
 of each of the chunk's blocks (remat stage: the chunk's input) in a ring of slots
 [R, L, b, T, D], R = the most microbatches in flight on a stage (pp for 1f1b).
@@ -170,7 +174,11 @@ class ScheduledStep:
     # --- the two ops --------------------------------------------------------
 
     def embed(self, top, m):
-        return self.model_with(top).embed(self.mb.tokens_MbT1[m, :, :-1], TP)
+        """Microbatch m embedded and through the dense prefix (--model.first_dense), in
+        the compute dtype: what the first chunk starts from."""
+        model, keys_Mb = self.model_with(top), self.mb.keys_Mb
+        x_bTD = model.embed(self.mb.tokens_MbT1[m, :, :-1], TP).astype(self.cfg.model.dtype)
+        return model.run_prefix(x_bTD, self.mb.angles, TP, None if keys_Mb is None else keys_Mb[m])
 
     def head_sums(self, top, y_bTD, m):
         """(summed cross-entropy, summed MTP cross-entropy) of microbatch m's output."""
@@ -185,7 +193,7 @@ class ScheduledStep:
         """F: (output to send, block inputs to save, stats, (ce, mtp), gradient of the output, of top)."""
         top = self.top
         x = jax.lax.cond(c == 0, lambda: core.vary(self.embed(top, m).astype(x_saved.dtype), tuple(jax.typeof(x_saved).manual_axis_type.varying)),
-                         lambda: x_saved)  # the embedding, on the first chunk of stage 0 only
+                         lambda: x_saved)  # the embedding and prefix, on the first chunk of stage 0 only
         chunk = jax.tree.map(lambda w: w[v], self.chunks)
         y, xs_LbTD, stats_L = self.run_chunk(chunk, x, m, c)
 
@@ -204,9 +212,9 @@ class ScheduledStep:
         chunk = jax.tree.map(lambda w: w[v], self.chunks)
         gx, g_chunk = self.backward_chunk(chunk, xs_LbTD, gy, m, c)
 
-        def embed_backward(gx):  # the embedding's gradient, on the first chunk of stage 0 only
-            _, vjp = jax.vjp(lambda t: self.embed(t, m), top)
-            return jax.tree.map(lambda g: g.astype(jnp.float32), vjp(gx.astype(top["embed_VD"].dtype))[0])
+        def embed_backward(gx):  # the embedding's and prefix's gradient, on the first chunk of stage 0 only
+            x_bTD, vjp = jax.vjp(lambda t: self.embed(t, m), top)  # (recomputing the prefix, as a backward tick does a chunk)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), vjp(gx.astype(x_bTD.dtype))[0])
 
         g_top = core.when(c == 0, embed_backward, gx)
         return gx, g_chunk, g_top

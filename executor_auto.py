@@ -105,6 +105,8 @@ def loss(params, tokens_BT1, graphdef, cfg, rng):
         tokens_bT1, index = tokens_and_index
         keys_b = None if mb.keys_Mb is None else mb.keys_Mb[index]
         x_bTD = residual(model.embed(tokens_bT1[:, :-1]))
+        if model.prefix is not None:  # the dense prefix (--model.first_dense)
+            x_bTD = residual(model.run_prefix(x_bTD, mb.angles, None, keys_b, m_cfg.remat))
         y_bTD, stats_N = run_blocks(x_bTD, keys_b)
         ce, mtp = head_sums(residual(y_bTD), tokens_bT1, keys_b)
         return (sums[0] + ce, sums[1] + mtp), stats_N

@@ -1,7 +1,8 @@
 """The GPipe executor (--train.pipeline gpipe, the default): (loss, metrics, grads) by
 autodiff through a loop of pipeline ticks, inside the shard_map step.
 
-At tick t stage s works on microbatch m = t - s: stage 0 embeds microbatch t, every
+At tick t stage s works on microbatch m = t - s: stage 0 embeds microbatch t (and runs
+the dense prefix, --model.first_dense, on it: all microbatches before the loop), every
 other stage takes what its left neighbour produced at tick t-1 (ppermute). After
 M + pp - 1 ticks the last stage has produced every microbatch; the bubble (idle share)
 is (pp - 1) / (M + pp - 1). Autodiff runs the loop backwards: the ppermutes become
@@ -49,10 +50,18 @@ def pipeline_sums(model, prepare_block, mb, cfg):
     tokens_MbT1, angles, keys_Mb = mb.tokens_MbT1, mb.angles, mb.keys_Mb
     M = tokens_MbT1.shape[0]
     inputs_MbT = local_inputs(tokens_MbT1, mb.positions_T)  # (under cp: this rank's chunks)
-    # The embedding on stage 0 only, the head and loss on the last stage only: no
-    # stage computes what it would mask away (core.when: a cond, zeros elsewhere).
-    # (the embedding comes in float32, see gather_for_use: the stream runs in the compute dtype)
-    x0_MbTD = core.when(n_stages == 1 or stage == 0, lambda t: jax.vmap(lambda t: model.embed(t, TP))(t).astype(m_cfg.dtype), inputs_MbT)
+    # The embedding and the dense prefix on stage 0 only, the head and loss on the last
+    # stage only: no stage computes what it would mask away (core.when: a cond, zeros
+    # elsewhere). (the embedding comes in float32, see gather_for_use: the stream runs
+    # in the compute dtype)
+    def embed_and_prefix(t_MbT):
+        x_MbTD = jax.vmap(lambda t: model.embed(t, TP))(t_MbT).astype(m_cfg.dtype)
+        if model.prefix is None:
+            return x_MbTD
+        # one microbatch at a time, as the blocks run
+        return jax.lax.map(lambda xk: model.run_prefix(xk[0], angles, TP, xk[1], m_cfg.remat), (x_MbTD, keys_Mb))
+
+    x0_MbTD = core.when(n_stages == 1 or stage == 0, embed_and_prefix, inputs_MbT)
     ep_axis = DP if cfg.mesh.expert_parallel else None
 
     blocks_def, blocks_state = nnx.split(model.blocks)

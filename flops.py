@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model import Transformer
+from model import Transformer, padded_vocab
+from weights import weight_name
 
 
 def count_params(model_cfg):
@@ -31,19 +32,51 @@ def flops_per_token(model_cfg):
     """Model FLOPs to train on one token (forward + backward = 3 x forward).
 
     forward = 2 x (active matmul params) + attention scores and values:
-      matmul params: every active weight except the embedding lookup (a gather), but the
-      tied output layer is a real matmul of V x D, so it counts once;
+      matmul params: every active weight except the embedding lookup (a gather) and the
+      norm scales; the output layer is a real matmul of V x D: the tied embedding counts
+      once, as it, and an untied head (--model.tie_embeddings false) counts, its embedding not;
       attention: per layer 2 x T x H x (K + R) for q.k and 2 x T x H x K for p.v
       (full T x T, as in the PaLM paper's MFU accounting).
     Remat recomputation is not counted: MFU measures useful work.
     """
     m = model_cfg
     total, active = count_params(m)
-    norms = m.d_model * (2 * m.n_blocks * len(m.block_pattern) + 1) + m.n_blocks * len(m.block_pattern) * (m.q_latent + m.kv_latent)
-    matmul_params = active - norms  # the embedding counts once, as the output layer
-    n_layers = m.n_blocks * len(m.block_pattern)
+    n_layers = m.n_blocks * len(m.block_pattern) + m.first_dense  # (the dense prefix's layers are whole layers too)
+    norms = m.d_model * (2 * n_layers + 1) + n_layers * (m.q_latent + m.kv_latent)
+    lookup = 0 if m.tie_embeddings else padded_vocab(m.vocab_size, m.vocab_multiple) * m.d_model  # the untied embedding: a gather
+    matmul_params = active - norms - lookup  # tied: the embedding counts once, as the output layer
     attention = n_layers * 2 * m.seq_len * m.n_heads * (2 * m.head_dim + m.rope_dim)
     return 3 * (2 * matmul_params + attention)
+
+
+def part_flops_per_token(model_cfg):
+    """flops_per_token by where the work runs: {prefix: the dense prefix
+    (--model.first_dense; the embedding is a lookup), blocks: all N blocks, head: the
+    output layer and MTP}. They sum to flops_per_token (up to the MTP blocks' norm
+    scales, left out here)."""
+    m = model_cfg
+    state = nnx.state(nnx.eval_shape(lambda: Transformer(m, nnx.Rngs(0))), nnx.Param)
+    params = dict(prefix=0.0, blocks=0.0, head=0.0)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name, part = weight_name(path), getattr(path[0], "key", None)
+        if name == "scale_D" or (name == "embed_VD" and not m.tie_embeddings):  # norm scales, an untied embedding: no matmul
+            continue
+        active = m.top_k / m.n_experts if name in ("w_gate_EDF", "w_up_EDF", "w_down_EFD") else 1
+        params[part if part in ("prefix", "blocks") else "head"] += math.prod(leaf.shape) * active
+    attention = 2 * m.seq_len * m.n_heads * (2 * m.head_dim + m.rope_dim)  # per layer, as in flops_per_token
+    return dict(prefix=3 * (2 * params["prefix"] + m.first_dense * attention),
+                blocks=3 * (2 * params["blocks"] + m.n_blocks * len(m.block_pattern) * attention),
+                head=3 * 2 * params["head"])
+
+
+def stage_flops_per_token(model_cfg, pp):
+    """flops_per_token over the pipeline's pp stages, [pp]: each runs N/pp blocks, the
+    first also the dense prefix, the last the output layer and MTP."""
+    parts = part_flops_per_token(model_cfg)
+    stages = [parts["blocks"] / pp] * pp
+    stages[0] += parts["prefix"]
+    stages[-1] += parts["head"]
+    return stages
 
 
 def human(n):

@@ -4,6 +4,12 @@
 #
 #   ./launcher.sh --hosts hosts.txt [--name RUN] [options] [-- main.py flags...]
 #   ./launcher.sh --tpu NAME --zone ZONE [--project P] [--name RUN] [-- main.py flags...]
+#   ./launcher.sh ... --watch [--max-restarts N] [-- main.py flags...]
+#                                     start RUN and stay in the foreground: poll every host and,
+#                                     when a process ends other than by finishing (preempted, exit
+#                                     75; crashed; its host no longer answers), stop the others,
+#                                     wait for the hosts and start every one again: the run resumes
+#                                     from its latest complete checkpoint. Up to N restarts (3)
 #   ./launcher.sh ... --status        which hosts are running RUN
 #   ./launcher.sh ... --stop          end RUN's tmux sessions (the processes with them)
 #   ./launcher.sh ... --setup         run setup_tpu.sh on every host (in the foreground)
@@ -43,6 +49,11 @@
 #   --ssh-user U, --ssh-port P, --ssh-key FILE, --ssh-option OPT (repeatable, "-o OPT")
 #                         defaults from $LAUNCHER_SSH_USER, $LAUNCHER_SSH_PORT, $LAUNCHER_SSH_KEY
 #   --connect-timeout S   give up on a host after S seconds (default 10)
+#   --poll S              --watch: seconds between polls of the hosts (default 30)
+#   --wait-hosts S        --watch: how long to wait for the hosts (or the TPU) to be back (default 1800)
+#   --recreate            --watch --tpu: delete and create again a TPU found PREEMPTED or
+#                         TERMINATED (same type, runtime and spot/preemptible), then --setup it;
+#                         without it the launcher waits for the TPU to be READY again
 # Exits non-zero, naming the host, when a host cannot be reached; then nothing is started.
 set -euo pipefail
 
@@ -64,6 +75,9 @@ name="" port=$DEFAULT_PORT ray_port=$DEFAULT_RAY_PORT remote_dir=meshformer pyth
 ssh_user=${LAUNCHER_SSH_USER:-} ssh_port=${LAUNCHER_SSH_PORT:-} ssh_key=${LAUNCHER_SSH_KEY:-}
 ssh_options=() connect_timeout=10
 action=start
+watch=0 max_restarts="" poll_s=30 wait_hosts_s=1800 recreate=0 restart_reason=""
+DEFAULT_MAX_RESTARTS=3
+PREEMPTED_EXIT_CODE=75  # main.py's "preempted, resume me" (preemption.py)
 flags=()
 
 # parse_option "$@": consumes one option; sets `shifted` to how many words it used (0 = not ours).
@@ -95,6 +109,14 @@ check_options() {
   [[ $port =~ ^[0-9]+$ ]] || die "--port must be a number, got '$port'"
   [[ $ray_port =~ ^[0-9]+$ ]] || die "--ray-port must be a number, got '$ray_port'"
   [[ $connect_timeout =~ ^[0-9]+$ ]] || die "--connect-timeout must be a number of seconds, got '$connect_timeout'"
+  local value
+  for value in "${max_restarts:-0}" "$poll_s" "$wait_hosts_s"; do
+    [[ $value =~ ^[0-9]+$ ]] || die "--max-restarts, --poll and --wait-hosts take a whole number, got '$value'"
+  done
+  [[ -z $max_restarts ]] || ((watch)) || die "--max-restarts needs --watch"
+  ((!recreate)) || [[ -n $tpu && $watch == 1 ]] || die "--recreate needs --watch and --tpu"
+  ((!watch)) || [[ $action == start ]] || die "--watch starts a run: it does not go with --$action"
+  max_restarts=${max_restarts:-$DEFAULT_MAX_RESTARTS}
   [[ $remote_dir =~ ^[A-Za-z0-9_./-]+$ ]] || die "--remote-dir may only hold letters, digits and _ . / - (got '$remote_dir')"
   if [[ -z $name ]]; then
     local i
@@ -304,6 +326,7 @@ remote_prelude() {
 job_script() {
   local i=$1 n=${#ssh_targets[@]} env=()
   [[ -z $python ]] || env+=("PYTHON=$python")
+  [[ -z $restart_reason ]] || env+=("MESHFORMER_RESTART_REASON=$restart_reason")  # the run's restart row says why
   [[ ! -f $LAUNCHER_DIR/.env ]] || env+=("MESHFORMER_ENV_FILE=.env")
   printf '#!/usr/bin/env bash\n# written by launcher.sh: run %s, process %s of %s, commit %s\n' "$name" "$i" "$n" "$commit"
   printf 'cd; cd %q\n' "$remote_dir"
@@ -360,6 +383,7 @@ find_running_hosts() {
   while IFS= read -r line; do
     [[ $line =~ \(process\ ([0-9]+)\):\ running\; ]] && running_ids+=("${BASH_REMATCH[1]}")
   done < <(for_all_hosts status_host 2>/dev/null)
+  return 0  # (not the last line's match: a host that runs nothing is no error)
 }
 
 stop_host() {
@@ -473,6 +497,11 @@ main() {
       --ray-stop) action=ray-stop; shift ;;
       --ray-status) action=ray-status; shift ;;
       --ray-port) ray_port=${2:?--ray-port needs a number}; shift 2 ;;
+      --watch) watch=1; shift ;;
+      --max-restarts) max_restarts=${2:?--max-restarts needs a number}; shift 2 ;;
+      --poll) poll_s=${2:?--poll needs seconds}; shift 2 ;;
+      --wait-hosts) wait_hosts_s=${2:?--wait-hosts needs seconds}; shift 2 ;;
+      --recreate) recreate=1; shift ;;
       -h|--help) usage; exit 0 ;;
       --) shift; flags+=("$@"); break ;;
       *) die "unknown option '$1' (main.py flags go after --; see --help)" ;;
@@ -495,6 +524,16 @@ main() {
     for_all_hosts setup_host
     return
   fi
+  start_all
+  if ((watch)); then
+    watch_run
+  else
+    say "started; follow with: $0 ${hosts_file:+--hosts $hosts_file}${tpu:+--tpu $tpu --zone $zone} --name $name --status"
+  fi
+}
+
+# Starts every host; if one fails, stops the ones that started and exits.
+start_all() {
   if ! for_all_hosts start_host; then
     local started=() i
     for i in "${!ssh_targets[@]}"; do
@@ -506,7 +545,125 @@ main() {
     fi
     exit 1
   fi
-  say "started; follow with: $0 ${hosts_file:+--hosts $hosts_file}${tpu:+--tpu $tpu --zone $zone} --name $name --status"
+}
+
+# ----------------------------------------------------------------------------
+# --watch: bring the run back when a host's process ends other than by finishing
+
+host_states=()  # host_states[i]: process i's state from --status; unset when its host did not answer
+poll_states() {
+  local line
+  host_states=()
+  while IFS= read -r line; do
+    [[ $line =~ \(process\ ([0-9]+)\):\ (.*)\;\ log: ]] && host_states[BASH_REMATCH[1]]=${BASH_REMATCH[2]}
+  done < <(for_all_hosts status_host 2>/dev/null)
+  return 0  # (a host that did not answer is left unset, not an error here)
+}
+
+# describe_state STATE: what a process's state means, in words.
+describe_state() {
+  case $1 in
+    "exit $PREEMPTED_EXIT_CODE") echo "preempted (exit $PREEMPTED_EXIT_CODE: it saved a checkpoint and stopped)" ;;
+    exit\ 13[0-9]|exit\ 14[0-9]) echo "killed by signal $((${1#exit } - 128)) ($1)" ;;
+    exit\ *) echo "crashed ($1)" ;;
+    "") echo "its host does not answer over ssh" ;;
+    *) echo "$1" ;;
+  esac
+}
+
+watch_run() {
+  local restarts=0 i state failure running
+  say "watching run $name: polling every ${poll_s}s, up to $max_restarts restart(s) (--max-restarts)"
+  while true; do
+    sleep "$poll_s"
+    poll_states
+    failure="" running=0
+    for i in "${!ssh_targets[@]}"; do
+      state=${host_states[i]:-}
+      case $state in
+        "exit 0") ;;
+        running) running=1 ;;
+        stopped) say "run $name was stopped (--stop): not restarting it"; return 1 ;;
+        *) failure+="${failure:+; }process $i (${ssh_targets[i]}): $(describe_state "$state")" ;;
+      esac
+    done
+    if [[ -z $failure ]]; then
+      ((running)) && continue
+      say "run $name finished on every host (exit 0) after $restarts restart(s)"
+      return 0
+    fi
+    if ((restarts >= max_restarts)); then
+      say "run $name: $failure; giving up after $restarts restart(s) (--max-restarts $max_restarts): stopping the other" \
+        "hosts. To resume from the latest checkpoint, launch again with --name $name"
+      stop_run
+      exit 1
+    fi
+    restarts=$((restarts + 1))
+    say "restart $restarts/$max_restarts of run $name: $failure; stopping the other hosts, waiting for every host," \
+      "starting them again (the run resumes from its latest complete checkpoint)"
+    stop_run
+    wait_for_hosts
+    restart_reason="launcher.sh --watch restart $restarts/$max_restarts: $failure"
+    for_all_hosts sync_code >/dev/null || die "could not copy the code to every host for restart $restarts"
+    start_all
+  done
+}
+
+stop_run() {
+  find_running_hosts
+  ((${#running_ids[@]} == 0)) || for_all_hosts stop_host "${running_ids[@]}" >/dev/null || true
+}
+
+# Until every host answers over ssh (with --tpu: until each TPU is READY, recreating a
+# preempted one with --recreate), at most --wait-hosts seconds.
+wait_for_hosts() {
+  local deadline=$((SECONDS + wait_hosts_s)) tpu_name state names recreated=0
+  if [[ -n $tpu ]]; then
+    IFS=, read -r -a names <<<"$tpu"
+    for tpu_name in "${names[@]}"; do
+      while state=$(tpu_state "$tpu_name") && [[ $state != READY ]]; do
+        if ((recreate)) && [[ $state == PREEMPTED || $state == TERMINATED ]]; then
+          recreate_tpu "$tpu_name"
+          recreated=1
+          continue
+        fi
+        ((SECONDS < deadline)) || die "TPU $tpu_name is $state, not READY, after ${wait_hosts_s}s (--wait-hosts); gave up"
+        say "TPU $tpu_name is ${state:-unknown}; waiting for READY"
+        sleep "$poll_s"
+      done
+    done
+    ssh_targets=() addresses=() host_slices=()
+    resolve_hosts  # a TPU created again has new addresses
+  fi
+  until for_all_hosts reach_host >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || die "not every host answers after ${wait_hosts_s}s (--wait-hosts); gave up"
+    sleep "$poll_s"
+  done
+  if ((recreated)); then
+    for_all_hosts sync_code >/dev/null || die "could not copy the code to the recreated TPU"
+    for_all_hosts setup_host || die "setup_tpu.sh failed on the recreated TPU"
+  fi
+}
+
+tpu_gcloud() {  # tpu_gcloud VERB NAME ARGS...: gcloud compute tpus tpu-vm VERB NAME --zone ... [--project ...]
+  local verb=$1 tpu_name=$2
+  local gcloud_cmd=(gcloud compute tpus tpu-vm "$verb" "$tpu_name" --zone "$zone")
+  [[ -z $project ]] || gcloud_cmd+=(--project "$project")
+  "${gcloud_cmd[@]}" "${@:3}"
+}
+
+tpu_state() { tpu_gcloud describe "$1" --format='value(state)'; }
+
+recreate_tpu() {
+  local tpu_name=$1 type version preemptible spot extra=()
+  IFS=$'\t' read -r type version preemptible spot < <(tpu_gcloud describe "$tpu_name" \
+    --format='value(acceleratorType,runtimeVersion,schedulingConfig.preemptible,schedulingConfig.spot)')
+  [[ ${preemptible,,} != true ]] || extra+=(--preemptible)
+  [[ ${spot,,} != true ]] || extra+=(--spot)
+  say "recreating TPU $tpu_name ($type, runtime $version${extra[*]:+, ${extra[*]}}) (--recreate)"
+  tpu_gcloud delete "$tpu_name" --quiet || die "could not delete TPU $tpu_name"
+  tpu_gcloud create "$tpu_name" --accelerator-type "$type" --version "$version" "${extra[@]}" \
+    || die "could not create TPU $tpu_name again"
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then

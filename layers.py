@@ -25,8 +25,9 @@ def init_normal(rngs, shape, fan_in, scale=1.0):
 def residual_scale(cfg):
     """Output projections of residual branches start small, 1/sqrt(2 x layers) (GPT-2),
     so the residual stream does not grow with depth. (Not zero: a zero projection
-    would give every weight before it a zero gradient at step 0.)"""
-    return 1.0 / math.sqrt(2 * cfg.n_blocks * len(cfg.block_pattern))
+    would give every weight before it a zero gradient at step 0.) The dense prefix's
+    layers count too (first_dense; 0 adds nothing)."""
+    return 1.0 / math.sqrt(2 * (cfg.n_blocks * len(cfg.block_pattern) + cfg.first_dense))
 
 
 def project(x, w, n_in=1):

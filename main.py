@@ -19,6 +19,7 @@ import traceback
 # Importing these is fine before setup_devices: JAX starts its backend on first use.
 import jax
 
+import dtype_probe
 import runs
 import serve
 import train
@@ -42,6 +43,7 @@ def main(argv):
         sys.exit(f"error: {e}")
     several_processes = setup_devices(cfg)
     try:
+        cfg = dtype_probe.resolve_dtype(cfg)  # --model.dtype auto: decided once, here; the run's config.json keeps it
         RUN_MODE[cfg.mode](cfg)
     except (ConfigError, FileNotFoundError) as e:  # a missing data directory or shard names itself and what to give
         sys.exit(f"error: {e}")

@@ -1,5 +1,7 @@
 """Run metrics: <run_dir>/metrics.jsonl, one JSON object per logged step, and its
-wandb mirror (--log.wandb). train.py writes the rows (MetricsLog) and drops the ones
+wandb mirror (--log.wandb). Row kinds: train rows (`loss`, ..., `time`), eval rows
+(`val_loss`), and goodput.py's (`event`: `checkpoint`, `preempted` and `end` rows carry
+the running `goodput` totals; a `restart` row per resume says why and what was lost). train.py writes the rows (MetricsLog) and drops the ones
 after the checkpoint on resume (truncate_metrics); plots.py and the tests read them
 back (read_metrics).
 """
@@ -88,7 +90,9 @@ def wandb_row(row, tokens_per_step):
                     flat.update({f"expert_load/block{n}/expert{e}": x for e, x in enumerate(load_E)})
         elif isinstance(value, list):
             flat.update({f"{key}/" + "/".join(map(str, i)): x for i, x in np.ndenumerate(np.asarray(value))})
-        elif key != "step":
+        elif isinstance(value, dict):  # goodput rows: seconds per phase
+            flat.update({f"{key}/{k}": x for k, x in value.items()})
+        elif key != "step" and not isinstance(value, str):  # (a row's event and reason are words, not metrics)
             flat[key] = value
     return flat
 

@@ -3,7 +3,8 @@
 Read bottom-up: the pieces (layers.py: init, projection, RMSNorm, the dense FFN),
 attention (attention.py: RoPE and MLA with its latent KV cache), the MoE layer (moe.py:
 router, capacity, experts), then here the Layer, the Block, multi-token prediction, and
-last the Transformer that stacks Blocks.
+last the Transformer: embedding, an optional dense prefix of Layers (DeepSeek's first
+k dense layers), the stacked Blocks, the output layer.
 
 Every layer is written for the *local* shard of its weights: the number of heads,
 hidden units or experts is read off the weight shapes, so the same code runs on one
@@ -57,12 +58,23 @@ class ModelConfig:
     n_heads: int = option(4, "attention heads (H)")
     head_dim: int = option(32, "per-head dim of queries/keys/values, content part (K)")
     rope_dim: int = option(16, "per-head dim of the decoupled RoPE query/key part (R)")
-    q_latent: int = option(64, "MLA query latent width (Q)")
+    q_latent: int = option(64, "MLA query latent width (Q); 0 = full-rank queries from x, no latent (HF q_lora_rank null)")
     kv_latent: int = option(32, "MLA key/value latent width (A); with R, all the KV cache stores")
     rope_theta: float = option(10000.0, "RoPE base")
-    embed_row_norm: float = option(2.0, "norm of the tied embedding's rows at init (std = this / sqrt(D)); "
+    rope_scaling: str = option("none", "RoPE frequency scaling: none | yarn (DeepSeek-V2/V3's long-context YaRN, attention.py)")
+    rope_factor: float = option(1.0, "yarn: context extension factor (HF rope_scaling.factor)")
+    rope_original_len: int = option(4096, "yarn: the context the RoPE was trained on (HF original_max_position_embeddings)")
+    yarn_beta_fast: float = option(32.0, "yarn: pairs turning more often than this over the original context keep their frequency")
+    yarn_beta_slow: float = option(1.0, "yarn: pairs turning less often than this are interpolated (frequency / factor)")
+    yarn_mscale: float = option(1.0, "yarn: mscale (with yarn_mscale_all_dim, the RoPE parts' factor is their mscale ratio)")
+    yarn_mscale_all_dim: float = option(0.0, "yarn: mscale_all_dim; non-zero: the softmax scale x mscale(factor, this)^2")
+    norm_eps: float = option(1e-6, "eps of the RMSNorms of the residual stream (HF rms_norm_eps; the latent norms keep 1e-6)")
+    tie_embeddings: bool = option(True, "the output layer is the input embedding; false = a separate head (HF lm_head)")
+    embed_row_norm: float = option(2.0, "norm of the embedding's (and an untied head's) rows at init (std = this / sqrt(D)); "
                                         "the untrained output logits are at most this (model.py)")
     n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
+    first_dense: int = option(0, "dense layers before the blocks (HF first_k_dense_replace): each a full layer (MLA attention "
+                                 "+ dense FFN of d_ff hidden units), run on the first pipeline stage beside the embedding")
     block_pattern: str = option("DM", "layers of one block: D = dense FFN, M = MoE FFN")
     d_ff: int = option(512, "hidden units of dense FFN layers (F)")
     ffn_activation: str = option("swiglu", "dense FFN activation: swiglu | gelu")
@@ -80,13 +92,16 @@ class ModelConfig:
     n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
     topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
     routed_scale: float = option(1.0, "multiply the routed experts' output by this (DeepSeek-V3 routed_scaling_factor)")
+    norm_topk: bool = option(True, "renormalise the routed gates over the top k (HF norm_topk_prob); false = raw scores "
+                                   "(DeepSeek-V2-Lite)")
     final_norm_folded: bool = option(False, "the final norm's scale holds the logits' 1/sqrt(D) (set by --train.init_from hf:, "
                                             "which keeps HF's norm weight bit for bit); false = logits of final_norm(x) / sqrt(D)")
     mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): extra blocks predicting tokens 2..depth+1 ahead, "
                                "trained with the rest, ignored by sampling and eval; 0 = off")
     mtp_loss_weight: float = option(0.3, "weight of the MTP loss (mean over depths; V3 used 0.3, later 0.1)")
     dropout: float = option(0.0, "dropout on residual branches")
-    dtype: str = option("bfloat16", "compute dtype: float32 | bfloat16 (weights, Adam and softmax/norms stay float32)")
+    dtype: str = option("auto", "compute dtype: float32 | bfloat16 | auto (the faster here: bfloat16 on TPU/GPU, on CPU a "
+                                "timed probe of the model's matmuls, dtype_probe.py); weights, Adam and softmax/norms stay float32")
     grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
                                                "weights): float32 | bfloat16 (halves their bytes, loses precision)")
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "
@@ -125,9 +140,9 @@ class Layer(nnx.Module):
 
     def __init__(self, cfg, kind, rngs):
         self.kind = kind
-        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = MLAttention(cfg, rngs)
-        self.ffn_norm = RMSNorm(cfg.d_model)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = MoE(cfg, rngs) if kind == "M" else DenseFFN(cfg.d_model, cfg.d_ff, cfg.ffn_activation, rngs, residual_scale(cfg))
         self.dropout = cfg.dropout
 
@@ -150,6 +165,13 @@ class Layer(nnx.Module):
         else:
             y_BTD, stats = self.ffn(h_BTD), None
         return x_BTD + self.drop(psum_if(y_BTD, tp_axis), rngs[1]), stats
+
+    def decode(self, x_BTD, angles, cache, start):
+        """The layer on T new tokens given the latent cache of earlier ones (decode_step)."""
+        y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), angles, cache, start)
+        x_BTD = x_BTD + y_BTD
+        h_BTD = self.ffn_norm(x_BTD)
+        return x_BTD + (self.ffn.decode(h_BTD) if self.kind == "M" else self.ffn(h_BTD)), cache
 
 
 class Block(nnx.Module):
@@ -179,10 +201,7 @@ class Block(nnx.Module):
     def decode(self, x_BTD, angles, caches, start):
         new_caches = []
         for layer, cache in zip(self.layers, caches):
-            y_BTD, cache = layer.attn.decode(layer.attn_norm(x_BTD), angles, cache, start)
-            x_BTD = x_BTD + y_BTD
-            h_BTD = layer.ffn_norm(x_BTD)
-            x_BTD = x_BTD + (layer.ffn.decode(h_BTD) if layer.kind == "M" else layer.ffn(h_BTD))
+            x_BTD, cache = layer.decode(x_BTD, angles, cache, start)
             new_caches.append(cache)
         return x_BTD, new_caches
 
@@ -203,12 +222,12 @@ class MTPModule(nnx.Module):
 
     def __init__(self, cfg, rngs):
         D = cfg.d_model
-        self.hidden_norm = RMSNorm(D)
-        self.embed_norm = RMSNorm(D)
+        self.hidden_norm = RMSNorm(D, cfg.norm_eps)
+        self.embed_norm = RMSNorm(D, cfg.norm_eps)
         self.w_hidden_DD = init_normal(rngs, (D, D), 2 * D)
         self.w_embed_DD = init_normal(rngs, (D, D), 2 * D)
         self.block = Block(dataclasses.replace(cfg, block_pattern="D" * len(cfg.block_pattern)), rngs)
-        self.final_norm = RMSNorm(D)
+        self.final_norm = RMSNorm(D, cfg.norm_eps)
 
     def __call__(self, h_BTD, next_embed_BTD, angles, tp_axis=None, rng=None):
         x_BTD = (project(self.hidden_norm(h_BTD), self.w_hidden_DD[...])
@@ -217,10 +236,11 @@ class MTPModule(nnx.Module):
 
 
 MTP_RNG_SALT = 2**31 - 1  # dropout keys of the MTP blocks: each row's key folded with salt + depth, apart from the blocks' own
+PREFIX_RNG_SALT = 2**30  # dropout keys of the dense prefix: salt + layer, apart from the blocks' (0..N-1) and MTP's
 
 
 # ----------------------------------------------------------------------------
-# The Transformer: embedding, N stacked Blocks, final norm, tied output layer.
+# The Transformer: embedding, dense prefix, N stacked Blocks, final norm, output layer (tied or not).
 
 
 def padded_vocab(vocab_size, multiple):
@@ -250,9 +270,19 @@ class Transformer(nnx.Module):
             return Block(cfg, rngs)
 
         self.blocks = make_blocks(rngs)  # every weight has a leading axis N (blocks)
-        self.final_norm = RMSNorm(cfg.d_model)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         # Made last, so the weights above are the same with or without MTP.
         self.mtp = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.mtp_depth)]) if cfg.mtp_depth else None
+        if not cfg.tie_embeddings:
+            # A separate output layer (DeepSeek's lm_head), made after everything else so
+            # that every other weight is the one the tied model would have. Its rows play
+            # the output role of the tied rows, whose std embed_row_norm / sqrt(D) was
+            # chosen for that role (a logit is its row's norm x cos, see `logits`), so they
+            # start the same: the untrained model again guesses near uniformly.
+            self.head_VD = init_normal(rngs, (V, cfg.d_model), cfg.d_model, cfg.embed_row_norm)
+        # The dense prefix (DeepSeek's first_k_dense_replace layers), made after MTP and the head
+        # for the same reason. Not stacked (no N dim): it runs on the first pipeline stage only.
+        self.prefix = nnx.List([Layer(cfg, "D", rngs) for _ in range(cfg.first_dense)]) if cfg.first_dense else None
 
     def embed(self, tokens_BT, tp_axis=None):
         """Vocab-parallel lookup: each tp device holds rows [offset, offset + V/tp) and
@@ -264,8 +294,26 @@ class Transformer(nnx.Module):
         x_BTD = jnp.where(mine_BT[..., None], table_VD[jnp.clip(local_BT, 0, table_VD.shape[0] - 1)], 0)
         return psum_if(x_BTD, tp_axis)
 
+    def run_prefix(self, x_BTD, angles, tp_axis=None, keys_B=None, remat="none"):
+        """The dense prefix on the embedded x_BTD (a no-op without one). Layer i's dropout
+        keys are each row's key folded with PREFIX_RNG_SALT + i. remat: what the backward
+        pass keeps of each prefix layer, as apply_blocks keeps of a block (each layer's
+        input; with block_dots its matmul outputs)."""
+        for i, layer in enumerate(self.prefix or ()):
+            layer_def, layer_state = nnx.split(layer)  # (a pure function of the weights: callable under any jax transform)
+
+            def run(state, x_BTD, keys_B):
+                return nnx.merge(layer_def, state)(x_BTD, angles, tp_axis, None, keys_B)[0]
+            if remat in ("layer", "block", "stage"):
+                run = jax.checkpoint(run)
+            elif remat == "block_dots":
+                run = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_saveable)
+            x_BTD = run(layer_state, x_BTD, None if keys_B is None else fold_in_rows(keys_B, PREFIX_RNG_SALT + i))
+        return x_BTD
+
     def logits(self, x_BTD, norm=None):
-        """Output layer of the tied embedding (the local vocabulary rows under tp).
+        """Output layer: the tied embedding, or the separate head (the local vocabulary
+        rows under tp, either way: vocab-parallel logits).
         `norm`: the final norm to apply (an MTP depth has its own)."""
         # Scaled by 1/sqrt(D): the normed x has norm sqrt(D), so a logit is the row's
         # norm (embed_row_norm at init) times cos(x, row): ~N(0, norm^2/D) at init.
@@ -276,7 +324,8 @@ class Transformer(nnx.Module):
         else:
             x_BTD = (norm or self.final_norm)(x_BTD) / math.sqrt(x_BTD.shape[-1])
         # (in x's dtype: the sharded step hands the table over in float32, parallel.gather_for_use)
-        return jnp.einsum("btd,vd->btv", x_BTD, self.embed_VD[...].astype(x_BTD.dtype), preferred_element_type=ACC_DTYPE)
+        table_VD = self.embed_VD[...] if self.cfg.tie_embeddings else self.head_VD[...]
+        return jnp.einsum("btd,vd->btv", x_BTD, table_VD.astype(x_BTD.dtype), preferred_element_type=ACC_DTYPE)
 
     def loss_sum(self, x_BTD, targets_BT, tp_axis=None, norm=None, mask_BT=None):
         """Summed token cross-entropy with vocab-parallel logits [B, T, V/tp] (over the
@@ -329,7 +378,8 @@ class Transformer(nnx.Module):
         The reference that every sharded and pipelined layout is tested against.
         """
         x_BTD = self.embed(tokens_BT)
-        angles = rope_angles(start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape), self.cfg.rope_dim, self.cfg.rope_theta)
+        angles = rope_angles(start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape), self.cfg)
+        x_BTD = self.run_prefix(x_BTD, angles)
         x_BTD, stats_N = apply_blocks(self.blocks, x_BTD, angles, unroll=self.cfg.unroll_blocks)
         return (self.logits(x_BTD), stats_N) + ((x_BTD,) if return_hidden else ())
 
@@ -382,9 +432,13 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
 
 
 def init_cache(cfg, batch, max_len, dtype=jnp.float32):
-    """Per block and layer: (kv latent [N, B, S, A], RoPE key [N, B, S, R])."""
-    shape = (cfg.n_blocks, batch, max_len)
-    return [(jnp.zeros(shape + (cfg.kv_latent,), dtype), jnp.zeros(shape + (cfg.rope_dim,), dtype)) for _ in cfg.block_pattern]
+    """Per layer of the dense prefix, then per layer of the block pattern: (kv latent
+    [N, B, S, A], RoPE key [N, B, S, R]), N = 1 for a prefix layer (so every entry has
+    the same layout: rows are dim 1, positions dim 2)."""
+    def entry(n):
+        shape = (n, batch, max_len)
+        return jnp.zeros(shape + (cfg.kv_latent,), dtype), jnp.zeros(shape + (cfg.rope_dim,), dtype)
+    return [entry(1) for _ in range(cfg.first_dense)] + [entry(cfg.n_blocks) for _ in cfg.block_pattern]
 
 
 def decode_step(model, tokens_BT, cache, start):
@@ -396,7 +450,11 @@ def decode_step(model, tokens_BT, cache, start):
     cfg = model.cfg
     x_BTD = model.embed(tokens_BT)
     positions_BT = jnp.broadcast_to(jnp.reshape(start, (-1, 1)) + jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-    angles = rope_angles(positions_BT, cfg.rope_dim, cfg.rope_theta)
+    angles = rope_angles(positions_BT, cfg)
+    prefix_cache, cache = list(cache[:cfg.first_dense]), list(cache[cfg.first_dense:])
+    for i, layer in enumerate(model.prefix or ()):
+        x_BTD, (kv_BSA, rope_BSR) = layer.decode(x_BTD, angles, jax.tree.map(lambda c: c[0], prefix_cache[i]), start)
+        prefix_cache[i] = (kv_BSA[None], rope_BSR[None])
     block_def, block_state = nnx.split(model.blocks)
 
     def body(x_BTD, state_and_cache):
@@ -405,7 +463,7 @@ def decode_step(model, tokens_BT, cache, start):
         return x_BTD, block_cache
 
     x_BTD, cache = jax.lax.scan(body, x_BTD, (block_state, cache))
-    return model.logits(x_BTD), cache
+    return model.logits(x_BTD), prefix_cache + cache
 
 
 # ----------------------------------------------------------------------------

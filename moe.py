@@ -44,8 +44,9 @@ def limit_to_top_groups(choice_SE, n_groups, topk_groups):
     return jnp.where(jnp.repeat(kept_SP, E // n_groups, axis=1), choice_SE, -jnp.inf)
 
 
-def top_k_routing(x_SD, router_DE, top_k, score, bias_E=None, n_groups=1, topk_groups=1, routed_scale=1.0):
-    """Router: each token picks its top_k experts; gates are normalised to sum to 1.
+def top_k_routing(x_SD, router_DE, top_k, score, bias_E=None, n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True):
+    """Router: each token picks its top_k experts; gates are normalised to sum to 1
+    (norm_topk; false: the gates are the raw top-k scores, DeepSeek-V2's).
 
     Returns gates_SX, experts_SX (int) and probs_SE (normalised scores, for the
     load-balance loss). With top_k = 1 the gate is the raw score (Switch Transformer). Routing runs in float32: a tie broken differently in bfloat16
@@ -67,7 +68,7 @@ def top_k_routing(x_SD, router_DE, top_k, score, bias_E=None, n_groups=1, topk_g
         choice_SE = limit_to_top_groups(choice_SE, n_groups, topk_groups)
     _, experts_SX = jax.lax.top_k(choice_SE, top_k)
     top_scores_SX = jnp.take_along_axis(scores_SE, experts_SX, axis=-1)
-    if top_k == 1:  # (normalising one score would make every gate 1: no gradient for the router)
+    if top_k == 1 or not norm_topk:  # (with k = 1 normalising would make every gate 1: no gradient for the router)
         return top_scores_SX * routed_scale, experts_SX, probs_SE
     gates_SX = top_scores_SX / jnp.sum(top_scores_SX, axis=-1, keepdims=True)
     return gates_SX * routed_scale, experts_SX, probs_SE
@@ -181,6 +182,7 @@ class MoE(nnx.Module):
         self.router_DE = init_normal(rngs, (D, E), D)
         self.router_bias_E = RouterBias(jnp.zeros((E,), jnp.float32)) if cfg.router_bias_rate > 0 else None
         self.n_groups, self.topk_groups, self.routed_scale = cfg.n_groups, cfg.topk_groups, cfg.routed_scale
+        self.norm_topk = cfg.norm_topk
         self.sequence_loss = cfg.seq_aux_loss_weight > 0
         self.w_gate_EDF = init_normal(rngs, (E, D, F), D)
         self.w_up_EDF = init_normal(rngs, (E, D, F), D)
@@ -191,7 +193,7 @@ class MoE(nnx.Module):
         """top_k_routing of each group: (gates_GSX, experts_GSX, probs_GSE)."""
         bias_E = None if self.router_bias_E is None else self.router_bias_E[...]
         route = functools.partial(top_k_routing, top_k=self.top_k, score=self.score, bias_E=bias_E, n_groups=self.n_groups,
-                                  topk_groups=self.topk_groups, routed_scale=self.routed_scale)
+                                  topk_groups=self.topk_groups, routed_scale=self.routed_scale, norm_topk=self.norm_topk)
         return jax.vmap(route, (0, None))(x_GSD, self.router_DE[...])
 
     def expert_ffn(self, x_GECD):

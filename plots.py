@@ -14,6 +14,7 @@ import sys
 import numpy as np
 
 from flops import human
+from goodput import PHASES
 from metrics import read_metrics
 
 PLOT_DPI = 150  # a 6.4 x 4.4 inch figure is 960 x 660 px: sharp at README width
@@ -235,8 +236,51 @@ def draw_speed(fig, rows, cfg):
     return {"tokens_per_sec": line_data(speed_line), "mfu_percent": line_data(mfu_line)}
 
 
+def draw_goodput(fig, rows, cfg):
+    """Where the wall time went (goodput.py): the run's phases as one stacked bar, and
+    the steps done against wall time, with the time lost to each restart shaded."""
+    totals_rows = [r for r in rows if "goodput" in r]
+    if not totals_rows:
+        return None
+    last = totals_rows[-1]
+    seconds = [last["goodput"].get(p, 0.0) for p in PHASES]
+    wall = sum(seconds)
+    fig.set_size_inches(7.2, 5.2)
+    bar_ax, time_ax = fig.subplots(2, 1, height_ratios=[1, 2.2])
+    colors = dict(startup="tab:gray", compile="tab:purple", train="tab:green", eval="tab:blue", checkpoint="tab:orange",
+                  data="tab:cyan", redone="tab:red", down="darkred", other="lightgray")
+    left, drawn = 0.0, {}
+    for phase, s in zip(PHASES, seconds):
+        if s <= 0:
+            continue
+        bar_ax.barh(0, s, left=left, color=colors[phase], label=f"{phase} {s / wall:.0%}")
+        drawn[phase] = s
+        left += s
+    bar_ax.set(xlim=(0, wall), yticks=[], xlabel="seconds of wall time",
+               title=f"goodput: train steps {drawn.get('train', 0) / wall:.0%} of {wall:.0f}s")
+    bar_ax.legend(ncols=5, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.55))
+    start = last["run_start"]
+    timed = [r for r in rows if "loss" in r and "time" in r]
+    (line,) = time_ax.plot([r["time"] - start for r in timed], [r["step"] for r in timed], ".", ms=3, color="tab:green",
+                           label="train step logged")
+    for r in rows:
+        if r.get("event") == "restart":  # steps redone: checkpoint to the last sign of life; down: from there to the new start
+            stopped, started = r["stopped_at"] - start, r["started_at"] - start
+            time_ax.axvspan(stopped - r["redone_s"], stopped, color=colors["redone"], alpha=0.25)
+            time_ax.axvspan(stopped, started, color=colors["down"], alpha=0.25)
+            time_ax.annotate(f"restart {r['restart']}: {r['steps_redone']} steps redone,\n"
+                             f"{r['redone_s'] + r['down_s']:.0f}s lost ({r['reason'][:40]})",
+                             (stopped - r["redone_s"], r["step"]), fontsize=7, va="bottom")
+    time_ax.set(xlabel="seconds since the run started", ylabel="step", xlim=(0, wall),
+                title="steps over wall time (shaded: lost to a restart, steps redone then down)")
+    step_ticks(time_ax.yaxis)
+    time_ax.grid(alpha=0.3)
+    fig.suptitle(f"where the time went, run {cfg['run']['name']}")
+    return {"seconds": drawn, "steps": line_data(line)}
+
+
 PLOTS = {"loss.png": draw_loss, "load_balance.png": draw_load_balance, "expert_load.png": draw_expert_load,
-         "router_bias.png": draw_router_bias, "speed.png": draw_speed}
+         "router_bias.png": draw_router_bias, "speed.png": draw_speed, "goodput.png": draw_goodput}
 
 
 def plot_run(run_dir):
@@ -246,6 +290,7 @@ def plot_run(run_dir):
       expert_load.png   fraction of tokens per expert, per MoE block, over steps
       router_bias.png   each expert's router bias per MoE layer (with --model.router_bias_rate)
       speed.png         tokens/s and MFU over steps
+      goodput.png       where the wall time went, and the time lost to restarts (goodput.py)
     A figure with nothing to show (a dense model has no expert load) is not written.
     Returns {file name: {series: data}}, the data read back from what was drawn:
     (x, y) for lines (percentages where the axis says %), (steps, [step][expert])

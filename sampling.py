@@ -174,19 +174,29 @@ class Decoder:
 
     def reset(self):
         """A fresh cache and no rows (also after a failed step, which may have consumed
-        the donated cache)."""
-        self.cache = init_cache(self.cfg, self.n_slots, self.window)
-        self.logits_SV = jnp.zeros((self.n_slots, self.padded_vocab), jnp.float32)
+        the donated cache). The cache and logits are placed where the steps' outputs
+        are (committed, replicated over the weights' devices): jit compiles a program per
+        placement of its inputs, and a fresh array on no particular device would give the
+        first request a program of its own to compile."""
+        where = next(iter(jax.tree.leaves(self.state))).sharding
+        if isinstance(where, NamedSharding):
+            where = NamedSharding(where.mesh, P())
+        self.cache = jax.device_put(init_cache(self.cfg, self.n_slots, self.window), where)
+        self.logits_SV = jax.device_put(jnp.zeros((self.n_slots, self.padded_vocab), jnp.float32), where)
         self.key_data_S2 = np.zeros((self.n_slots, 2), np.uint32)
         self.rows = [None] * self.n_slots
 
     def warm_up(self):
-        """Compile every prefill bucket, the sampling step and the decode step now."""
-        for bucket in self.buckets:
-            self.prefill(0, [0] * bucket)
-        self.sample()
-        self.decode(np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32))
+        """Compile every program a request runs, before the first one: through the path
+        requests take (a row's key, each prefill bucket, sampling, decoding, a window's
+        restart), twice, so that the second round runs on the outputs of the first as
+        every later request does; then start afresh."""
+        for _ in range(2):
+            for bucket in self.buckets:
+                self.start(0, [0] * bucket, seed=0, temperature=1.0, top_k=0)
+                self.advance(self.sample()[0])
         jax.block_until_ready(self.logits_SV)
+        self.reset()
 
     # --- rows ---------------------------------------------------------------
 

@@ -25,8 +25,12 @@ UTF-8 JSON, unknown fields, values out of range, an empty or too long prompt; 41
 a body over 8 MiB (counted as it arrives when chunked); 401
 without the bearer token (when MESHFORMER_API_KEY is set); 404 for another model's
 name; 429 when more sequences wait than --serve.queue. A client that goes away (a
-timeout, a closed tab) cancels its sequences, running or queued: the engine frees
-their slots at its next step.
+timeout, a closed tab) cancels its sequences: queued ones leave the queue at once, running
+ones free their slots at the engine's next step.
+
+The server listens as soon as the weights are loaded and compiles its programs in the
+background (or loads them from the compilation cache): GET /health answers 503 with
+"status": "loading" until every program a request runs is compiled, then 200 with "ok".
 """
 
 import asyncio
@@ -36,7 +40,9 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
+import traceback
 from typing import Optional, Union
 
 import jax
@@ -48,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
 from dataset import get_tokenizer
+from devices import stop_now
 from engine import Engine, QueueFull, Sequence
 from runs import host_params, load_run_params
 from sampling import TOP_LOGPROBS
@@ -347,9 +354,14 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
 
     @app.get("/health")
     async def health():
+        """status "ok" (200) once every program is compiled, "loading" (503) before:
+        a load balancer or a harness waits for the 200. Requests sent while loading wait
+        in the queue."""
         active, waiting = engine.busy()
-        return dict(status="ok", model=model_name, slots=engine.n_slots, active=active, waiting=waiting,
-                    context=engine.window, max_tokens=max_tokens_limit, auth=api_key is not None)
+        ready = engine.ready.is_set()
+        return JSONResponse(dict(status="ok" if ready else "loading", model=model_name, slots=engine.n_slots, active=active,
+                                 waiting=waiting, context=engine.window, max_tokens=max_tokens_limit, auth=api_key is not None),
+                            status_code=200 if ready else 503)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
@@ -485,14 +497,25 @@ def serve_run(cfg):
     model = nnx.merge(graphdef, host_params(params))
     tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
     engine = Engine(model, s.slots, s.queue, tp_devices=jax.devices()[:cfg.mesh.tp])
-    t0 = time.perf_counter()
-    engine.start()
-    print(f"compiled {len(engine.buckets)} prefill lengths {engine.buckets} and the decode step for {s.slots} slots "
-          f"on {cfg.mesh.tp} device(s) in {time.perf_counter() - t0:.1f}s", flush=True)
     app = make_app(engine, tokenizer, cfg.run.name, s.max_tokens, api_key)
     print(f"serving {cfg.run.name} on http://{s.host}:{s.port}/ (context {engine.window} tokens"
-          f"{', bearer token required' if api_key else ''})", flush=True)
+          f"{', bearer token required' if api_key else ''}); /health says loading until compiled", flush=True)
+    threading.Thread(target=start_engine, args=(engine, cfg.mesh.tp), name="compile", daemon=True).start()
     try:
         uvicorn.run(app, host=s.host, port=s.port, log_level="warning")
     finally:
         engine.stop()
+
+
+def start_engine(engine, n_devices):
+    """Compile (or load from the compilation cache) every program, then start decoding;
+    the server listens meanwhile, and /health says "ok" from then on. A compile that
+    fails stops the server: it could never be ready."""
+    t0 = time.perf_counter()
+    try:
+        engine.start()
+    except Exception:
+        traceback.print_exc()
+        stop_now("error: the server could not compile its programs (above); it stops")
+    print(f"compiled {len(engine.buckets)} prefill lengths {engine.buckets} and the decode step for {engine.n_slots} slots "
+          f"on {n_devices} device(s) in {time.perf_counter() - t0:.1f}s: ready", flush=True)

@@ -124,10 +124,9 @@ def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
     m, cp = cfg.model, cfg.mesh.cp
     if cp > 1:  # context parallel: this rank's two chunks of every row (context_parallel.py)
         positions_T = chunk_positions(T1 - 1, cp, axis_index(CP))
-        chunks = SequenceChunks(rope_angles(positions_T[None, :], m.rope_dim, m.rope_theta), positions_T,
-                                jnp.asarray(gathered_positions(T1 - 1, cp)), CP)
+        chunks = SequenceChunks(rope_angles(positions_T[None, :], m), positions_T, jnp.asarray(gathered_positions(T1 - 1, cp)), CP)
         return Microbatches(tokens_MbT1, chunks, keys_Mb, positions_T)
-    angles = rope_angles(jnp.arange(T1 - 1)[None, :], m.rope_dim, m.rope_theta)
+    angles = rope_angles(jnp.arange(T1 - 1)[None, :], m)
     return Microbatches(tokens_MbT1, angles, keys_Mb)
 
 
@@ -160,7 +159,7 @@ def dropout_rows(rng, first_row, n_rows):
 
 
 def gather_top(params, cfg):
-    """The weights outside the stacked blocks (embedding, final norm, MTP), gathered
+    """The weights outside the stacked blocks (embedding, dense prefix, final norm, MTP), gathered
     once per step (parallel.gather_for_use; they come out in the reduce dtype so their
     gradient accumulates over the microbatches in it). Only some stages use them
     (inside a cond): typed as varying over pp, their gradient is summed over the stages

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import dtype_probe
 import optimizers
 import parallel as par
 import train_steps
@@ -183,6 +184,7 @@ def abstract_state(cfg, mesh):
 def compile_steps(cfg, mesh, eval_step=True):
     """{"train": compiled, "eval": compiled, "seconds": {name: compile seconds}}: the
     real train and eval steps (train_steps.make_train_step / make_eval_step)."""
+    cfg = dtype_probe.for_accelerator(cfg)  # --model.dtype auto is bfloat16 on a TPU
     par.check_config_fits_mesh(cfg, mesh)
     optimizer, params, opt_state = abstract_state(cfg, mesh)
     graphdef = abstract_model(cfg.model)[0]
@@ -439,6 +441,8 @@ class CollectiveOp:
     runs: int  # times per step
     group_size: int
     arrays: tuple  # ((dtype, bytes), ...) of its result on one device
+    overlapped: bool = False  # an async pair with matmul work scheduled between start and done (overlap())
+    computation: str = ""  # the HLO computation it sits in
 
 
 def collective_ops(hlo, mesh_shape):
@@ -446,6 +450,15 @@ def collective_ops(hlo, mesh_shape):
     comps, entry = split_computations(hlo)
     runs = executions(comps, entry)
     n_devices = math.prod(mesh_shape)
+    matmul_of = calls_matmul(comps)
+    pairs = {name: overlapped_pairs(lines, matmul_of) for name, lines in comps.items() if runs.get(name)}
+    # async-start(..., calls=%wrapped) ... async-done: the collective sits in %wrapped
+    wrapped_overlapped = {}
+    for name, found in pairs.items():
+        for start_line, hidden in found.values():
+            wrapped = re.search(r" async-start\(.*calls=%([^\s,}]+)", start_line)
+            if wrapped:
+                wrapped_overlapped[wrapped.group(1)] = hidden
     ops = []
     for name, lines in comps.items():
         if not runs.get(name):
@@ -472,36 +485,184 @@ def collective_ops(hlo, mesh_shape):
             groups = device_groups(start_line, n_devices)
             arrays = tuple((dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
                            for dtype, dims in ARRAY.findall(result))
+            done_name = re.match(r"^\s*(?:ROOT )?%(\S+) =", line).group(1)
+            hidden = pairs[name].get(done_name, ("", False))[1] or wrapped_overlapped.get(name, False)
             ops.append(CollectiveOp(kind, axes_spanned(groups, mesh_shape), runs[name],
-                                    len(groups[0]) if groups else 1, arrays))
+                                    len(groups[0]) if groups else 1, arrays, hidden, name))
     return ops
 
 
+def operand_names(args):
+    """The %names an instruction's argument text starts with (its operands)."""
+    return re.findall(r"%([^\s,)]+)", args.split("),")[0])
+
+
+def matmul_flops(line, result, args, dims_of):
+    """FLOPs of one dot, or of a convolution (XLA:TPU writes matmuls as convolutions:
+    dim_labels=bf_io->bf), from its result and operand shapes: 2 x result elements x
+    contracted size. A convolution contracts its kernel's input features and its window
+    taps; a batched matmul is written as a window over the batch dim with the input
+    dilated by the window's size (window={size=8 stride=7 lhs_dilate=8}), whose taps
+    all but one land on holes: a window dim counts ceil(size / lhs_dilate) taps."""
+    out = math.prod(int(d) for d in ARRAY.search(result).group(2).split(",") if d)
+    lhs, rhs = operand_names(args)[:2]
+    if " dot(" in line:
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
+        return 2 * out * math.prod(dims_of[lhs][int(d)] for d in contracting.split(",") if d)
+    kernel_labels = re.search(r"dim_labels=[^_]+_([^-]+)->", line).group(1)
+    in_features = dims_of[rhs][kernel_labels.index("i")]
+    window = re.search(r"window=\{size=([\dx]+)(?:[^}]*lhs_dilate=([\dx]+))?", line)
+    taps = 1
+    if window:
+        sizes = [int(n) for n in window.group(1).split("x")]
+        dilations = [int(n) for n in window.group(2).split("x")] if window.group(2) else [1] * len(sizes)
+        taps = math.prod(-(-size // dilate) for size, dilate in zip(sizes, dilations))
+    return 2 * out * in_features * taps
+
+
 def dot_flops(hlo, name_part=""):
-    """FLOPs per step on one device of the dots of an optimized HLO module whose
-    metadata contains name_part (e.g. a jax.named_scope): 2 x result elements x
-    contracted size, times the trips of the loops around each."""
+    """FLOPs per step on one device of the dots and convolutions of an optimized HLO
+    module whose metadata contains name_part (e.g. a jax.named_scope), loops counted by
+    their trips. A conditional counts its costliest branch (each device runs one)."""
     comps, entry = split_computations(hlo)
-    runs = executions(comps, entry)
-    total = 0
-    for name, lines in comps.items():
-        if not runs.get(name):
-            continue
+    memo = {}
+
+    def flops(name):
+        if name in memo:
+            return memo[name]
+        memo[name] = 0  # (no recursion in HLO; guards a malformed module)
+        lines = comps.get(name, [])
         dims_of = {}
         for line in lines:
             m = re.match(r"^\s*(?:ROOT )?%(\S+) = \w+\[([0-9,]*)\]", line)
             if m:
                 dims_of[m.group(1)] = [int(d) for d in m.group(2).split(",") if d]
+        total = 0
         for line in lines:
             m = INSTRUCTION.match(line)
-            if not m or m.group(2) != "dot" or name_part not in line:
+            if not m:
                 continue
-            lhs = re.match(r"%([^\s,)]+)", m.group(3)).group(1)
-            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
-            contracted = math.prod(dims_of[lhs][int(d)] for d in contracting.split(",") if d)
-            out = ARRAY.search(m.group(1)).group(2)
-            total += runs[name] * 2 * math.prod(int(d) for d in out.split(",") if d) * contracted
-    return total
+            op = m.group(2)
+            if op in ("dot", "convolution") and name_part in line:
+                total += matmul_flops(line, m.group(1), m.group(3), dims_of)
+            loop = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
+            if loop:
+                total += trip_count(line, comps.get(loop.group(1), [])) * flops(loop.group(2))
+                continue
+            for callee in re.findall(r"(?:calls|to_apply)=%([^\s,}]+)", line):
+                total += flops(callee)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                total += max(flops(c.strip().lstrip("%")) for c in group.split(","))
+        memo[name] = total
+        return total
+
+    return flops(entry)
+
+
+# ----------------------------------------------------------------------------
+# Overlap: which communication the compiled schedule hides behind compute
+#
+# An optimized TPU module is scheduled (is_scheduled=true): each computation lists its
+# instructions in the order they run. A collective written as a start/done pair
+# (collective-permute-start ... -done, all-gather-start, async-start wrapping one)
+# moves its data while the instructions between the two run; a plain collective
+# (all-gather, all-reduce) holds up the program while it moves. A pair counts as
+# overlapped when matmul work (a dot or convolution, directly or inside a fusion, call
+# or loop) is scheduled between its start and its done; elementwise or index work
+# between them does not hide communication of any size, so it does not count.
+
+BOOKKEEPING_OPS = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+                   "replica-id", "opt-barrier")
+
+
+def calls_matmul(comps):
+    """{computation: does it (or anything it calls) run a dot or convolution}."""
+    memo = {}
+
+    def has(name):
+        if name not in memo:
+            memo[name] = False
+            memo[name] = any(INSTRUCTION.match(line) and INSTRUCTION.match(line).group(2) in ("dot", "convolution")
+                             or any(has(c) for c in re.findall(r"(?:calls|to_apply|body|condition)=%([^\s,}]+)", line))
+                             for line in comps.get(name, []))
+        return memo[name]
+    return {name: has(name) for name in comps}
+
+
+def overlapped_pairs(lines, matmul_of):
+    """{name of each -done (collective-permute-done, async-done, ...): (its start's line,
+    whether matmul work is scheduled between the two)}."""
+    position, out = {}, {}
+    for i, line in enumerate(lines):
+        m = INSTRUCTION.match(line)
+        if not m:
+            continue
+        name = re.match(r"^\s*(?:ROOT )?%(\S+) =", line).group(1)
+        position[name] = i
+        if m.group(2).endswith("-done"):
+            start = operand_names(m.group(3))
+            if start and start[0] in position:
+                between = lines[position[start[0]] + 1:i]
+                out[name] = (lines[position[start[0]]], any(is_matmul_work(b, matmul_of) for b in between))
+    return out
+
+
+def is_matmul_work(line, matmul_of):
+    m = INSTRUCTION.match(line)
+    if not m or m.group(2) in BOOKKEEPING_OPS:
+        return False
+    if m.group(2) in ("dot", "convolution"):
+        return True
+    return any(matmul_of.get(c) for c in re.findall(r"(?:calls|to_apply|body)=%([^\s,}]+)", line))
+
+
+def overlap(hlo, mesh_shape):
+    """{"overlapped": bytes, "exposed": bytes, "by kind": {(kind, over): {"overlapped": bytes,
+    "exposed": bytes}}} per device per step, the bytes as collectives() counts them."""
+    out = {"overlapped": 0, "exposed": 0, "by kind": defaultdict(lambda: {"overlapped": 0, "exposed": 0})}
+    for op in collective_ops(hlo, mesh_shape):
+        nbytes = op.runs * sum(b for _, b in op.arrays) * (op.group_size if op.kind == "reduce-scatter" else 1)
+        where = "overlapped" if op.overlapped else "exposed"
+        out[where] += nbytes
+        out["by kind"][(op.kind, op.over)][where] += nbytes
+    out["by kind"] = dict(out["by kind"])
+    return out
+
+
+def busiest_collective_bytes(hlo, mesh_shape):
+    """{"kind over axes": bytes} per device per step, as collectives() counts an op's bytes,
+    but a conditional counting only its costliest branch (by bytes), as dot_flops does:
+    a device runs one branch, and the HLO does not say which (the 1F1B executor's
+    per-tick cond: each tick at its costliest op)."""
+    comps, entry = split_computations(hlo)
+    own = defaultdict(lambda: defaultdict(int))
+    for op in collective_ops(hlo, mesh_shape):
+        nbytes = sum(b for _, b in op.arrays) * (op.group_size if op.kind == "reduce-scatter" else 1)
+        own[op.computation][f"{op.kind} over {op.over}"] += nbytes
+    memo = {}
+
+    def total(name):
+        if name in memo:
+            return memo[name]
+        memo[name] = {}
+        out = defaultdict(int, own.get(name, {}))
+
+        def add(table, times):
+            for key, nbytes in table.items():
+                out[key] += times * nbytes
+        for line in comps.get(name, []):
+            loop = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
+            if loop:
+                add(total(loop.group(2)), trip_count(line, comps.get(loop.group(1), [])))
+                continue
+            for callee in re.findall(r"(?:calls|to_apply)=%([^\s,}]+)", line):
+                add(total(callee), 1)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                add(max((total(c.strip().lstrip("%")) for c in group.split(",")), key=lambda t: sum(t.values())), 1)
+        memo[name] = dict(out)
+        return memo[name]
+
+    return total(entry)
 
 
 def collective_table(hlo_text, mesh):

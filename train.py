@@ -17,47 +17,63 @@ from jax.sharding import PartitionSpec as P
 
 import checkpoint
 import flops
+import goodput
 import hf_interop
 import optimizers
 import parallel as par
 import progress
 import train_steps
 from dataset import open_data
-from metrics import MetricsLog, truncate_metrics
+from devices import align_processes
+from metrics import MetricsLog, read_metrics, truncate_metrics
 from plots import plot_run
+from preemption import PREEMPTED_EXIT_CODE, Preemption
 from runs import build_state, describe_mesh, evaluate, is_main_process, resolve_vocab, run_dir_of, samples_from_params, say
 from utils import config_to_dict
 
+RESTART_REASON_ENV = "MESHFORMER_RESTART_REASON"  # launcher.sh --watch: why it started the run again
+
 
 def train(cfg):
-    """Train the run `cfg` names (resuming it if it has checkpoints); returns its directory."""
+    """Train the run `cfg` names (resuming it if it has checkpoints); returns its directory.
+    On SIGTERM or SIGINT every process saves at the same step and exits with
+    preemption.PREEMPTED_EXIT_CODE (stop_preempted)."""
+    clock = goodput.PhaseClock()  # from this process's start: where the wall time goes
     run_dir = run_dir_of(cfg)
     if hf_interop.hf_dir(cfg.train.init_from):  # the model is the one in that directory
         cfg = hf_interop.adopt_hf_config(cfg, hf_interop.hf_dir(cfg.train.init_from))
     os.makedirs(run_dir, exist_ok=True)
-    mesh = par.make_mesh(cfg.mesh)
-    data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
-    cfg = resolve_vocab(cfg, data)
-    par.check_config_fits_mesh(cfg, mesh)
-    describe_model(cfg, mesh)
-    graphdef, params, optimizer, opt_state, manager, start_step, wandb_id = init_or_resume(cfg, mesh, run_dir)
-    log = start_log(cfg, run_dir, start_step, wandb_id)
-    rows = par.process_rows(mesh, cfg.train.batch_size)
-    first_batch = train_batch(cfg, mesh, data, rows, start_step)
-    compiled = compile_train_step(cfg, mesh, graphdef, optimizer, params, opt_state, first_batch, start_step)
-    eval_step = train_steps.make_eval_step(graphdef, cfg, mesh, params)
-    reporter = Reporter(cfg, log, make_progress(cfg, start_step), manager, mesh)
-    params, opt_state = train_loop(cfg, mesh, data, rows, compiled, eval_step, params, opt_state, first_batch, start_step,
-                                   reporter, manager, wandb_id)
-    reporter.progress.close()
-    data.close()
+    with Preemption() as preemption:
+        mesh = par.make_mesh(cfg.mesh)
+        data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
+        cfg = resolve_vocab(cfg, data)
+        par.check_config_fits_mesh(cfg, mesh)
+        describe_model(cfg, mesh)
+        graphdef, params, optimizer, opt_state, manager, start_step, wandb_id = init_or_resume(cfg, mesh, run_dir)
+        log = start_log(cfg, run_dir, start_step, wandb_id, clock)
+        rows = par.process_rows(mesh, cfg.train.batch_size)
+        first_batch = train_batch(cfg, mesh, data, rows, start_step)
+        with clock.phase("compile"):
+            compiled = compile_train_step(cfg, mesh, graphdef, optimizer, params, opt_state, first_batch, start_step)
+        eval_step = train_steps.make_eval_step(graphdef, cfg, mesh, params)
+        align_processes("compiled", cfg.dist.timeout_s)  # the first step sets up its collectives
+        reporter = Reporter(cfg, log, make_progress(cfg, start_step), manager, mesh)
+        params, opt_state, stopped_at = train_loop(cfg, mesh, data, rows, compiled, eval_step, params, opt_state, first_batch,
+                                                   start_step, reporter, manager, wandb_id, clock, preemption)
+        reporter.progress.close()
+        data.close()
+        if stopped_at is not None:
+            stop_preempted(stopped_at, preemption, manager, log)
+    clock.switch("other")
     # Every process, not only 0: each one should have read only its own rows.
     print(f"process {jax.process_index()} loaded rows: {data.rows_loaded}", flush=True)
     if cfg.sample.num_samples and cfg.train.steps > start_step:
         write_samples(cfg, run_dir, params, graphdef, log)
+    log.write(clock.row(cfg.train.steps, "end"))
     log.close()
     if cfg.log.plots and is_main_process():
         plot_run(run_dir)
+    say(goodput.summary(clock.totals(), restarts=log.restarts))
     return run_dir
 
 
@@ -80,7 +96,8 @@ def init_or_resume(cfg, mesh, run_dir):
     if cfg.train.init_from:
         checkpoint.find_params_source(cfg.train.init_from)  # a wrong path fails before anything compiles
     graphdef, params, optimizer, opt_state = build_state(cfg, mesh)
-    manager = checkpoint.checkpoint_manager(run_dir, cfg.train.keep_checkpoints)
+    align_processes("before_restore", cfg.dist.timeout_s)  # (the manager's first collective follows)
+    manager = checkpoint.checkpoint_manager(run_dir, cfg.train.keep_checkpoints, log=say)
     start_step, wandb_id = 0, None
     resume_step = None if cfg.train.resume_step < 0 else cfg.train.resume_step
     restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, cfg.run.seed, log=say,
@@ -96,14 +113,28 @@ def init_or_resume(cfg, mesh, run_dir):
     return graphdef, params, optimizer, opt_state, manager, start_step, wandb_id
 
 
-def start_log(cfg, run_dir, start_step, wandb_id):
+def start_log(cfg, run_dir, start_step, wandb_id, clock):
     """config.json and metrics.jsonl (cut back to the checkpoint: the steps after it will
-    be redone), and the MetricsLog that appends to it."""
+    be redone), and the MetricsLog that appends to it. A resume continues the goodput
+    totals and logs a `restart` row: why (the launcher says it in $RESTART_REASON_ENV),
+    the steps redone and the time lost."""
+    restart = None
     if is_main_process():
+        old_rows = read_metrics(run_dir) if start_step and os.path.exists(os.path.join(run_dir, "metrics.jsonl")) else []
         truncate_metrics(run_dir, start_step)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config_to_dict(cfg), f, indent=2)
-    return MetricsLog(run_dir, cfg, enabled=is_main_process(), wandb_id=wandb_id)
+        stopped = [r for r in old_rows if r.get("event") == "preempted" and r["step"] == start_step]
+        reason = os.environ.get(RESTART_REASON_ENV) or (f"preempted at step {start_step}" if stopped else "started again")
+        restart = clock.resume(old_rows, start_step, reason)
+    log = MetricsLog(run_dir, cfg, enabled=is_main_process(), wandb_id=wandb_id)
+    log.restarts = restart["restart"] if restart else 0
+    if restart:
+        log.write(restart)
+        say(f"restart {restart['restart']} ({reason}): {restart['steps_redone']} step(s) to redo, "
+            f"{restart['redone_s'] + restart['down_s']:.1f}s lost ({restart['redone_s']:.1f}s of steps redone, "
+            f"{restart['down_s']:.1f}s down)")
+    return log
 
 
 def train_batch(cfg, mesh, data, rows, step):
@@ -127,35 +158,59 @@ def compile_train_step(cfg, mesh, graphdef, optimizer, params, opt_state, first_
 
 
 def train_loop(cfg, mesh, data, rows, compiled, eval_step, params, opt_state, first_batch, start_step, reporter, manager,
-               wandb_id):
-    """Steps start_step..train.steps, with evals and checkpoints; returns (params, opt_state).
+               wandb_id, clock, preemption):
+    """Steps start_step..train.steps, with evals and checkpoints; returns (params,
+    opt_state, the step it stopped at on a preemption notice or None).
 
     Metrics of step s are read after step s+1 is dispatched, so the host never makes
     the devices wait. Before an eval or a checkpoint the pending step is read first: a
-    checkpoint is only written for a step whose loss was finite."""
+    checkpoint is only written for a step whose loss was finite. Every phase is charged
+    to `clock` (goodput.py)."""
+    clock.switch("train")
     for step in range(start_step, cfg.train.steps):
-        batch = first_batch if step == start_step else train_batch(cfg, mesh, data, rows, step)
+        with clock.phase("data"):
+            batch = first_batch if step == start_step else train_batch(cfg, mesh, data, rows, step)
         params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(step))
         reporter.flush()  # the previous step's metrics
         done = step + 1  # steps completed; what metrics.jsonl and checkpoints call "step"
         reporter.pending = (done, metrics)
+        # Every process asks at every step (JAX's sync point needs it); the last step saves anyway.
+        stop = preemption.should_stop(done) and done < cfg.train.steps
         if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
             reporter.flush()
-            val = evaluate(eval_step, params, data, cfg, mesh, rows)
+            with clock.phase("eval"):
+                val = evaluate(eval_step, params, data, cfg, mesh, rows)
             reporter.log.write(dict(step=done, val_loss=val))
             if is_main_process():
                 reporter.progress.write(f"step {done}: val_loss {val:.4f}")
             reporter.restart_clock()
-        if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
+        if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or stop:
             reporter.flush()
-            # The wandb run id travels in the checkpoint, so a resume continues the same
-            # wandb run (kept even through a stretch trained without --log.wandb).
-            meta = dict(seed=cfg.run.seed, data_position=done, config=config_to_dict(cfg),
-                        wandb_id=reporter.log.wandb_id or wandb_id)
-            checkpoint.save_checkpoint(manager, done, params, opt_state, meta)
+            with clock.phase("checkpoint"):
+                # The wandb run id travels in the checkpoint, so a resume continues the same
+                # wandb run (kept even through a stretch trained without --log.wandb).
+                meta = dict(seed=cfg.run.seed, data_position=done, config=config_to_dict(cfg),
+                            wandb_id=reporter.log.wandb_id or wandb_id)
+                checkpoint.save_checkpoint(manager, done, params, opt_state, meta)
+                if stop:  # synchronously: the process may be gone soon
+                    manager.wait_until_finished()
+            reporter.log.write(clock.row(done, "preempted" if stop else "checkpoint"))
+            reporter.restart_clock()
+        if stop:
+            return params, opt_state, done
     reporter.flush()
-    manager.wait_until_finished()
-    return params, opt_state
+    with clock.phase("checkpoint"):
+        manager.wait_until_finished()
+    return params, opt_state, None
+
+
+def stop_preempted(step, preemption, manager, log):
+    """After the preemption checkpoint: one line on every process, then the exit code
+    that means "preempted, resume me" (a launcher with --watch starts the run again)."""
+    log.close()
+    print(f"preempted: {preemption.why()}; saved checkpoint step {step} in {manager.directory}/{step}; exiting with "
+          f"code {PREEMPTED_EXIT_CODE} (run the same command again to resume from step {step})", flush=True)
+    raise SystemExit(PREEMPTED_EXIT_CODE)
 
 
 def write_samples(cfg, run_dir, params, graphdef, log):
@@ -225,6 +280,7 @@ class Reporter:
             if "router_bias_NLE" in metrics:  # [MoE layer (block-major), expert]
                 bias_NLE = np.asarray(metrics["router_bias_NLE"])
                 row["router_bias"] = bias_NLE.reshape(-1, bias_NLE.shape[-1]).round(6)
+            row["time"] = round(time.time(), 3)  # wall clock: goodput's last sign of life if the run dies
             self.log.write(row)
 
 

@@ -9,7 +9,8 @@ has a row and every row a parameter. This module imports nothing from the projec
 everything can import it.
 
 Names end in their shape letters (model.py legend): `wq_up_QHK` is [Q, H, K]. Weights
-inside the stacked blocks get a leading N dim (split over pp), which the names leave out.
+inside the stacked blocks get a leading N dim (split over pp), which the names leave out;
+the dense prefix's layers (model.Transformer.prefix) are not stacked and have none.
 """
 
 import dataclasses
@@ -101,11 +102,17 @@ def _expert(dims, hf, fused):
 
 WEIGHTS = {
     "embed_VD": Weight((TP, FSDP), hf=Hf("embed_tokens.weight")),     # vocab rows over tp (vocab-parallel); tied output layer
+    # The untied output layer (--model.tie_embeddings false): laid out as the embedding, so the logits
+    # stay vocab-parallel; no fan-in dims (x @ head^T contracts its last dim, D), so it is exported
+    # as it is, torch's [V, D]; AdamW, not Muon, as DeepSeek and Moonlight train embedding and head.
+    "head_VD": Weight((TP, FSDP), hf=Hf("lm_head.weight")),
     "scale_D": Weight((None,), decay=False, hf=Hf("weight")),         # RMSNorm scales: small, replicated everywhere
     # MLA attention. Latent down-projections: every tp device needs them whole.
     "wq_down_DQ": _matrix((FSDP, None), "q_a_proj.weight"),
     "wq_up_QHK": _matrix((FSDP, TP, None), "q_b_proj.weight"),      # heads over tp
     "wq_rope_QHR": _matrix((FSDP, TP, None), "q_b_proj.weight"),
+    "wq_DHK": _matrix((FSDP, TP, None), "q_proj.weight"),           # full-rank queries (--model.q_latent 0), as q_b_proj
+    "wq_rope_DHR": _matrix((FSDP, TP, None), "q_proj.weight"),
     "wkv_down_DA": _matrix((FSDP, None), "kv_a_proj_with_mqa.weight"),
     "wk_rope_DR": _matrix((FSDP, None), "kv_a_proj_with_mqa.weight"),  # the shared RoPE key
     "wk_up_AHK": _matrix((FSDP, TP, None), "kv_b_proj.weight"),

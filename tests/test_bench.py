@@ -39,6 +39,8 @@ def test_figures_are_consistent_and_the_last_line_is_machine_readable(tmp_path, 
     assert figures["mfu"] == pytest.approx(mfu)
     assert 0 < figures["mfu"] < 1
     assert figures["bubble"] == pytest.approx((pp - 1) / (pp + pp - 1))  # microbatches = pp
+    # the run's wall time (the README's estimate): tiny's 100 steps and 2 evaluations of 2 batches
+    assert figures["run_estimate_s"] == pytest.approx(figures["compile_s"] + figures["step_s"] * (100 + 4 / 3) + 30)
     for key in ("params_bytes", "opt_bytes", "temp_bytes"):
         assert figures[key] > 0, key
     assert figures["opt_bytes"] == pytest.approx(2 * figures["params_bytes"], rel=1e-3)  # AdamW: two float32 moments per weight

@@ -8,6 +8,10 @@ each executor computes what one device computes (8 fake CPU devices, fp32).
 Compared with the GPipe executor on one device: the loss and its parts, every gradient
 leaf (before the optimizer, which would hide a leaf's scale), and after one whole step
 the grad norm, the router biases and every updated weight.
+
+The same with the options of real DeepSeek-family checkpoints all on as well (an untied
+head, full-rank queries, YaRN over an original context of 16 at T = 32, another norm
+eps, raw top-k softmax gates): GPipe and 1f1b on dp2 x pp2 x tp2, auto on dp4 x tp2.
 """
 
 import jax
@@ -26,17 +30,26 @@ CASES = [((2, 2, 2), "manual", "1f1b"), pytest.param(((2, 2, 2), "manual", "inte
 CASE_IDS = ["2x2x2-1f1b", "2x2x2-interleaved", "4x1x2-auto"]
 
 
-def v3_config(mesh_shape=(1, 1, 1), sharding="manual", pipeline="gpipe"):
+# The options of real DeepSeek-family checkpoints (issue 30; tests/test_model_options.py
+# checks each against transformers): YaRN's factor on the RoPE parts and its softmax
+# correction both other than 1, positions 16..31 past the original context.
+REAL_CHECKPOINT_OPTIONS = dict(tie_embeddings=False, q_latent=0, rope_scaling="yarn", rope_factor=4.0, rope_original_len=16,
+                               yarn_mscale_all_dim=0.5, norm_eps=1e-5, norm_topk=False, router_score="softmax")
+OPTION_CASES = [((2, 2, 2), "manual", "gpipe"), ((2, 2, 2), "manual", "1f1b"), pytest.param(((4, 1, 2), "auto", "gpipe"), marks=pytest.mark.slow)]
+OPTION_CASE_IDS = ["2x2x2-gpipe", "2x2x2-1f1b", "4x1x2-auto"]
+
+
+def v3_config(mesh_shape=(1, 1, 1), sharding="manual", pipeline="gpipe", **model):
     """The deepseek_v3 preset, smaller in T, B and vocabulary, its blocks in a loop
     (compiles faster); 4 blocks so that interleaved has 2 chunks per stage on pp = 2.
     Every loss term on: the preset's aux_loss_weight is 0 (V3 balances by its biases),
     so it is set here, or a wrong aux-loss gradient would go unseen.
     The automatic executor keeps pp = 1: its 4 dp rows take 2 microbatches of 2 rows
-    each (the same rows' sums in another order)."""
+    each (the same rows' sums in another order). model: more model fields."""
     dp, pp, tp = mesh_shape
     cfg = apply_overrides(Config(), PRESETS["deepseek_v3"])
-    return apply_overrides(cfg, {"model": dict(vocab_size=256, seq_len=32, n_blocks=4, dtype="float32", unroll_blocks=False,
-                                               aux_loss_weight=0.01),
+    model = dict(vocab_size=256, seq_len=32, n_blocks=4, dtype="float32", unroll_blocks=False, aux_loss_weight=0.01) | model
+    return apply_overrides(cfg, {"model": model,
                                  "mesh": dict(dp=dp, pp=pp, tp=tp, sharding=sharding),
                                  "train": dict(batch_size=8, microbatches=2 if dp == 4 else 4, pipeline=pipeline, virtual_stages=2)})
 
@@ -87,10 +100,24 @@ def trained_leaves(tree):
             if par.is_trained(par.weight_name(path))}
 
 
+@pytest.fixture(scope="module")
+def options_reference():
+    one = v3_config(**REAL_CHECKPOINT_OPTIONS)
+    return executor_gradients(one), whole_step(one)
+
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_every_v3_feature_under_every_executor_equals_one_device(reference, case):
+    assert_equals_one_device(v3_config(*case), reference)
+
+
+@pytest.mark.parametrize("case", OPTION_CASES, ids=OPTION_CASE_IDS)
+def test_real_checkpoint_options_under_every_executor_equal_one_device(options_reference, case):
+    assert_equals_one_device(v3_config(*case, **REAL_CHECKPOINT_OPTIONS), options_reference)
+
+
+def assert_equals_one_device(cfg, reference):
     (ref_loss, ref_parts, ref_grads), (ref_metrics, ref_params) = reference
-    cfg = v3_config(*case)
     loss, parts, grads = executor_gradients(cfg)
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     for key, want in ref_parts.items():

@@ -63,7 +63,7 @@ def test_cli_preset_then_overrides():
     (["--log.wandb=maybe"], "expects true or false"),
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--mode", "dance"], "unknown mode 'dance'"),
-    (["--model.dtype", "float16"], "--model.dtype must be float32 or bfloat16"),
+    (["--model.dtype", "float16"], "--model.dtype must be float32, bfloat16 or auto"),
     (["--model.top_k", "9"], "--model.top_k"),
     (["--train.batch_size", "10", "--train.microbatches", "4"], "divisible by --train.microbatches"),
     (["stray"], "unexpected argument 'stray'"),

@@ -62,7 +62,7 @@ def loss_and_grads(**overrides):
 
 def angles_for(cfg, batch, length, start=0):
     positions_BT = start + jnp.broadcast_to(jnp.arange(length), (batch, length))
-    return rope_angles(positions_BT, cfg.rope_dim, cfg.rope_theta)
+    return rope_angles(positions_BT, cfg)
 
 
 def train_loss(model, tokens_BT1):
@@ -157,7 +157,7 @@ def test_dense_blocks_run_and_are_causal(activation):
 
 @functools.partial(jax.jit, static_argnums=4)
 def jitted_rope_score(q_R, k_R, i, j, rope_dim):
-    angles = rope_angles(jnp.stack([i, j])[None], rope_dim, TINY.rope_theta)  # [1, 2, R/2]
+    angles = rope_angles(jnp.stack([i, j])[None], tiny(rope_dim=rope_dim))  # [1, 2, R/2]
     rotated = apply_rope(jnp.stack([q_R, k_R])[None], angles)[0]
     return rotated[0] @ rotated[1]
 
@@ -285,12 +285,21 @@ def test_whole_model_is_invariant_to_a_position_offset():
 # Decoding with the latent KV cache
 
 
-@pytest.mark.parametrize("pattern, capacity_factor", [("M", 0.0), ("DM", 4.0)], ids=["M-dropless", "DM-capacity"])
-def test_kv_cache_decode_equals_full_forward(pattern, capacity_factor):
+# The options of real DeepSeek-family checkpoints (tests/test_model_options.py), all on: an
+# untied head, full-rank queries, YaRN past an original context of 4 (with a RoPE factor
+# and a softmax correction other than 1), another norm eps, raw top-k softmax gates.
+DEEPSEEK_OPTIONS = (("tie_embeddings", False), ("q_latent", 0), ("rope_scaling", "yarn"), ("rope_factor", 4.0),
+                    ("rope_original_len", 4), ("yarn_mscale_all_dim", 0.5), ("norm_eps", 1e-5), ("norm_topk", False),
+                    ("router_score", "softmax"))
+
+
+@pytest.mark.parametrize("pattern, capacity_factor, options", [("M", 0.0, ()), ("DM", 4.0, ()), ("DM", 4.0, DEEPSEEK_OPTIONS)],
+                         ids=["M-dropless", "DM-capacity", "DM-deepseek-options"])
+def test_kv_cache_decode_equals_full_forward(pattern, capacity_factor, options):
     """Prefill a prompt, then decode one token at a time: the logits at every position
     equal the full forward's (which drops nothing here), and greedy generation with the
     cache produces the same tokens as greedy generation by re-running the full forward."""
-    model, forward = tiny_model(block_pattern=pattern, capacity_factor=capacity_factor)
+    model, forward = tiny_model(block_pattern=pattern, capacity_factor=capacity_factor, **dict(options))
     cfg = model.cfg
     B, T, prompt = 2, cfg.seq_len, 5
     tokens_BT = random_tokens(4, (B, T))

@@ -148,15 +148,15 @@ def test_interleaved_with_expert_parallel_and_four_chunks(reference):
     assert_same_step(metrics, params, *reference)
 
 
-def scheduled_grads(cfg, tokens):
-    """(loss, grads) of the hand-written schedule, gathered to the host."""
+def scheduled_grads(cfg, tokens, executor=executor_1f1b):
+    """(loss, grads) of the hand-written schedule (or another shard_map executor), gathered to the host."""
     mesh = mesh_for(cfg)
     graphdef, host_params = initial_params(cfg.model)
     specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
     params = jax.device_put(host_params, par.named(mesh, specs))
 
     def sharded(params, tokens_bT1):
-        (loss, _), grads = executor_1f1b.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
+        (loss, _), grads = executor.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
         return loss, grads
 
     fn = jax.jit(train_steps.partition(sharded, True, mesh, (specs, par.batch_spec()), (jax.P(), specs)))

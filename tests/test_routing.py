@@ -370,7 +370,7 @@ def reference_mtp_loss(model, tokens_BT1):
         h_BtD = h_BTD[:, :T - k]
         x_BtD = module.hidden_norm(h_BtD) @ module.w_hidden_DD[...] + module.embed_norm(model.embed(tokens_BT1[:, k:T])) @ module.w_embed_DD[...]
         positions_Bt = jnp.broadcast_to(jnp.arange(T - k), (B, T - k))
-        h_BTD, _ = module.block(x_BtD, rope_angles(positions_Bt, cfg.rope_dim, cfg.rope_theta))
+        h_BTD, _ = module.block(x_BtD, rope_angles(positions_Bt, cfg))
         logp_BtV = jax.nn.log_softmax(model.logits(h_BTD, module.final_norm), axis=-1)
         total += -jnp.sum(jnp.take_along_axis(logp_BtV, tokens_BT1[:, k + 1:, None], -1)) / (B * T)
     return total / len(model.mtp)

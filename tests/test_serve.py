@@ -347,13 +347,20 @@ def wait_until_idle(server, seconds):
     return None
 
 
-def test_clients_that_time_out_free_every_slot_within_a_second(server):
-    """Eight non-streaming clients (two prompts each: every slot busy, the rest queued)
-    give up after 0.3 s: a plain endpoint is not cancelled by Starlette, so without the
-    server's disconnect watch their 16 sequences kept generating 256 tokens each (the
-    slots stayed busy 1.6 s and more after the clients had gone, and this failed)."""
-    assert wait_until_idle(server, 120) is not None
-    host, port = server.removeprefix("http://").split(":")
+def health_or_none(url):
+    """/health's JSON (also its 503 while loading), or None while nothing listens."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        return json.load(e)
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+def impatient_clients(url, n=8):
+    """n non-streaming clients, two prompts each, that give up after 0.3 s."""
+    host, port = url.removeprefix("http://").split(":")
     body = json.dumps(dict(prompt=["KING", "LEAR:"], max_tokens=MAX_TOKENS, temperature=1.0))
 
     def impatient(i):
@@ -367,14 +374,73 @@ def test_clients_that_time_out_free_every_slot_within_a_second(server):
         finally:
             conn.close()
 
-    threads = [threading.Thread(target=impatient, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=impatient, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+
+
+def test_clients_that_time_out_free_every_slot_within_a_second(server):
+    """Eight non-streaming clients (two prompts each: every slot busy, the rest queued)
+    give up after 0.3 s: a plain endpoint is not cancelled by Starlette, so without the
+    server's disconnect watch their 16 sequences kept generating 256 tokens each (the
+    slots stayed busy 1.6 s and more after the clients had gone, and this failed)."""
+    assert wait_until_idle(server, 120) is not None
+    impatient_clients(server)
     freed = wait_until_idle(server, 1.0)
     assert freed is not None, health(server)
     assert complete(server, prompt="KING", max_tokens=3)["usage"]["completion_tokens"] == 3
+
+
+def test_a_fresh_server_is_ready_when_it_says_so(run, tmp_path):
+    """A fresh server says `loading` on /health (503) until every program a request runs
+    is compiled; then, at once, the clients of the test above leave every slot free
+    within a second. (Before: the first request compiled its prefill inside the
+    engine's loop, 6 s here, and 2 s after the clients had gone 1 slot was busy and 7
+    sequences waited.)"""
+    port = free_port()
+    url, states = f"http://127.0.0.1:{port}", []
+    with open(tmp_path / "serve.log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run, "--serve.port", str(port),
+                                 "--serve.slots", str(SLOTS), "--serve.queue", str(QUEUE), "--serve.max_tokens", str(MAX_TOKENS),
+                                 "--run.compile_cache", str(tmp_path / "jax_cache")],  # cold: every program compiles here
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, MESHFORMER_API_KEY=KEY))
+        try:
+            deadline = time.time() + 300
+            while not states or states[-1] != "ok":
+                h = health_or_none(url)
+                if h is not None:
+                    states.append(h["status"])
+                log.seek(0)
+                assert proc.poll() is None and time.time() < deadline, log.read()[-3000:]
+                time.sleep(0.05)
+            impatient_clients(url)
+            freed = wait_until_idle(url, 1.0)
+            assert freed is not None, health(url)
+            assert "loading" in states, states  # (so it listened, and said so, while it compiled)
+            assert complete(url, prompt="KING", max_tokens=3)["usage"]["completion_tokens"] == 3
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def test_a_queued_sequence_whose_client_left_leaves_the_queue_at_once(loaded):
+    """Cancelled while it waits (here: in an engine still loading, whose loop has not
+    started), a sequence leaves the queue at once and says so, without waiting for the
+    engine's next iteration; a running one is the engine's to free."""
+    from engine import Engine, Sequence
+
+    cfg, params = loaded
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
+    engine = Engine(nnx.merge(graphdef, params), SLOTS, QUEUE)
+    events = [[] for _ in range(3)]
+    seqs = [Sequence([1, 2, 3], 5, 0.0, 0, 1.0, i, events[i].append) for i in range(3)]
+    engine.submit(seqs)
+    seqs[1].cancel()
+    assert engine.busy() == (0, 2) and events == [[], [("done", "cancelled")], []]
+    seqs[1].cancel()  # twice: still one "done"
+    assert events[1] == [("done", "cancelled")]
 
 
 def test_a_chunked_body_over_the_limit_is_413_before_it_ends(server):

@@ -131,7 +131,7 @@ SLOW_CASES = {  # (v5p-64 8x2x2 compiles alike: planner.py --table, docs/pods.md
 CASE_NAMES = [pytest.param(name, marks=[pytest.mark.slow] if name.startswith("moe") else []) for name in CASES]
 
 
-def case_config(preset, shape, expert_parallel, **model):
+def case_config(preset, shape, expert_parallel, overrides=None, **model):
     cfg = apply_overrides(Config(), PRESETS[preset.split("-")[0]])
     dp, pp, tp = shape
     train = {}
@@ -141,21 +141,24 @@ def case_config(preset, shape, expert_parallel, **model):
     elif preset == "moe1b-small":
         model = dict(SMALL_MOE1B, **model)
         train = dict(batch_size=64, microbatches=4)
-    return apply_overrides(cfg, {"model": model, "train": train,
-                                 "mesh": dict(dp=dp, pp=pp, tp=tp, expert_parallel=expert_parallel)})
+    cfg = apply_overrides(cfg, {"model": model, "train": train,
+                                "mesh": dict(dp=dp, pp=pp, tp=tp, expert_parallel=expert_parallel)})
+    return apply_overrides(cfg, overrides or {})
 
 
-def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True, **model):
+def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True, overrides=None, **model):
     """{"plan", "tpu" (memory), "collectives", "hbm", ...} of the compiled train step
     (and the eval step's collectives)."""
-    cfg = case_config(preset, shape, expert_parallel, **model)
+    cfg = case_config(preset, shape, expert_parallel, overrides, **model)
     mesh = par.make_mesh(cfg.mesh, devices_of(pod))
     compiled = tpu_compile.compile_steps(cfg, mesh, eval_step)
     hardware = tpu_compile.pod_type(pod).hardware
     params = planner.abstract_params(cfg.model)
     gathered = {k: v for k, v in params.items() if k != "final_norm"}  # (norm scales are not FSDP-split)
+    hlo = compiled["train"].as_text()
     return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]), log=compiled["log"]["train"],
-                collectives=tpu_compile.collectives(compiled["train"].as_text(), shape),
+                collectives=tpu_compile.collectives(hlo, shape), dot_flops=tpu_compile.dot_flops(hlo),
+                busiest_bytes=tpu_compile.busiest_collective_bytes(hlo, shape),
                 eval_collectives=tpu_compile.collectives(compiled["eval"].as_text(), shape) if eval_step else None,
                 fsdp_gradient_bytes=planner.gathered_bytes(gathered, expert_parallel, dict(zip((par.DP, par.PP, weights.TP), shape), cp=1), 4, False),
                 hbm=planner.HARDWARE[hardware].memory_bytes, seconds=compiled["seconds"], muon=cfg.train.optimizer == "muon")
@@ -311,3 +314,184 @@ def test_full_moe1b_compiles_fits_and_the_planner_is_within_15_percent(devices_o
     check_collectives(case, shape, expert_parallel)
     assert abs(case["plan"]["total_bytes"] / case["tpu"]["total"] - 1) <= PLANNER_TOLERANCE
     assert case["plan"]["total_bytes"] >= tpu_compile.live_total(case["tpu"], case["log"]), "the planner says less than the compiler keeps live"
+
+
+# ----------------------------------------------------------------------------
+# What the compiled schedule overlaps (tpu_compile.overlap) and the dot FLOPs it runs
+
+
+def compile_ppermute_beside_a_matmul(independent):
+    """A 4-chip program that sends a [1024, 1024] bf16 shard to the next chip (2 MiB) and
+    runs a [1024, 1024] @ [1024, 1024] matmul: one that does not need what was sent
+    (the compiler may run it between the send's start and done), or one that does."""
+    from jax import shard_map
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = Mesh(np.array(tpu_compile.pod_devices("v4-8")).reshape(4), ("tp",))
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+
+    def f(w, a, b):
+        sent = jax.lax.ppermute(w, "tp", ring)
+        return sent.sum() + (a @ b).sum() if independent else (sent @ b).sum()
+    step = jax.jit(shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P(), check_vma=False))
+    args = [jax.ShapeDtypeStruct(shape, jax.numpy.bfloat16, sharding=NamedSharding(mesh, spec))
+            for shape, spec in (((4096, 1024), P("tp")), ((1024, 1024), P()), ((1024, 1024), P()))]
+    with tpu_compile.captured_stderr():
+        return step.lower(*args).compile().as_text()
+
+
+SENT_BYTES = 1024 * 1024 * 2
+MATMUL_FLOPS = 2 * 1024 ** 3
+
+
+@pytest.mark.parametrize("independent", [True, False])
+def test_overlap_of_a_compiled_send_beside_a_matmul(independent):
+    """The matmul that does not need the sent shard is scheduled between the send's
+    start and done (overlapped); the one that needs it runs after (exposed)."""
+    hlo = compile_ppermute_beside_a_matmul(independent)
+    found = tpu_compile.overlap(hlo, (4,))
+    hidden = SENT_BYTES if independent else 0
+    assert (found["overlapped"], found["exposed"]) == (hidden, SENT_BYTES - hidden)
+    assert tpu_compile.dot_flops(hlo) == MATMUL_FLOPS  # XLA:TPU writes the matmul as a convolution
+
+
+# A scheduled module by hand: a loop of 3 trips whose body sends 4 KiB while a fused
+# matmul runs (overlapped) or before it (exposed), and a plain all-gather (exposed).
+LOOP_HLO = """HloModule m, is_scheduled=true
+
+%matmul (p0: bf16[64,128], p1: bf16[128,256]) -> bf16[64,256] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,256]{1,0} parameter(1)
+  ROOT %convolution.1 = bf16[64,256]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+
+%body (t: (s32[], f32[1024], bf16[64,128], bf16[128,256])) -> (s32[], f32[1024], bf16[64,128], bf16[128,256]) {
+  %t = (s32[], f32[1024]{0}, bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[1024]{0} get-tuple-element(%t), index=1
+  %a = bf16[64,128]{1,0} get-tuple-element(%t), index=2
+  %b = bf16[128,256]{1,0} get-tuple-element(%t), index=3
+  %collective-permute-start = (f32[1024]{0}, f32[1024]{0}, u32[], u32[]) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  FIRST
+  %collective-permute-done = f32[1024]{0} collective-permute-done(%collective-permute-start)
+  SECOND
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[1024]{0}, bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%next, %collective-permute-done, %a, %b)
+}
+
+%cond (t: (s32[], f32[1024], bf16[64,128], bf16[128,256])) -> pred[] {
+  %t = (s32[], f32[1024]{0}, bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[1024], a: bf16[64,128], b: bf16[128,256]) -> (s32[], f32[1024], bf16[64,128], bf16[128,256]) {
+  %x = f32[1024]{0} parameter(0)
+  %a = bf16[64,128]{1,0} parameter(1)
+  %b = bf16[128,256]{1,0} parameter(2)
+  %all-gather = f32[2048]{0} all-gather(%x), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}, bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%zero, %x, %a, %b)
+  ROOT %while = (s32[], f32[1024]{0}, bf16[64,128]{1,0}, bf16[128,256]{1,0}) while(%init), condition=%cond, body=%body
+}
+"""
+FUSED_MATMUL = "%fusion = bf16[64,256]{1,0} fusion(%a, %b), kind=kOutput, calls=%matmul"
+
+
+@pytest.mark.parametrize("matmul_between", [True, False])
+def test_overlap_parser_on_a_scheduled_loop(matmul_between):
+    """Bytes per step: the loop's send 3 x 4 KiB, overlapped only when the matmul sits
+    between its start and done; the all-gather (8 KiB, not async) always exposed."""
+    hlo = LOOP_HLO.replace("FIRST" if matmul_between else "SECOND", FUSED_MATMUL).replace("FIRST", "").replace("SECOND", "")
+    found = tpu_compile.overlap(hlo, (2,))
+    sent = 3 * 4096
+    assert found["overlapped"] == (sent if matmul_between else 0)
+    assert found["exposed"] == 8192 + (0 if matmul_between else sent)
+    assert tpu_compile.dot_flops(hlo) == 3 * 2 * 64 * 256 * 128
+
+
+# ----------------------------------------------------------------------------
+# The planner's time model against the compiled step: the dot FLOPs each device runs
+# (tpu_compile.dot_flops: loops by their trips, a cond at its costliest branch) and the
+# bytes of its collectives (busiest_collective_bytes), per step.
+#
+# Found against these and fixed in the planner: the gradients are reduced in float32
+# (the time model had counted them in bfloat16: half the bytes); the backward pass's
+# tp all-reduces are float32 too, and the vocab-split embedding's output is all-reduced;
+# the output layer runs on the last stage only (the other stages wait); the hand-written
+# schedules gather a chunk's weights twice on every tick of their table (2 (M + pp - 1)
+# ticks for 1f1b, not GPipe's M + pp - 1), whatever the stage runs; interleaved moves the
+# chunks and their gradients once per step.
+
+# Not held here: tiny on v5litepod-16 4x2x2 (GPipe, as in CASES): dot FLOPs 0.93 of the
+# compiler's, but there the compiler all-gathers 5.7x the planner's bytes over dp
+# (2.7 MB against 0.48; the same layout on v4-16 gathers exactly the planner's), not
+# explained yet.
+# name: (preset, pod, mesh, expert parallel, overrides); three are CASES above
+TIME_CASES = {
+    "tiny-v4-8-2x1x2": ("tiny", "v4-8", (2, 1, 2), False, None),
+    "tiny-v4-16-2x2x2": ("tiny", "v4-16", (2, 2, 2), False, None),
+    "moe-v4-64-8x2x2": ("moe1b-small", "v4-64", (8, 2, 2), False, None),
+    "moe-v5p-64-8x1x4-ep": ("moe1b-small", "v5p-64", (8, 1, 4), True, None),
+    "tiny-v5p-16-2x2x2-1f1b": ("tiny", "v5p-16", (2, 2, 2), False, dict(train=dict(pipeline="1f1b", microbatches=4))),
+    "tiny-v4-16-1x4x2-interleaved": ("tiny", "v4-16", (1, 4, 2), False, dict(train=dict(pipeline="interleaved", microbatches=4))),
+    "tiny-v5p-16-4x1x2-auto": ("tiny", "v5p-16", (4, 1, 2), False, dict(mesh=dict(sharding="auto"))),
+}
+TIME_TOLERANCE = 0.10
+# Where the planner's collective bytes are further off, and why (measured ratio):
+#   interleaved 0.87: each tick's forward and backward carry more tp all-reduces than
+#     the layers' (the embedding and the head inside the tick's conds);
+#   auto 0.81: the compiler's partitioner picks its own tensor-parallel collectives
+#     (2.3x the planner's tp all-reduce bytes) and all-reduces the gradients over dp.
+BYTES_TOLERANCE = {"tiny-v4-16-1x4x2-interleaved": 0.15, "tiny-v5p-16-4x1x2-auto": 0.20}
+
+
+@pytest.fixture(scope="module")
+def time_cases(compiled_cases, devices_of):
+    cache = {}
+
+    def get(name):
+        if name in CASES:
+            return compiled_cases(name)
+        if name not in cache:
+            preset, pod, shape, ep, overrides = TIME_CASES[name]
+            cache[name] = compile_case(devices_of, preset, pod, shape, ep, eval_step=False, overrides=overrides)
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[] if name == "tiny-v4-8-2x1x2"
+                                               else [pytest.mark.slow]) for name in TIME_CASES])
+def test_planner_dot_flops_and_collective_bytes_are_the_compilers(time_cases, name):
+    case = time_cases(name)
+    planned = case["plan"]["times"]
+    assert planned["device_flops"] == pytest.approx(case["dot_flops"], rel=TIME_TOLERANCE)
+    compiled_bytes = sum(case["busiest_bytes"].values())
+    assert sum(planned["collective_bytes"].values()) == pytest.approx(compiled_bytes, rel=BYTES_TOLERANCE.get(name, TIME_TOLERANCE))
+
+
+@pytest.mark.slow
+def test_tpu_search_compiles_the_top_layout_and_prints_the_compilers_figures_beside_the_planners():
+    """planner.py --tpu v4-64 --search on the scaled-down moe1b: the best layout is
+    compiled; its block says whether the compiler fits it, the compiler's bytes, dot FLOPs
+    and collectives beside the planner's, and what of the communication the schedule
+    overlaps; the last line names a layout the compiler did not reject."""
+    import io
+    import re
+    from contextlib import redirect_stdout
+    model_flags = [f"--model.{k}={v}" for k, v in SMALL_MOE1B.items()]
+    out = io.StringIO()
+    with redirect_stdout(out):
+        planner.main(["--preset", "moe1b", "--tpu", "v4-64", "--search", "--compile", "1", "--top", "3",
+                      "--train.batch_size", "64", *model_flags])
+    text = out.getvalue()
+    block = text[text.index("the top 1 compiled for v4-64"):]
+    assert re.search(r"compiled in \d+ s: fits \(", block), block
+    for row in ("bytes per device", "dot FLOPs per device (lockstep)", "collectives, all",
+                "the compiled schedule overlaps"):
+        assert row in block, row
+    last = re.fullmatch(r'best_step_ms=[0-9.e+-]+ preset_step_ms=[0-9.e+-]+ best_flags="([^"]+)"', text.splitlines()[-1])
+    first = re.search(r"^rank 1: (.*)$", block, re.M).group(1)
+    assert last and last.group(1) == first

@@ -17,16 +17,20 @@ from utils import PRESETS, Config, apply_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET_NAMES = ("shakespeare", "tiny", "deepseek_v3", "moe1b")  # shakespeare: the default
+# Options no preset turns on yet, with the weights they add: an untied head, full-rank queries.
+OPTIONS = {"deepseek_v3 untied full-rank-q": ("deepseek_v3", dict(tie_embeddings=False, q_latent=0))}
 
 
 @pytest.fixture(scope="module")
 def preset_params():
-    """{preset: [(path, ShapeDtypeStruct)]} of every parameter of each preset's model."""
+    """{preset: [(path, ShapeDtypeStruct)]} of every parameter of each preset's model
+    (and of OPTIONS' models)."""
     out = {}
-    for preset in PRESET_NAMES:
-        model_cfg = apply_overrides(Config(), PRESETS[preset]).model
+    configs = {preset: (preset, {}) for preset in PRESET_NAMES} | OPTIONS
+    for name, (preset, model_overrides) in configs.items():
+        model_cfg = apply_overrides(apply_overrides(Config(), PRESETS[preset]), {"model": model_overrides}).model
         shapes = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))).to_pure_dict()
-        out[preset] = jax.tree_util.tree_flatten_with_path(shapes)[0]
+        out[name] = jax.tree_util.tree_flatten_with_path(shapes)[0]
     return out
 
 
@@ -36,7 +40,7 @@ def test_every_parameter_has_a_row_and_every_row_a_parameter(preset_params):
         no_row = sorted(used - weights.WEIGHTS.keys())
         assert not no_row, f"{preset}: parameters {no_row} have no row in weights.WEIGHTS"
     no_parameter = sorted(weights.WEIGHTS.keys() - set().union(*names.values()))
-    assert not no_parameter, f"rows {no_parameter} are no parameter of the presets {PRESET_NAMES}"
+    assert not no_parameter, f"rows {no_parameter} are no parameter of the presets {PRESET_NAMES} or {list(OPTIONS)}"
 
 
 def test_every_row_fits_its_weights_shape(preset_params):
