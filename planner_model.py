@@ -810,7 +810,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     serial = pipelined + sum(comm.values())
     overlapped = max(pipelined, sum(comm.values()))
     return dict(
-        preset=cfg.preset, hardware=hw.name, devices=n_devices, mesh=mesh_shape, dtype=cfg.model.dtype,
+        preset=cfg.preset, hardware=hw.name, devices=n_devices, mesh={a: n for a, n in mesh_shape.items() if a != par.CP}, dtype=cfg.model.dtype,
         remat=cfg.model.remat, microbatches=cfg.train.microbatches, expert_parallel=cfg.mesh.expert_parallel,
         params_total=total_params, params_active=active_params,
         memory=memory, activations=activations, temp_bytes=temp, total_bytes=total_bytes,
