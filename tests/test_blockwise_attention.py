@@ -28,11 +28,12 @@ def test_blockwise_equals_matmul_attention_forward_and_gradients():
     """MLAttention with the blockwise kernel (8 x 8 blocks of 128, the blocks above the
     diagonal skipped) against the same weights with the matmul kernel: the output and
     the gradients of every weight and of the input agree within 1e-5."""
-    attn = MLAttention(small_attention_config(attention="matmul"), nnx.Rngs(0))
+    cfg = small_attention_config(attention="matmul")
+    attn = MLAttention(cfg, nnx.Rngs(0))
     graphdef, params = nnx.split(attn)
     B = 2
     x_BTD = jax.random.normal(jax.random.key(1), (B, T_LONG, attn.wq_down_DQ.shape[0]))
-    angles = rope_angles(jnp.arange(T_LONG)[None], attn.wk_rope_DR.shape[1], 10000.0)
+    angles = rope_angles(jnp.arange(T_LONG)[None], cfg)
     w_BTD = jax.random.normal(jax.random.key(2), x_BTD.shape)  # a loss that weighs every output differently
 
     def run(implementation):
