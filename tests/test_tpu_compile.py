@@ -125,9 +125,8 @@ CASES = {
 }
 SLOW_CASES = {  # (v5p-64 8x2x2 compiles alike: planner.py --table, docs/pods.md)
     "moe1b-v4-64-8x2x2": ("moe1b", "v4-64", (8, 2, 2), False),
-    # real models' shapes, 16B parameters each, on the slice their presets name
-    "moonlight-v4-64-8x2x2": ("moonlight", "v4-64", (8, 2, 2), False),
-    "deepseek_v2_lite-v4-64-8x2x2": ("deepseek_v2_lite", "v4-64", (8, 2, 2), False),
+    # (moonlight and deepseek_v2_lite on v4-64 8x2x2: not here yet; their compile did not
+    # finish in 45 min on this session's loaded 2-core machine, so it has never passed)
 }
 # the cases that compile a 1B-shaped (if narrow) model: slow, ~50-75 s each
 CASE_NAMES = [pytest.param(name, marks=[pytest.mark.slow] if name.startswith("moe") else []) for name in CASES]
@@ -310,7 +309,7 @@ def scan_carries(jaxpr):
 @pytest.mark.parametrize("name", list(SLOW_CASES))
 def test_full_moe1b_compiles_fits_and_the_planner_is_within_15_percent(devices_of, name):
     """The reference mesh of the 1B result (each train step compiles in ~75 s on 2 idle cores),
-    and the moonlight and deepseek_v2_lite presets on theirs.
+    (The real-size moonlight and deepseek_v2_lite presets are not among these yet.)
     Against libtpu's live temporaries the planner is high here (1.31x on v4-64): it holds
     one microbatch's float32 logits and their gradient whole (3.1 of its 4.5 GiB), which
     the compiled program does not. So only the safe side is asserted there."""
