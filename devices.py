@@ -97,12 +97,21 @@ def setup_devices(cfg):
 
 def align_processes(name, timeout_s):
     """Wait until every process of a multi-process run gets here (JAX's coordination
-    service: no deadline but `timeout_s`). gloo gives a peer 30 s to join a communicator
-    it sets up on first use (then "Gloo context initialization failed: DEADLINE_EXCEEDED");
-    on a crowded host one process can trail another by more than that (seen on 2 cores
-    shared by ~16 busy processes), so train.py aligns them before the first collectives."""
+    service). gloo gives a peer 30 s to join a communicator it sets up on first use (then
+    "Gloo context initialization failed: DEADLINE_EXCEEDED"); on a crowded host one
+    process can trail another by more than that (seen on 2 cores shared by ~16 busy
+    processes), so train.py aligns them before the first collectives.
+
+    The deadline is at least ALIGN_MIN_S, not just --dist.timeout_s: a peer still
+    compiling is alive, not lost (with --dist.timeout_s 10 on 2 loaded cores, one
+    process's compile trailed the other's by more than 10 s and the run stopped); a peer
+    that died or stopped is caught within --dist.timeout_s by the heartbeat anyway."""
     if distributed.global_state.client is not None and jax.process_count() > 1:
-        distributed.global_state.client.wait_at_barrier(f"meshformer_{name}", timeout_in_ms=int(timeout_s * 1000))
+        deadline_s = max(timeout_s, ALIGN_MIN_S)
+        distributed.global_state.client.wait_at_barrier(f"meshformer_{name}", timeout_in_ms=int(deadline_s * 1000))
+
+
+ALIGN_MIN_S = 600  # a slow compile is not a lost process
 
 
 CONNECT_GRACE_S = 10  # JAX's own connect timeout fires this long after ours, so ours is the one seen

@@ -45,7 +45,7 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb:
-            self.wandb.log(wandb_row(row, self.tokens_per_step), step=row["step"])
+            self.wandb.log(wandb_row(row, self.tokens_per_step), step=wandb_step(row))
 
     def log_samples(self, step, samples):
         if self.wandb:
@@ -77,12 +77,19 @@ def start_wandb(run_dir, cfg, wandb_id):
     return run
 
 
+def wandb_step(row):
+    """wandb's step for a row. A restart row sits at the checkpoint's step in
+    metrics.jsonl, a step wandb already has (online, wandb drops a step that does not
+    increase), so it joins the first step trained after it."""
+    return row["step"] + 1 if row.get("event") == "restart" else row["step"]
+
+
 def wandb_row(row, tokens_per_step):
     """One metrics.jsonl row as flat wandb keys. expert_load [blocks x experts] becomes
     expert_load/block{n}/expert{e} (blocks without routed experts are left out); `tokens`
     (step x tokens per step) lets wandb chart against tokens, as the PNGs do. `step`
     itself is wandb's x axis, not a metric."""
-    flat = {"tokens": row["step"] * tokens_per_step}
+    flat = {"tokens": wandb_step(row) * tokens_per_step}
     for key, value in row.items():
         if key == "expert_load":
             for n, load_E in enumerate(value):
@@ -92,7 +99,8 @@ def wandb_row(row, tokens_per_step):
             flat.update({f"{key}/" + "/".join(map(str, i)): x for i, x in np.ndenumerate(np.asarray(value))})
         elif isinstance(value, dict):  # goodput rows: seconds per phase
             flat.update({f"{key}/{k}": x for k, x in value.items()})
-        elif key != "step" and not isinstance(value, str):  # (a row's event and reason are words, not metrics)
+        elif key not in ("step", "time") and not isinstance(value, str):  # (event and reason are words; wandb
+            # keeps its own wall clock, and rows of one step would overwrite each other's `time`)
             flat[key] = value
     return flat
 

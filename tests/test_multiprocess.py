@@ -177,7 +177,9 @@ def wait_for_training(metrics, procs, min_step=2, timeout_s=RUN_TIMEOUT_S):
         if metrics.exists() and any(step >= min_step for step in train_losses(metrics)):
             return
         for i, p in enumerate(procs):
-            assert p.poll() is None, f"process {i} ended before training got going (status {p.returncode})"
+            if p.poll() is not None:
+                output = "".join((metrics.parents[2] / f"p{i}.{kind}").read_text()[-2000:] for kind in ("out", "err"))
+                pytest.fail(f"process {i} ended before training got going (status {p.returncode}):\n{output}")
         time.sleep(0.5)
     pytest.fail(f"no step {min_step} in {metrics} after {timeout_s}s")
 

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from metrics import MetricsLog, read_metrics, truncate_metrics, wandb_row
+from metrics import MetricsLog, read_metrics, truncate_metrics, wandb_row, wandb_step
 from plots import HEATMAP_COLUMNS, plot_run, smoothed
 from utils import config_to_dict, parse_args
 
@@ -332,14 +332,18 @@ def test_wandb_offline_logs_history_config_samples_and_resumes_the_same_run(resu
     assert logged_config == config  # the resumed part logged the config.json the run wrote
     assert sorted(history) == list(range(1, 13))
 
+    restarts = [row for row in rows if row.get("event") == "restart"]
+    assert [row["step"] for row in restarts] == [8] and history[9]["down_s"] == restarts[0]["down_s"]
     for row in rows:
-        item = history[row["step"]]
-        assert item["tokens"] == row["step"] * tokens_per_step
+        item = history[wandb_step(row)]  # the restart row joins step 9, the first one trained after it
+        assert item["tokens"] == wandb_step(row) * tokens_per_step
         for key, value in row.items():
             if key == "expert_load":
                 for n, load_E in enumerate(value):
                     assert [item[f"expert_load/block{n}/expert{e}"] for e in range(len(load_E))] == pytest.approx(load_E, rel=1e-12)
-            elif key != "step":
+            elif key == "goodput":  # seconds per phase, on checkpoint, restart and end rows
+                assert {phase: item[f"goodput/{phase}"] for phase in value} == pytest.approx(value, rel=1e-12)
+            elif key not in ("step", "time") and not isinstance(value, str):  # (event, reason: words; time: wandb's own)
                 assert item[key] == pytest.approx(value, rel=1e-12), key
     for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "aux_loss", "dropped_frac", "expert_load/block1/expert7"):
         assert key in history[12], key
