@@ -520,18 +520,14 @@ RECOMPUTE_FORWARD = ("layer", "block", "stage")
 KEEP_GATHERED = ("none", "layer")
 
 
-def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
-    """{name: seconds}. Compute at `efficiency` of peak; each collective at its bandwidth
-    with no overlap (the serial sum is an upper bound, max(compute, comm) a lower one)."""
+def executed_flops(cfg, s, tp):
+    """(model FLOPs, executed FLOPs) per step, all devices together. What the devices
+    execute beyond the model FLOPs: the remat forward again (+1/3), empty expert slots
+    (buffers hold capacity_factor x top_k slots per token), and the projections every tp
+    rank runs whole."""
     m, t = cfg.model, cfg.train
-    dp, pp, tp = mesh_shape["dp"], mesh_shape["pp"], mesh_shape["tp"]
-    n_devices = dp * pp * tp
-    s = local_sizes(cfg, mesh_shape)
-    ticks, blocks_here = pipeline_loops(cfg, pp)
     tokens_per_step = t.batch_size * m.seq_len
     model_flops = model_flops_per_token(shape_keys(cfg)[0]) * tokens_per_step
-    # What the devices execute beyond the model FLOPs: the remat forward again (+1/3),
-    # and empty expert slots (buffers hold capacity_factor x top_k slots per token).
     routed_per_layer = 3 * m.d_model * m.d_expert * m.top_k
     n_moe = m.n_blocks * m.block_pattern.count("M")
     slot_factor = (s.E * s.C / s.S) / m.top_k if m.capacity_factor > 0 else 1.0
@@ -544,6 +540,18 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     executed += (tp - 1) * 3 * whole_per_token * tokens_per_step
     if m.remat in RECOMPUTE_FORWARD or t.pipeline != "gpipe":  # (the hand-written backward always recomputes)
         executed *= 4 / 3
+    return model_flops, executed
+
+
+def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
+    """{name: seconds}. Compute at `efficiency` of peak; each collective at its bandwidth
+    with no overlap (the serial sum is an upper bound, max(compute, comm) a lower one)."""
+    m, t = cfg.model, cfg.train
+    dp, pp, tp = mesh_shape["dp"], mesh_shape["pp"], mesh_shape["tp"]
+    n_devices = dp * pp * tp
+    s = local_sizes(cfg, mesh_shape)
+    model_flops, executed = executed_flops(cfg, s, tp)
+    tokens_per_step = t.batch_size * m.seq_len
     # The output layer runs on the last stage only, after the pipeline's ticks
     # (parallel.last_stage_loss_sums), with the other stages waiting: its matmul is split
     # over dp x tp, not pp. (Recomputed per microbatch under every remat: 4 forwards.)
@@ -559,16 +567,41 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     # every stage waits for): its share of the compute takes pp times as long.
     imbalance = compute * (pp - 1) * part_flops_per_token(m)["prefix"] / flops_per_token(m) if m.first_dense else 0.0
 
-    c = s.c
-    ep = cfg.mesh.expert_parallel
     # The hand-written schedules run len(table) ticks of one chunk each, and every
     # compiled tick gathers the chunk's weights for a forward and again for a backward,
     # whichever op the stage runs (the gathers sit outside the tick's cond, in the TPU
     # compiler's HLO): 3 passes per tick under every remat policy.
-    blocks_per_tick = blocks_here
+    ticks, blocks_per_tick = pipeline_loops(cfg, pp)
     if t.pipeline != "gpipe":
         sched = schedule_of(cfg, pp)
         ticks, blocks_per_tick = len(sched.table), m.n_blocks // (pp * sched.virtual_stages)
+    comm, buffers = collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick)
+    # What one device's matmul units run per step, stages in lockstep: its share of the
+    # executed FLOPs, stretched by the ticks where the table leaves it idle (GPipe's
+    # bubble ticks compute on zeros; the hand-written schedules' ticks last their
+    # costliest stage).
+    device_flops = (compute + bubble + head_s) * peak * efficiency
+    if t.pipeline != "gpipe":
+        # The compiled program's count (tpu_compile.dot_flops, a cond at its costliest
+        # branch): a tick is a cond for the forward and one for the backward, so every
+        # tick counts a forward of a chunk, a backward (recompute + vjp: 3 forwards) and,
+        # in the forward's, the head and its gradient (3 forwards of the output layer).
+        # An upper bound on what a device runs (the step time above counts the table).
+        forward = body / n_devices / (4 * t.microbatches * sched.virtual_stages)
+        head_forward = 2 * s.V * m.d_model * s.b * s.T
+        device_flops = ticks * ((1 + BACKWARD_TICK_COST) * forward + 3 * head_forward)
+    return dict(compute=compute, bubble=bubble, head=head_s, prefix_imbalance=imbalance, model_flops=model_flops, executed_flops=executed,
+                device_flops=device_flops, collective_bytes=buffers), comm
+
+
+def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick):
+    """({name: seconds}, {"kind over axes": buffer bytes}) per device per step: FSDP's
+    gathers and reduce-scatters, tp's all-reduces, pp's ppermutes, EP's all-to-alls.
+    `ticks` x `blocks_per_tick`: how many times the pipeline loop runs a block."""
+    m, t = cfg.model, cfg.train
+    dp, tp, pp = mesh_shape["dp"], mesh_shape["tp"], mesh_shape["pp"]
+    c = s.c
+    ep = cfg.mesh.expert_parallel
     # FSDP: every tick gathers every local block (and the backward pass reduce-scatters
     # its gradient, the same bytes); under remat the recompute gathers again. The
     # embedding and final norm are gathered once per step.
@@ -616,7 +649,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
         add_buffer("collective-permute", ("pp",), 2 * ticks * x_bytes)
     if t.pipeline == "interleaved":  # each chunk to the stage that runs it and its gradient back, once per step
         # (V x V ppermutes of a chunk's float32 storage shard each way: executor_1f1b.move_chunks)
-        moved = 2 * sched.virtual_stages * store["block_params_untiled"]
+        moved = 2 * schedule_of(cfg, pp).virtual_stages * store["block_params_untiled"]
         comm["pp ppermute of the chunks and their gradients"] = moved / hw.p2p_bw
         add_buffer("collective-permute", ("pp",), moved)
     if ep and dp > 1:  # x_GECD out and y_GECD back, forward and backward (and recompute)
@@ -625,22 +658,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
         per_layer = 4 if m.remat == "none" and t.pipeline == "gpipe" else 6
         comm["ep all-to-all of expert buffers"] = ticks * moe_here * per_layer * buffer * (dp - 1) / dp / collective_bw(hw, mesh_shape, ("dp",))
         add_buffer("all-to-all", ("dp",), ticks * moe_here * per_layer * buffer)
-    # What one device's matmul units run per step, stages in lockstep: its share of the
-    # executed FLOPs, stretched by the ticks where the table leaves it idle (GPipe's
-    # bubble ticks compute on zeros; the hand-written schedules' ticks last their
-    # costliest stage).
-    device_flops = (compute + bubble + head_s) * peak * efficiency
-    if t.pipeline != "gpipe":
-        # The compiled program's count (tpu_compile.dot_flops, a cond at its costliest
-        # branch): a tick is a cond for the forward and one for the backward, so every
-        # tick counts a forward of a chunk, a backward (recompute + vjp: 3 forwards) and,
-        # in the forward's, the head and its gradient (3 forwards of the output layer).
-        # An upper bound on what a device runs (the step time above counts the table).
-        forward = body / n_devices / (4 * t.microbatches * sched.virtual_stages)
-        head_forward = 2 * s.V * m.d_model * s.b * s.T
-        device_flops = ticks * ((1 + BACKWARD_TICK_COST) * forward + 3 * head_forward)
-    return dict(compute=compute, bubble=bubble, head=head_s, prefix_imbalance=imbalance, model_flops=model_flops, executed_flops=executed,
-                device_flops=device_flops, collective_bytes=buffers), comm
+    return comm, buffers
 
 
 def newton_schulz_flops(fan_in, fan_out):
@@ -741,6 +759,47 @@ def plan_config(cfg):
 DCN_BW_PER_CHIP = 6.25 * GB
 
 
+def memory_bytes(cfg, mesh_shape, store, hw_name):
+    """(memory {name: bytes} of one device, its activations {name: bytes}, the
+    activations' phases): the params, optimizer state and gradients, the gathered
+    weights, the activations and each executor's gradient buffers."""
+    tiled = hw_name.startswith("tpu")
+    pp = mesh_shape["pp"]
+    memory = dict(params=store["params"], optimizer=store["optimizer"], gradients=store["gradients"])
+    # remat none and layer keep every local block's gathered weights for the backward
+    # pass, and stage holds them all while it recomputes a tick; block and block_dots
+    # gather one block at a time (again in the backward pass).
+    ticks, blocks_here = pipeline_loops(cfg, pp)
+    n_gathered = blocks_here if cfg.model.remat in ("none", "layer", "stage") else 1
+    memory["gathered weights"] = n_gathered * store["one_block"] + store["top_gathered"]
+    if not store["fsdp"] and store["c"] == F32:  # nothing to gather or cast: the weights in use are the params themselves
+        memory["gathered weights"] = 0
+    # XLA:CPU has no bfloat16 arithmetic: it computes in float32, and the intermediates
+    # it keeps are float32 (measured: a bfloat16 step's temp bytes equal float32's).
+    activations, phases = activation_bytes(cfg, mesh_shape, compute_bytes=F32 if hw_name == "cpu" else None, fused=tiled)
+    activations = {name: int(value) for name, value in activations.items()}
+    memory["activations"] = sum(activations.values())
+    # The gradient of one block's gathered weights, whole along the FSDP axes, exists
+    # until its reduce-scatter hands each device its shard (none without FSDP).
+    if store["fsdp"]:
+        memory["gathered gradient of one block"] = store["one_block"]
+    # With both loops real (pipeline ticks > 1, several local blocks), the backward pass
+    # of a tick writes its blocks' gradients into a stack of their own, which is then
+    # added to the running sum over ticks: two copies of the blocks' gradients.
+    if cfg.train.pipeline != "gpipe":  # a backward tick's gradient of one chunk, added to the step's sum
+        memory["a backward tick's gradient of one chunk"] = store["block_gradients"] // schedule_of(cfg, pp).virtual_stages
+        # the embedding's and final norm's gradient, gathered, summed over the step in float32
+        # (the sum, and a forward and a backward tick's contributions)
+        memory["gradient of the gathered embedding (float32, 3 copies)"] = 3 * store["top_gathered_f32"]
+    elif ticks > 1 and blocks_here > 1:
+        memory["this tick's gradient of the stage's blocks"] = store["block_gradients"]
+    if accumulates(cfg, pp):  # executor_accumulate: the gathered embedding's (and head's) gradient, summed over the
+        # microbatches in float32 and reduce-scattered once per step (tests/test_tpu_compile.py's 8x1x4 EP case: without
+        # this the planner was 0.81 of the compiler's live bytes)
+        memory["gradient of the gathered embedding (float32, summed over microbatches)"] = store["top_gathered_f32"]
+    return memory, activations, phases
+
+
 def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     """Everything the planner prints, as a dict (bytes, seconds)."""
     if hw_name not in HARDWARE:
@@ -761,38 +820,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     store = storage(model_key, train_key, tuple(mesh_shape.items()), cfg.mesh.expert_parallel, tiled)
     if isinstance(store, ConfigError):
         raise store
-    memory = dict(params=store["params"], optimizer=store["optimizer"], gradients=store["gradients"])
-    # remat none and layer keep every local block's gathered weights for the backward
-    # pass, and stage holds them all while it recomputes a tick; block and block_dots
-    # gather one block at a time (again in the backward pass).
-    ticks, blocks_here = pipeline_loops(cfg, shape[1])
-    n_gathered = blocks_here if cfg.model.remat in ("none", "layer", "stage") else 1
-    memory["gathered weights"] = n_gathered * store["one_block"] + store["top_gathered"]
-    if not store["fsdp"] and store["c"] == F32:  # nothing to gather or cast: the weights in use are the params themselves
-        memory["gathered weights"] = 0
-    # XLA:CPU has no bfloat16 arithmetic: it computes in float32, and the intermediates
-    # it keeps are float32 (measured: a bfloat16 step's temp bytes equal float32's).
-    activations, phases = activation_bytes(cfg, mesh_shape, compute_bytes=F32 if hw_name == "cpu" else None, fused=tiled)
-    activations = {name: int(value) for name, value in activations.items()}
-    memory["activations"] = sum(activations.values())
-    # The gradient of one block's gathered weights, whole along the FSDP axes, exists
-    # until its reduce-scatter hands each device its shard (none without FSDP).
-    if store["fsdp"]:
-        memory["gathered gradient of one block"] = store["one_block"]
-    # With both loops real (pipeline ticks > 1, several local blocks), the backward pass
-    # of a tick writes its blocks' gradients into a stack of their own, which is then
-    # added to the running sum over ticks: two copies of the blocks' gradients.
-    if cfg.train.pipeline != "gpipe":  # a backward tick's gradient of one chunk, added to the step's sum
-        memory["a backward tick's gradient of one chunk"] = store["block_gradients"] // schedule_of(cfg, shape[1]).virtual_stages
-        # the embedding's and final norm's gradient, gathered, summed over the step in float32
-        # (the sum, and a forward and a backward tick's contributions)
-        memory["gradient of the gathered embedding (float32, 3 copies)"] = 3 * store["top_gathered_f32"]
-    elif ticks > 1 and blocks_here > 1:
-        memory["this tick's gradient of the stage's blocks"] = store["block_gradients"]
-    if accumulates(cfg, shape[1]):  # executor_accumulate: the gathered embedding's (and head's) gradient, summed over the
-        # microbatches in float32 and reduce-scattered once per step (tests/test_tpu_compile.py's 8x1x4 EP case: without
-        # this the planner was 0.81 of the compiler's live bytes)
-        memory["gradient of the gathered embedding (float32, summed over microbatches)"] = store["top_gathered_f32"]
+    memory, activations, phases = memory_bytes(cfg, mesh_shape, store, hw_name)
     temp = sum(v for k, v in memory.items() if k not in ("params", "optimizer"))  # all that the step allocates
     muon = store["muon"] if cfg.train.optimizer == "muon" else None
     if muon:  # after the backward pass, beside the gradients alone: the step's peak is the larger of the two
