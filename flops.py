@@ -72,7 +72,11 @@ def part_flops_per_token(model_cfg):
 def stage_flops_per_token(model_cfg, pp):
     """flops_per_token over the pipeline's pp stages, [pp]: each runs N/pp blocks, the
     first also the dense prefix, the last the output layer and MTP."""
-    parts = part_flops_per_token(model_cfg)
+    return stage_flops(part_flops_per_token(model_cfg), pp)
+
+
+def stage_flops(parts, pp):
+    """part_flops_per_token's `parts` over pp stages (stage_flops_per_token)."""
     stages = [parts["blocks"] / pp] * pp
     stages[0] += parts["prefix"]
     stages[-1] += parts["head"]

@@ -30,7 +30,7 @@ import optimizers
 import parallel as par
 import pipeline
 import weights
-from flops import count_params, flops_per_token, measure_peak_flops, part_flops_per_token, stage_flops_per_token
+from flops import count_params, flops_per_token, measure_peak_flops, part_flops_per_token, stage_flops
 from moe import expert_capacity
 from model import abstract_params, padded_vocab
 from utils import ConfigError, apply_overrides
@@ -117,6 +117,13 @@ def model_params_count(model_cfg):
 def model_flops_per_token(model_cfg):
     """flops.flops_per_token, once."""
     return flops_per_token(model_cfg)
+
+
+@lru_cache(maxsize=8)
+def model_part_flops(model_cfg):
+    """flops.part_flops_per_token, once (each call builds the model's shapes: the search
+    spent 245 of its 250 s here before)."""
+    return part_flops_per_token(model_cfg)
 
 
 @lru_cache(maxsize=8)
@@ -565,7 +572,9 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     # The dense prefix runs on stage 0 alone while the other stages wait (GPipe: every
     # microbatch's before the loop; 1f1b: inside stage 0's first-chunk ticks, which
     # every stage waits for): its share of the compute takes pp times as long.
-    imbalance = compute * (pp - 1) * part_flops_per_token(m)["prefix"] / flops_per_token(m) if m.first_dense else 0.0
+    model_key = shape_keys(cfg)[0]
+    imbalance = (compute * (pp - 1) * model_part_flops(model_key)["prefix"] / model_flops_per_token(model_key)
+                 if m.first_dense else 0.0)
 
     # The hand-written schedules run len(table) ticks of one chunk each, and every
     # compiled tick gathers the chunk's weights for a forward and again for a backward,
@@ -858,7 +867,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         available_bytes=available, fits=total_bytes <= available,
         peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
         pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, shape[1]).bubble(),
-        stage_flops_per_token=stage_flops_per_token(cfg.model, shape[1]),
+        stage_flops_per_token=stage_flops(model_part_flops(model_key), shape[1]),
         step_s_serial=serial, step_s_overlapped=overlapped,
         tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
 
