@@ -242,8 +242,8 @@ TRAIN_MESHES = {"2x2x2": dict(mesh=(2, 2, 2), microbatches=2), "auto-4x1x2": dic
 @pytest.mark.parametrize("name", MODELS)
 def test_real_config_trains_on_a_mesh_as_on_one_device(name, tmp_path):
     """3 steps (Muon, as Moonlight was trained; the selection bias trained on at V3's rate
-    0.001 for the models that have one) on dp2 x pp2 x tp2 and under --mesh.sharding auto
-    equal 3 steps on one device."""
+    0.001 for the models that have one) on dp2 x pp2 x tp2 (and for Moonlight under
+    --mesh.sharding auto on dp4 x tp2) equal 3 steps on one device."""
     _, path = make_checkpoint(name, str(tmp_path / "hf"))
     train = dict(optimizer="muon")
     rate = dict(router_bias_rate=0.001) if REAL_CONFIGS[name]["topk_method"] == "noaux_tc" else {}
@@ -253,6 +253,8 @@ def test_real_config_trains_on_a_mesh_as_on_one_device(name, tmp_path):
     assert reference[2]["blocks"]["layers"][0]["ffn"].get("router_bias_E") is None or not np.array_equal(
         reference[2]["blocks"]["layers"][0]["ffn"]["router_bias_E"], params["blocks"]["layers"][0]["ffn"]["router_bias_E"])
     for case, layout in TRAIN_MESHES.items():
+        if case.startswith("auto") and name != "Moonlight-16B-A3B":  # (the automatic executor with every option on:
+            continue  # tests/test_executors.py; here once, on the layout users would most want to continue)
         mesh_cfg = dict(dp=layout["mesh"][0], pp=layout["mesh"][1], tp=layout["mesh"][2],
                         sharding="auto" if case.startswith("auto") else "manual")
         on_mesh = apply_overrides(cfg, {"mesh": mesh_cfg, "train": dict(microbatches=layout["microbatches"])})
