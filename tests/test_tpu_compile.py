@@ -446,11 +446,12 @@ TIME_CASES = {
 }
 TIME_TOLERANCE = 0.10
 # Where the planner's collective bytes are further off, and why (measured ratio):
-#   interleaved 0.87: each tick's forward and backward carry more tp all-reduces than
-#     the layers' (the embedding and the head inside the tick's conds);
 #   auto 0.81: the compiler's partitioner picks its own tensor-parallel collectives
-#     (2.3x the planner's tp all-reduce bytes) and all-reduces the gradients over dp.
-BYTES_TOLERANCE = {"tiny-v4-16-1x4x2-interleaved": 0.15, "tiny-v5p-16-4x1x2-auto": 0.20}
+#     (2.3x the planner's tp all-reduce bytes, all in bfloat16) and all-reduces the
+#     gradients over dp instead of reduce-scattering them.
+# (interleaved: 0.91, within TIME_TOLERANCE; its tp all-reduces are 0.79 of the
+# compiler's, whose ticks carry more than the layers' inside their conds.)
+BYTES_TOLERANCE = {"tiny-v5p-16-4x1x2-auto": 0.20}
 
 
 @pytest.fixture(scope="module")
