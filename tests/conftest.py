@@ -9,14 +9,18 @@ from devices import use_fake_cpu_devices
 
 use_fake_cpu_devices(8)
 
-# The tests compile at LLVM -O0. Their models are tiny, so XLA:CPU spends most of a
-# test's time compiling, and -O0 compiles in about half the time (two test_parallel
-# cases, one process: 73 s at the default level, 35 s at -O0; `python main.py --preset
-# tiny --train.steps 30`: 18.3 s -> 10.5 s); the programs compute the same functions,
-# and each comparison is between programs compiled alike. The main.py runs that tests
-# start inherit the flag, except the multi-process and launcher runs (test_multiprocess
-# .run_env, and ssh), which drop XLA_FLAGS and compare only among themselves.
-os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_backend_optimization_level=0"
+# The tests compile fast rather than run fast. Their models are tiny, so XLA:CPU spends
+# most of a test's time compiling: at LLVM -O0 it compiles in about half the time (two
+# test_parallel cases, one process: 73 s at the default level, 35 s at -O0; `python
+# main.py --preset tiny --train.steps 30`: 18.3 s -> 10.5 s), and with XLA:CPU's older
+# elemental emitters instead of its fusion emitters the compile halves again (two
+# test_two_steps_equal_one_device cases: backend compile 12.9 s -> 5.5 s, the tests 22.2 s
+# -> 14.0 s). The programs compute the same functions, and each comparison is between
+# programs compiled alike. The main.py runs that tests start inherit the flags, except
+# the multi-process and launcher runs (test_multiprocess.run_env, and ssh), which drop
+# XLA_FLAGS and compare only among themselves.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {FAST_COMPILE_FLAGS}"
 jax.devices()
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
