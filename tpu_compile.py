@@ -280,6 +280,12 @@ def live_total(tpu, logged):
     return tpu["total"] - tpu["temporaries"] + live_temporaries(logged)
 
 
+def allocated_total(tpu, logged):
+    """live_total with the holes between the live temporaries counted once: the HBM the
+    program's allocation takes (libtpu's "HLO temp"), which the runtime must find."""
+    return live_total(tpu, logged) + logged["hbm fragmentation"]
+
+
 def fits(tpu, logged, hbm_bytes):
     """The step's bytes (memory_analysis) and the HBM the TPU runtime keeps for itself
     on every program (libtpu's log: 1.25 GiB on v4, 263 MiB on v5p, 260 MiB on v6e)
@@ -708,6 +714,7 @@ def memory_report(planned, tpu, hbm_bytes, pod, compile_seconds, logged=None):
         rows += [("libtpu's log: temporaries live at the peak", planned["temp_bytes"], live),
                  ("  their holes (memory_analysis counts them twice)", 0, logged["hbm fragmentation"]),
                  ("total with the live temporaries", planned["total_bytes"], live_total(tpu, logged)),
+                 ("total as allocated (the holes counted once)", planned["total_bytes"], allocated_total(tpu, logged)),
                  ("code overlays in HBM (not in the totals)", 0, logged.get("code overlays", 0)),
                  ("runtime's HBM reserve (not in the totals)", 0, logged.get("runtime reserved", 0))]
     width = max(len(r[0]) for r in rows) + 2

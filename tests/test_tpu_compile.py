@@ -342,7 +342,8 @@ def test_planner_tpu_prints_the_compiler_beside_the_planner(preset):
     arguments = re.search(r"^arguments \(params \+ optimizer \+ batch\) +([0-9.]+) GiB +([0-9.]+) GiB +1\.00$", text, re.M)
     assert arguments and arguments.group(1) == arguments.group(2), text
     assert re.search(r"^fits: [0-9.]+ GiB per device \+ the runtime's 1\.25 GiB of 32 GiB HBM$", text, re.M), text
-    for row in (r"collective-permute +bf16 +pp ", r"all-to-all +f32 +dp\+tp ", r"collectives of the eval step"):
+    for row in (r"total as allocated \(the holes counted once\) +[0-9.]+ GiB +[0-9.]+ GiB", r"collective-permute +bf16 +pp ",
+                r"all-to-all +f32 +dp\+tp ", r"collectives of the eval step"):
         assert re.search(row, text), row
     last = re.fullmatch(r"tpu_bytes_per_device=(\d+) planner_bytes_per_device=(\d+) fits=true", text.splitlines()[-1])
     assert last and int(last.group(1)) > 0 and int(last.group(2)) > 0, text.splitlines()[-1]
