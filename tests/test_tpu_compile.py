@@ -17,6 +17,7 @@ import planner
 import tpu_compile
 from train_steps import make_train_step
 from utils import PRESETS, Config, MeshConfig, apply_overrides
+from weights import WEIGHTS
 
 pytest.importorskip("libtpu")
 
@@ -160,6 +161,8 @@ def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True
     hardware = tpu_compile.pod_type(pod).hardware
     params = planner.abstract_params(cfg.model)
     gathered = {k: v for k, v in params.items() if k != "final_norm"}  # (norm scales are not FSDP-split)
+    if expert_parallel:  # each rank's experts' gradients come back by the all-to-all: nothing to reduce over dp
+        gathered = jax.tree_util.tree_map_with_path(lambda path, w: None if WEIGHTS[par.weight_name(path)].routed else w, gathered)
     hlo = compiled["train"].as_text()
     return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]), log=compiled["log"]["train"],
                 collectives=tpu_compile.collectives(hlo, shape), dot_flops=tpu_compile.dot_flops(hlo),
