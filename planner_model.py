@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 import dtype_probe
+import executor_accumulate
 import optimizers
 import parallel as par
 import pipeline
@@ -335,6 +336,21 @@ def accumulates(cfg, pp):
     return cfg.mesh.sharding == "manual" and pp == 1 and cfg.train.pipeline == "gpipe" and cfg.train.microbatches > 1
 
 
+def gathers_once(cfg, pp, hw_name, store):
+    """Does executor_accumulate gather the blocks once per step (its gathers_once rule)?
+    --train.gather_once true, or auto with M > 1 and the gathered blocks and their
+    float32 gradient within GATHER_ONCE_SHARE of the device's memory (here the chip's
+    HBM; the executor asks jax, which reports a little less); on CPU, which reports no
+    memory, per microbatch."""
+    choice = cfg.train.gather_once
+    if not accumulates(cfg, pp) or choice == "false" or not store["fsdp"]:
+        return False
+    if choice == "true":
+        return True
+    held = cfg.model.n_blocks * store["one_block"] * (store["c"] + F32) / store["c"]
+    return hw_name != "cpu" and held <= executor_accumulate.GATHER_ONCE_SHARE * HARDWARE[hw_name].memory_bytes
+
+
 def pipeline_loops(cfg, pp):
     """(ticks, blocks per stage): GPipe's loop runs M + pp - 1 ticks, and at every tick
     each stage loops over its n_blocks / pp blocks."""
@@ -550,9 +566,10 @@ def executed_flops(cfg, s, tp):
     return model_flops, executed
 
 
-def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
+def step_time(cfg, mesh_shape, hw, peak, efficiency, store, once=False):
     """{name: seconds}. Compute at `efficiency` of peak; each collective at its bandwidth
-    with no overlap (the serial sum is an upper bound, max(compute, comm) a lower one)."""
+    with no overlap (the serial sum is an upper bound, max(compute, comm) a lower one).
+    `once`: the blocks are gathered once per step (gathers_once)."""
     m, t = cfg.model, cfg.train
     dp, pp, tp = mesh_shape["dp"], mesh_shape["pp"], mesh_shape["tp"]
     n_devices = dp * pp * tp
@@ -584,7 +601,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
     if t.pipeline != "gpipe":
         sched = schedule_of(cfg, pp)
         ticks, blocks_per_tick = len(sched.table), m.n_blocks // (pp * sched.virtual_stages)
-    comm, buffers = collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick)
+    comm, buffers = collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick, once)
     # What one device's matmul units run per step, stages in lockstep: its share of the
     # executed FLOPs, stretched by the ticks where the table leaves it idle (GPipe's
     # bubble ticks compute on zeros; the hand-written schedules' ticks last their
@@ -603,10 +620,11 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store):
                 device_flops=device_flops, collective_bytes=buffers), comm
 
 
-def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick):
+def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick, once=False):
     """({name: seconds}, {"kind over axes": buffer bytes}) per device per step: FSDP's
     gathers and reduce-scatters, tp's all-reduces, pp's ppermutes, EP's all-to-alls.
-    `ticks` x `blocks_per_tick`: how many times the pipeline loop runs a block."""
+    `ticks` x `blocks_per_tick`: how many times the pipeline loop runs a block; `once`:
+    the blocks are gathered (and their gradient reduce-scattered) once per step."""
     m, t = cfg.model, cfg.train
     dp, tp, pp = mesh_shape["dp"], mesh_shape["tp"], mesh_shape["pp"]
     c = s.c
@@ -628,13 +646,15 @@ def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick):
     # The gradients are reduced in --model.grad_reduce_dtype (float32 by default): twice
     # the gathered bytes in bfloat16.
     reduced = (F32 if m.grad_reduce_dtype == "float32" else 2) / c
+    gathers = (1, 1) if once else (passes - 1, ticks)  # (all-gathers of a block per loop pass, loop passes)
     for axes, nbytes in store["block_traffic"].items():
         key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
-        seconds = (passes - 1 + reduced) * ticks * blocks_per_tick * nbytes / collective_bw(hw, mesh_shape, axes)
+        per_pass, n_passes = gathers
+        seconds = (per_pass + reduced) * n_passes * blocks_per_tick * nbytes / collective_bw(hw, mesh_shape, axes)
         comm[key] = comm.get(key, 0) + seconds
         whole = nbytes * math.prod(mesh_shape[a] for a in axes) / (math.prod(mesh_shape[a] for a in axes) - 1)
-        add_buffer("all-gather", axes, (passes - 1) * ticks * blocks_per_tick * whole)
-        add_buffer("reduce-scatter", axes, reduced * ticks * blocks_per_tick * whole)
+        add_buffer("all-gather", axes, per_pass * n_passes * blocks_per_tick * whole)
+        add_buffer("reduce-scatter", axes, reduced * n_passes * blocks_per_tick * whole)
     for axes, nbytes in store["top_traffic"].items():
         key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
         comm[key] = comm.get(key, 0) + (1 + reduced) * nbytes / collective_bw(hw, mesh_shape, axes)
@@ -768,10 +788,11 @@ def plan_config(cfg):
 DCN_BW_PER_CHIP = 6.25 * GB
 
 
-def memory_bytes(cfg, mesh_shape, store, hw_name):
+def memory_bytes(cfg, mesh_shape, store, hw_name, once=False):
     """(memory {name: bytes} of one device, its activations {name: bytes}, the
     activations' phases): the params, optimizer state and gradients, the gathered
-    weights, the activations and each executor's gradient buffers."""
+    weights, the activations and each executor's gradient buffers. `once`: the
+    accumulation executor gathers the blocks once per step (gathers_once)."""
     tiled = hw_name.startswith("tpu")
     pp = mesh_shape["pp"]
     memory = dict(params=store["params"], optimizer=store["optimizer"], gradients=store["gradients"])
@@ -802,6 +823,11 @@ def memory_bytes(cfg, mesh_shape, store, hw_name):
         memory["gradient of the gathered embedding (float32, 3 copies)"] = 3 * store["top_gathered_f32"]
     elif ticks > 1 and blocks_here > 1:
         memory["this tick's gradient of the stage's blocks"] = store["block_gradients"]
+    if once:  # every block's weights gathered for the whole step, and their gradient summed whole in float32
+        memory["gathered weights"] = cfg.model.n_blocks * store["one_block"] + store["top_gathered"]
+        memory.pop("gathered gradient of one block", None)
+        memory["gradient of the gathered blocks (float32, summed over microbatches)"] = (
+            cfg.model.n_blocks * store["one_block"] * F32 // store["c"])
     if accumulates(cfg, pp):  # executor_accumulate: the gathered embedding's (and head's) gradient, summed over the
         # microbatches in float32 and reduce-scattered once per step (tests/test_tpu_compile.py's 8x1x4 EP case: without
         # this the planner was 0.81 of the compiler's live bytes)
@@ -829,7 +855,8 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     store = storage(model_key, train_key, tuple(mesh_shape.items()), cfg.mesh.expert_parallel, tiled)
     if isinstance(store, ConfigError):
         raise store
-    memory, activations, phases = memory_bytes(cfg, mesh_shape, store, hw_name)
+    once = gathers_once(cfg, shape[1], hw_name, store)
+    memory, activations, phases = memory_bytes(cfg, mesh_shape, store, hw_name, once)
     temp = sum(v for k, v in memory.items() if k not in ("params", "optimizer"))  # all that the step allocates
     muon = store["muon"] if cfg.train.optimizer == "muon" else None
     if muon:  # after the backward pass, beside the gradients alone: the step's peak is the larger of the two
@@ -843,7 +870,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     else:
         peak = peak or hw.peak_flops
         available = hw.memory_bytes
-    times, comm = step_time(cfg, mesh_shape, hw, peak, efficiency, store)
+    times, comm = step_time(cfg, mesh_shape, hw, peak, efficiency, store, once)
     if muon:  # Newton-Schulz in float32 (assumed at the same efficiency), and its all-to-alls
         times["optimizer_flops"] = muon["flops"]
         times["compute"] += muon["flops"] / (peak * efficiency)
@@ -866,7 +893,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         loss_phase_bytes=int(next(v for k, v in phases.items() if k.startswith("loss"))), gpu=bool(hw.node_size),
         available_bytes=available, fits=total_bytes <= available,
         peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
-        pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, shape[1]).bubble(),
+        pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, shape[1]).bubble(), gather_once=once,
         stage_flops_per_token=stage_flops(model_part_flops(model_key), shape[1]),
         step_s_serial=serial, step_s_overlapped=overlapped,
         tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)

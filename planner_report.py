@@ -28,7 +28,7 @@ def report(p):
     slices = f"slices={mesh['slice']} x " if mesh.get("slice", 1) > 1 else ""
     head = [f"{p['preset']} on {p['devices']} x {p['hardware']}: mesh {slices}dp={mesh['dp']} pp={mesh['pp']} tp={mesh['tp']}"
             f"{' (expert parallel)' if p['expert_parallel'] else ''}, {p['dtype']}, remat {p['remat']}, "
-            f"{p['microbatches']} microbatches",
+            f"{p['microbatches']} microbatches" + (" accumulated, the blocks gathered once per step" if p.get("gather_once") else ""),
             f"params: {human(p['params_total'])} total, {human(p['params_active'])} active per token"]
     unit, size = memory_unit(p["total_bytes"])
 
@@ -73,7 +73,7 @@ def tpu_check(cfg, tpu_name, p):
     compiler's bytes beside the plan's, the collectives, and the contract's last line."""
     pod = tpu_compile.pod_type(tpu_name)
     mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(tpu_name, cfg.mesh.slices))
-    compiled = tpu_compile.compile_steps(plan_config(cfg), mesh)
+    compiled = tpu_compile.compile_steps(plan_config(cfg), mesh, hardware=pod.hardware)
     tpu = tpu_compile.memory_bytes(compiled["train"])
     hbm = HARDWARE[pod.hardware].memory_bytes
     lines = [""] + tpu_compile.memory_report(p, tpu, hbm, pod, compiled["seconds"], compiled["log"]["train"]) + [""]
@@ -109,7 +109,7 @@ def table_row(preset, pod_name):
         "mesh": dict(dp=dp, pp=pp, tp=tp), "train": dict(microbatches=microbatches)}))
     pod = tpu_compile.pod_type(pod_name)
     mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(pod_name))
-    compiled = tpu_compile.compile_steps(cfg, mesh, eval_step=False)
+    compiled = tpu_compile.compile_steps(cfg, mesh, eval_step=False, hardware=pod.hardware)
     tpu = tpu_compile.memory_bytes(compiled["train"])
     planned = plan(cfg, 0, pod.hardware)
     hbm = HARDWARE[pod.hardware].memory_bytes
@@ -183,7 +183,7 @@ def compiled_layout(cfg, tpu_name):
     pod = tpu_compile.pod_type(tpu_name)
     cfg = plan_config(cfg)
     mesh = par.make_mesh(cfg.mesh, tpu_compile.pod_devices(tpu_name, cfg.mesh.slices))
-    compiled = tpu_compile.compile_steps(cfg, mesh, eval_step=False)
+    compiled = tpu_compile.compile_steps(cfg, mesh, eval_step=False, hardware=pod.hardware)
     hlo, shape = compiled["train"].as_text(), tuple(mesh.shape.values())
     tpu, logged = tpu_compile.memory_bytes(compiled["train"]), compiled["log"]["train"]
     by_kind = {}

@@ -101,8 +101,9 @@ class Ranked:
 
 
 def search(cfg, devices, hw_name, efficiency, peak=None):
-    """(fitting, tried, too_big): the layouts that fit, fastest first, as Ranked; how many
-    were planned; how many divide but do not fit."""
+    """(fitting, tried, too_big): the layouts that fit, fastest first (of equal steps, the
+    one that needs less memory), as Ranked; how many were planned; how many divide but do
+    not fit."""
     n = (devices or math.prod(getattr(cfg.mesh, a) for a in par.AXES) * cfg.mesh.slices) // cfg.mesh.slices
     fitting, tried, too_big = [], 0, 0
     for layout in layouts(cfg, n):
@@ -116,7 +117,7 @@ def search(cfg, devices, hw_name, efficiency, peak=None):
             fitting.append(Ranked(layout_flags(layout), p, layout))
         else:
             too_big += 1
-    return sorted(fitting, key=lambda r: r.step_s), tried, too_big
+    return sorted(fitting, key=lambda r: (round(r.step_s, 9), r.plan["total_bytes"])), tried, too_big
 
 
 def suggestions(cfg, devices, hw_name, efficiency, peak):

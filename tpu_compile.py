@@ -28,9 +28,10 @@ from jax.sharding import PartitionSpec as P
 import dtype_probe
 import optimizers
 import parallel as par
+import planner_model
 import train_steps
 from model import abstract_model, abstract_params
-from utils import ConfigError
+from utils import ConfigError, apply_overrides
 
 GiB = 2**30
 LIBTPU_HINT = ("planner.py --tpu needs the TPU compiler: pip install libtpu==0.0.42.1 (it is in requirements-test.txt; "
@@ -181,10 +182,16 @@ def abstract_state(cfg, mesh):
     return optimizer, params, opt_state
 
 
-def compile_steps(cfg, mesh, eval_step=True):
+def compile_steps(cfg, mesh, eval_step=True, hardware=None):
     """{"train": compiled, "eval": compiled, "seconds": {name: compile seconds}}: the
-    real train and eval steps (train_steps.make_train_step / make_eval_step)."""
+    real train and eval steps (train_steps.make_train_step / make_eval_step).
+    `hardware` (the planner's name for the chips, PodType.hardware): --train.gather_once
+    auto is decided as on those chips (executor_accumulate asks this process's devices,
+    CPUs here, which report no memory and so always gather per microbatch)."""
     cfg = dtype_probe.for_accelerator(cfg)  # --model.dtype auto is bfloat16 on a TPU
+    if hardware and cfg.train.gather_once == "auto":
+        once = planner_model.plan(cfg, mesh.size, hardware)["gather_once"]
+        cfg = apply_overrides(cfg, {"train": {"gather_once": "true" if once else "false"}})
     par.check_config_fits_mesh(cfg, mesh)
     optimizer, params, opt_state = abstract_state(cfg, mesh)
     graphdef = abstract_model(cfg.model)[0]

@@ -251,6 +251,30 @@ def test_bubble_remat_and_expert_parallel_show_up():
     assert ep["memory"]["gathered weights"] < m4["memory"]["gathered weights"]
 
 
+def test_gathering_once_per_step_moves_a_microbatch_count_fewer_bytes_and_holds_the_blocks_gradient():
+    """executor_accumulate's --train.gather_once: per microbatch, M gathers and M
+    reduce-scatters of each block per step; once, one of each, holding every block's
+    gathered weights and their float32 gradient. auto decides as the executor does on
+    the chips: once on a TPU where that fits in GATHER_ONCE_SHARE of HBM, per microbatch
+    on CPU (no memory reported) and where it does not fit."""
+    base = ["--preset", "moe1b", "--mesh.dp", "32", "--mesh.pp", "1", "--mesh.tp", "1", "--train.microbatches", "4",
+            "--model.remat", "block", "--train.optimizer", "adamw"]
+    plans = {g: planner.plan(parse_args(base + ["--train.gather_once", g]), 0, "tpu-v4") for g in ("false", "true", "auto")}
+    per_microbatch, once = plans["false"], plans["true"]
+    assert (per_microbatch["gather_once"], once["gather_once"], plans["auto"]["gather_once"]) == (False, True, True)
+    assert plans["auto"]["total_bytes"] == once["total_bytes"]
+    gathered = {k: v for k, v in per_microbatch["times"]["collective_bytes"].items() if k.endswith("over dp")}
+    assert {k: once["times"]["collective_bytes"][k] * {"all-gather over dp": 4 * 2, "reduce-scatter over dp": 4}[k]
+            for k in gathered} == pytest.approx(gathered)  # (remat block gathers again in the backward pass: 2 per microbatch)
+    n = parse_args(base).model.n_blocks
+    held = once["memory"]["gathered weights"] - per_microbatch["memory"]["gathered weights"]  # n - 1 blocks more (remat
+    blocks_f32 = once["memory"]["gradient of the gathered blocks (float32, summed over microbatches)"]  # block: one)
+    assert held > 0 and blocks_f32 == pytest.approx(2 * held * n / (n - 1))  # every block's, in float32 (2x bfloat16)
+    assert not planner.plan(parse_args(base), 0, "cpu")["gather_once"]
+    assert not planner.plan(parse_args(base + ["--train.microbatches", "1"]), 0, "tpu-v4")["gather_once"]
+    assert not planner.plan(parse_args(base + ["--mesh.pp", "2", "--mesh.dp", "16"]), 0, "tpu-v4")["gather_once"]  # (no accumulation)
+
+
 # ----------------------------------------------------------------------------
 # --search (planner_search.py)
 

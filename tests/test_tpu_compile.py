@@ -157,8 +157,8 @@ def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True
     (and the eval step's collectives)."""
     cfg = case_config(preset, shape, expert_parallel, overrides, **model)
     mesh = par.make_mesh(cfg.mesh, devices_of(pod))
-    compiled = tpu_compile.compile_steps(cfg, mesh, eval_step)
     hardware = tpu_compile.pod_type(pod).hardware
+    compiled = tpu_compile.compile_steps(cfg, mesh, eval_step, hardware)
     params = planner.abstract_params(cfg.model)
     gathered = {k: v for k, v in params.items() if k != "final_norm"}  # (norm scales are not FSDP-split)
     if expert_parallel:  # each rank's experts' gradients come back by the all-to-all: nothing to reduce over dp
