@@ -46,8 +46,7 @@ import planner_search
 import tpu_compile
 from devices import skip_tpu_probe_without_tpu
 from model import abstract_model, abstract_params  # noqa: F401  (the tests call them here)
-from planner_model import (DEFAULT_EFFICIENCY, GiB, HARDWARE, gathered_bytes, layout_bytes, plan,  # noqa: F401
-                           plan_config, recomputed_block_bytes)
+from planner_model import DEFAULT_EFFICIENCY, GiB, HARDWARE, gathered_bytes, layout_bytes, plan, plan_config  # noqa: F401
 from planner_search import search, suggestions
 from utils import ConfigError, apply_overrides, parse_args
 

@@ -106,7 +106,7 @@ def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
 # which models live bytes, is compared with the live temporaries: those in HBM plus
 # those the compiler placed in v4's CMEM or v5p/v6e's VMEM (measured 0.95 on v4-64 8x2x2,
 # 0.93 on v5p-64 8x1x4 with expert parallelism; 1.48-1.52 before the planner modelled
-# XLA:TPU's fusion, planner.recomputed_block_bytes). The full moe1b (slow) is held to
+# XLA:TPU's fusion, planner_activations.recomputed_block_bytes). The full moe1b (slow) is held to
 # 15% of memory_analysis itself too (0.89 on v4-64, 0.90 on v5p-64).
 # tiny's temporaries cannot be held to 15%: the compiler keeps almost all of them in
 # CMEM/VMEM, whose log gives the region reserved (1.5-5.8 MiB), not what is live in it;
