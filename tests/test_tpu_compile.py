@@ -130,7 +130,7 @@ CASES = {
 }
 SLOW_CASES = {  # (v5p-64 8x2x2 compiles alike: planner.py --table, docs/pods.md)
     "moe1b-v4-64-8x2x2": ("moe1b", "v4-64", (8, 2, 2), False),
-    # (moonlight and deepseek_v2_lite at full size on v4-64 8x2x2: 3-4 min each here, their
+    # (moonlight and deepseek_v2_lite at full size on v4-64 8x2x2: train steps compile in 230-260 s here, their
     # output in docs/pods.md; scaled down: test_planner_tpu_prints_the_compiler_beside_the_planner)
 }
 # the cases that compile a 1B-shaped (if narrow) model: slow, ~50-75 s each
