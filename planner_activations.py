@@ -16,7 +16,7 @@ import pipeline
 from moe import expert_capacity
 from model import padded_vocab
 
-F32 = 4  # bytes: softmax/norm internals, logits
+F32 = 4  # bytes of float32: master weights, optimizer moments, softmax/norm internals, logits (planner_model too)
 
 
 # ----------------------------------------------------------------------------

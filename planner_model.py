@@ -31,12 +31,11 @@ import parallel as par
 import weights
 from flops import count_params, flops_per_token, measure_peak_flops, part_flops_per_token, stage_flops
 from model import abstract_params
-from planner_activations import (BACKWARD_TICK_COST, accumulates, activation_bytes, local_sizes, pipeline_loops, schedule_of,
+from planner_activations import (F32, BACKWARD_TICK_COST, accumulates, activation_bytes, local_sizes, pipeline_loops, schedule_of,
                                  scheduled_bubble_factor)
 from utils import ConfigError, apply_overrides
 
 
-F32 = 4  # bytes: master weights, optimizer moments, softmax/norm internals, logits
 GiB = 2**30
 
 # ----------------------------------------------------------------------------
