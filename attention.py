@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from blockwise_attention import blockwise_attention
+from context_parallel import SequenceChunks
 from layers import ACC_DTYPE, RMSNorm, init_normal, project, psum_if, residual_scale
 
 # ----------------------------------------------------------------------------
@@ -150,15 +151,19 @@ class MLAttention(nnx.Module):
         return kv_BTA, k_rope_BTR
 
     def __call__(self, x_BTD, angles, tp_axis=None):
-        """Causal self-attention over a whole sequence (training and eval)."""
+        """Causal self-attention over a whole sequence (training and eval), or over this
+        rank's chunks of it (angles a SequenceChunks: context_parallel.py)."""
         B, T, _ = x_BTD.shape
+        chunks, angles = (angles, angles.angles) if isinstance(angles, SequenceChunks) else (None, angles)
         q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles)
         kv_BSA, k_rope_BSR = self.latents(x_BTD, angles)
+        q_pos_T = k_pos_S = jnp.arange(T)
+        if chunks is not None:  # the latent crosses cp, not keys and values: they are made here
+            (kv_BSA, k_rope_BSR), q_pos_T, k_pos_S = chunks.gather(kv_BSA, k_rope_BSR), chunks.q_pos_T, chunks.k_pos_S
         k_nope_BSHK = project(kv_BSA, self.wk_up_AHK[...])
         v_BSHK = project(kv_BSA, self.wv_up_AHK[...])
-        if self.implementation == "blockwise":  # positions: global ones under context parallelism
-            positions_T = jnp.arange(T)
-            out_BTHK = blockwise_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, positions_T, positions_T,
+        if self.implementation == "blockwise":
+            out_BTHK = blockwise_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S,
                                            self.softmax_scale, self.block)
         elif self.implementation == "dot_product_attention":
             out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK)
@@ -170,7 +175,7 @@ class MLAttention(nnx.Module):
             # The RoPE key is shared by every head: rows (h, t) of one sequence meet the same keys.
             q_rope_BNR = q_rope_BTHR.transpose(0, 2, 1, 3).reshape(B, -1, q_rope_BTHR.shape[-1])
             scores_BHTS += jnp.matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1), preferred_element_type=ACC_DTYPE).reshape(scores_BHTS.shape)
-            causal_TS = jnp.tril(jnp.ones((T, T), bool))
+            causal_TS = jnp.tril(jnp.ones((T, T), bool)) if chunks is None else k_pos_S[None, :] <= q_pos_T[:, None]
             scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
             probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
             out_BTHK = jnp.matmul(probs_BHTS, v_BHSK, preferred_element_type=ACC_DTYPE).astype(x_BTD.dtype).transpose(0, 2, 1, 3)

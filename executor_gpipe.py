@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import step_core as core
+from context_parallel import local_inputs, local_targets
 from layers import axis_index
 from model import apply_blocks
 from weights import DP, PP, TP
@@ -48,7 +49,7 @@ def pipeline_sums(model, prepare_block, mb, cfg):
     n_stages, stage = jax.lax.axis_size(PP), axis_index(PP)  # (0, not varying, when pp = 1: layers.live_axes)
     tokens_MbT1, angles, keys_Mb = mb.tokens_MbT1, mb.angles, mb.keys_Mb
     M = tokens_MbT1.shape[0]
-    inputs_MbT = tokens_MbT1[..., :-1]
+    inputs_MbT = local_inputs(tokens_MbT1, mb.positions_T)  # (under cp: this rank's chunks)
     # The embedding and the dense prefix on stage 0 only, the head and loss on the last
     # stage only: no stage computes what it would mask away (core.when: a cond, zeros
     # elsewhere). (the embedding comes in float32, see gather_for_use: the stream runs
@@ -89,11 +90,11 @@ def pipeline_sums(model, prepare_block, mb, cfg):
     _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
     outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
     ce_sum, mtp_sum = core.when(n_stages == 1 or stage == n_stages - 1,
-                                lambda y: last_stage_sums(model, y, tokens_MbT1, angles, keys_Mb), outputs_MbTD)
+                                lambda y: last_stage_sums(model, y, tokens_MbT1, angles, keys_Mb, mb.positions_T), outputs_MbTD)
     return ce_sum, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN), mtp_sum
 
 
-def last_stage_sums(model, outputs_MbTD, tokens_MbT1, angles, keys_Mb):
+def last_stage_sums(model, outputs_MbTD, tokens_MbT1, angles, keys_Mb, positions_T=None):
     """(summed cross-entropy, summed MTP cross-entropy over its depths; 0 without MTP)
     of the finished microbatches.
 
@@ -102,7 +103,7 @@ def last_stage_sums(model, outputs_MbTD, tokens_MbT1, angles, keys_Mb):
     [M * b, T, V/tp], which for a large vocabulary would be most of a device's memory.
     """
     def microbatch_losses(x_bTD, tokens_bT1, m):
-        ce = model.loss_sum(x_bTD, tokens_bT1[:, 1:], TP)
+        ce = model.loss_sum(x_bTD, local_targets(tokens_bT1, positions_T), TP)
         if model.mtp is None:
             return ce, jnp.zeros((), jnp.float32)
         return ce, model.mtp_loss_sum(x_bTD, tokens_bT1, angles, TP, None if keys_Mb is None else keys_Mb[m])

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attention import MLAttention, rope_angles
+from context_parallel import SequenceChunks, sequence_axis
 from layers import ACC_DTYPE, DenseFFN, RMSNorm, axis_index, init_normal, pmax_if, project, psum_if, residual_scale
 from moe import MoE
 
@@ -162,7 +163,7 @@ class Layer(nnx.Module):
         x_BTD = x_BTD + self.drop(self.attn(self.attn_norm(x_BTD), angles, tp_axis), rngs[0])
         h_BTD = self.ffn_norm(x_BTD)
         if self.kind == "M":
-            y_BTD, stats = self.ffn(h_BTD, tp_axis, ep_axis)
+            y_BTD, stats = self.ffn(h_BTD, tp_axis, ep_axis, sequence_axis(angles))
         else:
             y_BTD, stats = self.ffn(h_BTD), None
         return x_BTD + self.drop(psum_if(y_BTD, tp_axis), rngs[1]), stats
@@ -356,16 +357,20 @@ class Transformer(nnx.Module):
         Depth k at position i predicts token i+k+1, so positions i >= T-k have no
         target inside the window: they still run (fixed shapes; causal attention keeps
         them out of the earlier positions) with a padding token, and are masked out.
+        Under context parallelism (angles a SequenceChunks) h_BTD holds this rank's
+        chunks and tokens_BT1 the whole rows: the tokens i+k, i+k+1 of a position near a
+        chunk's end are read across the boundary, so the targets are one device's.
         """
         B, T1 = tokens_BT1.shape
         T = T1 - 1
+        positions_T = angles.q_pos_T if isinstance(angles, SequenceChunks) else jnp.arange(T)
+        padded_BT = jnp.pad(tokens_BT1, ((0, 0), (0, len(self.mtp))))
         total = jnp.zeros((), jnp.float32)
         for k, module in enumerate(self.mtp, start=1):
-            shifted_BT1 = jnp.pad(tokens_BT1[:, k:], ((0, 0), (0, k)))  # token i+k at position i
             depth_keys_B = None if keys_B is None else fold_in_rows(keys_B, MTP_RNG_SALT + k)
-            h_BTD = module(h_BTD, self.embed(shifted_BT1[:, :T], tp_axis), angles, tp_axis, depth_keys_B)
-            valid_BT = jnp.broadcast_to(jnp.arange(T) < T - k, (B, T))
-            total += self.loss_sum(h_BTD, shifted_BT1[:, 1:], tp_axis, norm=module.final_norm, mask_BT=valid_BT)
+            h_BTD = module(h_BTD, self.embed(padded_BT[:, positions_T + k], tp_axis), angles, tp_axis, depth_keys_B)  # token i+k at i
+            valid_BT = jnp.broadcast_to(positions_T < T - k, (B, positions_T.shape[0]))
+            total += self.loss_sum(h_BTD, padded_BT[:, positions_T + k + 1], tp_axis, norm=module.final_norm, mask_BT=valid_BT)
         return total
 
     def __call__(self, tokens_BT, start=0, return_hidden=False):

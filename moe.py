@@ -152,12 +152,22 @@ def load_balance_loss(probs_SE, tokens_per_expert_E, top_k):
     return E * jnp.sum(fraction_E * jnp.mean(probs_SE, axis=0))
 
 
-def sequence_balance_loss(probs_BTE, experts_BTX, n_experts):
+def sequence_balance_loss(probs_BTE, experts_BTX, n_experts, seq_axis=None):
     """DeepSeek-V3's sequence-wise balance loss (eq. 17-20), summed over sequences:
     the Switch formula above with f and P taken over each whole sequence. (With the
     default --model.routing_group, one group per sequence, it is the same number as
-    the Switch loss; it differs when routing groups are shorter.)"""
+    the Switch loss; it differs when routing groups are shorter.)
+    seq_axis: the cp axis when this device holds chunks of each sequence (the loss is
+    not a sum over tokens, so the counts and probabilities are summed over cp first);
+    every cp rank returns 1/cp of the loss, so the step's sum over cp counts it once."""
     tokens_per_expert_BE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_BTX)
+    if live_axes(seq_axis):
+        T, cp = probs_BTE.shape[1], jax.lax.axis_size(seq_axis)
+        tokens_per_expert_BE = jax.lax.psum(tokens_per_expert_BE, seq_axis)
+        mean_probs_BE = jax.lax.psum(jnp.sum(probs_BTE.astype(ACC_DTYPE), axis=1), seq_axis) / (T * cp)
+        fraction_BE = tokens_per_expert_BE.astype(ACC_DTYPE) / (T * cp * experts_BTX.shape[-1])
+        loss = jnp.sum(n_experts * jnp.sum(fraction_BE * mean_probs_BE, axis=-1)) / cp
+        return jax.lax.pcast(loss, seq_axis, to="varying")  # (the same on every rank: typed as a per-rank share)
     return jnp.sum(jax.vmap(load_balance_loss, (0, 0, None))(probs_BTE, tokens_per_expert_BE, experts_BTX.shape[-1]))
 
 
@@ -262,7 +272,7 @@ class MoE(nnx.Module):
         tokens_per_expert_GE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_GSX)
         return y_GSD, tokens_per_expert_GE, jnp.zeros((), jnp.int32)
 
-    def __call__(self, x_BTD, tp_axis=None, ep_axis=None):
+    def __call__(self, x_BTD, tp_axis=None, ep_axis=None, seq_axis=None):
         """Returns y_BTD (a partial sum over tp) and routing statistics summed over
         this call's groups: aux_loss_sum, tokens_per_expert_E, dropped, groups."""
         B, T, D = x_BTD.shape
@@ -284,7 +294,8 @@ class MoE(nnx.Module):
         stats = dict(aux_loss_sum=jnp.sum(aux_G), tokens_per_expert=jnp.sum(tokens_per_expert_GE, 0),
                      dropped=dropped, groups=jnp.asarray(x_GSD.shape[0], jnp.int32))
         if self.sequence_loss:
-            stats["seq_aux_loss_sum"] = sequence_balance_loss(probs_GSE.reshape(B, T, n_experts), experts_GSX.reshape(B, T, -1), n_experts)
+            stats["seq_aux_loss_sum"] = sequence_balance_loss(probs_GSE.reshape(B, T, n_experts), experts_GSX.reshape(B, T, -1), n_experts,
+                                                             seq_axis)
         return y_BTD, stats
 
     def decode(self, x_BTD):

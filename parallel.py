@@ -37,7 +37,7 @@ from layers import live_axes
 from model import Transformer
 from pipeline import formula_bubble
 from utils import ConfigError
-from weights import AXES, BATCH_AXES, DP, EXPERT, FSDP, MESH_AXES, PP, SHAPE_LETTER_FLAGS, SLICE, is_stacked, is_trained, row, weight_name
+from weights import AXES, BATCH_AXES, CP, DP, EXPERT, FSDP, MESH_AXES, PP, SHAPE_LETTER_FLAGS, SLICE, is_stacked, is_trained, row, weight_name
 
 
 # ----------------------------------------------------------------------------
@@ -45,28 +45,30 @@ from weights import AXES, BATCH_AXES, DP, EXPERT, FSDP, MESH_AXES, PP, SHAPE_LET
 
 
 def resolve_mesh_shape(mesh_cfg, n_devices):
-    """(dp, pp, tp) of one slice, with dp = -1 resolved to the devices left by slices, pp
-    and tp."""
-    pp, tp, slices = mesh_cfg.pp, mesh_cfg.tp, mesh_cfg.slices
-    if pp < 1 or tp < 1:
-        raise ConfigError(f"--mesh.pp ({pp}) and --mesh.tp ({tp}) must be >= 1")
+    """(dp, cp, pp, tp) of one slice, with dp = -1 resolved to the devices left by slices,
+    cp, pp and tp."""
+    cp, pp, tp, slices = mesh_cfg.cp, mesh_cfg.pp, mesh_cfg.tp, mesh_cfg.slices
+    if pp < 1 or tp < 1 or cp < 1:
+        raise ConfigError(f"--mesh.cp ({cp}), --mesh.pp ({pp}) and --mesh.tp ({tp}) must be >= 1")
     if slices < 1 or n_devices % slices:
         raise ConfigError(f"--mesh.slices ({slices}) must be >= 1 and divide the {n_devices} devices")
     per_slice = n_devices // slices
     dp = mesh_cfg.dp
     if dp == -1:
-        if per_slice % (pp * tp):
-            raise ConfigError(f"{per_slice} devices per slice cannot be split into pp={pp} x tp={tp}; choose pp x tp dividing {per_slice}")
-        dp = per_slice // (pp * tp)
-    if dp * pp * tp != per_slice:
+        if per_slice % (cp * pp * tp):
+            raise ConfigError(f"{per_slice} devices per slice cannot be split into cp={cp} x pp={pp} x tp={tp}; "
+                              f"choose cp x pp x tp dividing {per_slice}")
+        dp = per_slice // (cp * pp * tp)
+    if dp * cp * pp * tp != per_slice:
         in_slices = f" per slice ({n_devices} devices / --mesh.slices {slices})" if slices > 1 else ""
-        raise ConfigError(f"mesh dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} devices, but there are {per_slice}{in_slices}; "
+        cp_part = f" x cp={cp}" if cp > 1 else ""
+        raise ConfigError(f"mesh dp={dp}{cp_part} x pp={pp} x tp={tp} = {dp * cp * pp * tp} devices, but there are {per_slice}{in_slices}; "
                           f"set --mesh.dp -1 to use the rest, or change --mesh.* (or --run.cpu_devices)")
-    return dp, pp, tp
+    return dp, cp, pp, tp
 
 
 def make_mesh(mesh_cfg, devices=None):
-    """The (slice, dp, pp, tp) mesh over `devices` (default: all), the same for training
+    """The (slice, dp, cp, pp, tp) mesh over `devices` (default: all), the same for training
     and for planner.py --tpu.
 
     Device order, and why: slice is outermost (its devices are whole TPU slices, joined
@@ -92,9 +94,9 @@ def make_mesh(mesh_cfg, devices=None):
 
 
 def shown_shape(mesh):
-    """{axis: size} as runs print it: the slice axis only when there are several slices
-    (one slice is the single-slice mesh users know: dp, pp, tp)."""
-    return {axis: n for axis, n in mesh.shape.items() if axis != SLICE or n > 1}
+    """{axis: size} as runs print it: the slice and cp axes only when they split
+    something (one slice without cp is the mesh users know: dp, pp, tp)."""
+    return {axis: n for axis, n in mesh.shape.items() if axis not in (SLICE, CP) or n > 1}
 
 
 def tpu_slices(devices, slices):
@@ -110,7 +112,7 @@ def tpu_slices(devices, slices):
 
 
 def tpu_device_grid(shape, devices):
-    """[dp, pp, tp] array of TPU devices: jax's topology-aware order if it keeps tp
+    """[dp, cp, pp, tp] array of TPU devices: jax's topology-aware order if it keeps tp
     groups on as few hosts and hosts on as few dp rows as the host-major order does,
     else the host-major order."""
     fallback = host_major_grid(shape, devices)
@@ -135,8 +137,8 @@ def host_major_grid(shape, devices):
 def host_spread(grid):
     """(most hosts one tp group spans, most dp rows one host's devices lie in): the two
     things make_mesh keeps small."""
-    dp, pp, tp = grid.shape
-    tp_hosts = max(len({d.process_index for d in grid[i, j]}) for i in range(dp) for j in range(pp))
+    dp, tp = grid.shape[0], grid.shape[-1]
+    tp_hosts = max(len({d.process_index for d in group}) for group in grid.reshape(-1, tp))
     rows_of = {}
     for i in range(dp):
         for d in grid[i].flat:
@@ -191,7 +193,7 @@ def check_divisible(params, specs, mesh):
 
 def check_config_fits_mesh(cfg, mesh):
     """Config x mesh checks that need no arrays, before anything compiles."""
-    dp, pp, tp = (mesh.shape[a] for a in AXES)
+    dp, cp, pp, tp = (mesh.shape[a] for a in AXES)
     slices = mesh.shape.get(SLICE, 1)
     m, t = cfg.model, cfg.train
     V = t.virtual_stages if t.pipeline == "interleaved" else 1

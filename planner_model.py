@@ -565,6 +565,9 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     cfg = plan_config(cfg)
     if cfg.mesh.dp == -1 and not devices:
         raise ConfigError("--mesh.dp -1 takes the devices left by pp and tp: say how many with --devices N")
+    if cfg.mesh.cp > 1:
+        raise ConfigError("planner.py does not count --mesh.cp yet (its activations, latent gathers and attention FLOPs): "
+                          "plan with --mesh.cp 1")
     n_devices = devices or cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
     shape = par.resolve_mesh_shape(cfg.mesh, n_devices)
     mesh = abstract_mesh(shape)
@@ -575,7 +578,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     store = storage(model_key, train_key, tuple(mesh_shape.items()), cfg.mesh.expert_parallel, tiled)
     if isinstance(store, ConfigError):
         raise store
-    once = gathers_once(cfg, shape[1], hw_name, store)
+    once = gathers_once(cfg, mesh_shape["pp"], hw_name, store)
     memory, activations, phases = memory_bytes(cfg, mesh_shape, store, hw_name, once)
     temp = sum(v for k, v in memory.items() if k not in ("params", "optimizer"))  # all that the step allocates
     muon = store["muon"] if cfg.train.optimizer == "muon" else None
@@ -605,16 +608,17 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     serial = pipelined + sum(comm.values())
     overlapped = max(pipelined, sum(comm.values()))
     return dict(
-        preset=cfg.preset, hardware=hw.name, devices=n_devices, mesh=mesh_shape, dtype=cfg.model.dtype,
+        preset=cfg.preset, hardware=hw.name, devices=n_devices, mesh={a: n for a, n in mesh_shape.items() if a != par.CP},
+        dtype=cfg.model.dtype,
         remat=cfg.model.remat, microbatches=cfg.train.microbatches, expert_parallel=cfg.mesh.expert_parallel,
         params_total=total_params, params_active=active_params,
         memory=memory, activations=activations, temp_bytes=temp, total_bytes=total_bytes,
-        batch_bytes=array_bytes((cfg.train.batch_size // shape[0], cfg.model.seq_len + 1), 4, tiled),  # int32 tokens, not in the total
+        batch_bytes=array_bytes((cfg.train.batch_size // mesh_shape["dp"], cfg.model.seq_len + 1), 4, tiled),  # int32 tokens, not in the total
         loss_phase_bytes=int(next(v for k, v in phases.items() if k.startswith("loss"))), gpu=bool(hw.node_size),
         available_bytes=available, fits=total_bytes <= available,
         peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
-        pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, shape[1]).bubble(), gather_once=once,
-        stage_flops_per_token=stage_flops(model_part_flops(model_key), shape[1]),
+        pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, mesh_shape["pp"]).bubble(), gather_once=once,
+        stage_flops_per_token=stage_flops(model_part_flops(model_key), mesh_shape["pp"]),
         step_s_serial=serial, step_s_overlapped=overlapped,
         tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
 

@@ -35,13 +35,17 @@ MAX_MICROBATCHES = 64  # beyond this a microbatch is a sliver of a sequence per 
 VIRTUAL_STAGES = (2, 4)  # interleaved: chunks per stage tried (n_blocks must divide into pp x V)
 
 
+# The axes the search lays out: all but cp, which the planner does not count yet.
+SEARCHED_AXES = tuple(a for a in par.AXES if a != par.CP)
+
+
 def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def mesh_shapes(n_devices):
     """Every (dp, pp, tp, ...) over parallel.AXES whose product is n_devices."""
-    for head in itertools.product(divisors(n_devices), repeat=len(par.AXES) - 1):
+    for head in itertools.product(divisors(n_devices), repeat=len(SEARCHED_AXES) - 1):
         if n_devices % math.prod(head) == 0:
             yield (n_devices // math.prod(head),) + head
 
@@ -49,7 +53,7 @@ def mesh_shapes(n_devices):
 def layout_flags(cfg):
     """The flags that set cfg's layout, to paste after --preset NAME."""
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
-    flags = [f"--mesh.{axis} {getattr(mesh, axis)}" for axis in par.AXES]
+    flags = [f"--mesh.{axis} {getattr(mesh, axis)}" for axis in SEARCHED_AXES]
     if mesh.expert_parallel:
         flags.append("--mesh.expert_parallel true")
     if mesh.pp > 1:
@@ -66,7 +70,7 @@ def layouts(cfg, n_devices):
     rows = t.batch_size // cfg.mesh.slices
     ep_choices = (False, True) if "M" in m.block_pattern and m.capacity_factor > 0 else (False,)
     for shape in mesh_shapes(n_devices):
-        mesh = dict(zip(par.AXES, shape))
+        mesh = dict(zip(SEARCHED_AXES, shape))
         dp, pp = mesh["dp"], mesh["pp"]
         if rows % dp or m.n_blocks % pp:
             continue
@@ -104,7 +108,7 @@ def search(cfg, devices, hw_name, efficiency, peak=None):
     """(fitting, tried, too_big): the layouts that fit, fastest first (of equal steps, the
     one that needs less memory), as Ranked; how many were planned; how many divide but do
     not fit."""
-    n = (devices or math.prod(getattr(cfg.mesh, a) for a in par.AXES) * cfg.mesh.slices) // cfg.mesh.slices
+    n = (devices or math.prod(getattr(cfg.mesh, a) for a in SEARCHED_AXES) * cfg.mesh.slices) // cfg.mesh.slices
     fitting, tried, too_big = [], 0, 0
     for layout in layouts(cfg, n):
         try:

@@ -27,10 +27,11 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from attention import rope_angles
+from context_parallel import SequenceChunks, chunk_positions, gathered_positions
 from layers import axis_index, live_axes
 from moe import balance_router_biases, router_biases
 from parallel import axes_of, gather_for_use
-from weights import BATCH_AXES, DP, PP, SLICE, TP, is_trained, weight_name
+from weights import BATCH_AXES, CP, DP, PP, SLICE, TP, is_trained, weight_name
 
 # ----------------------------------------------------------------------------
 # Reductions over whichever mesh axes are manual here
@@ -99,9 +100,10 @@ def widen(tree, avals):
 
 @dataclasses.dataclass(frozen=True)
 class Microbatches:
-    tokens_MbT1: jax.Array  # M microbatches of b rows, inputs and targets (T + 1 tokens)
-    angles: jax.Array  # RoPE angles of positions 0..T-1
+    tokens_MbT1: jax.Array  # M microbatches of b rows, inputs and targets (T + 1 tokens, whole rows)
+    angles: jax.Array | SequenceChunks  # RoPE angles of positions 0..T-1; under cp, of this rank's chunks
     keys_Mb: jax.Array | None  # dropout keys of each row, or None without dropout
+    positions_T: jax.Array | None = None  # under cp: the global positions of this rank's tokens [2L]
 
 
 def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
@@ -119,7 +121,12 @@ def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
     else:
         tokens_MbT1 = tokens_bT1.reshape(M, b, T1)
         keys_Mb = None if rng is None else dropout_rows(rng, first_row, B).reshape(M, b)
-    angles = rope_angles(jnp.arange(T1 - 1)[None, :], cfg.model)
+    m, cp = cfg.model, cfg.mesh.cp
+    if cp > 1:  # context parallel: this rank's two chunks of every row (context_parallel.py)
+        positions_T = chunk_positions(T1 - 1, cp, axis_index(CP))
+        chunks = SequenceChunks(rope_angles(positions_T[None, :], m), positions_T, jnp.asarray(gathered_positions(T1 - 1, cp)), CP)
+        return Microbatches(tokens_MbT1, chunks, keys_Mb, positions_T)
+    angles = rope_angles(jnp.arange(T1 - 1)[None, :], m)
     return Microbatches(tokens_MbT1, angles, keys_Mb)
 
 
@@ -206,6 +213,10 @@ def reduce_over_slices(grads, reduce_dtype):
 # Loss and metrics
 
 
+# The axes that split a step's tokens: rows over (slice, dp), each sequence over cp.
+TOKEN_AXES = BATCH_AXES + (CP,)
+
+
 def n_moe_layers(m_cfg):
     return m_cfg.n_blocks * m_cfg.block_pattern.count("M")
 
@@ -216,7 +227,7 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
     same (mesh-invariant) numbers."""
     m_cfg, t_cfg = cfg.model, cfg.train
     n_tokens = t_cfg.batch_size * m_cfg.seq_len
-    ce = psum(ce_sum, BATCH_AXES + (PP,)) / n_tokens
+    ce = psum(ce_sum, TOKEN_AXES + (PP,)) / n_tokens
     # Routing statistics, per block, summed over the batch. Every tp device routed the
     # same tokens the same way (the router is gathered whole), but the router came out
     # of an all_gather over tp, so shard_map types the statistics as varying over tp:
@@ -225,10 +236,10 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
     aux_sum_N = stats_N.pop("aux_loss_sum")
     seq_aux_sum_N = stats_N.pop("seq_aux_loss_sum", None)  # with --model.seq_aux_loss_weight
     n_moe = n_moe_layers(m_cfg)
-    mean_over_mesh = lambda sum_N, count: pmean(psum(jnp.sum(sum_N), BATCH_AXES + (PP,)), (TP,)) / count  # noqa: E731
+    mean_over_mesh = lambda sum_N, count: pmean(psum(jnp.sum(sum_N), TOKEN_AXES + (PP,)), (TP,)) / count  # noqa: E731
     aux = jnp.zeros((), jnp.float32)
     if n_moe:  # (a dense model's all-zero statistics are not reduced: XLA:CPU aborts on that all-reduce)
-        stats_N = jax.tree.map(lambda s: pmax(psum(s, BATCH_AXES), (TP,)), stats_N)
+        stats_N = jax.tree.map(lambda s: pmax(psum(s, TOKEN_AXES), (TP,)), stats_N)
         groups_per_layer = n_tokens // (m_cfg.routing_group or m_cfg.seq_len)
         aux = mean_over_mesh(aux_sum_N, groups_per_layer * n_moe)
     loss = ce + m_cfg.aux_loss_weight * aux
@@ -237,7 +248,7 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
         metrics["seq_aux_loss"] = mean_over_mesh(seq_aux_sum_N, t_cfg.batch_size * n_moe)
         loss = loss + m_cfg.seq_aux_loss_weight * metrics["seq_aux_loss"]
     if m_cfg.mtp_depth:  # V3: lambda / depth x sum over depths of each depth's loss, each divided by all T positions
-        metrics["mtp_loss"] = psum(mtp_sum, BATCH_AXES + (PP,)) / (n_tokens * m_cfg.mtp_depth)
+        metrics["mtp_loss"] = psum(mtp_sum, TOKEN_AXES + (PP,)) / (n_tokens * m_cfg.mtp_depth)
         loss = loss + m_cfg.mtp_loss_weight * metrics["mtp_loss"]
     return loss, metrics
 

@@ -421,13 +421,20 @@ def device_groups(line, n_devices):
     return None
 
 
+def axis_names(mesh_shape):
+    """The axes of a mesh shape: (slice, dp, cp, pp, tp), or as older callers give it
+    (without cp, which then has size 1), (slice, dp, pp, tp) or (dp, pp, tp)."""
+    if len(mesh_shape) == len(par.MESH_AXES):
+        return par.MESH_AXES
+    return tuple(a for a in par.MESH_AXES if a != par.CP)[-len(mesh_shape):]
+
+
 def axes_spanned(groups, mesh_shape):
     """The mesh axes along which the devices of a group differ ("dp+tp", "slice+dp", ...;
-    "-": none, "?": groups not understood). mesh_shape: (slice, dp, pp, tp) or, as
-    older callers give it, (dp, pp, tp)."""
+    "-": none, "?": groups not understood). mesh_shape: see axis_names."""
     if groups is None:
         return "?"
-    names = par.MESH_AXES[-len(mesh_shape):]
+    names = axis_names(mesh_shape)
     varying = set()
     for group in groups:
         coords = np.array(np.unravel_index(group, mesh_shape)).T
@@ -478,7 +485,7 @@ def collective_ops(hlo, mesh_shape):
             if megascale:  # across slices (TPU multi-slice): a host transfer over the data-center network
                 dtype, dims = ARRAY.search(result).groups()  # (its first element: the data; then a u32 and a token)
                 ops.append(CollectiveOp(megascale.group(1).lower().replace("_", "-"), par.SLICE, runs[name],
-                                        mesh_shape[0] if len(mesh_shape) == len(par.MESH_AXES) else 1,
+                                        mesh_shape[0] if axis_names(mesh_shape)[0] == par.SLICE else 1,
                                         ((dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)),)))
                 continue
             kind = op[:-len("-done")] if op.endswith("-done") else op

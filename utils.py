@@ -40,6 +40,8 @@ class MeshConfig:
     dp: int = option(-1, "data parallel (FSDP) degree; -1 = all devices not used by pp and tp")
     pp: int = option(1, "pipeline stages")
     tp: int = option(1, "tensor parallel degree")
+    cp: int = option(1, "context parallel degree: every sequence split into 2cp chunks, rank i holding chunks i and 2cp-1-i "
+                        "(balanced causal work); attention all-gathers the MLA latent over cp (context_parallel.py)")
     slices: int = option(1, "TPU slices (multi-slice data parallelism over the data-center network: weights replicated per "
                             "slice, only the gradient all-reduce crosses slices); dp x pp x tp is per slice")
     expert_parallel: bool = option(False, "shard routed experts over dp (all-to-all dispatch)")
@@ -325,6 +327,28 @@ def parse_args(argv):
     return cfg
 
 
+def context_parallel_checks(cfg):
+    """--mesh.cp: what it needs, and what it does not support yet (each a one-line error)."""
+    m, cp = cfg.model, cfg.mesh.cp
+    if cp == 1:
+        return []
+    L = m.seq_len // (2 * cp)  # tokens per chunk
+    group = m.routing_group or m.seq_len
+    unsupported = [(cfg.mesh.sharding == "manual", "--mesh.sharding auto"), (cfg.train.pipeline == "gpipe", f"--train.pipeline {cfg.train.pipeline}"),
+                   (m.dropout == 0, "--model.dropout > 0"), (not cfg.mesh.expert_parallel, "--mesh.expert_parallel"),
+                   (cfg.mesh.slices == 1, "--mesh.slices > 1"), (m.first_dense == 0, "--model.first_dense > 0"),
+                   (m.rope_scaling == "none", f"--model.rope_scaling {m.rope_scaling}"),
+                   (m.attention != "dot_product_attention", "--model.attention dot_product_attention")]
+    return [(m.seq_len % (2 * cp) == 0, f"--model.seq_len ({m.seq_len}) must be divisible by 2 x --mesh.cp ({2 * cp}): "
+                                        f"each cp rank holds 2 chunks of every sequence"),
+            (m.seq_len % (2 * cp) or L % group == 0,
+             f"--model.routing_group ({group}) must divide --model.seq_len / (2 x --mesh.cp) = {L}: a routing group must not straddle "
+             f"two cp ranks' chunks; set --model.routing_group to a divisor of {L}"),
+            (m.attention != "blockwise" or m.seq_len % (2 * cp) or L % min(m.attention_block, L) == 0,
+             f"--model.attention_block ({m.attention_block}) must divide --model.seq_len / (2 x --mesh.cp) = {L} (blocks within a chunk)"),
+            ] + [(ok, f"--mesh.cp {cp} with {what} is not supported yet: use --mesh.cp 1") for ok, what in unsupported]
+
+
 def validate_model(cfg):
     """Checks that need no devices; mesh checks are in parallel.py."""
     m, t = cfg.model, cfg.train
@@ -368,6 +392,7 @@ def validate_model(cfg):
         (cfg.mesh.sharding in SHARDING_MODES, f"--mesh.sharding must be manual or auto, got {cfg.mesh.sharding!r}"),
         (cfg.mesh.sharding != "auto" or cfg.mesh.pp == 1, f"--mesh.sharding auto does not pipeline (--mesh.pp {cfg.mesh.pp}): "
                                                            "use --mesh.pp 1, or --mesh.sharding manual for pipeline stages"),
+        *context_parallel_checks(cfg),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
         (t.optimizer in ("muon", "adamw"), f"--train.optimizer must be muon or adamw, got {t.optimizer!r}"),

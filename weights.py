@@ -16,12 +16,15 @@ the dense prefix's layers (model.Transformer.prefix) are not stacked and have no
 import dataclasses
 
 # The mesh axes, named once (parallel.py builds the mesh from them). AXES are those
-# within one TPU slice (ICI), the only ones weights are split over; SLICE, outermost,
+# within one TPU slice (ICI), the only ones weights are split over; CP (context
+# parallel) splits every sequence: its ranks hold the same weights, so, as torchtitan
+# does, their storage is FSDP-sharded over dp x cp (an FSDP weight is split over every
+# axis in AXES that does not split it for compute); SLICE, outermost,
 # is data parallelism across slices over the data-center network (10-100x slower), so
 # only the once-per-step gradient all-reduce crosses it (step_core.reduce_over_slices).
-DP, PP, TP = "dp", "pp", "tp"
+DP, CP, PP, TP = "dp", "cp", "pp", "tp"
 SLICE = "slice"
-AXES = (DP, PP, TP)
+AXES = (DP, CP, PP, TP)
 MESH_AXES = (SLICE,) + AXES
 BATCH_AXES = (SLICE, DP)  # the batch's rows, slice-major: a global row index stays meaningful
 # Per dim of a weight, how it is split (`Weight.dims`):

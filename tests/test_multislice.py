@@ -157,7 +157,7 @@ def test_two_tpu_slices_compile_and_only_the_gradient_crosses(pod):
                                 "train": dict(batch_size=32, microbatches=2)})
     devices = tpu_compile.pod_devices(pod, slices=2)
     mesh = par.make_mesh(cfg.mesh, devices)
-    assert dict(mesh.shape) == {"slice": 2, "dp": 8, "pp": 2, "tp": 2}
+    assert dict(mesh.shape) == {"slice": 2, "dp": 8, "cp": 1, "pp": 2, "tp": 2}
     assert all(d.slice_index == s for s in range(2) for d in mesh.devices[s].flat)
     hlo = tpu_compile.compile_steps(cfg, mesh, eval_step=False)["train"].as_text()
     ops = tpu_compile.collective_ops(hlo, mesh.devices.shape)

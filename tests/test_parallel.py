@@ -35,7 +35,7 @@ def tiny_config(mesh_shape=(1, 1, 1), expert_parallel=False, **model):
 
 
 def mesh_for(cfg):
-    n = cfg.mesh.slices * cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
+    n = cfg.mesh.slices * cfg.mesh.dp * cfg.mesh.cp * cfg.mesh.pp * cfg.mesh.tp
     return par.make_mesh(cfg.mesh, jax.devices()[:n])
 
 

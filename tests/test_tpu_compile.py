@@ -15,6 +15,7 @@ import pytest
 import parallel as par
 import planner
 import tpu_compile
+import weights
 from train_steps import make_train_step
 from utils import PRESETS, Config, MeshConfig, apply_overrides
 from weights import WEIGHTS
@@ -63,7 +64,7 @@ def test_jax_make_mesh_cannot_map_the_reference_mesh(devices_of):
     """Why make_mesh does more than call jax.make_mesh: the reference 1B run's mesh
     (dp8 x pp2 x tp2 on a v4-64) has no assignment there."""
     with pytest.raises(NotImplementedError):
-        jax.make_mesh((8, 2, 2), par.AXES, devices=devices_of("v4-64"))
+        jax.make_mesh((8, 2, 2), (par.DP, par.PP, weights.TP), devices=devices_of("v4-64"))
 
 
 @pytest.mark.parametrize("pod, shape", [(pod, shape) for pod, shapes in POD_MESHES.items() for shape in shapes],
@@ -76,8 +77,8 @@ def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
     devices = devices_of(pod)
     mesh = par.make_mesh(MeshConfig(*shape), devices)
     dp, pp, tp = shape
-    assert mesh.devices.shape == (1, *shape)  # one slice
-    grid = mesh.devices[0]
+    assert mesh.devices.shape == (1, dp, 1, pp, tp)  # one slice, no cp
+    grid = mesh.devices[0, :, 0]
     assert grid.shape == shape and sorted(d.id for d in grid.flat) == sorted(d.id for d in devices)
     per_host = chips_per_host(devices)
     for i in range(dp):
@@ -168,7 +169,7 @@ def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True
                 collectives=tpu_compile.collectives(hlo, shape), dot_flops=tpu_compile.dot_flops(hlo),
                 busiest_bytes=tpu_compile.busiest_collective_bytes(hlo, shape),
                 eval_collectives=tpu_compile.collectives(compiled["eval"].as_text(), shape) if eval_step else None,
-                fsdp_gradient_bytes=planner.gathered_bytes(gathered, expert_parallel, dict(zip(par.AXES, shape)), 4, False),
+                fsdp_gradient_bytes=planner.gathered_bytes(gathered, expert_parallel, dict(zip((par.DP, par.PP, weights.TP), shape), cp=1), 4, False),
                 hbm=planner.HARDWARE[hardware].memory_bytes, seconds=compiled["seconds"], muon=cfg.train.optimizer == "muon",
                 prefix=cfg.model.first_dense > 0)
 

@@ -85,8 +85,8 @@ def test_a_weight_with_no_row_is_an_error_naming_weights_py():
 
 def test_readers_read_the_table():
     """parallel's layout and Muon's matrix dims are the rows' (a few rows, by hand)."""
-    assert par.weight_layout("wq_up_QHK", True, False)[0] == (par.PP, (par.DP,), weights.TP, None)
-    assert par.weight_layout("w_gate_EDF", False, True)[0] == (par.DP, (par.PP,), weights.TP)
+    assert par.weight_layout("wq_up_QHK", True, False)[0] == (par.PP, (par.DP, par.CP), weights.TP, None)  # stored over dp x cp
+    assert par.weight_layout("w_gate_EDF", False, True)[0] == (par.DP, (par.CP, par.PP), weights.TP)
     stacked = (jax.tree_util.DictKey("blocks"), jax.tree_util.DictKey("wo_HKD"))
     assert optimizers.matrix_dims(stacked, 4) == ((0,), (1, 2), (3,))
     expert = (jax.tree_util.DictKey("w_down_EFD"),)

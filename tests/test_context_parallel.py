@@ -1,0 +1,138 @@
+"""--mesh.cp (context_parallel.py): every sequence split over cp, rank i holding chunks
+i and 2cp-1-i, attention gathering the MLA latent over cp. On 8 fake CPU devices,
+float32, the deepseek_v3 preset (every loss term on, the aux loss weighted) at T = 256:
+two train steps equal one device within 1e-5 (loss and its parts, grad norm, each
+gradient leaf through the optimizer's moments, router biases, the weights); the
+collectives over cp in the compiled step move kv_latent + rope_dim numbers per token and
+nothing of heads x head_dim; bad flags are one-line errors.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_parallel import RTOL, assert_tree_close, placed_step, train_steps
+
+import parallel as par
+import tpu_compile
+from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides, parse_args
+
+SEQ_LEN, ROUTING_GROUP = 256, 16  # a routing group must divide T / (2 cp) = 16 at cp 8
+
+
+def v3_config(dp=1, cp=1, pp=1, tp=1, optimizer="adamw", **model):
+    """The deepseek_v3 preset narrower (D 64) and shorter in vocabulary, 2 blocks in a loop,
+    with the aux loss weighted (the preset's 0 would hide its gradient) and routing groups
+    of 16 tokens (the preset's whole-sequence group would straddle cp ranks)."""
+    cfg = apply_overrides(Config(), PRESETS["deepseek_v3"])
+    model = dict(vocab_size=256, seq_len=SEQ_LEN, d_model=64, n_blocks=2, dtype="float32", unroll_blocks=False,
+                 aux_loss_weight=0.01, routing_group=ROUTING_GROUP, attention_block=16) | model
+    return apply_overrides(cfg, {"model": model, "mesh": dict(dp=dp, cp=cp, pp=pp, tp=tp),
+                                 "train": dict(batch_size=4, microbatches=2 if pp > 1 else 1, optimizer=optimizer)})
+
+
+@functools.cache
+def one_device(optimizer="adamw"):
+    return train_steps(v3_config(optimizer=optimizer))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {"matmul": one_device()}
+
+
+def trained_leaves(tree):
+    """The leaves of a tree (an optimizer state) but the router biases' (untrained: zero moments)."""
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if "router_bias" not in jax.tree_util.keystr(path)}
+
+
+def assert_equals_one_device(result, reference):
+    """test_parallel.assert_same_steps' comparison (the gradients through AdamW's
+    moments, after each step), plus every loss part and the router biases."""
+    (metrics, opt_states, params), (ref_metrics, ref_opt_states, ref_params) = result, reference
+    for s, (o, ref_o) in enumerate(zip(opt_states, ref_opt_states)):
+        assert_tree_close(trained_leaves(o), trained_leaves(ref_o), what=f"optimizer state after step {s}: ")
+    assert_tree_close(params, ref_params, what="params: ")
+    for s, (m, ref_m) in enumerate(zip(metrics, ref_metrics)):
+        np.testing.assert_array_equal(m["stats_N"]["tokens_per_expert"], ref_m["stats_N"]["tokens_per_expert"])
+        for key in ("loss", "aux_loss", "grad_norm", "seq_aux_loss", "mtp_loss"):
+            assert ref_m[key] > 0, key
+            np.testing.assert_allclose(m[key], ref_m[key], rtol=RTOL, err_msg=f"step {s}: {key}")
+        assert np.abs(ref_m["router_bias_NLE"]).max() > 0
+        np.testing.assert_allclose(m["router_bias_NLE"], ref_m["router_bias_NLE"], atol=1e-7, err_msg=f"step {s}: router biases")
+
+
+CASES = [pytest.param(dict(dp=2, cp=2, tp=2), id="dp2xcp2xtp2"),
+         pytest.param(dict(cp=2), id="cp2", marks=pytest.mark.slow),
+         pytest.param(dict(cp=4), id="cp4", marks=pytest.mark.slow),
+         pytest.param(dict(cp=8), id="cp8", marks=pytest.mark.slow),
+         pytest.param(dict(cp=2, pp=2, tp=2), id="cp2xpp2xtp2", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("mesh", CASES)
+def test_context_parallel_equals_one_device(reference, mesh):
+    assert_equals_one_device(train_steps(v3_config(**mesh)), reference["matmul"])
+
+
+@pytest.mark.slow
+def test_context_parallel_blockwise_attention_equals_one_device(reference):
+    """The blockwise kernel on cp 4 (blocks of 16 = one chunk: the skipped block pairs
+    are whole chunks) against the matmul kernel on one device."""
+    assert_equals_one_device(train_steps(v3_config(cp=4, attention="blockwise")), reference["matmul"])
+
+
+@pytest.mark.slow
+def test_context_parallel_with_muon_equals_one_device():
+    """Muon orthogonalizes each matrix on one owner among the devices that store it:
+    with storage over dp x cp those owners are other devices than without cp."""
+    assert_equals_one_device(train_steps(v3_config(dp=2, cp=2, tp=2, optimizer="muon")), one_device("muon"))
+
+
+@functools.cache
+def compiled_hlo(cfg):
+    step, (params, opt_state, batch) = placed_step(cfg)
+    return step.lower(params, opt_state, batch, jnp.asarray(0)).compile().as_text()
+
+
+def test_collectives_over_cp_move_the_latent_not_keys_and_values():
+    """On dp2 x cp2 x tp2 the weights' FSDP collectives run over dp+cp (or dp+cp+tp),
+    so those over cp alone are attention's and the sequence-wise loss's statistics. Per
+    attention layer (4 in the blocks, 2 in the MTP block) one all-gather of the latent
+    [b, T, A + R] forward, one reduce-scatter of its gradient [b, T / cp, A + R] backward;
+    nothing else over cp is bigger than [b, E]: keys and values [b, T, H, K] never cross."""
+    cfg = v3_config(dp=2, cp=2, tp=2)
+    m = cfg.model
+    ops = [op for op in tpu_compile.collective_ops(compiled_hlo(cfg), par.make_mesh(cfg.mesh, jax.devices()[:8]).devices.shape)
+           if op.over == "cp"]
+    b, latent = cfg.train.batch_size // 2, m.kv_latent + m.rope_dim
+    n_attention = m.n_blocks * len(m.block_pattern) + m.mtp_depth * len(m.block_pattern)
+    sizes = lambda kind: sorted(nbytes for op in ops if op.kind == kind for _ in range(op.runs) for _, nbytes in op.arrays)  # noqa: E731
+    assert sizes("all-gather") == [b * SEQ_LEN * latent * 4] * n_attention, sizes("all-gather")
+    assert sizes("reduce-scatter") == [b * SEQ_LEN // 2 * latent * 4] * n_attention, sizes("reduce-scatter")
+    others = [op for op in ops if op.kind not in ("all-gather", "reduce-scatter")]
+    assert all(nbytes <= b * m.n_experts * 4 for op in others for _, nbytes in op.arrays), others
+    assert m.n_heads * m.head_dim > 2 * latent  # keys alone would be more than twice the latent's bytes
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mesh.cp", "2", "--model.seq_len", "250", "--model.routing_group", "25"],
+     r"--model.seq_len \(250\) must be divisible by 2 x --mesh.cp \(4\)"),
+    (["--mesh.cp", "4"], r"--model.routing_group \(128\) must divide --model.seq_len / \(2 x --mesh.cp\) = 16"),
+    (["--mesh.cp", "2", "--model.routing_group", "32", "--train.pipeline", "1f1b"], "--mesh.cp 2 with --train.pipeline 1f1b is not supported yet"),
+    (["--mesh.cp", "2", "--model.routing_group", "32", "--mesh.sharding", "auto"], "--mesh.cp 2 with --mesh.sharding auto is not supported yet"),
+    (["--mesh.cp", "2", "--model.routing_group", "32", "--model.dropout", "0.1"], r"--mesh.cp 2 with --model.dropout > 0 is not supported yet"),
+])
+def test_bad_context_parallel_flags_are_one_line_errors(argv, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        parse_args(argv)
+    assert "\n" not in str(error.value)
+
+
+def test_cp_times_the_other_axes_must_be_the_device_count():
+    with pytest.raises(ConfigError, match=r"mesh dp=2 x cp=2 x pp=1 x tp=4 = 16 devices, but there are 8") as error:
+        par.resolve_mesh_shape(MeshConfig(dp=2, cp=2, tp=4), 8)
+    assert "\n" not in str(error.value)
+    assert par.resolve_mesh_shape(MeshConfig(cp=2, tp=2), 8) == (2, 2, 1, 2)  # dp -1: the rest
