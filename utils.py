@@ -338,7 +338,9 @@ def context_parallel_checks(cfg):
                    (m.dropout == 0, "--model.dropout > 0"), (not cfg.mesh.expert_parallel, "--mesh.expert_parallel"),
                    (cfg.mesh.slices == 1, "--mesh.slices > 1"), (m.first_dense == 0, "--model.first_dense > 0"),
                    (m.rope_scaling == "none", f"--model.rope_scaling {m.rope_scaling}"),
-                   (m.attention != "dot_product_attention", "--model.attention dot_product_attention")]
+                   (m.attention != "dot_product_attention", "--model.attention dot_product_attention"),
+                   (cfg.mesh.pp > 1 or cfg.train.microbatches == 1,
+                    "--train.microbatches > 1 at --mesh.pp 1 (the accumulation executor, executor_accumulate.py)")]
     return [(m.seq_len % (2 * cp) == 0, f"--model.seq_len ({m.seq_len}) must be divisible by 2 x --mesh.cp ({2 * cp}): "
                                         f"each cp rank holds 2 chunks of every sequence"),
             (m.seq_len % (2 * cp) or L % group == 0,
