@@ -227,11 +227,11 @@ def fsdp_traffic(tree, expert_parallel, mesh_shape, itemsize, one_block):
 
 def collective_bw(hw, mesh_shape, axes):
     """Bandwidth of a collective over `axes`: on a GPU cluster, an axis group that
-    fits in one NVLink node uses NVLink, else InfiniBand. The mesh is (dp, pp, tp),
+    fits in one NVLink node uses NVLink, else InfiniBand. The mesh is (dp, cp, pp, tp),
     tp innermost: the devices of a group along axis a are `stride(a)` apart."""
     if not hw.node_size:
         return hw.ring_bw
-    order = ("dp", "pp", "tp")
+    order = par.AXES
     for a in axes:
         inner = math.prod(mesh_shape[x] for x in order[order.index(a):])  # span of one group along a
         if inner > hw.node_size and mesh_shape[a] > 1:
