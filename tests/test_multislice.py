@@ -85,7 +85,7 @@ def gradient_shard_bytes(cfg, itemsize=4):
     params = planner.abstract_params(cfg.model)
     trained = jax.tree_util.tree_map_with_path(
         lambda path, w: w if weights.is_trained(weights.weight_name(path)) else None, params)
-    return planner.layout_bytes(trained, cfg.mesh.expert_parallel, dict(dp=cfg.mesh.dp, pp=cfg.mesh.pp, tp=cfg.mesh.tp),
+    return planner.layout_bytes(trained, cfg.mesh.expert_parallel, dict(dp=cfg.mesh.dp, cp=cfg.mesh.cp, pp=cfg.mesh.pp, tp=cfg.mesh.tp),
                                 itemsize=itemsize)
 
 
@@ -130,7 +130,7 @@ def test_rows_are_slice_major():
     mesh (dropout keys are per global row)."""
     mesh = par.make_mesh(MeshConfig(dp=2, tp=2, slices=2), jax.devices()[:8])
     indices = jax.sharding.NamedSharding(mesh, par.batch_spec()).devices_indices_map((8, 1))
-    for (s, d, _, t), device in np.ndenumerate(mesh.devices):
+    for (s, d, _, _, t), device in np.ndenumerate(mesh.devices):  # (slice, dp, cp, pp, tp)
         assert indices[device][0] == slice(4 * s + 2 * d, 4 * s + 2 * d + 2)
 
 
