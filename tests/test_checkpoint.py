@@ -150,7 +150,7 @@ def test_restore_onto_another_mesh_is_bit_exact(saved_on_2x2x2, shape):
     manager = checkpoint.checkpoint_manager(str(run_dir), keep=3)
     restored_params, restored_opt, meta = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, seed=0)
     assert meta["step"] == 5 and meta["data_position"] == 5 and meta["seed"] == 0
-    assert meta["config"]["mesh"] == dict(dp=2, pp=2, tp=2, slices=1, expert_parallel=False, sharding="manual")
+    assert meta["config"]["mesh"] == dict(dp=2, cp=1, pp=2, tp=2, slices=1, expert_parallel=False, sharding="manual")
     for restored, saved, target in [(restored_params, params_saved, params), (restored_opt, opt_saved, opt_state)]:
         assert jax.tree.structure(restored) == jax.tree.structure(saved)
         for r, s, t in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(target)):

@@ -448,7 +448,7 @@ def test_bad_mesh_config_raises_clear_error(mesh_shape, model, train, expert_par
 
 def test_dp_minus_one_takes_the_rest():
     cfg = apply_overrides(Config(), {"mesh": dict(dp=-1, pp=2, tp=2)})
-    assert dict(par.make_mesh(cfg.mesh, jax.devices()[:8]).shape) == {"slice": 1, "dp": 2, "pp": 2, "tp": 2}
+    assert dict(par.make_mesh(cfg.mesh, jax.devices()[:8]).shape) == {"slice": 1, "dp": 2, "cp": 1, "pp": 2, "tp": 2}
 
 
 def test_process_rows_cover_the_batch():
