@@ -31,6 +31,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from layers import live_axes
 
@@ -53,11 +54,19 @@ class SequenceChunks:
     """What attention needs under context parallelism, passed down where the RoPE angles
     go (MLAttention.__call__ takes either): the angles of this rank's tokens, their
     global positions q_pos_T [2L], the global positions k_pos_S [T] of the gathered
-    keys, and the cp axis to gather over."""
+    keys, and the cp axis to gather over.
+
+    Under the automatic executor (--mesh.sharding auto) the program is global: the
+    tokens are every rank's chunks in rank order, [T] of them, their sequence dim split
+    over cp by a sharding constraint (executor_auto), so that rank i holds chunks i and
+    2cp-1-i as here. There no collective is written: `whole` is the spec that asks the
+    compiler for the latent whole over cp, so that it gathers the latent rather than
+    keys and values."""
     angles: jax.Array
     q_pos_T: jax.Array
     k_pos_S: jax.Array
     axis: str = dataclasses.field(metadata=dict(static=True))
+    whole: P | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def gather(self, kv_BTA, k_rope_BTR):
         """The latent and RoPE key of every rank's tokens: [B, T, A], [B, T, R], one
@@ -66,12 +75,19 @@ class SequenceChunks:
         latent_BTW = jnp.concatenate([kv_BTA, k_rope_BTR.astype(kv_BTA.dtype)], axis=-1)
         if live_axes(self.axis):
             latent_BTW = jax.lax.all_gather(latent_BTW, self.axis, axis=1, tiled=True)
+        elif self.whole is not None:
+            latent_BTW = jax.lax.with_sharding_constraint(latent_BTW, self.whole)
         return latent_BTW[..., :A], latent_BTW[..., A:].astype(k_rope_BTR.dtype)
 
 
 def sequence_axis(angles):
     """The cp axis when attention runs on sequence chunks (angles is a SequenceChunks), else None."""
     return angles.axis if isinstance(angles, SequenceChunks) else None
+
+
+def token_positions(angles, T):
+    """The global positions [T] of the tokens a layer holds: 0..T-1, or this rank's chunks'."""
+    return angles.q_pos_T if isinstance(angles, SequenceChunks) else jnp.arange(T)
 
 
 def local_inputs(tokens_xT1, positions_T):

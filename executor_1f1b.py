@@ -35,9 +35,10 @@ from flax import nnx
 from jax.extend.core import Literal
 
 import step_core as core
+from context_parallel import local_inputs, local_targets
 from layers import axis_index
 from model import fold_in_rows
-from weights import BATCH_AXES, DP, PP, TP
+from weights import DP, PP, TP
 from pipeline import BACKWARD, FIELDS, FORWARD, schedule
 
 MANUAL = True  # runs inside jax.shard_map: every collective written out
@@ -235,13 +236,13 @@ class ScheduledStep:
         """Microbatch m embedded and through the dense prefix (--model.first_dense), in
         the compute dtype: what the first chunk starts from."""
         model, keys_Mb = self.model_with(top), self.mb.keys_Mb
-        x_bTD = model.embed(self.mb.tokens_MbT1[m, :, :-1], TP).astype(self.cfg.model.dtype)
+        x_bTD = model.embed(local_inputs(self.mb.tokens_MbT1[m], self.mb.positions_T), TP).astype(self.cfg.model.dtype)
         return model.run_prefix(x_bTD, self.mb.angles, TP, None if keys_Mb is None else keys_Mb[m])
 
     def head_sums(self, top, y_bTD, m):
         """(summed cross-entropy, summed MTP cross-entropy) of microbatch m's output."""
         model, tokens_bT1 = self.model_with(top), self.mb.tokens_MbT1[m]
-        ce = model.loss_sum(y_bTD, tokens_bT1[:, 1:], TP)
+        ce = model.loss_sum(y_bTD, local_targets(tokens_bT1, self.mb.positions_T), TP)
         if model.mtp is None:
             return ce, jnp.zeros((), jnp.float32)
         keys_b = None if self.mb.keys_Mb is None else self.mb.keys_Mb[m]
@@ -283,13 +284,13 @@ class ScheduledStep:
     # --- the loop -----------------------------------------------------------
 
     def initial_carry(self):
-        """Buffers. Activations vary over (slice, dp) (rows) and pp (stages); each ring has one
-        trash slot at the end for writes with nothing to write."""
+        """Buffers. Activations vary over (slice, dp) (rows), cp (sequence chunks) and pp
+        (stages); each ring has one trash slot at the end for writes with nothing to write."""
         m_cfg, sched = self.cfg.model, self.sched
-        b, T = self.mb.tokens_MbT1.shape[1], self.mb.tokens_MbT1.shape[2] - 1
+        b, T = self.mb.tokens_MbT1.shape[1], self.mb.local_len
         act_dtype = jnp.dtype(m_cfg.dtype)
-        x0 = core.vary(jnp.zeros((b, T, m_cfg.d_model), act_dtype), BATCH_AXES + (PP,))
-        zero_sum = core.vary(jnp.zeros((), jnp.float32), BATCH_AXES + (PP,))
+        x0 = core.vary(jnp.zeros((b, T, m_cfg.d_model), act_dtype), core.TOKEN_AXES + (PP,))
+        zero_sum = core.vary(jnp.zeros((), jnp.float32), core.TOKEN_AXES + (PP,))
         # MoE statistics per chunk and block [V, L]; their types come from one block.
         stats_aval = jax.eval_shape(lambda: self.run_chunk(jax.tree.map(lambda w: w[0], self.chunks), x0, 0, 0)[2])
         # The stash: per slot, every leaf of the chunk's blocks' residuals [L, ...].

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import step_core as core
+from context_parallel import local_inputs, local_targets
 from model import apply_blocks
 from parallel import gather_for_use
 from weights import AXES, DP, TP, is_trained, weight_name
@@ -75,7 +76,7 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
     def microbatch_sums(top, blocks, tokens_bT1, keys_b):
         """((cross-entropy, MTP, balance losses per block), MoE statistics) of one microbatch."""
         model = nnx.merge(graphdef, {**top, "blocks": blocks})
-        x_bTD = model.embed(tokens_bT1[:, :-1], TP).astype(dtype)
+        x_bTD = model.embed(local_inputs(tokens_bT1, mb.positions_T), TP).astype(dtype)
         x_bTD = model.run_prefix(x_bTD, mb.angles, TP, keys_b, m_cfg.remat)  # the dense prefix (--model.first_dense), if any
 
         def run_blocks(x_bTD):
@@ -85,7 +86,7 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
         if m_cfg.remat == "stage":  # all blocks are the one stage: keep only the microbatch's input
             run_blocks = jax.checkpoint(run_blocks)
         y_bTD, stats_N = run_blocks(x_bTD)
-        ce = model.loss_sum(y_bTD, tokens_bT1[:, 1:], TP)
+        ce = model.loss_sum(y_bTD, local_targets(tokens_bT1, mb.positions_T), TP)
         mtp = jnp.zeros((), jnp.float32) if model.mtp is None else model.mtp_loss_sum(y_bTD, tokens_bT1, mb.angles, TP, keys_b)
         return (ce, mtp) + core.balance_sums(stats_N), stats_N
 

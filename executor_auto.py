@@ -37,14 +37,16 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import step_core as core
+from context_parallel import local_inputs, local_targets
 from model import apply_blocks
-from parallel import BATCH_AXES, DP, is_stacked, is_trained, weight_layout, weight_name
+from parallel import BATCH_AXES, CP, DP, is_stacked, is_trained, weight_layout, weight_name
 
 MANUAL = False  # jit partitions a global program: the compiler writes the collectives
 
 # The residual stream [B, T, D]: rows over (slice, dp), replicated over tp (Megatron's layout
-# between layers: each tp device holds the whole activation of its rows).
-RESIDUAL_SPEC = P(BATCH_AXES, None, None)
+# between layers: each tp device holds the whole activation of its rows), the sequence
+# over cp (the tokens in cp rank order under context parallelism: context_parallel.py).
+RESIDUAL_SPEC = P(BATCH_AXES, CP, None)
 
 
 def compute_spec(path, one_block, expert_parallel):
@@ -93,7 +95,7 @@ def loss(params, tokens_BT1, graphdef, cfg, rng):
         run_blocks = jax.checkpoint(run_blocks)
 
     def head_sums(y_bTD, tokens_bT1, keys_b):
-        ce = model.loss_sum(y_bTD, tokens_bT1[:, 1:])  # (tp_axis None: the compiler splits the vocabulary)
+        ce = model.loss_sum(y_bTD, local_targets(tokens_bT1, mb.positions_T))  # (tp_axis None: the compiler splits the vocabulary)
         if model.mtp is None:
             return ce, jnp.zeros((), jnp.float32)
         return ce, model.mtp_loss_sum(y_bTD, tokens_bT1, mb.angles, None, keys_b)
@@ -104,7 +106,7 @@ def loss(params, tokens_BT1, graphdef, cfg, rng):
     def microbatch(sums, tokens_and_index):
         tokens_bT1, index = tokens_and_index
         keys_b = None if mb.keys_Mb is None else mb.keys_Mb[index]
-        x_bTD = residual(model.embed(tokens_bT1[:, :-1]))
+        x_bTD = residual(model.embed(local_inputs(tokens_bT1, mb.positions_T)))
         if model.prefix is not None:  # the dense prefix (--model.first_dense)
             x_bTD = residual(model.run_prefix(x_bTD, mb.angles, None, keys_b, m_cfg.remat))
         y_bTD, stats_N = run_blocks(x_bTD, keys_b)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attention import MLAttention, rope_angles
-from context_parallel import SequenceChunks, sequence_axis
+from context_parallel import sequence_axis, token_positions
 from layers import ACC_DTYPE, DenseFFN, RMSNorm, axis_index, init_normal, pmax_if, project, psum_if, residual_scale
 from moe import MoE
 
@@ -148,25 +148,28 @@ class Layer(nnx.Module):
         self.ffn = MoE(cfg, rngs) if kind == "M" else DenseFFN(cfg.d_model, cfg.d_ff, cfg.ffn_activation, rngs, residual_scale(cfg))
         self.dropout = cfg.dropout
 
-    def drop(self, x_BTD, keys_B):
-        """Dropout on a residual branch's output. The mask of row b is drawn from its own
-        key over the whole [T, D] of that row: every tp device holds the same residual
-        stream and the same keys, so it draws the same mask (no tp-varying rng)."""
+    def drop(self, x_BTD, keys_B, positions_T):
+        """Dropout on a residual branch's output. The mask of row b at global position t
+        is drawn from fold_in(key of row b, t): every tp device holds the same residual
+        stream and the same keys, so it draws the same mask (no tp-varying rng), and a
+        position's mask is the same on whichever cp rank holds it (context_parallel.py)."""
         if self.dropout == 0 or keys_B is None:
             return x_BTD
-        keep_BTD = jax.vmap(lambda key: jax.random.bernoulli(key, 1 - self.dropout, x_BTD.shape[1:]))(keys_B)
+        draw_D = lambda key, t: jax.random.bernoulli(jax.random.fold_in(key, t), 1 - self.dropout, x_BTD.shape[-1:])  # noqa: E731
+        keep_BTD = jax.vmap(lambda key: jax.vmap(draw_D, (None, 0))(key, positions_T))(keys_B)
         return jnp.where(keep_BTD, x_BTD / (1 - self.dropout), 0).astype(x_BTD.dtype)
 
     def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None):
         """rng: dropout keys, one per batch row [B] (see fold_in_rows), or None = no dropout."""
         rngs = (fold_in_rows(rng, 0), fold_in_rows(rng, 1)) if rng is not None else (None, None)
-        x_BTD = x_BTD + self.drop(self.attn(self.attn_norm(x_BTD), angles, tp_axis), rngs[0])
+        positions_T = token_positions(angles, x_BTD.shape[1])
+        x_BTD = x_BTD + self.drop(self.attn(self.attn_norm(x_BTD), angles, tp_axis), rngs[0], positions_T)
         h_BTD = self.ffn_norm(x_BTD)
         if self.kind == "M":
             y_BTD, stats = self.ffn(h_BTD, tp_axis, ep_axis, sequence_axis(angles))
         else:
             y_BTD, stats = self.ffn(h_BTD), None
-        return x_BTD + self.drop(psum_if(y_BTD, tp_axis), rngs[1]), stats
+        return x_BTD + self.drop(psum_if(y_BTD, tp_axis), rngs[1], positions_T), stats
 
     def decode(self, x_BTD, angles, cache, start):
         """The layer on T new tokens given the latent cache of earlier ones (decode_step)."""
@@ -363,7 +366,7 @@ class Transformer(nnx.Module):
         """
         B, T1 = tokens_BT1.shape
         T = T1 - 1
-        positions_T = angles.q_pos_T if isinstance(angles, SequenceChunks) else jnp.arange(T)
+        positions_T = token_positions(angles, T)
         padded_BT = jnp.pad(tokens_BT1, ((0, 0), (0, len(self.mtp))))
         total = jnp.zeros((), jnp.float32)
         for k, module in enumerate(self.mtp, start=1):

@@ -105,6 +105,11 @@ class Microbatches:
     keys_Mb: jax.Array | None  # dropout keys of each row, or None without dropout
     positions_T: jax.Array | None = None  # under cp: the global positions of this rank's tokens [2L]
 
+    @property
+    def local_len(self):
+        """Tokens per row on this device: T, or under cp this rank's 2L."""
+        return self.tokens_MbT1.shape[-1] - 1 if self.positions_T is None else self.positions_T.shape[0]
+
 
 def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
     """This device's rows (global rows first_row, first_row + 1, ...) as M microbatches.
@@ -123,8 +128,12 @@ def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
         keys_Mb = None if rng is None else dropout_rows(rng, first_row, B).reshape(M, b)
     m, cp = cfg.model, cfg.mesh.cp
     if cp > 1:  # context parallel: this rank's two chunks of every row (context_parallel.py)
-        positions_T = chunk_positions(T1 - 1, cp, axis_index(CP))
-        chunks = SequenceChunks(rope_angles(positions_T[None, :], m), positions_T, jnp.asarray(gathered_positions(T1 - 1, cp)), CP)
+        all_positions_T = jnp.asarray(gathered_positions(T1 - 1, cp))
+        if live_axes(CP):
+            positions_T, whole = chunk_positions(T1 - 1, cp, axis_index(CP)), None
+        else:  # the automatic executor: every rank's chunks in rank order, the sequence dim split over cp
+            positions_T, whole = all_positions_T, P(BATCH_AXES, None, None)
+        chunks = SequenceChunks(rope_angles(positions_T[None, :], m), positions_T, all_positions_T, CP, whole)
         return Microbatches(tokens_MbT1, chunks, keys_Mb, positions_T)
     angles = rope_angles(jnp.arange(T1 - 1)[None, :], m)
     return Microbatches(tokens_MbT1, angles, keys_Mb)
