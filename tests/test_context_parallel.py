@@ -7,18 +7,26 @@ collectives over cp in the compiled step move kv_latent + rope_dim numbers per t
 nothing of heads x head_dim; bad flags are one-line errors.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 from test_executors import REAL_CHECKPOINT_OPTIONS
 from test_parallel import RTOL, assert_tree_close, placed_step, train_steps
 
 import parallel as par
 import tpu_compile
-from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides, parse_args
+from attention import MLAttention, rope_angles
+from blockwise_attention import blockwise_attention
+from context_parallel import SequenceChunks, chunk_positions, gathered_positions
+from layers import project
+from weights import CP
+from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides, config_from_dict, config_to_dict, parse_args
 
 SEQ_LEN, ROUTING_GROUP = 256, 16  # a routing group must divide T / (2 cp) = 16 at cp 8
 
@@ -149,3 +157,61 @@ def test_cp_times_the_other_axes_must_be_the_device_count():
         par.resolve_mesh_shape(MeshConfig(dp=2, cp=2, tp=4), 8)
     assert "\n" not in str(error.value)
     assert par.resolve_mesh_shape(MeshConfig(cp=2, tp=2), 8) == (2, 2, 1, 2)  # dp -1: the rest
+
+
+def attention_with_gather(keys_values):
+    """One MLA attention layer at DeepSeek-V3's head widths (128 heads of 128, kv_latent
+    512, rope_dim 64; d_model 128 and T = 256 to stay small) on cp 2, as a function of
+    (weights, x), x [1, T, D] in cp rank order. keys_values False: the model's attention
+    (MLAttention.__call__: the latent gathered over cp); True: what context parallelism
+    without MLA does, keys and values up-projected on each rank's own tokens and gathered."""
+    cfg = dataclasses.replace(v3_config().model, d_model=128, n_heads=128, head_dim=128, kv_latent=512, rope_dim=64, q_latent=0,
+                              first_dense=0, dropout=0.0)
+    attn = MLAttention(cfg, nnx.Rngs(0))
+    graphdef, weights = nnx.split(attn)
+    T, cp = SEQ_LEN, 2
+
+    def local(weights, x_bTD):
+        attn = nnx.merge(graphdef, weights)
+        positions_T = chunk_positions(T, cp, jax.lax.axis_index(CP))
+        chunks = SequenceChunks(rope_angles(positions_T[None, :], cfg), positions_T, jnp.asarray(gathered_positions(T, cp)), CP)
+        if not keys_values:
+            return attn(x_bTD, chunks)
+        q_nope, q_rope = attn.queries(x_bTD, chunks.angles)
+        kv, k_rope = attn.latents(x_bTD, chunks.angles)
+        k_nope, v = project(kv, attn.wk_up_AHK[...]), project(kv, attn.wv_up_AHK[...])
+        k_nope, v, k_rope = (jax.lax.all_gather(a, CP, axis=1, tiled=True) for a in (k_nope, v, k_rope))
+        out = blockwise_attention(q_nope, q_rope, k_nope, k_rope, v, chunks.q_pos_T, chunks.k_pos_S, attn.softmax_scale, 64)
+        return project(out, attn.wo_HKD[...], 2)
+
+    mesh = jax.make_mesh((cp,), (CP,), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, CP)), out_specs=P(None, CP))
+    x_bTD = jax.random.normal(jax.random.key(1), (1, T, cfg.d_model))
+    return jax.jit(jax.value_and_grad(lambda w, x: jnp.sum(sharded(w, x) ** 2), argnums=(0, 1))), (weights, x_bTD), mesh
+
+
+def test_the_latent_crosses_cp_57x_smaller_than_keys_and_values():
+    """The byte comparison of docs/parallelism.md, from the compiled programs: at V3's
+    widths one attention layer's collectives over cp move kv_latent + rope_dim = 576
+    numbers per token (all-gather forward, reduce-scatter backward); gathering keys and
+    values moves 2 x 128 x 128 + 64 = 32,832, 57x more. Both compute the same numbers."""
+    results, moved = [], []
+    for keys_values in (False, True):
+        fn, args, mesh = attention_with_gather(keys_values)
+        results.append(fn(*args))
+        ops = tpu_compile.collective_ops(fn.lower(*args).compile().as_text(), mesh.devices.shape)
+        moved.append({kind: sum(nbytes * op.runs for op in ops if op.kind == kind for _, nbytes in op.arrays)
+                      for kind in ("all-gather", "reduce-scatter")})
+    (latent_value, latent_grads), (kv_value, kv_grads) = results
+    np.testing.assert_allclose(latent_value, kv_value, rtol=1e-5)
+    assert_tree_close(latent_grads, kv_grads)
+    print(f"bytes over cp per attention layer (T {SEQ_LEN}, cp 2, float32): latent {moved[0]}, keys and values {moved[1]}")
+    assert moved[0] == {"all-gather": SEQ_LEN * 576 * 4, "reduce-scatter": SEQ_LEN // 2 * 576 * 4}
+    assert moved[1] == {"all-gather": SEQ_LEN * (2 * 128 * 128 + 64) * 4, "reduce-scatter": SEQ_LEN // 2 * (2 * 128 * 128 + 64) * 4}
+
+
+def test_a_config_saved_before_cp_restores_with_cp_1():
+    """Run directories and checkpoints written before --mesh.cp existed have no cp key."""
+    saved = config_to_dict(v3_config())
+    del saved["mesh"]["cp"]
+    assert config_from_dict(saved) == v3_config()
