@@ -24,6 +24,12 @@ Everything per token (norms, FFN, MoE, the loss) runs on the rank's 2L tokens. T
 positions that RoPE and the causal mask use are global ones, so the numbers are those of
 one device. MoE routing groups of --model.routing_group tokens must divide L, so that
 a group is one global group and never straddles two chunks (utils.validate_model).
+
+The tokens themselves are not split: every cp rank receives the whole rows of its
+(slice, dp) share of the batch and reads its chunks' inputs and targets out of them
+(local_inputs, local_targets; MTP reads a few tokens past a chunk's end). A token is 4
+bytes per position where the activations a rank keeps are kilobytes per position per
+layer, so whole rows cost nothing that matters, and chunk-wise reads stay simple.
 """
 
 import dataclasses
