@@ -84,11 +84,11 @@ def assert_equals_one_device(result, reference):
 
 CASES = [pytest.param(dict(dp=2, cp=2, tp=2), id="dp2xcp2xtp2"),
          pytest.param(dict(cp=2), id="cp2", marks=pytest.mark.slow),
-         pytest.param(dict(cp=4), id="cp4", marks=pytest.mark.slow),
-         pytest.param(dict(cp=8), id="cp8", marks=pytest.mark.slow),
+         pytest.param(dict(cp=4, remat="block_dots"), id="cp4-remat-block_dots", marks=pytest.mark.slow),
+         pytest.param(dict(cp=8, remat="block"), id="cp8-remat-block", marks=pytest.mark.slow),
          pytest.param(dict(cp=2, pp=2, tp=2), id="cp2xpp2xtp2", marks=pytest.mark.slow),
-         pytest.param(dict(cp=2, pp=2, tp=2, pipeline="1f1b"), id="cp2xpp2xtp2-1f1b", marks=pytest.mark.slow),
-         pytest.param(dict(cp=2, pp=2, tp=2, pipeline="interleaved"), id="cp2xpp2xtp2-interleaved", marks=pytest.mark.slow),
+         pytest.param(dict(cp=2, pp=2, tp=2, pipeline="1f1b", remat="layer"), id="cp2xpp2xtp2-1f1b-remat-layer", marks=pytest.mark.slow),
+         pytest.param(dict(cp=2, pp=2, tp=2, pipeline="interleaved", remat="stage"), id="cp2xpp2xtp2-interleaved-remat-stage", marks=pytest.mark.slow),
          pytest.param(dict(dp=2, cp=2, tp=2, sharding="auto"), id="dp2xcp2xtp2-auto", marks=pytest.mark.slow),
          pytest.param(dict(dp=2, cp=2, tp=2, expert_parallel=True), id="dp2xcp2xtp2-ep", marks=pytest.mark.slow),
          pytest.param(dict(cp=2, tp=2, slices=2), id="2slices-cp2xtp2", marks=pytest.mark.slow)]
