@@ -67,12 +67,13 @@ class SequenceChunks:
     over cp by a sharding constraint (executor_auto), so that rank i holds chunks i and
     2cp-1-i as here. There no collective is written: `whole` is the spec that asks the
     compiler for the latent whole over cp where keys and values are made from it. What
-    it then moves is its choice: in the dp2 x cp2 x tp2 step of test_context_parallel
-    it all-gathers the residual stream [b, T, D] over cp, 37 times per step (at D 64 and
-    at D 256 beside a latent of 48), never keys and values. Constraining the latent to be
-    split over cp first, or each attention layer's input, only added collectives. So
-    under auto, cp is proven to compute one device's numbers, not to save what the
-    manual executors save: for long contexts use --mesh.sharding manual."""
+    it then moves is its choice. In the dp2 x cp2 x tp2 step of test_context_parallel it
+    all-gathers the latent once per attention layer, as the manual executors do, and the
+    residual stream [b, T, D] 8 times per step; before layers.project kept the rows [B, T]
+    apart under auto cp (sequence_split_by_the_compiler) it gathered the residual stream
+    37 times instead of the latent: the sequence was not split. Constraining the latent
+    to be split over cp before the gather only added collectives.
+    """
     angles: jax.Array
     q_pos_T: jax.Array
     k_pos_S: jax.Array

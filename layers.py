@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from weights import CP
+
 # ----------------------------------------------------------------------------
 # Building blocks
 
@@ -41,10 +43,26 @@ def project(x, w, n_in=1):
     161 GFLOP/s at 2048^3), and comes back in x's dtype.
     """
     lead, inner = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
-    rows_NI = x.reshape(-1, math.prod(inner))
     w_IO = w.reshape(math.prod(inner), -1).astype(x.dtype)
+    if sequence_split_by_the_compiler():  # rows [B, T] kept apart (see below)
+        y_xO = jnp.tensordot(x.reshape(*lead, -1), w_IO, axes=1, preferred_element_type=ACC_DTYPE).astype(x.dtype)
+        return y_xO.reshape(*lead, *w.shape[n_in:])
+    rows_NI = x.reshape(-1, math.prod(inner))
     y_NO = jnp.dot(rows_NI, w_IO, preferred_element_type=ACC_DTYPE).astype(x.dtype)
     return y_NO.reshape(*lead, *w.shape[n_in:])
+
+
+def sequence_split_by_the_compiler():
+    """Is a sequence dim split over cp by the compiler (the automatic executor with
+    --mesh.cp > 1)? Then x [B, T, D] is split over dp on B and over cp on T, and
+    flattening B and T into one row dim asks for a layout the partitioner does not keep
+    (a device's rows are not contiguous in B x T): it all-gathers x over cp first, and
+    the sequence is no longer split. Measured in test_context_parallel's dp2 x cp2 x tp2
+    step: the residual stream [b, T, D] gathered over cp 37 times per step and the
+    latent never, with the flattening; without it 8 times, and the latent once per
+    attention layer (test_the_compiler_gathers_the_latent_under_auto)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and CP in mesh.axis_names and mesh.shape[CP] > 1 and is_auto_axis(CP)
 
 
 def is_auto_axis(axis):

@@ -139,6 +139,24 @@ def test_collectives_over_cp_move_the_latent_not_keys_and_values():
     assert m.n_heads * m.head_dim > 2 * latent  # keys alone would be more than twice the latent's bytes
 
 
+@pytest.mark.slow
+def test_the_compiler_gathers_the_latent_under_auto():
+    """Under --mesh.sharding auto the partitioner writes the collectives: with rows [B, T]
+    kept apart in the projections (layers.sequence_split_by_the_compiler) it all-gathers
+    the latent [b, T, kv_latent + rope_dim] over cp in every attention layer's forward,
+    as the manual executors do. (Flattening the rows made it gather the residual stream
+    instead, 37 times, and none of the latent: the sequence was not split.)"""
+    cfg = v3_config(dp=2, cp=2, tp=2, sharding="auto")
+    m = cfg.model
+    ops = [op for op in tpu_compile.collective_ops(compiled_hlo(cfg), par.make_mesh(cfg.mesh, jax.devices()[:8]).devices.shape)
+           if op.over == "cp" and op.kind == "all-gather"]
+    latent_bytes = cfg.train.batch_size // 2 * SEQ_LEN * (m.kv_latent + m.rope_dim) * 4
+    n_attention = m.first_dense + m.n_blocks * len(m.block_pattern) + m.mtp_depth * len(m.block_pattern)
+    assert sum(op.runs for op in ops for _, nbytes in op.arrays if nbytes == latent_bytes) >= n_attention
+    residual_bytes = cfg.train.batch_size // 2 * SEQ_LEN * m.d_model * 4
+    assert sum(op.runs for op in ops for _, nbytes in op.arrays if nbytes == residual_bytes) < n_attention
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--mesh.cp", "2", "--model.seq_len", "250", "--model.routing_group", "25"],
      r"--model.seq_len \(250\) must be divisible by 2 x --mesh.cp \(4\)"),
