@@ -40,7 +40,8 @@ F32 = 4  # bytes of float32: master weights, optimizer moments, softmax/norm int
 class Local:
     """Per-device sizes of one microbatch."""
     b: int  # sequences per microbatch per device
-    T: int
+    T: int  # tokens of a sequence on this device: all of them, or under cp its 2 chunks (T / cp)
+    Tk: int  # keys each query meets: the whole sequence (under cp gathered over it)
     D: int
     H: int  # heads on this device (n_heads / tp)
     K: int
@@ -56,6 +57,7 @@ class Local:
     C: int  # slots per expert per group
     V: int  # vocabulary rows on this device
     c: int  # compute dtype bytes
+    block: int = 0  # blockwise attention's block (0: matmul attention, all scores at once)
 
 
 def norm_bytes(width):
@@ -65,14 +67,20 @@ def norm_bytes(width):
 
 
 def attention_bytes(s):
-    """MLAttention.__call__, per token."""
+    """MLAttention.__call__, per token of this device. Under cp the keys' side (the
+    gathered latent, k_nope, the RoPE key, v) is the whole sequence's: kv = cp of it per
+    token here (context_parallel.py)."""
+    kv = s.Tk // s.T
     latent_q = norm_bytes(s.Q) + s.Q * s.c if s.Q else s.D * s.c  # q_norm internals, q_BTQ; full-rank: a 4th user of x
+    # matmul: scores_BHTS (float32), probs (compute dtype), softmax max/sum; blockwise keeps
+    # only the log-sum-exp (float32) of each query and head: its blocks live inside its loops
+    scores = s.H * s.Tk * (F32 + s.c) + 2 * s.H * F32 if not s.block else s.H * F32
     return (norm_bytes(s.D) + 3 * s.D * s.c  # attn_norm; its output, kept by each of the 3 down-projections
             + latent_q
-            + norm_bytes(s.A) + s.A * s.c  # kv latent: kv_norm internals, kv_BSA
-            + 2 * s.H * s.K * s.c + s.H * s.R * s.c + s.R * s.c  # q_nope, k_nope, q_rope, k_rope
-            + s.H * s.T * (F32 + s.c) + 2 * s.H * F32  # scores_BHTS (float32), probs (compute dtype), softmax max/sum
-            + 2 * s.H * s.K * s.c)  # v_BSHK, out_BTHK
+            + norm_bytes(s.A) + s.A * s.c * kv  # kv latent: kv_norm internals, kv_BSA (under cp: gathered)
+            + s.H * s.K * s.c + s.H * s.K * s.c * kv + s.H * s.R * s.c + s.R * s.c * kv  # q_nope, k_nope, q_rope, k_rope
+            + scores
+            + s.H * s.K * s.c * kv + s.H * s.K * s.c)  # v_BSHK, out_BTHK
 
 
 def swiglu_bytes(s, F):
@@ -107,8 +115,10 @@ def matmul_output_bytes(s, kind, m, itemsize=F32):
     """What remat block_dots keeps of a layer, per token: every matmul's output, in
     float32 (layers.project accumulates in float32 and casts after; on TPU the cast is
     fused into the matmul: itemsize = the compute dtype's)."""
-    attention = (s.Q + s.H * s.K + s.H * s.R + s.A + s.R + 2 * s.H * s.K  # down, up and RoPE projections
-                 + 2 * s.H * s.T + s.H * s.K + s.D)  # two score products, probs x values, output projection
+    kv = s.Tk // s.T  # under cp: keys and values up-projected from the whole sequence's latent
+    scores = 2 * s.H * s.Tk if not s.block else 0  # blockwise: one block of them at a time, inside its loops
+    attention = (s.Q + s.H * s.K + s.H * s.R + s.A + s.R + 2 * s.H * s.K * kv  # down, up and RoPE projections
+                 + scores + s.H * s.K + s.D)  # two score products, probs x values, output projection
     if kind == "M":
         ffn = s.E + s.E * s.C / s.S * (2 * s.Fe + s.D) + (2 * s.Fs + s.D if m.n_shared else 0)  # router, experts, shared
     else:
@@ -118,14 +128,16 @@ def matmul_output_bytes(s, kind, m, itemsize=F32):
 
 def local_sizes(cfg, mesh_shape, compute_bytes=None):
     m, t = cfg.model, cfg.train
-    dp, tp = mesh_shape["dp"], mesh_shape["tp"]
+    dp, tp, cp = mesh_shape["dp"], mesh_shape["tp"], mesh_shape.get("cp", 1)
     S = min(m.routing_group or m.seq_len, m.seq_len)
     C = expert_capacity(S, m.top_k, m.n_experts, m.capacity_factor) if m.capacity_factor > 0 else math.ceil(S * m.top_k / m.n_experts)
-    return Local(b=t.batch_size // (dp * t.microbatches), T=m.seq_len, D=m.d_model, H=m.n_heads // tp, K=m.head_dim,
+    T = m.seq_len // cp  # everything per token runs on this rank's 2 chunks (context_parallel.py)
+    return Local(b=t.batch_size // (dp * t.microbatches), T=T, Tk=m.seq_len, D=m.d_model, H=m.n_heads // tp, K=m.head_dim,
                  R=m.rope_dim, Q=m.q_latent, A=m.kv_latent, F=m.d_ff // tp, Fe=m.d_expert // tp,
                  Fs=m.n_shared * m.d_expert // tp, E=m.n_experts, X=m.top_k, S=S, C=C,
                  V=padded_vocab(m.vocab_size, m.vocab_multiple) // tp,
-                 c=compute_bytes or (2 if m.dtype == "bfloat16" else 4))
+                 c=compute_bytes or (2 if m.dtype == "bfloat16" else 4),
+                 block=min(m.attention_block, T) if m.attention == "blockwise" else 0)
 
 
 def accumulates(cfg, pp):

@@ -33,7 +33,7 @@ from flops import count_params, flops_per_token, measure_peak_flops, part_flops_
 from model import abstract_params
 from planner_activations import (F32, BACKWARD_TICK_COST, accumulates, activation_bytes, local_sizes, pipeline_loops, schedule_of,
                                  scheduled_bubble_factor)
-from utils import ConfigError, apply_overrides
+from utils import ConfigError, apply_overrides, context_parallel_checks
 
 
 GiB = 2**30
@@ -247,11 +247,16 @@ RECOMPUTE_FORWARD = ("layer", "block", "stage")
 KEEP_GATHERED = ("none", "layer")
 
 
-def executed_flops(cfg, s, tp):
+def attention_layers(m):
+    """Attention layers of the model: the blocks', the dense prefix's and the MTP modules'."""
+    return (m.n_blocks + m.mtp_depth) * len(m.block_pattern) + m.first_dense
+
+
+def executed_flops(cfg, s, tp, cp=1):
     """(model FLOPs, executed FLOPs) per step, all devices together. What the devices
     execute beyond the model FLOPs: the remat forward again (+1/3), empty expert slots
-    (buffers hold capacity_factor x top_k slots per token), and the projections every tp
-    rank runs whole."""
+    (buffers hold capacity_factor x top_k slots per token), the projections every tp
+    rank runs whole, and the keys and values every cp rank makes of the whole sequence."""
     m, t = cfg.model, cfg.train
     tokens_per_step = t.batch_size * m.seq_len
     model_flops = model_flops_per_token(shape_keys(cfg)[0]) * tokens_per_step
@@ -265,6 +270,9 @@ def executed_flops(cfg, s, tp):
     n_layers = m.n_blocks * len(m.block_pattern) + m.first_dense
     whole_per_token = 2 * m.d_model * (n_layers * (m.q_latent + m.kv_latent + m.rope_dim) + n_moe * m.n_experts)
     executed += (tp - 1) * 3 * whole_per_token * tokens_per_step
+    # Under cp every rank up-projects the keys and values of the whole sequence from the
+    # gathered latent (context_parallel.py): cp - 1 more times than the model does.
+    executed += (cp - 1) * 3 * 2 * 2 * m.kv_latent * m.n_heads * m.head_dim * attention_layers(m) * tokens_per_step
     if m.remat in RECOMPUTE_FORWARD or t.pipeline != "gpipe":  # (the hand-written backward always recomputes)
         executed *= 4 / 3
     return model_flops, executed
@@ -275,21 +283,21 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store, once=False):
     with no overlap (the serial sum is an upper bound, max(compute, comm) a lower one).
     `once`: the blocks are gathered once per step (gathers_once)."""
     m, t = cfg.model, cfg.train
-    dp, pp, tp = mesh_shape["dp"], mesh_shape["pp"], mesh_shape["tp"]
-    n_devices = dp * pp * tp
+    dp, cp, pp, tp = (mesh_shape[a] for a in par.AXES)
+    n_devices = dp * cp * pp * tp
     s = local_sizes(cfg, mesh_shape)
-    model_flops, executed = executed_flops(cfg, s, tp)
+    model_flops, executed = executed_flops(cfg, s, tp, cp)
     tokens_per_step = t.batch_size * m.seq_len
     # The output layer runs on the last stage only, after the pipeline's ticks
     # (parallel.last_stage_loss_sums), with the other stages waiting: its matmul is split
-    # over dp x tp, not pp. (Recomputed per microbatch under every remat: 4 forwards.)
+    # over dp x cp x tp, not pp. (Recomputed per microbatch under every remat: 4 forwards.)
     head = 4 * 2 * s.V * tp * m.d_model * tokens_per_step
     body = executed - min(head, executed) if pp > 1 else executed
     compute = body / (n_devices * peak * efficiency)
     bubble = compute * (pp - 1) / t.microbatches  # = a fraction (pp-1)/(M+pp-1) of the pipelined compute
     if t.pipeline != "gpipe":
         bubble = compute * scheduled_bubble_factor(cfg, pp)
-    head_s = (executed - body) / (dp * tp * peak * efficiency)  # (0 without a pipeline: it is in the compute)
+    head_s = (executed - body) / (dp * cp * tp * peak * efficiency)  # (0 without a pipeline: it is in the compute)
     # The dense prefix runs on stage 0 alone while the other stages wait (GPipe: every
     # microbatch's before the loop; 1f1b: inside stage 0's first-chunk ticks, which
     # every stage waits for): its share of the compute takes pp times as long.
@@ -391,7 +399,31 @@ def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick, once=Fals
         per_layer = 4 if m.remat == "none" and t.pipeline == "gpipe" else 6
         comm["ep all-to-all of expert buffers"] = ticks * moe_here * per_layer * buffer * (dp - 1) / dp / collective_bw(hw, mesh_shape, ("dp",))
         add_buffer("all-to-all", ("dp",), ticks * moe_here * per_layer * buffer)
+    if mesh_shape["cp"] > 1:
+        latent_gathers(cfg, mesh_shape, hw, s, ticks * layers_here, comm, add_buffer)
     return comm, buffers
+
+
+def latent_gathers(cfg, mesh_shape, hw, s, block_layers, comm, add_buffer):
+    """Context parallelism's collectives (context_parallel.py), into comm and the
+    buffers: per attention layer one all-gather over cp of the latent and RoPE key of
+    one microbatch, [b, T, A + R] in the compute dtype, and in the backward pass one
+    reduce-scatter of its gradient (the same bytes); remat recomputes the layer and
+    gathers again. block_layers: attention layers the pipeline loop runs per step; the
+    MTP modules' run once per microbatch on the last stage, their loss recomputed in
+    the backward pass when there are several microbatches."""
+    m, t, cp = cfg.model, cfg.train, mesh_shape["cp"]
+    latent = s.b * s.Tk * (s.A + s.R) * s.c
+    block_gathers = 1 if m.remat == "none" else 2
+    mtp_layers, mtp_gathers = t.microbatches * m.mtp_depth * len(m.block_pattern), 1 if t.microbatches == 1 else 2
+    gathers = block_gathers * block_layers + mtp_gathers * mtp_layers
+    scatters = block_layers + mtp_layers
+    add_buffer("all-gather", ("cp",), gathers * latent)
+    add_buffer("reduce-scatter", ("cp",), scatters * latent)
+    # a ring over cp brings each device the (cp - 1) / cp of the latent it lacks (and
+    # takes its gradient's away)
+    comm["cp all-gather/reduce-scatter of the MLA latent"] = ((gathers + scatters) * latent * (cp - 1) / cp
+                                                             / collective_bw(hw, mesh_shape, ("cp",)))
 
 
 def newton_schulz_flops(fan_in, fan_out):
@@ -559,16 +591,16 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     """Everything the planner prints, as a dict (bytes, seconds)."""
     if hw_name not in HARDWARE:
         raise ValueError(f"unknown --hardware {hw_name!r}; choose one of {', '.join(HARDWARE)}")
+    for ok, message in context_parallel_checks(cfg):  # (what --mesh.cp needs: main.py's own checks)
+        if not ok:
+            raise ConfigError(message)
     if cfg.mesh.slices > 1:
         return plan_across_slices(cfg, devices, hw_name, efficiency, peak)
     hw = HARDWARE[hw_name]
     cfg = plan_config(cfg)
     if cfg.mesh.dp == -1 and not devices:
         raise ConfigError("--mesh.dp -1 takes the devices left by pp and tp: say how many with --devices N")
-    if cfg.mesh.cp > 1:
-        raise ConfigError("planner.py does not count --mesh.cp yet (its activations, latent gathers and attention FLOPs): "
-                          "plan with --mesh.cp 1")
-    n_devices = devices or cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
+    n_devices = devices or cfg.mesh.dp * cfg.mesh.cp * cfg.mesh.pp * cfg.mesh.tp
     shape = par.resolve_mesh_shape(cfg.mesh, n_devices)
     mesh = abstract_mesh(shape)
     mesh_shape = dict(mesh.shape)
@@ -608,7 +640,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     serial = pipelined + sum(comm.values())
     overlapped = max(pipelined, sum(comm.values()))
     return dict(
-        preset=cfg.preset, hardware=hw.name, devices=n_devices, mesh={a: n for a, n in mesh_shape.items() if a != par.CP},
+        preset=cfg.preset, hardware=hw.name, devices=n_devices, mesh={a: n for a, n in mesh_shape.items() if a != par.CP or n > 1},
         dtype=cfg.model.dtype,
         remat=cfg.model.remat, microbatches=cfg.train.microbatches, expert_parallel=cfg.mesh.expert_parallel,
         params_total=total_params, params_active=active_params,
@@ -636,7 +668,7 @@ def plan_across_slices(cfg, devices, hw_name, efficiency, peak):
     params = model_shapes(shape_keys(plan_config(cfg))[0])
     trained = jax.tree_util.tree_map_with_path(lambda path, w: w if weights.is_trained(weights.weight_name(path)) else None, params)
     reduce_bytes = 2 if cfg.model.grad_reduce_dtype == "bfloat16" else F32
-    gradient_bytes = layout_bytes(trained, cfg.mesh.expert_parallel, p["mesh"], itemsize=reduce_bytes)
+    gradient_bytes = layout_bytes(trained, cfg.mesh.expert_parallel, dict(p["mesh"], cp=p["mesh"].get("cp", 1)), itemsize=reduce_bytes)
     dcn_s = 2 * (S - 1) / S * gradient_bytes / DCN_BW_PER_CHIP
     comm = dict(p["comm"], **{f"slice all-reduce of gradient shards ({gradient_bytes / 2**20:.1f} MiB, DCN at "
                                f"{DCN_BW_PER_CHIP / GB:g} GB/s per chip, assumed)": dcn_s})

@@ -26,7 +26,8 @@ def seconds(s):
 def report(p):
     mesh, mem, t = p["mesh"], p["memory"], p["times"]
     slices = f"slices={mesh['slice']} x " if mesh.get("slice", 1) > 1 else ""
-    head = [f"{p['preset']} on {p['devices']} x {p['hardware']}: mesh {slices}dp={mesh['dp']} pp={mesh['pp']} tp={mesh['tp']}"
+    head = [f"{p['preset']} on {p['devices']} x {p['hardware']}: mesh {slices}dp={mesh['dp']}"
+            + (f" cp={mesh['cp']}" if mesh.get("cp", 1) > 1 else "") + f" pp={mesh['pp']} tp={mesh['tp']}"
             f"{' (expert parallel)' if p['expert_parallel'] else ''}, {p['dtype']}, remat {p['remat']}, "
             f"{p['microbatches']} microbatches" + (" accumulated, the blocks gathered once per step" if p.get("gather_once") else ""),
             f"params: {human(p['params_total'])} total, {human(p['params_active'])} active per token"]

@@ -4,18 +4,22 @@
     python planner.py --preset moe1b --tpu v4-64 --search        # and the top K compiled (planner_report.py)
 
 A layout is what a user changes between runs on the same devices and the same global
-batch: the mesh (dp x pp x tp, the device count fixed; --mesh.slices as given), expert
+batch: the mesh (dp x cp x pp x tp, the device count fixed; --mesh.slices as given), expert
 parallelism, the pipeline schedule and its virtual stages, the microbatches and the
 remat policy. Each is planned (planner_model.plan: pure arithmetic on shapes traced
-once); those that do not divide the model or the batch raise ConfigError and drop out,
-and those whose bytes exceed the device's memory are kept aside. The rest are ranked by
+once); those that do not divide the model or the batch raise ConfigError and drop out
+(so do the cp layouts that utils.context_parallel_checks refuses: a sequence not in
+2 cp chunks, a routing group or attention block straddling chunks, what cp does not
+support yet such as expert parallelism or the 1f1b schedules), and those whose bytes
+exceed the device's memory are kept aside. The rest are ranked by
 the predicted step with communication not overlapped (the planner's conservative
 figure, the one it prints for every layout).
 
 Not searched (yet):
-  cp              context parallelism: no --mesh.cp in the config. The mesh loop runs
-                  over parallel.AXES, so a cp axis there is enumerated, and planned once
-                  planner_model models it.
+  cp's model flags --model.routing_group (must divide seq_len / 2cp), --model.attention
+                  and --model.attention_block: they change the model, not its layout,
+                  so the search lays out cp only for a model whose flags allow it (the
+                  moe1b preset's whole-sequence routing group allows none).
   FSDP gather     once per step vs once per microbatch: no executor option chooses it;
                   the planner models the per-tick gather every executor runs today.
   --mesh.sharding auto compiles the same layouts (pp = 1) with the compiler's collectives;
@@ -35,8 +39,8 @@ MAX_MICROBATCHES = 64  # beyond this a microbatch is a sliver of a sequence per 
 VIRTUAL_STAGES = (2, 4)  # interleaved: chunks per stage tried (n_blocks must divide into pp x V)
 
 
-# The axes the search lays out: all but cp, which the planner does not count yet.
-SEARCHED_AXES = tuple(a for a in par.AXES if a != par.CP)
+# The axes the search lays out: every mesh axis within a slice, (dp, cp, pp, tp).
+SEARCHED_AXES = par.AXES
 
 
 def divisors(n):
@@ -44,7 +48,7 @@ def divisors(n):
 
 
 def mesh_shapes(n_devices):
-    """Every (dp, pp, tp, ...) over parallel.AXES whose product is n_devices."""
+    """Every (dp, cp, pp, tp) over SEARCHED_AXES whose product is n_devices."""
     for head in itertools.product(divisors(n_devices), repeat=len(SEARCHED_AXES) - 1):
         if n_devices % math.prod(head) == 0:
             yield (n_devices // math.prod(head),) + head
@@ -53,7 +57,7 @@ def mesh_shapes(n_devices):
 def layout_flags(cfg):
     """The flags that set cfg's layout, to paste after --preset NAME."""
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
-    flags = [f"--mesh.{axis} {getattr(mesh, axis)}" for axis in SEARCHED_AXES]
+    flags = [f"--mesh.{axis} {getattr(mesh, axis)}" for axis in SEARCHED_AXES if axis != par.CP or mesh.cp > 1]
     if mesh.expert_parallel:
         flags.append("--mesh.expert_parallel true")
     if mesh.pp > 1:
@@ -128,8 +132,8 @@ def suggestions(cfg, devices, hw_name, efficiency, peak):
     """Nearby configs on the same devices that fit: [(flags, plan)], those that keep the
     global batch first, then by memory."""
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
-    n = devices or mesh.dp * mesh.pp * mesh.tp
-    dp, pp, tp = (n // (mesh.pp * mesh.tp) if mesh.dp == -1 else mesh.dp), mesh.pp, mesh.tp
+    n = devices or mesh.dp * mesh.cp * mesh.pp * mesh.tp
+    dp, pp, tp = (n // (mesh.cp * mesh.pp * mesh.tp) if mesh.dp == -1 else mesh.dp), mesh.pp, mesh.tp
     same_batch = {}
     if m.remat == "none":
         same_batch["--model.remat block"] = {"model": {"remat": "block"}}

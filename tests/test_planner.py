@@ -57,15 +57,15 @@ def case_config(preset, mesh_shape, remat, expert_parallel=False):
 
 
 def mesh_for(cfg):
-    return par.make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp])
+    return par.make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.dp * cfg.mesh.cp * cfg.mesh.pp * cfg.mesh.tp])
 
 
 def plan_for(cfg):
     return planner.plan(cfg, 0, "cpu", peak=1e11)  # a nominal peak: no timed matmul in tests
 
 
-def compiled_temp_bytes(cfg):
-    """temp_size_in_bytes of the real train step, compiled for cfg's mesh."""
+def compiled_step(cfg):
+    """The real train step, compiled for cfg's mesh (from abstract inputs)."""
     mesh = mesh_for(cfg)
     par.check_config_fits_mesh(cfg, mesh)
     optimizer, params, opt_state = tpu_compile.abstract_state(cfg, mesh)
@@ -73,7 +73,12 @@ def compiled_temp_bytes(cfg):
     step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
                                   sharding=NamedSharding(mesh, par.batch_spec()))
-    return step.lower(params, opt_state, tokens, jnp.asarray(0)).compile().memory_analysis().temp_size_in_bytes
+    return step.lower(params, opt_state, tokens, jnp.asarray(0)).compile()
+
+
+def compiled_temp_bytes(cfg):
+    """temp_size_in_bytes of the real train step, compiled for cfg's mesh."""
+    return compiled_step(cfg).memory_analysis().temp_size_in_bytes
 
 
 # ----------------------------------------------------------------------------
@@ -314,3 +319,130 @@ def test_search_ranks_layouts_that_fit_and_finds_one_faster_than_moe1b_on_32_v4(
     assert best == pytest.approx(float(rows[0].group(2)), rel=1e-3) and last.group(3) == rows[0].group(7)
     assert preset == pytest.approx(planner.plan(parse_args(["--preset", "moe1b"]), 0, "tpu-v4")["step_s_serial"] * 1e3, rel=1e-4)
     assert preset / best >= 1.3
+
+
+# ----------------------------------------------------------------------------
+# Context parallelism (--mesh.cp, context_parallel.py)
+#
+# A deepseek_v3-shaped model (MLA, DM blocks, one MTP module) narrowed, at T = 256 with
+# routing groups of 16 (a group must divide a chunk, T / 2cp = 16 at cp 8), float32 on
+# the CPU. Measured here, planner / compiled temp bytes (remat none): dp2 x cp2 x tp2
+# 0.986, dp2 x cp4 1.002, dp4 x cp2 1.008, dp2 x cp4 blockwise 0.957; and at cp 1
+# (dp8, the same model) 0.980, blockwise 0.961. With remat block this model is 1.17-1.25
+# at cp 2-4 and already 1.09-1.33 at cp 1 (the per-layer sums calibrated on moe1b's
+# DDDDDM blocks: SPLIT_MESH_RECOMPUTE_FRACTION), so only its collectives are held there.
+# The latent gathers over cp are the HLO's to the byte in every case.
+
+
+def cp_config(dp=1, cp=1, tp=1, remat="none", **model):
+    cfg = apply_overrides(Config(), PRESETS["deepseek_v3"])
+    model = dict(vocab_size=256, seq_len=256, d_model=64, n_blocks=2, dtype="float32", unroll_blocks=False,
+                 routing_group=16, attention_block=16, remat=remat) | model
+    return apply_overrides(cfg, {"model": model, "mesh": dict(dp=dp, cp=cp, pp=1, tp=tp),
+                                 "train": dict(batch_size=4, microbatches=1, optimizer="adamw")})
+
+
+def bytes_over_cp(hlo, mesh):
+    """{"kind over cp": bytes} per device per step of the compiled collectives over cp
+    alone, as planner_model counts them (a reduce-scatter by its input)."""
+    out = {}
+    for op in tpu_compile.collective_ops(hlo, mesh.devices.shape):
+        if op.over == "cp" and op.kind in ("all-gather", "reduce-scatter"):
+            scale = op.group_size if op.kind == "reduce-scatter" else 1
+            out[f"{op.kind} over cp"] = out.get(f"{op.kind} over cp", 0) + op.runs * scale * sum(b for _, b in op.arrays)
+    return out
+
+
+CP_CASES = [pytest.param(dict(dp=2, cp=2, tp=2), True, id="dp2xcp2xtp2"),
+            pytest.param(dict(dp=2, cp=4, attention="blockwise"), True, id="dp2xcp4-blockwise", marks=pytest.mark.slow),
+            pytest.param(dict(dp=2, cp=4, remat="block"), False, id="dp2xcp4-remat-block", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("case, temporaries_held", CP_CASES)
+def test_cp_latent_gathers_and_temporaries_match_compiled_step(case, temporaries_held):
+    """Per attention layer (4 in the blocks, 2 in the MTP module) one all-gather of the
+    latent [b, T, A + R] over cp (two under remat: the recompute gathers again) and one
+    reduce-scatter of its gradient: the planner's bytes are the compiled step's to the
+    byte (with dp > 1 the FSDP collectives run over dp+cp, so those over cp alone are
+    attention's); its temporaries within 15%."""
+    cfg = cp_config(**case)
+    compiled = compiled_step(cfg)
+    plan = plan_for(cfg)
+    planned = {k: v for k, v in plan["times"]["collective_bytes"].items() if k.endswith(" over cp")}
+    m = cfg.model
+    latent = cfg.train.batch_size // cfg.mesh.dp * m.seq_len * (m.kv_latent + m.rope_dim) * 4
+    layers = (m.n_blocks + m.mtp_depth) * len(m.block_pattern)
+    gathers = m.n_blocks * len(m.block_pattern) * (1 if m.remat == "none" else 2) + m.mtp_depth * len(m.block_pattern)
+    assert planned == {"all-gather over cp": gathers * latent, "reduce-scatter over cp": layers * latent}
+    assert bytes_over_cp(compiled.as_text(), mesh_for(cfg)) == planned
+    if temporaries_held:
+        measured = compiled.memory_analysis().temp_size_in_bytes
+        assert abs(plan["temp_bytes"] / measured - 1) <= TEMP_TOLERANCE, (plan["temp_bytes"], measured)
+
+
+def test_cp_weights_are_stored_over_dp_x_cp_exactly():
+    """cp ranks hold the same weights, so FSDP storage splits over dp x cp: the planner's
+    params and optimizer bytes equal the placed arrays' on every device."""
+    cfg = cp_config(dp=2, cp=2, tp=2)
+    mesh = mesh_for(cfg)
+    shapes = planner.abstract_params(cfg.model)
+    specs = par.param_specs(shapes, False)
+    params = jax.tree.map(lambda s, spec: jax.device_put(np.zeros(s.shape, s.dtype), NamedSharding(mesh, spec)), shapes, specs)
+    opt_state = optimizers.init_opt_state(optimizers.make_optimizer(cfg.train), params, mesh)
+    plan = plan_for(cfg)
+    for device in mesh.devices.flat:
+        assert plan["memory"]["params"] == par.param_bytes_on_device(params, device)
+        assert plan["memory"]["optimizer"] == par.param_bytes_on_device(opt_state, device)
+    assert plan["memory"]["params"] == plan_for(cp_config(dp=4, tp=2))["memory"]["params"]  # as dp4 x tp2 stores them
+
+
+def test_cp_splits_the_per_token_work_and_repeats_only_the_key_value_up_projection():
+    """dp2 x cp4 against dp8 on the same 8 devices and batch: the same per-device model
+    FLOPs (each rank's 2L queries over T keys: 1/cp of the attention), plus every cp
+    rank's up-projection of the whole sequence's keys and values; the per-token
+    activations (norms, FFN, MoE, the loss) on T/cp tokens where dp8 has T tokens per row
+    of 4x fewer rows; the latent gathers timed on the cp ring."""
+    cp, dp = (planner.plan(apply_overrides(cfg, {"train": {"batch_size": 8}}), 0, "tpu-v5p")
+              for cfg in (cp_config(dp=2, cp=4), cp_config(dp=8)))
+    m = cp_config().model
+    up_projections = 3 * 2 * 2 * m.kv_latent * m.n_heads * m.head_dim * (m.n_blocks + m.mtp_depth) * len(m.block_pattern)
+    assert cp["times"]["model_flops"] == dp["times"]["model_flops"]
+    assert cp["times"]["executed_flops"] == pytest.approx(dp["times"]["executed_flops"] + (4 - 1) * up_projections * 8 * m.seq_len)
+    assert cp["loss_phase_bytes"] == dp["loss_phase_bytes"]  # [b, T/cp, V] at 4x the rows: the same logits
+    assert "cp all-gather/reduce-scatter of the MLA latent" in cp["comm"] and cp["mesh"]["cp"] == 4
+    assert "cp all-gather/reduce-scatter of the MLA latent" not in dp["comm"] and "cp" not in dp["mesh"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model": {"seq_len": 200}}, r"--model.seq_len \(200\) must be divisible by 2 x --mesh.cp \(16\)"),
+    ({"model": {"routing_group": 32}}, r"--model.routing_group \(32\) must divide --model.seq_len / \(2 x --mesh.cp\) = 16"),
+    ({"mesh": {"expert_parallel": True}}, "--mesh.cp 8 with --mesh.expert_parallel is not supported yet"),
+])
+def test_cp_layouts_cp_cannot_run_are_utils_one_line_errors(overrides, message):
+    """The planner refuses what main.py refuses (utils.context_parallel_checks), also on
+    a config built without parse_args (as the search builds them)."""
+    cfg = apply_overrides(cp_config(cp=8), overrides)
+    with pytest.raises(ConfigError, match=message) as error:
+        plan_for(cfg)
+    assert "\n" not in str(error.value)
+
+
+def test_search_lays_out_cp_where_the_model_allows_it():
+    """On 8 devices the search plans cp layouts of a model whose routing groups divide a
+    chunk (each listed one planned again from its printed flags), and none of moe1b,
+    whose whole-sequence routing group straddles chunks; layouts that cp does not run
+    (expert parallelism, the 1f1b schedules, accumulation at pp 1) drop out."""
+    import planner_search
+    cfg = apply_overrides(cp_config(dp=8), {"train": {"batch_size": 8}})
+    ranked, tried, _ = planner_search.search(cfg, 8, "tpu-v5p", 0.5)
+    with_cp = [r for r in ranked if r.cfg.mesh.cp > 1]
+    assert {r.cfg.mesh.cp for r in with_cp} == {2, 4, 8} and len(with_cp) < tried
+    for r in with_cp:
+        assert "--mesh.cp" in r.flags and not r.cfg.mesh.expert_parallel and r.cfg.train.pipeline == "gpipe"
+        assert r.cfg.mesh.pp > 1 or r.cfg.train.microbatches == 1
+        again = apply_overrides(cfg, {"mesh": {k: getattr(r.cfg.mesh, k) for k in ("dp", "cp", "pp", "tp", "expert_parallel")},
+                                      "train": {k: getattr(r.cfg.train, k) for k in ("microbatches", "pipeline")},
+                                      "model": {"remat": r.cfg.model.remat}})
+        assert planner.plan(again, 8, "tpu-v5p")["step_s_serial"] == r.step_s
+    moe1b = parse_args(["--preset", "moe1b", "--mesh.dp", "8", "--mesh.pp", "1", "--mesh.tp", "1"])
+    assert all(r.cfg.mesh.cp == 1 for r in planner_search.search(moe1b, 8, "tpu-v5p", 0.5)[0])
