@@ -174,12 +174,29 @@ SPLIT_MESH_RECOMPUTE_FRACTION = 0.85
 # are 0.91-0.95 of the compiler's live ones on the scaled-down moe1b (v4-64 8x2x2, v5p-64
 # 8x1x4 with expert parallelism; tests/test_tpu_compile.py), where the per-layer sums
 # calibrated on XLA:CPU gave 1.5-1.6.
+# Blockwise attention (blockwise_attention.py) on TPU, per token of this device, with kv =
+# cp keys per token: what the live-range dump of the compiled step (T = 32768, cp 8, v5p)
+# holds at the peak of a recomputed block's backward pass beside the matmul outputs.
+def blockwise_keys_bytes(s):
+    """Each attention layer's keys and values copied into key blocks [S/block, B, H, s, K]
+    (and the RoPE key's), kept from the recomputed forward for its backward."""
+    return (2 * s.H * s.K + s.R) * s.c * s.Tk // s.T
+
+
+def blockwise_backward_bytes(s):
+    """One layer's hand-written backward: the keys' and values' gradients of every key
+    block stacked in float32, and every query block's gradient carried in float32."""
+    return (2 * s.H * s.K + s.R) * F32 * s.Tk // s.T + s.H * (s.K + s.R) * F32
+
+
 def recomputed_block_bytes(cfg, mesh_shape, s, fused):
     """Bytes a block recomputed by remat holds at once in its backward pass."""
     m = cfg.model
     tokens = s.b * s.T
     if fused:
-        return tokens * sum(matmul_output_bytes(s, kind, m, itemsize=s.c) for kind in m.block_pattern)
+        layers = len(m.block_pattern)
+        return tokens * (sum(matmul_output_bytes(s, kind, m, itemsize=s.c) for kind in m.block_pattern)
+                         + (layers * blockwise_keys_bytes(s) + blockwise_backward_bytes(s) if s.block else 0))
     per_block = tokens * sum(layer_bytes(s, kind, m) for kind in m.block_pattern)
     return SPLIT_MESH_RECOMPUTE_FRACTION * per_block if math.prod(mesh_shape.values()) > 1 else per_block
 

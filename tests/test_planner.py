@@ -409,8 +409,9 @@ def test_cp_splits_the_per_token_work_and_repeats_only_the_key_value_up_projecti
     assert cp["times"]["model_flops"] == dp["times"]["model_flops"]
     assert cp["times"]["executed_flops"] == pytest.approx(dp["times"]["executed_flops"] + (4 - 1) * up_projections * 8 * m.seq_len)
     assert cp["loss_phase_bytes"] == dp["loss_phase_bytes"]  # [b, T/cp, V] at 4x the rows: the same logits
-    assert "cp all-gather/reduce-scatter of the MLA latent" in cp["comm"] and cp["mesh"]["cp"] == 4
-    assert "cp all-gather/reduce-scatter of the MLA latent" not in dp["comm"] and "cp" not in dp["mesh"]
+    # (on TPU the latent's gradient is all-reduced over cp: the TPU compiler's choice)
+    assert "cp all-gather/all-reduce of the MLA latent" in cp["comm"] and cp["mesh"]["cp"] == 4
+    assert not any(key.startswith("cp ") for key in dp["comm"]) and "cp" not in dp["mesh"]
 
 
 @pytest.mark.parametrize("overrides, message", [
