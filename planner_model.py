@@ -408,7 +408,7 @@ def latent_gathers(cfg, mesh_shape, hw, s, block_layers, comm, add_buffer):
     """Context parallelism's collectives (context_parallel.py), into comm and the
     buffers: per attention layer one all-gather over cp of the latent and RoPE key of
     one microbatch, [b, T, A + R] in the compute dtype, and in the backward pass one
-    reduce-scatter of its gradient (the same bytes; an all-reduce on TPU); remat recomputes the layer and
+    reduce-scatter of its gradient (the same bytes; on TPU an all-reduce when b > 1); remat recomputes the layer and
     gathers again. block_layers: attention layers the pipeline loop runs per step; the
     MTP modules' run once per microbatch on the last stage, their loss recomputed in
     the backward pass when there are several microbatches."""
@@ -418,10 +418,11 @@ def latent_gathers(cfg, mesh_shape, hw, s, block_layers, comm, add_buffer):
     mtp_layers, mtp_gathers = t.microbatches * m.mtp_depth * len(m.block_pattern), 1 if t.microbatches == 1 else 2
     gathers = block_gathers * block_layers + mtp_gathers * mtp_layers
     scatters = block_layers + mtp_layers
-    # The TPU compiler writes the gradient's reduce-scatter as an all-reduce of the whole
-    # [b, T, A + R] (each rank then keeps its chunks): measured on v5p-128 at b = 4, the
-    # full moe1b and scaled down. XLA:CPU keeps the reduce-scatter.
-    backward = "all-reduce" if hw.name.startswith("TPU") else "reduce-scatter"
+    # With several rows per microbatch the TPU compiler writes the gradient's reduce-scatter
+    # (over T, not the major dim) as an all-reduce of the whole [b, T, A + R], each rank then
+    # keeping its chunks: measured on v5p-128 at b = 4, the full moe1b and scaled down; at
+    # b = 1 it reduce-scatters, as XLA:CPU always does.
+    backward = "all-reduce" if hw.name.startswith("TPU") and s.b > 1 else "reduce-scatter"
     add_buffer("all-gather", ("cp",), gathers * latent)
     add_buffer(backward, ("cp",), scatters * latent)
     # a ring over cp brings each device the (cp - 1) / cp of the latent it lacks (and

@@ -80,7 +80,11 @@ def tpu_check(cfg, tpu_name, p):
     lines = [""] + tpu_compile.memory_report(p, tpu, hbm, pod, compiled["seconds"], compiled["log"]["train"]) + [""]
     for name in ("train", "eval"):
         lines += tpu_compile.collectives_report(tpu_compile.collectives(compiled[name].as_text(), tuple(mesh.shape.values())),
-                                                f"{name} step") + [""]
+                                                f"{name} step")
+        over_cp = {k: v for k, v in p["times"]["collective_bytes"].items() if k.endswith(" over cp")}
+        if name == "train" and over_cp:  # context parallelism's latent, as planner_model.latent_gathers counts it
+            lines.append("  the planner's MLA latent over cp: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(over_cp.items())))
+        lines.append("")
     fits = tpu_compile.fits(tpu, compiled["log"]["train"], hbm)
     lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()}")
     return lines

@@ -409,9 +409,24 @@ def test_cp_splits_the_per_token_work_and_repeats_only_the_key_value_up_projecti
     assert cp["times"]["model_flops"] == dp["times"]["model_flops"]
     assert cp["times"]["executed_flops"] == pytest.approx(dp["times"]["executed_flops"] + (4 - 1) * up_projections * 8 * m.seq_len)
     assert cp["loss_phase_bytes"] == dp["loss_phase_bytes"]  # [b, T/cp, V] at 4x the rows: the same logits
-    # (on TPU the latent's gradient is all-reduced over cp: the TPU compiler's choice)
     assert "cp all-gather/all-reduce of the MLA latent" in cp["comm"] and cp["mesh"]["cp"] == 4
     assert not any(key.startswith("cp ") for key in dp["comm"]) and "cp" not in dp["mesh"]
+
+
+def test_cp_latent_gradient_is_reduced_as_the_tpu_compiler_does():
+    """The TPU compiler all-reduces the latent's gradient over cp when a microbatch has
+    several rows per device (the scattered dim, T, is then not the major one) and
+    reduce-scatters it with one row (v5p-128, moe1b at T = 32768, scaled down and full:
+    tests/test_tpu_compile.py, docs/pods.md); XLA:CPU always reduce-scatters. The same
+    bytes; an all-reduce's ring moves twice them."""
+    def plan(rows, hardware):
+        return planner.plan(apply_overrides(cp_config(dp=2, cp=4), {"train": {"batch_size": 2 * rows}}), 0, hardware)
+    rows4, rows1 = plan(4, "tpu-v5p"), plan(1, "tpu-v5p")
+    assert rows4["times"]["collective_bytes"]["all-reduce over cp"] == 4 * rows1["times"]["collective_bytes"]["reduce-scatter over cp"]
+    assert "reduce-scatter over cp" not in rows4["times"]["collective_bytes"]
+    assert "reduce-scatter over cp" in plan(4, "cpu")["times"]["collective_bytes"]
+    assert rows4["comm"]["cp all-gather/all-reduce of the MLA latent"] == pytest.approx(
+        4 * rows1["comm"]["cp all-gather/reduce-scatter of the MLA latent"] * 3 / 2)  # (a gather and a reduction per layer)
 
 
 @pytest.mark.parametrize("overrides, message", [
