@@ -166,17 +166,10 @@ BACKWARD_WORKING_FRACTION = 0.75
 SPLIT_MESH_RECOMPUTE_FRACTION = 0.85
 
 
-# XLA:TPU fuses a block's elementwise work (norms and their float32 copies, SwiGLU's
-# pieces, softmax, RoPE) into the matmuls around it, so a block recomputed for its
-# backward pass holds at once little more than its matmul outputs in the compute dtype:
-# the largest buffers at the peak of the compiled step (the live-range dump of
-# --xla_dump_to) are dot and convolution fusions. With this, the planner's temporaries
-# are 0.91-0.95 of the compiler's live ones on the scaled-down moe1b (v4-64 8x2x2, v5p-64
-# 8x1x4 with expert parallelism; tests/test_tpu_compile.py), where the per-layer sums
-# calibrated on XLA:CPU gave 1.5-1.6.
 # Blockwise attention (blockwise_attention.py) on TPU, per token of this device, with kv =
 # cp keys per token: what the live-range dump of the compiled step (T = 32768, cp 8, v5p)
-# holds at the peak of a recomputed block's backward pass beside the matmul outputs.
+# holds at the peak of a recomputed block's backward pass beside the matmul outputs (the
+# key blocks of every layer, 100 MiB each for the full moe1b, are its largest buffers).
 def blockwise_keys_bytes(s):
     """Each attention layer's keys and values copied into key blocks [S/block, B, H, s, K]
     (and the RoPE key's), kept from the recomputed forward for its backward."""
@@ -189,6 +182,14 @@ def blockwise_backward_bytes(s):
     return (2 * s.H * s.K + s.R) * F32 * s.Tk // s.T + s.H * (s.K + s.R) * F32
 
 
+# XLA:TPU fuses a block's elementwise work (norms and their float32 copies, SwiGLU's
+# pieces, softmax, RoPE) into the matmuls around it, so a block recomputed for its
+# backward pass holds at once little more than its matmul outputs in the compute dtype:
+# the largest buffers at the peak of the compiled step (the live-range dump of
+# --xla_dump_to) are dot and convolution fusions. With this, the planner's temporaries
+# are 0.91-0.95 of the compiler's live ones on the scaled-down moe1b (v4-64 8x2x2, v5p-64
+# 8x1x4 with expert parallelism; tests/test_tpu_compile.py), where the per-layer sums
+# calibrated on XLA:CPU gave 1.5-1.6.
 def recomputed_block_bytes(cfg, mesh_shape, s, fused):
     """Bytes a block recomputed by remat holds at once in its backward pass."""
     m = cfg.model

@@ -408,7 +408,7 @@ def latent_gathers(cfg, mesh_shape, hw, s, block_layers, comm, add_buffer):
     """Context parallelism's collectives (context_parallel.py), into comm and the
     buffers: per attention layer one all-gather over cp of the latent and RoPE key of
     one microbatch, [b, T, A + R] in the compute dtype, and in the backward pass one
-    reduce-scatter of its gradient (the same bytes; on TPU an all-reduce when b > 1); remat recomputes the layer and
+    reduce-scatter of its gradient (the same bytes); remat recomputes the layer and
     gathers again. block_layers: attention layers the pipeline loop runs per step; the
     MTP modules' run once per microbatch on the last stage, their loss recomputed in
     the backward pass when there are several microbatches."""
