@@ -169,7 +169,7 @@ SPLIT_MESH_RECOMPUTE_FRACTION = 0.85
 # Blockwise attention (blockwise_attention.py) on TPU, per token of this device, with kv =
 # cp keys per token: what the live-range dump of the compiled step (T = 32768, cp 8, v5p)
 # holds at the peak of a recomputed block's backward pass beside the matmul outputs (the
-# key blocks of every layer, 100 MiB each for the full moe1b, are its largest buffers).
+# key blocks of every layer, 96 MiB each for the full moe1b, are its largest buffers).
 def blockwise_keys_bytes(s):
     """Each attention layer's keys and values copied into key blocks [S/block, B, H, s, K]
     (and the RoPE key's), kept from the recomputed forward for its backward."""
