@@ -327,19 +327,19 @@ def test_search_ranks_layouts_that_fit_and_finds_one_faster_than_moe1b_on_32_v4(
 # A deepseek_v3-shaped model (MLA, DM blocks, one MTP module) narrowed, at T = 256 with
 # routing groups of 16 (a group must divide a chunk, T / 2cp = 16 at cp 8), float32 on
 # the CPU. Measured here, planner / compiled temp bytes (remat none): dp2 x cp2 x tp2
-# 0.986, dp2 x cp4 1.002, dp4 x cp2 1.008, dp2 x cp4 blockwise 0.957; and at cp 1
-# (dp8, the same model) 0.980, blockwise 0.961. With remat block this model is 1.17-1.25
+# 0.986, dp2 x cp4 1.002, dp4 x cp2 1.008, dp2 x cp4 blockwise 0.957, dp2 x cp2 x pp2
+# (GPipe, 2 microbatches) 0.937; and at cp 1 (dp8, the same model) 0.980, blockwise 0.961. With remat block this model is 1.17-1.25
 # at cp 2-4 and already 1.09-1.33 at cp 1 (the per-layer sums calibrated on moe1b's
 # DDDDDM blocks: SPLIT_MESH_RECOMPUTE_FRACTION), so only its collectives are held there.
 # The latent gathers over cp are the HLO's to the byte in every case.
 
 
-def cp_config(dp=1, cp=1, tp=1, remat="none", **model):
+def cp_config(dp=1, cp=1, tp=1, pp=1, remat="none", batch_size=4, **model):
     cfg = apply_overrides(Config(), PRESETS["deepseek_v3"])
     model = dict(vocab_size=256, seq_len=256, d_model=64, n_blocks=2, dtype="float32", unroll_blocks=False,
                  routing_group=16, attention_block=16, remat=remat) | model
-    return apply_overrides(cfg, {"model": model, "mesh": dict(dp=dp, cp=cp, pp=1, tp=tp),
-                                 "train": dict(batch_size=4, microbatches=1, optimizer="adamw")})
+    return apply_overrides(cfg, {"model": model, "mesh": dict(dp=dp, cp=cp, pp=pp, tp=tp),
+                                 "train": dict(batch_size=batch_size, microbatches=pp, optimizer="adamw")})
 
 
 def bytes_over_cp(hlo, mesh):
@@ -355,25 +355,29 @@ def bytes_over_cp(hlo, mesh):
 
 CP_CASES = [pytest.param(dict(dp=2, cp=2, tp=2), True, id="dp2xcp2xtp2"),
             pytest.param(dict(dp=2, cp=4, attention="blockwise"), True, id="dp2xcp4-blockwise", marks=pytest.mark.slow),
-            pytest.param(dict(dp=2, cp=4, remat="block"), False, id="dp2xcp4-remat-block", marks=pytest.mark.slow)]
+            pytest.param(dict(dp=2, cp=4, remat="block"), False, id="dp2xcp4-remat-block", marks=pytest.mark.slow),
+            pytest.param(dict(dp=2, cp=2, pp=2, batch_size=8), True, id="dp2xcp2xpp2", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("case, temporaries_held", CP_CASES)
 def test_cp_latent_gathers_and_temporaries_match_compiled_step(case, temporaries_held):
     """Per attention layer (4 in the blocks, 2 in the MTP module) one all-gather of the
-    latent [b, T, A + R] over cp (two under remat: the recompute gathers again) and one
-    reduce-scatter of its gradient: the planner's bytes are the compiled step's to the
-    byte (with dp > 1 the FSDP collectives run over dp+cp, so those over cp alone are
-    attention's); its temporaries within 15%."""
+    latent [b, T, A + R] over cp (two under remat: the recompute gathers again; GPipe
+    runs the blocks at each of its M + pp - 1 ticks, the MTP module once per microbatch,
+    recomputed when M > 1) and one reduce-scatter of its gradient: the planner's bytes
+    are the compiled step's to the byte (with dp > 1 the FSDP collectives run over dp+cp,
+    so those over cp alone are attention's); its temporaries within 15% (measured 0.937
+    on dp2 x cp2 x pp2)."""
     cfg = cp_config(**case)
     compiled = compiled_step(cfg)
     plan = plan_for(cfg)
     planned = {k: v for k, v in plan["times"]["collective_bytes"].items() if k.endswith(" over cp")}
-    m = cfg.model
-    latent = cfg.train.batch_size // cfg.mesh.dp * m.seq_len * (m.kv_latent + m.rope_dim) * 4
-    layers = (m.n_blocks + m.mtp_depth) * len(m.block_pattern)
-    gathers = m.n_blocks * len(m.block_pattern) * (1 if m.remat == "none" else 2) + m.mtp_depth * len(m.block_pattern)
-    assert planned == {"all-gather over cp": gathers * latent, "reduce-scatter over cp": layers * latent}
+    m, M, pp = cfg.model, cfg.train.microbatches, cfg.mesh.pp
+    latent = cfg.train.batch_size // (cfg.mesh.dp * M) * m.seq_len * (m.kv_latent + m.rope_dim) * 4
+    block_layers = (M + pp - 1) * m.n_blocks // pp * len(m.block_pattern)
+    mtp_layers = M * m.mtp_depth * len(m.block_pattern)
+    gathers = block_layers * (1 if m.remat == "none" else 2) + mtp_layers * (1 if M == 1 else 2)
+    assert planned == {"all-gather over cp": gathers * latent, "reduce-scatter over cp": (block_layers + mtp_layers) * latent}
     assert bytes_over_cp(compiled.as_text(), mesh_for(cfg)) == planned
     if temporaries_held:
         measured = compiled.memory_analysis().temp_size_in_bytes
