@@ -328,9 +328,10 @@ def test_search_ranks_layouts_that_fit_and_finds_one_faster_than_moe1b_on_32_v4(
 # routing groups of 16 (a group must divide a chunk, T / 2cp = 16 at cp 8), float32 on
 # the CPU. Measured here, planner / compiled temp bytes (remat none): dp2 x cp2 x tp2
 # 0.986, dp2 x cp4 1.002, dp4 x cp2 1.008, dp2 x cp4 blockwise 0.957, dp2 x cp2 x pp2
-# (GPipe, 2 microbatches) 0.937; and at cp 1 (dp8, the same model) 0.980, blockwise 0.961. With remat block this model is 1.17-1.25
-# at cp 2-4 and already 1.09-1.33 at cp 1 (the per-layer sums calibrated on moe1b's
-# DDDDDM blocks: SPLIT_MESH_RECOMPUTE_FRACTION), so only its collectives are held there.
+# (GPipe, 2 microbatches) 0.937; and at cp 1 (dp8, the same model) 0.980, blockwise
+# 0.961. With remat block this model is 1.17-1.25 at cp 2-4 and already 1.09-1.33 at
+# cp 1 (the per-layer sums calibrated on moe1b's DDDDDM blocks:
+# SPLIT_MESH_RECOMPUTE_FRACTION), so only its collectives are held there.
 # The latent gathers over cp are the HLO's to the byte in every case.
 
 
