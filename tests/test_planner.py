@@ -437,7 +437,7 @@ def test_cp_latent_gradient_is_reduced_as_the_tpu_compiler_does():
 @pytest.mark.parametrize("overrides, message", [
     ({"model": {"seq_len": 200}}, r"--model.seq_len \(200\) must be divisible by 2 x --mesh.cp \(16\)"),
     ({"model": {"routing_group": 32}}, r"--model.routing_group \(32\) must divide --model.seq_len / \(2 x --mesh.cp\) = 16"),
-    ({"mesh": {"expert_parallel": True}}, "--mesh.cp 8 with --mesh.expert_parallel is not supported yet"),
+    ({"model": {"attention": "dot_product_attention"}}, "--mesh.cp 8 needs --model.attention matmul or blockwise"),
 ])
 def test_cp_layouts_cp_cannot_run_are_utils_one_line_errors(overrides, message):
     """The planner refuses what main.py refuses (utils.context_parallel_checks), also on
@@ -450,17 +450,19 @@ def test_cp_layouts_cp_cannot_run_are_utils_one_line_errors(overrides, message):
 
 def test_search_lays_out_cp_where_the_model_allows_it():
     """On 8 devices the search plans cp layouts of a model whose routing groups divide a
-    chunk (each listed one planned again from its printed flags), and none of moe1b,
-    whose whole-sequence routing group straddles chunks; layouts that cp does not run
-    (expert parallelism, the 1f1b schedules, accumulation at pp 1) drop out."""
+    chunk (each listed one planned again from its printed flags), with every executor
+    and expert parallelism among them, and none of moe1b, whose whole-sequence routing
+    group straddles chunks."""
     import planner_search
     cfg = apply_overrides(cp_config(dp=8), {"train": {"batch_size": 8}})
     ranked, tried, _ = planner_search.search(cfg, 8, "tpu-v5p", 0.5)
     with_cp = [r for r in ranked if r.cfg.mesh.cp > 1]
     assert {r.cfg.mesh.cp for r in with_cp} == {2, 4, 8} and len(with_cp) < tried
+    assert {r.cfg.mesh.expert_parallel for r in with_cp} == {False, True}
+    assert {r.cfg.train.pipeline for r in with_cp if r.cfg.mesh.pp > 1} >= {"gpipe", "1f1b"}  # (interleaved: too few blocks)
+    assert any(r.cfg.mesh.pp == 1 and r.cfg.train.microbatches > 1 for r in with_cp)  # the accumulation executor
     for r in with_cp:
-        assert "--mesh.cp" in r.flags and not r.cfg.mesh.expert_parallel and r.cfg.train.pipeline == "gpipe"
-        assert r.cfg.mesh.pp > 1 or r.cfg.train.microbatches == 1
+        assert "--mesh.cp" in r.flags
         again = apply_overrides(cfg, {"mesh": {k: getattr(r.cfg.mesh, k) for k in ("dp", "cp", "pp", "tp", "expert_parallel")},
                                       "train": {k: getattr(r.cfg.train, k) for k in ("microbatches", "pipeline")},
                                       "model": {"remat": r.cfg.model.remat}})
