@@ -120,6 +120,13 @@ class ModelConfig:
 # Block: a short pattern of layers, e.g. "DDDDDM" = five dense layers, then one MoE.
 
 
+def tokens_at(padded_BT, positions_T, k, chunked):
+    """The tokens at positions_T + k: gathered under cp (a rank's chunks), else a slice.
+    (A slice without cp: XLA:CPU aborted compiling the gather in test_executors'
+    accumulation case with the gather per microbatch.)"""
+    return padded_BT[:, positions_T + k] if chunked else padded_BT[:, k:k + positions_T.shape[0]]
+
+
 def fold_in_rows(keys_B, data):
     """fold_in for a batch of keys, one per sequence: the dropout keys of a row are
     derived from (seed, step, global row) by step_core.dropout_rows, then from the block,
@@ -366,14 +373,16 @@ class Transformer(nnx.Module):
         """
         B, T1 = tokens_BT1.shape
         T = T1 - 1
-        positions_T = token_positions(angles, T)
+        positions_T, chunked = token_positions(angles, T), sequence_axis(angles) is not None
         padded_BT = jnp.pad(tokens_BT1, ((0, 0), (0, len(self.mtp))))
         total = jnp.zeros((), jnp.float32)
         for k, module in enumerate(self.mtp, start=1):
             depth_keys_B = None if keys_B is None else fold_in_rows(keys_B, MTP_RNG_SALT + k)
-            h_BTD = module(h_BTD, self.embed(padded_BT[:, positions_T + k], tp_axis), angles, tp_axis, depth_keys_B)  # token i+k at i
+            h_BTD = module(h_BTD, self.embed(tokens_at(padded_BT, positions_T, k, chunked), tp_axis), angles, tp_axis,
+                           depth_keys_B)  # token i+k at i
             valid_BT = jnp.broadcast_to(positions_T < T - k, (B, positions_T.shape[0]))
-            total += self.loss_sum(h_BTD, padded_BT[:, positions_T + k + 1], tp_axis, norm=module.final_norm, mask_BT=valid_BT)
+            total += self.loss_sum(h_BTD, tokens_at(padded_BT, positions_T, k + 1, chunked), tp_axis, norm=module.final_norm,
+                                   mask_BT=valid_BT)
         return total
 
     def __call__(self, tokens_BT, start=0, return_hidden=False):
