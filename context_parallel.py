@@ -102,11 +102,19 @@ def token_positions(angles, T):
     return angles.q_pos_T if isinstance(angles, SequenceChunks) else jnp.arange(T)
 
 
+def tokens_at(tokens_xTn, positions_T, k, T):
+    """Each row's tokens at positions p + k: a slice for the positions 0..T-1 of whole
+    rows (positions_T None, no cp), gathered at this rank's positions under cp.
+    (A gather in place of the slice without cp made XLA:CPU abort compiling
+    test_executors' accumulation case with the gather per microbatch.)"""
+    return tokens_xTn[..., k:k + T] if positions_T is None else tokens_xTn[..., positions_T + k]
+
+
 def local_inputs(tokens_xT1, positions_T):
     """The input tokens at this rank's positions (all of them without cp: positions None)."""
-    return tokens_xT1[..., :-1] if positions_T is None else tokens_xT1[..., positions_T]
+    return tokens_at(tokens_xT1, positions_T, 0, tokens_xT1.shape[-1] - 1)
 
 
 def local_targets(tokens_xT1, positions_T):
     """The next tokens of this rank's positions."""
-    return tokens_xT1[..., 1:] if positions_T is None else tokens_xT1[..., positions_T + 1]
+    return tokens_at(tokens_xT1, positions_T, 1, tokens_xT1.shape[-1] - 1)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attention import MLAttention, rope_angles
-from context_parallel import sequence_axis, token_positions
+from context_parallel import sequence_axis, token_positions, tokens_at
 from layers import ACC_DTYPE, DenseFFN, RMSNorm, axis_index, init_normal, pmax_if, project, psum_if, residual_scale
 from moe import MoE
 
@@ -118,13 +118,6 @@ class ModelConfig:
 
 # ----------------------------------------------------------------------------
 # Block: a short pattern of layers, e.g. "DDDDDM" = five dense layers, then one MoE.
-
-
-def tokens_at(padded_BT, positions_T, k, chunked):
-    """The tokens at positions_T + k: gathered under cp (a rank's chunks), else a slice.
-    (A slice without cp: XLA:CPU aborted compiling the gather in test_executors'
-    accumulation case with the gather per microbatch.)"""
-    return padded_BT[:, positions_T + k] if chunked else padded_BT[:, k:k + positions_T.shape[0]]
 
 
 def fold_in_rows(keys_B, data):
@@ -373,15 +366,16 @@ class Transformer(nnx.Module):
         """
         B, T1 = tokens_BT1.shape
         T = T1 - 1
-        positions_T, chunked = token_positions(angles, T), sequence_axis(angles) is not None
+        positions_T = token_positions(angles, T)
+        chunk_positions_T = positions_T if sequence_axis(angles) else None  # (None: whole rows, read by slices)
         padded_BT = jnp.pad(tokens_BT1, ((0, 0), (0, len(self.mtp))))
         total = jnp.zeros((), jnp.float32)
         for k, module in enumerate(self.mtp, start=1):
             depth_keys_B = None if keys_B is None else fold_in_rows(keys_B, MTP_RNG_SALT + k)
-            h_BTD = module(h_BTD, self.embed(tokens_at(padded_BT, positions_T, k, chunked), tp_axis), angles, tp_axis,
+            h_BTD = module(h_BTD, self.embed(tokens_at(padded_BT, chunk_positions_T, k, T), tp_axis), angles, tp_axis,
                            depth_keys_B)  # token i+k at i
             valid_BT = jnp.broadcast_to(positions_T < T - k, (B, positions_T.shape[0]))
-            total += self.loss_sum(h_BTD, tokens_at(padded_BT, positions_T, k + 1, chunked), tp_axis, norm=module.final_norm,
+            total += self.loss_sum(h_BTD, tokens_at(padded_BT, chunk_positions_T, k + 1, T), tp_axis, norm=module.final_norm,
                                    mask_BT=valid_BT)
         return total
 

@@ -92,17 +92,23 @@ def compiled_temp_bytes(cfg):
 def test_params_and_optimizer_bytes_are_exact(preset, mesh_shape, expert_parallel):
     """The planner's shard arithmetic equals the bytes the sharded arrays hold on a device
     (zeros placed with the sharding table, AdamW state from the real optimizer init)."""
-    cfg = case_config(preset, mesh_shape, "block", expert_parallel)
+    plan = assert_storage_bytes_exact(case_config(preset, mesh_shape, "block", expert_parallel))
+    assert plan["memory"]["gradients"] == plan["memory"]["params"]  # float32 grads, laid out like the params
+
+
+def assert_storage_bytes_exact(cfg):
+    """The plan's params and optimizer bytes equal those of zeros placed with the sharding
+    table and the real optimizer's init, on every device; returns the plan."""
     mesh = mesh_for(cfg)
     shapes = planner.abstract_params(cfg.model)
-    specs = par.param_specs(shapes, expert_parallel)
+    specs = par.param_specs(shapes, cfg.mesh.expert_parallel)
     params = jax.tree.map(lambda s, spec: jax.device_put(np.zeros(s.shape, s.dtype), NamedSharding(mesh, spec)), shapes, specs)
     opt_state = optimizers.init_opt_state(optimizers.make_optimizer(cfg.train), params, mesh)
     plan = plan_for(cfg)
     for device in mesh.devices.flat:  # every device, not just the first: the layout is even
         assert plan["memory"]["params"] == par.param_bytes_on_device(params, device)
         assert plan["memory"]["optimizer"] == par.param_bytes_on_device(opt_state, device)
-    assert plan["memory"]["gradients"] == plan["memory"]["params"]  # float32 grads, laid out like the params
+    return plan
 
 
 # ----------------------------------------------------------------------------
@@ -388,16 +394,7 @@ def test_cp_latent_gathers_and_temporaries_match_compiled_step(case, temporaries
 def test_cp_weights_are_stored_over_dp_x_cp_exactly():
     """cp ranks hold the same weights, so FSDP storage splits over dp x cp: the planner's
     params and optimizer bytes equal the placed arrays' on every device."""
-    cfg = cp_config(dp=2, cp=2, tp=2)
-    mesh = mesh_for(cfg)
-    shapes = planner.abstract_params(cfg.model)
-    specs = par.param_specs(shapes, False)
-    params = jax.tree.map(lambda s, spec: jax.device_put(np.zeros(s.shape, s.dtype), NamedSharding(mesh, spec)), shapes, specs)
-    opt_state = optimizers.init_opt_state(optimizers.make_optimizer(cfg.train), params, mesh)
-    plan = plan_for(cfg)
-    for device in mesh.devices.flat:
-        assert plan["memory"]["params"] == par.param_bytes_on_device(params, device)
-        assert plan["memory"]["optimizer"] == par.param_bytes_on_device(opt_state, device)
+    plan = assert_storage_bytes_exact(cp_config(dp=2, cp=2, tp=2))
     assert plan["memory"]["params"] == plan_for(cp_config(dp=4, tp=2))["memory"]["params"]  # as dp4 x tp2 stores them
 
 
