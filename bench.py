@@ -46,11 +46,11 @@ import numpy as np
 import dtype_probe
 import parallel as par
 import pipeline
-import train_steps
+from step import train_steps
 from devices import setup_devices
 from flops import count_params, flops_per_token, measure_peak_flops
 from runs import build_state
-from tpu_compile import collective_table
+from planning.tpu_compile import collective_table
 from utils import ConfigError, apply_overrides, parse_args
 
 

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-import hf_config
-import hf_interop
+from hf import hf_config
+from hf import hf_interop
 from moe import has_router_bias
 from utils import ConfigError
 from weights import is_trained, weight_name

@@ -38,7 +38,7 @@ import numpy as np
 from data import shakespeare  # the only embedded source so far
 # The data-directory format (shards.py) sits below this module and data/; its names are
 # offered here too, so that dataset.py stays the one module to import data things from.
-from shards import (BYTE_EOT_ID, CUSTOM_SPLIT_PATTERN, EOT_TEXT, FORMAT_VERSION, MANIFEST, Tokenizer,  # noqa: F401
+from data.shards import (BYTE_EOT_ID, CUSTOM_SPLIT_PATTERN, EOT_TEXT, FORMAT_VERSION, MANIFEST, Tokenizer,  # noqa: F401
                     check_token_range, file_sha256, get_tokenizer, shard_dtype, validate_manifest, write_manifest,
                     write_shard)
 

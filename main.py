@@ -21,7 +21,7 @@ import jax
 
 import dtype_probe
 import runs
-import serve
+from serving import serve
 import train
 from devices import setup_devices, stop_now
 from utils import ConfigError, parse_args

@@ -41,13 +41,13 @@ What each row of memory and time means: planner_model.py.
 import json
 import sys
 
-import planner_report
-import planner_search
-import tpu_compile
+from planning import planner_report
+from planning import planner_search
+from planning import tpu_compile
 from devices import skip_tpu_probe_without_tpu
 from model import abstract_model, abstract_params  # noqa: F401  (the tests call them here)
-from planner_model import DEFAULT_EFFICIENCY, GiB, HARDWARE, gathered_bytes, layout_bytes, plan, plan_config  # noqa: F401
-from planner_search import search, suggestions
+from planning.planner_model import DEFAULT_EFFICIENCY, GiB, HARDWARE, gathered_bytes, layout_bytes, plan, plan_config  # noqa: F401
+from planning.planner_search import search, suggestions
 from utils import ConfigError, apply_overrides, parse_args
 
 BOOLEAN_FLAGS = ("search",)  # planner flags that take no value

@@ -14,11 +14,11 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import checkpoint
-import hf_config
-import hf_interop
+from hf import hf_config
+from hf import hf_interop
 import optimizers
 import parallel as par
-import train_steps
+from step import train_steps
 from dataset import check_tokenizer, get_tokenizer, open_data
 from flops import human
 from sampling import generate

@@ -18,12 +18,12 @@ from jax.sharding import PartitionSpec as P
 import checkpoint
 import flops
 import goodput
-import hf_config
-import hf_interop
+from hf import hf_config
+from hf import hf_interop
 import optimizers
 import parallel as par
 import progress
-import train_steps
+from step import train_steps
 from dataset import open_data
 from devices import align_processes
 from metrics import MetricsLog, read_metrics, truncate_metrics

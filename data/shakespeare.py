@@ -19,7 +19,7 @@ import numpy as np
 
 if __name__ == "__main__":  # run as a script: import from the repo root rather than data/
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
-import shards  # noqa: E402
+from data import shards  # noqa: E402
 
 # A Roman play, a romance and a comedy, about 6.5% of the text: held out for validation.
 VAL_PLAYS = ("julius-caesar", "the-tempest", "twelfth-night")

@@ -37,11 +37,11 @@ def main():
     if args.processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{args.port}", args.processes, args.process_id)
-    import hf_config
-    import hf_interop
+    from hf import hf_config
+    from hf import hf_interop
     import parallel as par
     from model import ModelConfig, abstract_params
-    from safetensors_reader import DTYPES, Checkpoint
+    from hf.safetensors_reader import DTYPES, Checkpoint
     from utils import MeshConfig
 
     opened = []

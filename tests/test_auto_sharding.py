@@ -22,8 +22,8 @@ from test_parallel import VARIANTS, assert_params_close, assert_same_step, initi
 import checkpoint
 import optimizers
 import parallel as par
-import tpu_compile
-from train_steps import make_train_step
+from planning import tpu_compile
+from step.train_steps import make_train_step
 from utils import ConfigError, apply_overrides, config_to_dict, parse_args
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 1, 4), (4, 1, 2)]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from test_parallel import MESH_IDS, placed_step, tiny_config
 
-import tpu_compile
+from planning import tpu_compile
 from utils import apply_overrides
 
 # (mesh, expert parallelism, optimizer): one device, dp alone (experts over dp: the

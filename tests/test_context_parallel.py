@@ -20,7 +20,7 @@ from test_executors import REAL_CHECKPOINT_OPTIONS
 from test_parallel import RTOL, assert_tree_close, placed_step, train_steps
 
 import parallel as par
-import tpu_compile
+from planning import tpu_compile
 from attention import MLAttention, rope_angles
 from blockwise_attention import blockwise_attention
 from context_parallel import SequenceChunks, chunk_positions, gathered_positions

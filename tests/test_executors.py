@@ -23,11 +23,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_parallel import RTOL, assert_tree_close, initial_params, mesh_for, token_batch
 
-import executor_accumulate
-import executor_gpipe
+from step import executor_accumulate
+from step import executor_gpipe
 import optimizers
 import parallel as par
-import train_steps
+from step import train_steps
 from utils import PRESETS, Config, apply_overrides
 
 CASES = [((2, 2, 2), "manual", "1f1b"), ((1, 1, 1), "manual", "gpipe"),

@@ -24,14 +24,14 @@ transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
 import checkpoint  # noqa: E402
-import hf_config  # noqa: E402
-import hf_interop  # noqa: E402
-import hf_tokenizer  # noqa: E402
+from hf import hf_config  # noqa: E402
+from hf import hf_interop  # noqa: E402
+from hf import hf_tokenizer  # noqa: E402
 import parallel as par  # noqa: E402
 import sampling  # noqa: E402
 from dataset import get_tokenizer  # noqa: E402
 from model import Transformer  # noqa: E402
-from train_steps import make_eval_step  # noqa: E402
+from step.train_steps import make_eval_step  # noqa: E402
 from utils import PRESETS, Config, ConfigError, apply_overrides  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

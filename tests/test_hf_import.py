@@ -17,11 +17,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import hf_config  # noqa: E402
-import hf_interop  # noqa: E402
+from hf import hf_config  # noqa: E402
+from hf import hf_interop  # noqa: E402
 import parallel as par  # noqa: E402
 from model import abstract_params  # noqa: E402
-from safetensors_reader import INDEX, Checkpoint  # noqa: E402
+from hf.safetensors_reader import INDEX, Checkpoint  # noqa: E402
 from test_hf import hf_made_model, model_cfg  # noqa: E402
 from test_multiprocess import free_port  # noqa: E402
 from utils import ConfigError, MeshConfig  # noqa: E402

@@ -20,14 +20,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
-import hf_interop  # noqa: E402
+from hf import hf_interop  # noqa: E402
 import optimizers  # noqa: E402
 import parallel as par  # noqa: E402
 from model import Transformer  # noqa: E402
-from safetensors_reader import INDEX  # noqa: E402
+from hf.safetensors_reader import INDEX  # noqa: E402
 from test_hf import BYTES, load_hf  # noqa: E402
 from test_parallel import assert_same_steps, mesh_for, token_batch  # noqa: E402
-from train_steps import make_train_step  # noqa: E402
+from step.train_steps import make_train_step  # noqa: E402
 from utils import PRESETS, Config, apply_overrides  # noqa: E402
 
 # config.json as published (huggingface.co: deepseek-ai/DeepSeek-V3, deepseek-ai/DeepSeek-V2-Lite,

@@ -16,7 +16,7 @@ import pytest
 
 import parallel as par
 import planner
-import tpu_compile
+from planning import tpu_compile
 import weights
 from test_launch import hosts_file, launcher, needs_ssh_and_tmux, repo, sshd, wait_for_states  # noqa: F401  (fixtures)
 from test_parallel import assert_tree_close, placed_step, tiny_config, train_steps

@@ -75,7 +75,7 @@ def test_newton_schulz_flops_per_device_fall_by_the_group_size():
     device's Newton-Schulz dots, read off the optimized HLO, are exactly 1/8 of one
     device's. (Gathering every matrix to every device of its group, the former update,
     gives 1/1: 72.8 MFLOP on both; now 9.10 on dp4 x tp2.)"""
-    import tpu_compile
+    from planning import tpu_compile
 
     flops = {}
     for mesh_shape in [(1, 1, 1), (4, 1, 2)]:

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import executor_accumulate
-import executor_gpipe
+from step import executor_accumulate
+from step import executor_gpipe
 import optimizers
 import parallel as par
 from model import Transformer
-from train_steps import executor_of, make_eval_step, make_train_step, partition
+from step.train_steps import executor_of, make_eval_step, make_train_step, partition
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides
 
 RTOL = 1e-5

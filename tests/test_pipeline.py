@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from test_parallel import RTOL, assert_params_close, assert_same_step, initial_params, mesh_for, one_step, placed_step, tiny_config, token_batch
 
-import executor_1f1b
+from step import executor_1f1b
 import parallel as par
 import pipeline as pl
-import train_steps
+from step import train_steps
 from utils import ConfigError, apply_overrides, parse_args
 
 TABLE_CASES = [(kind, pp, M, V) for kind, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4))

@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding
 import optimizers
 import parallel as par
 import planner
-import tpu_compile
+from planning import tpu_compile
 from flops import count_params, flops_per_token
-from train_steps import make_train_step
+from step.train_steps import make_train_step
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides, parse_args
 
 SMALL_MOE1B = dict(vocab_size=1024, seq_len=128, d_model=128, n_heads=4, head_dim=32, rope_dim=16, q_latent=64,
@@ -450,7 +450,7 @@ def test_search_lays_out_cp_where_the_model_allows_it():
     chunk (each listed one planned again from its printed flags), with every executor
     and expert parallelism among them, and none of moe1b, whose whole-sequence routing
     group straddles chunks."""
-    import planner_search
+    from planning import planner_search
     cfg = apply_overrides(cp_config(dp=8), {"train": {"batch_size": 8}})
     ranked, tried, _ = planner_search.search(cfg, 8, "tpu-v5p", 0.5)
     with_cp = [r for r in ranked if r.cfg.mesh.cp > 1]

@@ -20,14 +20,14 @@ from test_model import random_tokens, tiny
 from test_pipeline import scheduled_grads
 from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, plain_loss, tiny_config, token_batch, train_steps
 
-import executor_1f1b
-import executor_accumulate
-import executor_gpipe
+from step import executor_1f1b
+from step import executor_accumulate
+from step import executor_gpipe
 import planner
 import sampling
 from flops import flops_per_token, part_flops_per_token, stage_flops_per_token
 from model import Transformer, decode_step, init_cache
-from train_steps import executor_of
+from step.train_steps import executor_of
 from utils import ConfigError, apply_overrides, parse_args
 
 PREFIX = dict(first_dense=2, n_blocks=4)

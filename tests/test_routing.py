@@ -33,7 +33,7 @@ from metrics import MetricsLog, read_metrics
 from attention import rope_angles
 from moe import MoE, balance_router_biases, balanced_bias, load_balance_loss, top_k_routing
 from plots import plot_run
-from train_steps import make_train_step
+from step.train_steps import make_train_step
 from utils import ConfigError, config_to_dict, parse_args
 
 # ----------------------------------------------------------------------------

@@ -429,7 +429,7 @@ def test_a_queued_sequence_whose_client_left_leaves_the_queue_at_once(loaded):
     """Cancelled while it waits (here: in an engine still loading, whose loop has not
     started), a sequence leaves the queue at once and says so, without waiting for the
     engine's next iteration; a running one is the engine's to free."""
-    from engine import Engine, Sequence
+    from serving.engine import Engine, Sequence
 
     cfg, params = loaded
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
@@ -471,7 +471,7 @@ def test_a_chunked_body_over_the_limit_is_413_before_it_ends(server):
 def test_a_long_text_prompt_is_refused_before_it_is_tokenized():
     """A text of more than window x (the longest token's characters) is more tokens than
     the window: a 400 from its length alone, the tokenizer never asked for it."""
-    import serve
+    from serving import serve
     from dataset import Tokenizer
 
     asked = []
@@ -491,7 +491,7 @@ def test_a_long_text_prompt_is_refused_before_it_is_tokenized():
 def test_usage_counts_the_end_of_text_token_that_max_tokens_counts():
     """The engine counts every sampled token against max_tokens, end-of-text included;
     usage.completion_tokens counts the same tokens."""
-    import serve
+    from serving import serve
     from dataset import get_tokenizer
 
     tokenizer = get_tokenizer("bytes")
@@ -572,7 +572,7 @@ def test_tensor_parallel_engine_decodes_what_the_one_device_server_does(loaded, 
     import re
 
     from dataset import get_tokenizer
-    from engine import Engine, Sequence
+    from serving.engine import Engine, Sequence
     from sampling import decode_slots
 
     cfg, params = loaded

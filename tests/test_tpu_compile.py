@@ -14,9 +14,9 @@ import pytest
 
 import parallel as par
 import planner
-import tpu_compile
+from planning import tpu_compile
 import weights
-from train_steps import make_train_step
+from step.train_steps import make_train_step
 from utils import PRESETS, Config, MeshConfig, apply_overrides
 from weights import WEIGHTS
 

@@ -25,13 +25,13 @@ import jax
 from jax.sharding import AbstractMesh
 
 import dtype_probe
-import executor_accumulate
+from step import executor_accumulate
 import optimizers
 import parallel as par
 import weights
 from flops import count_params, flops_per_token, measure_peak_flops, part_flops_per_token, stage_flops
 from model import abstract_params
-from planner_activations import (F32, BACKWARD_TICK_COST, accumulates, activation_bytes, local_sizes, pipeline_loops, schedule_of,
+from planning.planner_activations import (F32, BACKWARD_TICK_COST, accumulates, activation_bytes, local_sizes, pipeline_loops, schedule_of,
                                  scheduled_bubble_factor)
 from utils import ConfigError, apply_overrides, context_parallel_checks
 

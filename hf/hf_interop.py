@@ -66,11 +66,11 @@ import ml_dtypes
 import numpy as np
 
 from errors import ConfigError
-from hf_config import (ARCH_FIELDS, REMOTE_CODE, adopt_hf_config, architecture_of, check_exportable, from_hf_config, read_hf_config,
+from hf.hf_config import (ARCH_FIELDS, REMOTE_CODE, adopt_hf_config, architecture_of, check_exportable, from_hf_config, read_hf_config,
                        to_hf_config)
-from hf_tokenizer import write_tokenizer
+from hf.hf_tokenizer import write_tokenizer
 from model import abstract_params
-from safetensors_reader import Checkpoint
+from hf.safetensors_reader import Checkpoint
 from weights import WEIGHTS, row
 
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}

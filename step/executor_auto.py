@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import step_core as core
+from step import step_core as core
 from context_parallel import local_inputs, local_targets
 from model import apply_blocks
 from parallel import BATCH_AXES, CP, DP, is_stacked, is_trained, weight_layout, weight_name

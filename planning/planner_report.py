@@ -5,9 +5,9 @@
 import json
 
 import parallel as par
-import tpu_compile
+from planning import tpu_compile
 from flops import human
-from planner_model import GiB, HARDWARE, plan, plan_config
+from planning.planner_model import GiB, HARDWARE, plan, plan_config
 from utils import PRESETS, Config, apply_overrides
 
 # ----------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def search_row(rank, r):
 def search_report(ranked, preset, preset_flags, tried, too_big, top):
     """Lines: the top layouts by predicted step (communication not overlapped), the
     preset's own layout below them, and how many were tried."""
-    from planner_search import Ranked  # (a dataclass; planner_search does not import this module)
+    from planning.planner_search import Ranked  # (a dataclass; planner_search does not import this module)
     p = ranked[0].plan
     lines = [f"{preset['preset']} on {p['devices']} x {p['hardware']}, batch {p['tokens_per_sec'] * p['step_s_serial']:,.0f} "
              f"tokens per step: {tried} layouts divide the model and the batch, {len(ranked)} fit, {too_big} do not",

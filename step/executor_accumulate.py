@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import step_core as core
+from step import step_core as core
 from context_parallel import local_inputs, local_targets
 from model import apply_blocks
 from parallel import gather_for_use

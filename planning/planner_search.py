@@ -32,7 +32,7 @@ import math
 
 import parallel as par
 from model import REMAT_POLICIES
-from planner_model import plan
+from planning.planner_model import plan
 from utils import PIPELINE_SCHEDULES, ConfigError, apply_overrides
 
 MAX_MICROBATCHES = 64  # beyond this a microbatch is a sliver of a sequence per device: no faster, rarely needed

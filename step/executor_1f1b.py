@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.extend.core import Literal
 
-import step_core as core
+from step import step_core as core
 from context_parallel import local_inputs, local_targets
 from layers import axis_index
 from model import fold_in_rows

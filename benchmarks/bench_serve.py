@@ -1,8 +1,8 @@
 """Benchmark the server's batched decoding: decode tokens/s with one busy slot and with
 every slot busy (engine.py, no HTTP in between).
 
-    python bench_serve.py --preset shakespeare --serve.slots 8
-    python bench_serve.py --preset tiny --serve.slots 16 --tokens 64
+    python benchmarks/bench_serve.py --preset shakespeare --serve.slots 8
+    python benchmarks/bench_serve.py --preset tiny --serve.slots 16 --tokens 64
                                    # last line: tokens_per_sec_1=... tokens_per_sec_all=...
 
 The model is the preset's, freshly initialised (decode speed does not depend on what
@@ -13,6 +13,7 @@ from the first token to the last: the decode steps, not the prefill. Best of --r
 (default 3) runs: a neighbour's burst on a shared machine slows a run, never speeds it.
 """
 
+import os
 import sys
 import threading
 import time
@@ -20,10 +21,13 @@ import time
 import jax
 from flax import nnx
 
-import parallel as par
-from bench import split_own_flags
-from engine import Engine, Sequence
-from utils import ConfigError, apply_overrides, parse_args
+if __name__ == "__main__":
+    # Run as a script: import the repo's modules from the repo root, not from benchmarks/.
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import parallel as par  # noqa: E402
+from bench import split_own_flags  # noqa: E402
+from serving.engine import Engine, Sequence  # noqa: E402
+from utils import ConfigError, apply_overrides, parse_args  # noqa: E402
 
 PROMPT_TOKENS = 8
 

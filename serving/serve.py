@@ -55,7 +55,7 @@ from starlette.exceptions import HTTPException
 
 from dataset import get_tokenizer
 from devices import stop_now
-from engine import Engine, QueueFull, Sequence
+from serving.engine import Engine, QueueFull, Sequence
 from runs import host_params, load_run_params
 from sampling import TOP_LOGPROBS
 from utils import ConfigError

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import step_core as core
+from step import step_core as core
 from context_parallel import local_inputs, local_targets
 from layers import axis_index
 from model import apply_blocks

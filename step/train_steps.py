@@ -30,11 +30,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import executor_1f1b
-import executor_accumulate
-import executor_auto
-import executor_gpipe
-import step_core as core
+from step import executor_1f1b
+from step import executor_accumulate
+from step import executor_auto
+from step import executor_gpipe
+from step import step_core as core
 from model import Transformer
 from parallel import PP, batch_spec, live_spec, named, specs_of
 from utils import ConfigError, apply_overrides

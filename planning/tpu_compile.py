@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec as P
 import dtype_probe
 import optimizers
 import parallel as par
-import planner_model
-import train_steps
+from planning import planner_model
+from step import train_steps
 from model import abstract_model, abstract_params
 from utils import ConfigError, apply_overrides
 

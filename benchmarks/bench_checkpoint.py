@@ -3,8 +3,8 @@ AdamW state) on one device: the whole asynchronous save, the part of it that blo
 training (copying arrays off the device, fingerprints), and a restore (with its
 fingerprint check).
 
-    python bench_checkpoint.py                        # the default config (shakespeare)
-    python bench_checkpoint.py --preset tiny --repeats 5 --dir /tmp/ckpt_bench
+    python benchmarks/bench_checkpoint.py                        # the default config (shakespeare)
+    python benchmarks/bench_checkpoint.py --preset tiny --repeats 5 --dir /tmp/ckpt_bench
 
 Any main.py config flag is accepted (--model.d_model 512 ...). The first save and
 restore compile the fingerprint and warm Orbax up; they are not counted. Figures are
@@ -22,11 +22,14 @@ import time
 import jax
 import jax.numpy as jnp
 
-import checkpoint
-import optimizers
-import parallel as par
-from flops import count_params, human
-from utils import ConfigError, MeshConfig, apply_overrides, parse_args
+if __name__ == "__main__":
+    # Run as a script: import the repo's modules from the repo root, not from benchmarks/.
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
+import optimizers  # noqa: E402
+import parallel as par  # noqa: E402
+from flops import count_params, human  # noqa: E402
+from utils import ConfigError, MeshConfig, apply_overrides, parse_args  # noqa: E402
 
 BYTES_VOCAB = 257  # the byte tokenizer (256 bytes + end-of-text): the embedded data's vocabulary
 

@@ -1,6 +1,6 @@
 """Data loader throughput: tokens/s of TokenData.batch reading from local disk and from gs://.
 
-    python bench_data.py [--batch_size 64] [--seq_len 256] [--epochs 1]
+    python benchmarks/bench_data.py [--batch_size 64] [--seq_len 256] [--epochs 1]
 
 Reads the embedded Shakespeare shards (prepared into a temporary directory) for whole
 epochs of global batches. The gs:// figure is measured against a local Cloud Storage
@@ -12,11 +12,15 @@ Last line: tokens_per_sec_local=... tokens_per_sec_gcs=...
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
-import dataset
-from data import gcs_emulator, shakespeare, upload_gcs
+if __name__ == "__main__":
+    # Run as a script: import the repo's modules from the repo root, not from benchmarks/.
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import dataset  # noqa: E402
+from data import gcs_emulator, shakespeare, upload_gcs  # noqa: E402
 
 BUCKET = "bench"
 
