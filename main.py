@@ -1,4 +1,4 @@
-"""Train (or sample from, or export) the MoE transformer over a 3-D device mesh.
+"""Train (or sample from, or export) the MoE transformer over an n-dimensional device mesh.
 
     python main.py                                  # Shakespeare, bytes, small MoE, CPU
     python main.py --run.cpu_devices 8 --mesh.dp 2 --mesh.pp 2 --mesh.tp 2 --train.microbatches 2

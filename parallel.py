@@ -1,4 +1,4 @@
-"""The mesh (dp x pp x tp within a TPU slice, slices outermost) and how weights and
+"""The mesh (dp x cp x pp x tp within a TPU slice, slices outermost) and how weights and
 batches sit on it: the mesh, the sharding table, init in place, the FSDP gather that
 the shard_map executors call, the global batch.
 
@@ -7,6 +7,9 @@ Mesh axes:
       every weight and its optimizer state; a block's weights are all-gathered just
       before use, and autodiff turns that all-gather into a reduce-scatter of the
       gradient.
+  cp  context parallel (--mesh.cp, size 1 by default): every sequence is cut into 2 cp
+      chunks, rank i holding chunks i and 2cp-1-i; attention all-gathers the MLA latent
+      over cp (context_parallel.py). Weights are stored over dp x cp (FSDP over both).
   pp  pipeline: stage i holds blocks [i*N/pp, (i+1)*N/pp); microbatches flow stage to
       stage with ppermute (executor_gpipe.py, executor_1f1b.py).
   tp  tensor parallel (Megatron): heads, FFN hidden units, expert hidden units and the
@@ -94,8 +97,8 @@ def make_mesh(mesh_cfg, devices=None):
 
 
 def shown_shape(mesh):
-    """{axis: size} as runs print it: the slice and cp axes only when they split
-    something (one slice without cp is the mesh users know: dp, pp, tp)."""
+    """{axis: size} as runs print it: dp, pp and tp always, the slice and cp axes only
+    when they split something (size > 1)."""
     return {axis: n for axis, n in mesh.shape.items() if axis not in (SLICE, CP) or n > 1}
 
 

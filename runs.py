@@ -47,8 +47,8 @@ def resolve_vocab(cfg, data):
 
 
 def describe_mesh(mesh):
-    """Which device holds which (dp, pp, tp) coordinate (and slice, with several), and
-    which process owns it."""
+    """Which device holds which (dp, pp, tp) coordinate (and cp, slice when they are
+    more than 1), and which process owns it."""
     shown = par.shown_shape(mesh)
     lines = [f"mesh {shown} over {mesh.devices.size} devices, {jax.process_count()} process(es)"]
     for coords in np.ndindex(mesh.devices.shape):

@@ -37,13 +37,13 @@ SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: train_steps.executor_of 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    dp: int = option(-1, "data parallel (FSDP) degree; -1 = all devices not used by pp and tp")
+    dp: int = option(-1, "data parallel (FSDP) degree; -1 = all devices of a slice not used by cp, pp and tp")
     pp: int = option(1, "pipeline stages")
     tp: int = option(1, "tensor parallel degree")
     cp: int = option(1, "context parallel degree: every sequence split into 2cp chunks, rank i holding chunks i and 2cp-1-i "
                         "(balanced causal work); attention all-gathers the MLA latent over cp (context_parallel.py)")
     slices: int = option(1, "TPU slices (multi-slice data parallelism over the data-center network: weights replicated per "
-                            "slice, only the gradient all-reduce crosses slices); dp x pp x tp is per slice")
+                            "slice, only the gradient all-reduce crosses slices); dp x cp x pp x tp is per slice")
     expert_parallel: bool = option(False, "shard routed experts over dp (all-to-all dispatch)")
     sharding: str = option("manual", "manual: one shard_map, every collective written out (executor_gpipe.py, executor_1f1b.py) | "
                                      "auto: jax.jit with the same shardings, the compiler inserts the collectives (executor_auto.py; pp = 1)")

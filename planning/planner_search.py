@@ -6,22 +6,23 @@
 A layout is what a user changes between runs on the same devices and the same global
 batch: the mesh (dp x cp x pp x tp, the device count fixed; --mesh.slices as given), expert
 parallelism, the pipeline schedule and its virtual stages, the microbatches and the
-remat policy. Each is planned (planner_model.plan: pure arithmetic on shapes traced
-once); those that do not divide the model or the batch raise ConfigError and drop out
-(so do the cp layouts that utils.context_parallel_checks refuses: a sequence not in
-2 cp chunks, a routing group or attention block straddling chunks, what cp does not
-support yet such as expert parallelism or the 1f1b schedules), and those whose bytes
-exceed the device's memory are kept aside. The rest are ranked by
-the predicted step with communication not overlapped (the planner's conservative
-figure, the one it prints for every layout).
+remat policy; cp layouts with every executor and with expert parallelism, as without
+cp. Each is planned (planner_model.plan: pure arithmetic on shapes traced once); those
+that do not divide the model or the batch raise ConfigError and drop out (so do the cp
+layouts that utils.context_parallel_checks refuses: a sequence not in 2 cp chunks, a
+routing group or attention block straddling chunks, dot_product_attention), and those
+whose bytes exceed the device's memory are kept aside. The rest are ranked by the
+predicted step with communication not overlapped (the planner's conservative figure,
+the one it prints for every layout).
 
-Not searched (yet):
+Not searched:
   cp's model flags --model.routing_group (must divide seq_len / 2cp), --model.attention
                   and --model.attention_block: they change the model, not its layout,
                   so the search lays out cp only for a model whose flags allow it (the
                   moe1b preset's whole-sequence routing group allows none).
-  FSDP gather     once per step vs once per microbatch: no executor option chooses it;
-                  the planner models the per-tick gather every executor runs today.
+  --train.gather_once  the FSDP gather once per step or once per microbatch under
+                  accumulation: each layout keeps the config's choice (auto by default:
+                  once where the gathered blocks fit, executor_accumulate's rule).
   --mesh.sharding auto compiles the same layouts (pp = 1) with the compiler's collectives;
                   the planner predicts the same step for both, so it is not a lever here.
 """
