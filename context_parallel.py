@@ -1,35 +1,22 @@
-"""Context parallelism (--mesh.cp): every sequence split over the cp axis, load-balanced
-for the causal mask, with attention gathering the MLA latent over cp. Shape legend:
-model.py's docstring; L = T / (2 cp), the length of one chunk.
+"""Context parallelism (--mesh.cp): every sequence split over the cp axis, with
+attention gathering the MLA latent over cp. Shape legend: model.py's docstring;
+L = T / (2 cp), the length of one chunk.
 
 Which tokens a rank holds: the sequence is cut into 2 cp chunks of L tokens, and rank
-i holds chunks i and 2cp-1-i (the scheme of MaxText and torchtitan). Under the causal
-mask a query at position p attends to p + 1 keys, so an early chunk is cheap and a late
-one dear; pairing chunk i with chunk 2cp-1-i gives every rank the same work,
-(2cp - 1 + 2) L / 2 keys per query on average, where contiguous chunks would give the
-last rank 2cp - 1 times the first's.
+i holds chunks i and 2cp-1-i, which gives every rank the same causal-attention work
+(docs/parallelism.md, "What crosses cp").
 
-What crosses cp: only attention needs other ranks' tokens, and of them only what MLA
-makes keys and values from: the latent c_KV [A] and the shared RoPE key [R], A + R
-numbers per token (576 for DeepSeek-V3), all-gathered over cp once per attention
-layer. Keys and values [H, K] are up-projected from the gathered latent on every rank:
-a small repeated matmul instead of moving 2 H K numbers per token (32,768 for V3).
-An all-gather rather than a ring: the latent of the whole sequence is T (A + R) numbers
-per row (37 MB at T = 32,768 for V3 in bfloat16 per row), small beside the activations,
-and one gather is one collective per layer that XLA can overlap with the query
-projections, where a ring needs cp - 1 dependent steps. Autodiff turns the all-gather
-into a reduce-scatter of the latent's gradient.
+What crosses cp: per attention layer, one all-gather of the latent c_KV [A] and the
+shared RoPE key [R] of every rank's tokens; each rank up-projects keys and values
+[H, K] from the gathered latent itself. Autodiff makes the all-gather's transpose a
+reduce-scatter of the latent's gradient. Everything per token (norms, FFN, MoE, the
+loss) runs on the rank's 2L tokens; RoPE and the causal mask use global positions, so
+the numbers are those of one device. utils.context_parallel_checks says what cp needs
+of the model (routing groups and attention blocks within a chunk, among others).
 
-Everything per token (norms, FFN, MoE, the loss) runs on the rank's 2L tokens. The
-positions that RoPE and the causal mask use are global ones, so the numbers are those of
-one device. MoE routing groups of --model.routing_group tokens must divide L, so that
-a group is one global group and never straddles two chunks (utils.validate_model).
-
-The tokens themselves are not split: every cp rank receives the whole rows of its
-(slice, dp) share of the batch and reads its chunks' inputs and targets out of them
-(local_inputs, local_targets; MTP reads a few tokens past a chunk's end). A token is 4
-bytes per position where the activations a rank keeps are kilobytes per position per
-layer, so whole rows cost nothing that matters, and chunk-wise reads stay simple.
+Every cp rank receives the whole rows of its (slice, dp) share of the batch and reads
+its chunks' inputs and targets out of them (local_inputs, local_targets; MTP reads a
+few tokens past a chunk's end).
 """
 
 import dataclasses
@@ -64,15 +51,9 @@ class SequenceChunks:
 
     Under the automatic executor (--mesh.sharding auto) the program is global: the
     tokens are every rank's chunks in rank order, [T] of them, their sequence dim split
-    over cp by a sharding constraint (executor_auto), so that rank i holds chunks i and
-    2cp-1-i as here. There no collective is written: `whole` is the spec that asks the
-    compiler for the latent whole over cp where keys and values are made from it. What
-    it then moves is its choice. In the dp2 x cp2 x tp2 step of test_context_parallel it
-    all-gathers the latent once per attention layer, as the manual executors do, and the
-    residual stream [b, T, D] 8 times per step; before layers.project kept the rows [B, T]
-    apart under auto cp (sequence_split_by_the_compiler) it gathered the residual stream
-    37 times instead of the latent: the sequence was not split. Constraining the latent
-    to be split over cp before the gather only added collectives.
+    over cp by a sharding constraint (executor_auto). There no collective is written:
+    `whole` is the spec that asks the compiler for the latent whole over cp where keys
+    and values are made from it, and the compiler chooses what it moves.
     """
     angles: jax.Array
     q_pos_T: jax.Array
@@ -104,9 +85,9 @@ def token_positions(angles, T):
 
 def tokens_at(tokens_xTn, positions_T, k, T):
     """Each row's tokens at positions p + k: a slice for the positions 0..T-1 of whole
-    rows (positions_T None, no cp), gathered at this rank's positions under cp.
-    (A gather in place of the slice without cp made XLA:CPU abort compiling
-    test_executors' accumulation case with the gather per microbatch.)"""
+    rows (positions_T None, no cp), gathered at this rank's positions under cp."""
+    # Without cp a slice, not a gather: XLA:CPU aborts compiling the gather per microbatch
+    # under accumulation (test_executors).
     return tokens_xTn[..., k:k + T] if positions_T is None else tokens_xTn[..., positions_T + k]
 
 

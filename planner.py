@@ -32,7 +32,7 @@ main.py flag, plus:
                       best_step_ms=<float> preset_step_ms=<float> best_flags="..."
 
     python planner.py --table [--presets P,...] [--pods T,...] [--json PATH]
-                      the README's table: every preset compiled for the pods people use
+                      docs/planning.md's table: every preset compiled for the pods people use
                       (TABLE_MESHES below), the TPU compiler's bytes beside the planner's
 
 What each row of memory and time means: planner_model.py.

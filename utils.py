@@ -199,7 +199,7 @@ PRESETS = {
     },
     # Real models' shapes, to continue them from their checkpoints (--train.init_from
     # hf:DIR; docs/checkpoints.md) or to train such a model from scratch: the mesh is a
-    # TPU slice the train step fits (planner.py --tpu, docs/pods.md).
+    # TPU slice the train step fits (planner.py --tpu, docs/planning.md).
     # Moonlight-16B-A3B (Moonshot AI, 2025): DeepSeek-V3's architecture at 16B parameters,
     # 3B active, trained with Muon. 27 layers = 1 dense + 26 MoE, full-rank queries, 64
     # experts of 1408 + 2 shared, top-6 sigmoid with the aux-loss-free bias, untied head.
@@ -209,7 +209,7 @@ PRESETS = {
                       block_pattern="M", d_ff=11264, n_experts=64, n_shared=2, top_k=6, d_expert=1408, capacity_factor=1.5,
                       router_score="sigmoid", router_bias_rate=0.001, aux_loss_weight=0.0, seq_aux_loss_weight=0.0001,
                       routed_scale=2.446, dtype="bfloat16", unroll_blocks=False, remat="block"),
-        "mesh": dict(dp=8, pp=2, tp=2),  # v4-64 (planner.py --tpu v4-64: docs/pods.md)
+        "mesh": dict(dp=8, pp=2, tp=2),  # v4-64 (planner.py --tpu v4-64: docs/planning.md)
         "train": dict(steps=10000, batch_size=64, microbatches=4, lr=2e-4, warmup_steps=500, min_lr_ratio=0.1,
                       eval_every=500, eval_batches=8, checkpoint_every=500, weight_decay=0.1),
     },
@@ -223,7 +223,7 @@ PRESETS = {
                       n_blocks=26, block_pattern="M", d_ff=10944, n_experts=64, n_shared=2, top_k=6, d_expert=1408,
                       capacity_factor=1.5, router_score="softmax", norm_topk=False, aux_loss_weight=0.001,
                       dtype="bfloat16", unroll_blocks=False, remat="block"),
-        "mesh": dict(dp=8, pp=2, tp=2),  # v4-64 (planner.py --tpu v4-64: docs/pods.md)
+        "mesh": dict(dp=8, pp=2, tp=2),  # v4-64 (planner.py --tpu v4-64: docs/planning.md)
         "train": dict(steps=10000, batch_size=64, microbatches=4, lr=2e-4, warmup_steps=500, min_lr_ratio=0.1,
                       eval_every=500, eval_batches=8, checkpoint_every=500, weight_decay=0.1),
     },

@@ -1,5 +1,5 @@
 """What planner.py prints: the plan of one layout, the TPU compiler's figures beside it
-(--tpu TYPE), and docs/pods.md's table of every preset on the pods people use (--table).
+(--tpu TYPE), and docs/planning.md's table of every preset on the pods people use (--table).
 """
 
 import json
@@ -91,7 +91,7 @@ def tpu_check(cfg, tpu_name, p):
 
 
 # ----------------------------------------------------------------------------
-# docs/pods.md's table: every preset on the pods people use, planner beside compiler
+# docs/planning.md's table: every preset on the pods people use, planner beside compiler
 #
 #     python planner.py --table [--presets shakespeare,tiny,moe1b] [--pods v4-8,v4-64,...]
 

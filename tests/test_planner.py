@@ -419,7 +419,7 @@ def test_cp_latent_gradient_is_reduced_as_the_tpu_compiler_does():
     """The TPU compiler all-reduces the latent's gradient over cp when a microbatch has
     several rows per device (the scattered dim, T, is then not the major one) and
     reduce-scatters it with one row (v5p-128, moe1b at T = 32768, scaled down and full:
-    tests/test_tpu_compile.py, docs/pods.md); XLA:CPU always reduce-scatters. The same
+    tests/test_tpu_compile.py, docs/planning.md); XLA:CPU always reduce-scatters. The same
     bytes; an all-reduce's ring moves twice them."""
     def plan(rows, hardware):
         return planner.plan(apply_overrides(cp_config(dp=2, cp=4), {"train": {"batch_size": 2 * rows}}), 0, hardware)

@@ -129,10 +129,10 @@ CASES = {
     "moe-v5p-64-8x1x4-ep": ("moe1b-small", "v5p-64", (8, 1, 4), True),
     "tiny-v5litepod-16-4x2x2": ("tiny", "v5litepod-16", (4, 2, 2), False),
 }
-SLOW_CASES = {  # (v5p-64 8x2x2 compiles alike: planner.py --table, docs/pods.md)
+SLOW_CASES = {  # (v5p-64 8x2x2 compiles alike: planner.py --table, docs/planning.md)
     "moe1b-v4-64-8x2x2": ("moe1b", "v4-64", (8, 2, 2), False),
     # (moonlight and deepseek_v2_lite at full size on v4-64 8x2x2: train steps compile in 230-260 s here, their
-    # output in docs/pods.md; scaled down: test_planner_tpu_prints_the_compiler_beside_the_planner)
+    # output in docs/planning.md; scaled down: test_planner_tpu_prints_the_compiler_beside_the_planner)
 }
 # the cases that compile a 1B-shaped (if narrow) model: slow, ~50-75 s each
 CASE_NAMES = [pytest.param(name, marks=[pytest.mark.slow] if name.startswith("moe") else []) for name in CASES]
@@ -542,7 +542,7 @@ def test_tpu_search_compiles_the_top_layout_and_prints_the_compilers_figures_bes
 # routing groups of 1,024 tokens (within a chunk), blockwise attention (matmul attention
 # would hold [b, H, 4096, 32768] float32 scores per layer); dp 4 x cp 8 x tp 2 on a
 # v5p-128 (64 chips), 4 sequences per step (one row per device). The full moe1b compiled
-# in docs/pods.md ("Long sequences"); here its widths scaled down (SMALL_MOE1B: 2 blocks,
+# in docs/planning.md ("Long sequences"); here its widths scaled down (SMALL_MOE1B: 2 blocks,
 # 4 heads) so the train step compiles in 100 s. Measured: planner / compiler 0.97 of the
 # live total, 0.88 of memory_analysis; with 4 rows per device (16 sequences) 0.93 and
 # 0.77, and the latent's gradient all-reduced instead of reduce-scattered.
