@@ -38,8 +38,8 @@ def blockwise_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSH
     # the partial evaluation of an enclosing loop (apply_blocks' scan over blocks) computes
     # everything that depends on them alone ahead of the loop: every block pair's causal
     # mask and -inf fill, broadcast to [B, H, t, s] and stacked [T/block, S/block, ...],
-    # kept for the backward pass. At T = 32768 and cp 8 that was 4 GiB of float32 and 1 GiB
-    # of masks per device in the compiled TPU step (its memory report).
+    # kept for the backward pass: at T = 32768 and cp 8, 4 GiB of float32 and 1 GiB of
+    # masks per device in the compiled TPU step (docs/planning.md, "Long sequences").
     q_pos_T, k_pos_S, q_nope_BTHK = jax.lax.optimization_barrier((q_pos_T, k_pos_S, q_nope_BTHK))
     return _attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block)
 

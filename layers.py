@@ -57,10 +57,9 @@ def sequence_split_by_the_compiler():
     --mesh.cp > 1)? Then x [B, T, D] is split over dp on B and over cp on T, and
     flattening B and T into one row dim asks for a layout the partitioner does not keep
     (a device's rows are not contiguous in B x T): it all-gathers x over cp first, and
-    the sequence is no longer split. Measured in test_context_parallel's dp2 x cp2 x tp2
-    step: the residual stream [b, T, D] gathered over cp 37 times per step and the
-    latent never, with the flattening; without it 8 times, and the latent once per
-    attention layer (test_the_compiler_gathers_the_latent_under_auto)."""
+    the sequence is no longer split. So project keeps the rows apart there, and the
+    compiler gathers the latent over cp instead (test_the_compiler_gathers_the_latent_under_auto;
+    the measured collectives: docs/parallelism.md)."""
     mesh = jax.sharding.get_abstract_mesh()
     return not mesh.empty and CP in mesh.axis_names and mesh.shape[CP] > 1 and is_auto_axis(CP)
 

@@ -604,7 +604,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     hw = HARDWARE[hw_name]
     cfg = plan_config(cfg)
     if cfg.mesh.dp == -1 and not devices:
-        raise ConfigError("--mesh.dp -1 takes the devices left by pp and tp: say how many with --devices N")
+        raise ConfigError("--mesh.dp -1 takes the devices left by cp, pp and tp: say how many with --devices N")
     n_devices = devices or cfg.mesh.dp * cfg.mesh.cp * cfg.mesh.pp * cfg.mesh.tp
     shape = par.resolve_mesh_shape(cfg.mesh, n_devices)
     mesh = abstract_mesh(shape)
