@@ -19,9 +19,10 @@ from step import executor_accumulate
 from step import executor_gpipe
 import optimizers
 import parallel as par
+import runs
 from model import Transformer
 from step.train_steps import executor_of, make_eval_step, make_train_step, partition
-from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides
+from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, MeshConfig, apply_overrides
 
 RTOL = 1e-5
 
@@ -449,6 +450,18 @@ def test_bad_mesh_config_raises_clear_error(mesh_shape, model, train, expert_par
 def test_dp_minus_one_takes_the_rest():
     cfg = apply_overrides(Config(), {"mesh": dict(dp=-1, pp=2, tp=2)})
     assert dict(par.make_mesh(cfg.mesh, jax.devices()[:8]).shape) == {"slice": 1, "dp": 2, "cp": 1, "pp": 2, "tp": 2}
+
+
+def test_describe_mesh_shows_cp_and_slice_only_when_they_split_something():
+    plain = runs.describe_mesh(par.make_mesh(MeshConfig(dp=2, pp=2, tp=2), jax.devices()[:8])).splitlines()
+    assert plain[0] == "mesh {'dp': 2, 'pp': 2, 'tp': 2} over 8 devices, 1 process(es)"
+    assert plain[1:3] == ["  device   0 (process 0): dp=0 pp=0 tp=0", "  device   1 (process 0): dp=0 pp=0 tp=1"]
+    cp = runs.describe_mesh(par.make_mesh(MeshConfig(dp=2, cp=2, tp=2), jax.devices()[:8])).splitlines()
+    assert cp[0] == "mesh {'dp': 2, 'cp': 2, 'pp': 1, 'tp': 2} over 8 devices, 1 process(es)"
+    assert cp[3] == "  device   2 (process 0): dp=0 cp=1 pp=0 tp=0"
+    slices = runs.describe_mesh(par.make_mesh(MeshConfig(dp=2, tp=2, slices=2), jax.devices()[:8])).splitlines()
+    assert slices[0] == "mesh {'slice': 2, 'dp': 2, 'pp': 1, 'tp': 2} over 8 devices, 1 process(es)"
+    assert slices[5] == "  device   4 (process 0): slice=1 dp=0 pp=0 tp=0"
 
 
 def test_process_rows_cover_the_batch():
