@@ -14,8 +14,9 @@ Where the constraints are (everything else is propagated by the compiler):
   weights         just before use (per block, inside the loop over blocks): the FSDP
                   dim whole, the tensor-parallel dim split over tp, experts split over
                   dp with --mesh.expert_parallel (the compute layout of weight_layout)
-  residual stream x_BTD out of the embedding and into the loss: rows over dp, whole
-                  over tp (the batch arrives with rows over dp)
+  residual stream x_BTD out of the embedding and into the loss: rows over dp, the
+                  sequence over cp, whole over tp (RESIDUAL_SPEC; the batch arrives
+                  with rows over dp)
   expert buffers  x_GECD with --mesh.expert_parallel: experts over dp, every group
                   (moe.MoE.routed_with_capacity; the compiler picks the dispatch)
 Storage shardings are the jit's input and output shardings, so params, optimizer state
