@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hf import hf_config
 from hf import hf_interop
 from moe import has_router_bias
 from utils import ConfigError
@@ -293,12 +292,10 @@ def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=No
 
 def find_params_source(path):
     """('export', dir) or ('run', run_dir) for --train.init_from / sampling; a clear
-    error for a path that is neither (checked before anything compiles). `hf:DIR` is
-    ('hf', DIR), a Hugging Face directory (hf_interop.py)."""
-    if hf_config.hf_dir(path) is not None:
-        hf_path = os.path.abspath(hf_config.hf_dir(path))
-        hf_config.read_hf_config(hf_path)
-        return "hf", hf_path
+    error for a path that is neither (checked before anything compiles). A Hugging Face
+    directory, opened by hf_interop.open_init_from, is ('hf', its HFSource)."""
+    if isinstance(path, hf_interop.HFSource):
+        return "hf", path
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise ConfigError(f"{path} does not exist: give a run directory, its checkpoints/ directory, "
@@ -313,12 +310,13 @@ def find_params_source(path):
 
 
 def restore_params(path, params, model_cfg, log=warn):
-    """Params only, from a slim export dir, a run dir, its checkpoints/ dir or hf:DIR, into
-    the shardings of `params` (float32). For sampling and fine-tuning. Reads only: a
-    damaged checkpoint is reported and the previous one used, but nothing is moved."""
+    """Params only, from a slim export dir, a run dir, its checkpoints/ dir or an opened
+    hf:DIR (hf_interop.HFSource), into the shardings of `params` (float32). For sampling
+    and fine-tuning. Reads only: a damaged checkpoint is reported and the previous one
+    used, but nothing is moved."""
     kind, path = find_params_source(path)
     if kind == "hf":
-        return hf_interop.load_params(path, params, model_cfg, log)
+        return path.load(params, model_cfg, log)
     if kind == "export":
         with open(os.path.join(path, "config.json")) as f:
             check_model_config(json.load(f)["model"], model_cfg, path)

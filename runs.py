@@ -100,11 +100,10 @@ def load_run_params(cfg, devices=None, check=None):
     resolved config, before any init."""
     run_dir = run_dir_of(cfg)
     config_path = os.path.join(run_dir, "config.json")
-    if hf_config.hf_dir(cfg.train.init_from):
-        cfg = hf_interop.adopt_checkpoint(cfg, hf_config.hf_dir(cfg.train.init_from))
-    elif not os.path.exists(config_path):
-        raise ConfigError(f"no run at {run_dir} (missing config.json): train first, or pass --run.name/--run.out_dir")
-    else:
+    cfg, hf_source = hf_interop.open_init_from(cfg)  # hf:DIR: the model is the one in that directory
+    if hf_source is None:
+        if not os.path.exists(config_path):
+            raise ConfigError(f"no run at {run_dir} (missing config.json): train first, or pass --run.name/--run.out_dir")
         with open(config_path) as f:
             saved = config_from_dict(json.load(f))
         cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
@@ -112,7 +111,7 @@ def load_run_params(cfg, devices=None, check=None):
         check(cfg)
     mesh = par.make_mesh(cfg.mesh, devices)
     graphdef, params = par.init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
-    source = cfg.train.init_from or run_dir
+    source = hf_source or cfg.train.init_from or run_dir
     return cfg, graphdef, checkpoint.restore_params(source, params, cfg.model)
 
 

@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec as P
 import checkpoint
 import flops
 import goodput
-from hf import hf_config
 from hf import hf_interop
 import optimizers
 import parallel as par
@@ -41,8 +40,7 @@ def train(cfg):
     preemption.PREEMPTED_EXIT_CODE (stop_preempted)."""
     clock = goodput.PhaseClock()  # from this process's start: where the wall time goes
     run_dir = run_dir_of(cfg)
-    if hf_config.hf_dir(cfg.train.init_from):  # the model is the one in that directory
-        cfg = hf_interop.adopt_checkpoint(cfg, hf_config.hf_dir(cfg.train.init_from))
+    cfg, hf_source = hf_interop.open_init_from(cfg)  # hf:DIR: the model is the one in that directory
     os.makedirs(run_dir, exist_ok=True)
     with Preemption() as preemption:
         mesh = par.make_mesh(cfg.mesh)
@@ -50,7 +48,7 @@ def train(cfg):
         cfg = resolve_vocab(cfg, data)
         par.check_config_fits_mesh(cfg, mesh)
         describe_model(cfg, mesh)
-        graphdef, params, optimizer, opt_state, manager, start_step, wandb_id = init_or_resume(cfg, mesh, run_dir)
+        graphdef, params, optimizer, opt_state, manager, start_step, wandb_id = init_or_resume(cfg, mesh, run_dir, hf_source)
         log = start_log(cfg, run_dir, start_step, wandb_id, clock)
         rows = par.process_rows(mesh, cfg.train.batch_size)
         first_batch = train_batch(cfg, mesh, data, rows, start_step)
@@ -90,12 +88,14 @@ def describe_model(cfg, mesh):
         f"pipeline {cfg.train.pipeline}, bubble {bubble:.0%}")
 
 
-def init_or_resume(cfg, mesh, run_dir):
+def init_or_resume(cfg, mesh, run_dir, hf_source):
     """Fresh state, then the run's latest checkpoint (or --train.resume_step's) over it,
-    or else --train.init_from's params. Returns (graphdef, params, optimizer, opt_state,
+    or else --train.init_from's params (from `hf_source` for hf:DIR, opened once by
+    hf_interop.open_init_from). Returns (graphdef, params, optimizer, opt_state,
     checkpoint manager, the step to start from, the wandb run id to continue)."""
-    if cfg.train.init_from:
-        checkpoint.find_params_source(cfg.train.init_from)  # a wrong path fails before anything compiles
+    init_from = hf_source or cfg.train.init_from
+    if init_from:
+        checkpoint.find_params_source(init_from)  # a wrong path fails before anything compiles
     graphdef, params, optimizer, opt_state = build_state(cfg, mesh)
     align_processes("before_restore", cfg.dist.timeout_s)  # (the manager's first collective follows)
     manager = checkpoint.checkpoint_manager(run_dir, cfg.train.keep_checkpoints, log=say)
@@ -109,7 +109,7 @@ def init_or_resume(cfg, mesh, run_dir):
         say(f"resumed from {run_dir}/checkpoints/{start_step}"
             + (" (--train.init_from ignored: this run already has checkpoints)" if cfg.train.init_from else ""))
     elif cfg.train.init_from:
-        params = checkpoint.restore_params(cfg.train.init_from, params, cfg.model, log=say)
+        params = checkpoint.restore_params(init_from, params, cfg.model, log=say)
         say(f"initialised params from {cfg.train.init_from} (fresh optimizer)")
     return graphdef, params, optimizer, opt_state, manager, start_step, wandb_id
 

@@ -331,8 +331,8 @@ def read_hf_config(path):
         return json.load(f)
 
 
-def adopt_hf_config(cfg, path):
-    """cfg with the model architecture of the HF directory `path` (training-time fields,
+def adopt_hf_config(cfg, hf):
+    """cfg with the model architecture of config.json `hf` (a dict; training-time fields,
     such as seq_len, dtype and capacity_factor, stay as configured)."""
-    model = from_hf_config(read_hf_config(path), cfg.model)
+    model = from_hf_config(hf, cfg.model)
     return apply_overrides(cfg, {"model": {k: getattr(model, k) for k in ARCH_FIELDS}})

@@ -16,7 +16,7 @@ trust_remote_code=True; config.json's auto_map points at it):
   DDDDDM x 8)                                                   -> meshformer  (MeshformerForCausalLM, remote code)
 
 And back: DeepSeek-V3, DeepSeek-V2-Lite and Moonlight checkpoints import
-(`--train.init_from hf:DIR`), streamed: load_params reads, for every shard of every
+(`--train.init_from hf:DIR`, HFSource), streamed: HFSource.load reads, for every shard of every
 param that this process's devices hold, only that shard's slice of the HF tensors
 (safetensors_reader.py), never the whole model into one host's memory.
 
@@ -66,8 +66,8 @@ import ml_dtypes
 import numpy as np
 
 from errors import ConfigError
-from hf.hf_config import (ARCH_FIELDS, REMOTE_CODE, adopt_hf_config, architecture_of, check_exportable, from_hf_config, read_hf_config,
-                       to_hf_config)
+from hf.hf_config import (ARCH_FIELDS, REMOTE_CODE, adopt_hf_config, architecture_of, check_exportable, from_hf_config, hf_dir,
+                          read_hf_config, to_hf_config)
 from hf.hf_tokenizer import write_tokenizer
 from model import abstract_params
 from hf.safetensors_reader import Checkpoint
@@ -297,29 +297,70 @@ class StateDict:
         return np.asarray(x if box is None else x[box], np.float32)
 
 
-def load_params(path, params, m, log=None):
-    """Weights of the HF directory `path` into the shardings of `params` (any mesh, any
-    number of processes), streamed: each process reads, tensor by tensor, only the
-    slices of the shards its own devices hold (jax.make_array_from_callback calls back
-    per addressable shard). Params the checkpoint has no tensor for (MTP) keep `params`'."""
-    expected = from_hf_config(read_hf_config(path), m)
-    diffs = [f"{k} {getattr(m, k)!r} vs {getattr(expected, k)!r}" for k in ARCH_FIELDS if getattr(m, k) != getattr(expected, k)]
-    if diffs:
-        raise ConfigError(f"the model config differs from hf:{path}'s ({'; '.join(diffs)})")
-    with Checkpoint(path) as tensors:
-        sources = import_sources(m, tensors)
-        note = mtp_note(m, tensors)
-        if note and log is not None:
-            log(note)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-        arrays = []
-        for key_path, target in leaves:
-            source = sources.get(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in key_path))
-            if source is None:
-                arrays.append(target)
-                continue
-            arrays.append(jax.make_array_from_callback(target.shape, target.sharding, shard_reader(source, tensors, target.shape)))
-    return jax.tree_util.tree_unflatten(treedef, arrays)
+class HFSource:
+    """A Hugging Face directory opened once, like torchtitan's StateDictAdapter: its
+    config.json (`config`), its tensors' headers (`tensors`: the safetensors_reader
+    Checkpoint, each file's header read once) and where each of our weights is in them
+    (`sources`, kept for the model last asked about). `--train.init_from hf:DIR` makes one
+    (open_init_from); `adopt` decides the model from it, `load` then reads the weights
+    and closes the files."""
+
+    def __init__(self, path):
+        self.path = path
+        self.config = read_hf_config(path)
+        self.tensors = Checkpoint(path)
+        self.mapped = None  # (model config, its sources)
+
+    def sources(self, m):
+        """{our param path (keys): Source} for model `m` (import_sources), mapped from the
+        headers already read; the same `m` again reuses the mapping."""
+        if self.mapped is None or self.mapped[0] != m:
+            self.mapped = (m, import_sources(m, self.tensors))
+        return self.mapped[1]
+
+    def adopt(self, cfg):
+        """cfg with this directory's model (hf_config.adopt_hf_config), after the checks of
+        `load` that need no arrays (tensor names and shapes, file headers): a bad
+        checkpoint fails before anything is built or written."""
+        cfg = adopt_hf_config(cfg, self.config)
+        self.sources(cfg.model)
+        return cfg
+
+    def load(self, params, m, log=None):
+        """Weights into the shardings of `params` (any mesh, any number of processes),
+        streamed: each process reads, tensor by tensor, only the slices of the shards its
+        own devices hold (jax.make_array_from_callback calls back per addressable shard).
+        Params the checkpoint has no tensor for (MTP) keep `params`'. Closes the files."""
+        expected = from_hf_config(self.config, m)
+        diffs = [f"{k} {getattr(m, k)!r} vs {getattr(expected, k)!r}" for k in ARCH_FIELDS if getattr(m, k) != getattr(expected, k)]
+        if diffs:
+            raise ConfigError(f"the model config differs from hf:{self.path}'s ({'; '.join(diffs)})")
+        with self.tensors as tensors:
+            sources = self.sources(m)
+            note = mtp_note(m, tensors)
+            if note and log is not None:
+                log(note)
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+            arrays = []
+            for key_path, target in leaves:
+                source = sources.get(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in key_path))
+                if source is None:
+                    arrays.append(target)
+                    continue
+                arrays.append(jax.make_array_from_callback(target.shape, target.sharding,
+                                                           shard_reader(source, tensors, target.shape)))
+        return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def open_init_from(cfg):
+    """The one place `--train.init_from hf:DIR` is told apart (train.py and runs.py call
+    it): (cfg with that directory's model, its HFSource), which checkpoint.restore_params
+    then loads from; (cfg, None) for any other init_from (a run or an export directory)."""
+    path = hf_dir(cfg.train.init_from)
+    if path is None:
+        return cfg, None
+    source = HFSource(path)
+    return source.adopt(cfg), source
 
 
 def shard_reader(source, tensors, shape):
@@ -333,16 +374,6 @@ def shard_reader(source, tensors, shape):
             read[key] = source.read(tensors, index, shape)
         return read[key]
     return callback
-
-
-def adopt_checkpoint(cfg, path):
-    """cfg with the model of the HF directory `path` (hf_config.adopt_hf_config), after
-    the checks of load_params that need no arrays (tensor names and shapes, file
-    headers): a bad checkpoint fails before anything is built or written."""
-    cfg = adopt_hf_config(cfg, path)
-    with Checkpoint(path) as tensors:
-        import_sources(cfg.model, tensors)
-    return cfg
 
 
 def from_hf_state(tensors, m):

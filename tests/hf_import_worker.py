@@ -57,7 +57,7 @@ def main():
     shapes = abstract_params(m)
     shardings = par.named(mesh, par.param_specs(shapes, False))
     target = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes, shardings)
-    params = hf_interop.load_params(args.ckpt, target, m)
+    params = hf_interop.HFSource(args.ckpt).load(target, m)
     tensors = opened[-1]
     itemsize = {np.dtype(DTYPES[d]).itemsize for d in tensors.dtypes.values()}.pop()
     owned = 0

@@ -368,12 +368,13 @@ def test_transformers_model_imported_on_a_2x2x2_mesh_gives_transformers_loss(tmp
     cfg = apply_overrides(Config(), PRESETS["tiny"])
     cfg = apply_overrides(cfg, {"model": dict(seq_len=32, capacity_factor=0.0), "train": dict(batch_size=4, microbatches=2),
                                 "mesh": dict(dp=2, pp=2, tp=2)})
-    cfg = hf_config.adopt_hf_config(cfg, path)
+    source = hf_interop.HFSource(path)
+    cfg = source.adopt(cfg)
     assert (cfg.model.n_blocks, cfg.model.block_pattern, cfg.model.vocab_size) == (4, "M", 300)
     mesh = par.make_mesh(cfg.mesh)
     par.check_config_fits_mesh(cfg, mesh)
     graphdef, params = par.init_params(cfg.model, mesh, False, 0)
-    params = hf_interop.load_params(path, params, cfg.model)
+    params = source.load(params, cfg.model)
     eval_step = make_eval_step(graphdef, cfg, mesh, params)
     ours = float(eval_step(params, par.global_batch(mesh, tokens_BT, 4)))
     assert ours == pytest.approx(hf_loss(hf, tokens_BT), abs=1e-5)
@@ -391,7 +392,7 @@ def test_transformers_dense_first_model_imported_gives_transformers_logits_and_l
     graphdef, shapes = nnx.split(abstract)
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
                           shapes.to_pure_dict())
-    params = hf_interop.load_params(path, target, m)
+    params = hf_interop.HFSource(path).load(target, m)
     model = nnx.merge(graphdef, params)
     tokens_BT = np.asarray(jax.random.randint(jax.random.key(4), (2, 33), 0, 300))
     logits_BTV = model(jnp.asarray(tokens_BT[:, :-1]))[0]

@@ -1,10 +1,12 @@
-"""Streamed import of sharded Hugging Face checkpoints (hf_interop.load_params,
+"""Streamed import of sharded Hugging Face checkpoints (hf_interop.HFSource,
 safetensors_reader.py): a checkpoint of several safetensors files and an index is read
 tensor by tensor, each process reading only the slices of the shards its devices hold,
 into params on any mesh; a damaged or mismatched checkpoint is one line naming the file,
 tensor or field, before anything is written.
 """
 
+import builtins
+import collections
 import json
 import os
 import subprocess
@@ -40,7 +42,7 @@ def sharded(path, **config):
 
 
 def mesh_target(m, mesh):
-    """The params' shapes with their shardings on `mesh`: what load_params fills."""
+    """The params' shapes with their shardings on `mesh`: what HFSource.load fills."""
     shapes = abstract_params(m)
     shardings = par.named(mesh, par.param_specs(shapes, False))
     return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes, shardings)
@@ -62,7 +64,7 @@ def test_sharded_checkpoint_streams_into_a_2x2x2_mesh_as_the_whole_state_dict_im
     path = sharded(str(tmp_path / "hf"))
     m = hf_config.from_hf_config(hf_config.read_hf_config(path), model_cfg("tiny"))
     mesh = par.make_mesh(MeshConfig(dp=2, pp=2, tp=2))
-    params = hf_interop.load_params(path, mesh_target(m, mesh), m)
+    params = hf_interop.HFSource(path).load(mesh_target(m, mesh), m)
     expected = dict(jax.tree_util.tree_flatten_with_path(hf_interop.from_hf_state(whole_state(path), m))[0])
     got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
     assert sorted(map(jax.tree_util.keystr, got)) == sorted(map(jax.tree_util.keystr, expected))
@@ -71,6 +73,40 @@ def test_sharded_checkpoint_streams_into_a_2x2x2_mesh_as_the_whole_state_dict_im
     # each device holds only its shard: the embedding is split over tp x dp x pp
     embed = params["embed_VD"]
     assert {s.data.shape for s in embed.addressable_shards} == {(embed.shape[0] // 2, embed.shape[1] // 4)}
+
+
+def test_an_hf_init_from_opens_its_config_index_and_each_file_header_once(tmp_path, monkeypatch):
+    """--train.init_from hf:DIR as --mode eval/sample/export_hf/serve load it (runs.
+    load_run_params: the model adopted from the directory, then its weights restored):
+    config.json, the index and every safetensors file are opened once, not once to adopt
+    and again to load, and the params are the whole state dict's."""
+    import safetensors
+
+    import runs
+    from utils import apply_overrides
+
+    path = sharded(str(tmp_path / "hf"))
+    whole = whole_state(path)
+    opened = collections.Counter()  # file name in the HF directory -> opens (Python's open, safetensors' header parse)
+    real_open, real_safe_open = builtins.open, safetensors.safe_open
+
+    def counted(real):
+        def wrapper(file, *args, **kwargs):
+            if os.path.dirname(os.path.abspath(file)) == path:
+                opened[os.path.basename(file)] += 1
+            return real(file, *args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(builtins, "open", counted(real_open))
+    monkeypatch.setattr(safetensors, "safe_open", counted(real_safe_open))
+    cfg = apply_overrides(default_cfg(), {"train": {"init_from": f"hf:{path}"}, "run": {"out_dir": str(tmp_path / "runs")}})
+    cfg, _, params = runs.load_run_params(cfg)
+    monkeypatch.undo()
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    assert opened == collections.Counter(["config.json", INDEX, *files])
+    expected = hf_interop.from_hf_state(whole, cfg.model)
+    got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for key, value in jax.tree_util.tree_flatten_with_path(expected)[0]:
+        np.testing.assert_array_equal(np.asarray(got[key]), value, err_msg=jax.tree_util.keystr(key))
 
 
 def test_reads_are_the_boxes_asked_for_even_across_concatenated_tensors(tmp_path):
@@ -114,7 +150,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_or_tensor(tmp_path):
         subprocess.run(["cp", "-r", good, path], check=True)
         damage(path)
         with pytest.raises(ConfigError) as error:
-            hf_interop.adopt_checkpoint(default_cfg(), path)
+            hf_interop.HFSource(path).adopt(default_cfg())
         assert "\n" not in str(error.value)
         return str(error.value)
 

@@ -159,12 +159,13 @@ def base_cfg(seq_len=32, batch=8, mesh=(1, 1, 1), microbatches=1, **train):
 
 def import_one_device(path, cfg, log=None):
     """(cfg with the checkpoint's model, graphdef, host params) via the streamed import."""
-    cfg = hf_interop.adopt_checkpoint(cfg, path)
+    source = hf_interop.HFSource(path)
+    cfg = source.adopt(cfg)
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0)))
     graphdef, shapes = nnx.split(abstract)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes.to_pure_dict())
-    params = hf_interop.load_params(path, target, cfg.model, log)
+    params = source.load(target, cfg.model, log)
     return cfg, graphdef, jax.device_get(params)
 
 
