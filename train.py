@@ -108,6 +108,8 @@ def init_or_resume(cfg, mesh, run_dir, hf_source):
         start_step, wandb_id = meta["step"], meta.get("wandb_id")
         say(f"resumed from {run_dir}/checkpoints/{start_step}"
             + (" (--train.init_from ignored: this run already has checkpoints)" if cfg.train.init_from else ""))
+        if hf_source is not None:
+            hf_source.close()
     elif cfg.train.init_from:
         params = checkpoint.restore_params(init_from, params, cfg.model, log=say)
         say(f"initialised params from {cfg.train.init_from} (fresh optimizer)")

@@ -326,6 +326,10 @@ class HFSource:
         self.sources(cfg.model)
         return cfg
 
+    def close(self):
+        """Closes the files without loading (a run that resumes from its own checkpoints)."""
+        self.tensors.close()
+
     def load(self, params, m, log=None):
         """Weights into the shardings of `params` (any mesh, any number of processes),
         streamed: each process reads, tensor by tensor, only the slices of the shards its
