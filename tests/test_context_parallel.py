@@ -114,6 +114,19 @@ def test_context_parallel_with_muon_equals_one_device():
     assert_equals_one_device(train_steps(v3_config(dp=2, cp=2, tp=2, optimizer="muon")), one_device("muon"))
 
 
+@pytest.mark.parametrize("seq_len, cp", [(32, 2), (64, 4), (256, 8)])
+def test_every_cp_rank_holds_the_same_causal_attention_work(seq_len, cp):
+    """The ranks' positions (chunk_positions) cover the sequence once, and under the
+    causal mask every rank's queries see the same number of keys, T (T + 1) / (2 cp)
+    (contiguous chunks would give the last rank 2 cp - 1 times the first's work). The
+    gathered keys sit in rank order."""
+    positions_RT = np.stack([chunk_positions(seq_len, cp, rank, np) for rank in range(cp)])
+    np.testing.assert_array_equal(np.sort(positions_RT.ravel()), np.arange(seq_len))
+    np.testing.assert_array_equal(gathered_positions(seq_len, cp), positions_RT.ravel())
+    visible_pairs_R = [int(np.sum(positions_T[:, None] >= np.arange(seq_len)[None, :])) for positions_T in positions_RT]
+    assert visible_pairs_R == [seq_len * (seq_len + 1) // (2 * cp)] * cp
+
+
 @functools.cache
 def compiled_hlo(cfg):
     step, (params, opt_state, batch) = placed_step(cfg)
