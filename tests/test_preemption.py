@@ -124,9 +124,16 @@ def damage(step_dir, how):
         import shutil
 
         shutil.rmtree(os.path.join(step_dir, "opt_state"))
+    elif how == "byte_flipped":  # read without complaint by Orbax: only the fingerprint sees it
+        flipped = max((p for p in arrays if os.sep + "params" + os.sep in p), key=os.path.getsize)
+        with open(flipped, "r+b") as f:
+            f.seek(os.path.getsize(flipped) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x04]))
 
 
-@pytest.mark.parametrize("how", ["truncated", "files_removed", "item_removed"])
+@pytest.mark.parametrize("how", ["truncated", "files_removed", "item_removed", "byte_flipped"])
 def test_a_checkpoint_cut_short_is_skipped_with_a_line_naming_it(tmp_path, how):
     """Checkpoints 5 and 10 (different random values), then 10 damaged and a write of 15
     left half done (Orbax's temporary directory): the manager removes the partial write
@@ -160,6 +167,8 @@ def test_a_checkpoint_cut_short_is_skipped_with_a_line_naming_it(tmp_path, how):
     jax.tree.map(np.testing.assert_array_equal, host(restored_params), saved[5])
     named = [line for line in said[1:] if "checkpoint step 10" in line]
     assert named and "could not be restored" in named[0] and "falling back to the previous checkpoint" in named[0], said
+    if how == "byte_flipped":
+        assert "do not match the fingerprint saved with them" in named[0], named
     assert any("moved checkpoint step 10 aside" in line for line in said), said
     assert sorted(manager.all_steps()) == [5]
     deadline = time.monotonic() + 10
