@@ -135,10 +135,10 @@ def damage(step_dir, how):
 
 @pytest.mark.parametrize("how", ["truncated", "files_removed", "item_removed", "byte_flipped"])
 def test_a_checkpoint_cut_short_is_skipped_with_a_line_naming_it(tmp_path, how):
-    """Checkpoints 5 and 10 (different random values), then 10 damaged and a write of 15
-    left half done (Orbax's temporary directory): the manager removes the partial write
-    and names it, restore names step 10, moves it aside, and gives step 5's arrays bit
-    for bit."""
+    """Checkpoints 5 and 10 (different random values), then 10 damaged (byte_flipped:
+    only the fingerprint check sees it) and a write of 15 left half done (Orbax's
+    temporary directory): the manager removes the partial write and names it, restore
+    names step 10, moves it aside, and gives step 5's arrays bit for bit."""
     cfg = tiny_config(dp=1, pp=1, tp=1)
     mesh = mesh_of((1, 1, 1))
     run_dir = tmp_path / "run"
