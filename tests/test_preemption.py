@@ -1,5 +1,6 @@
 """Runs that survive the pod: save on the signal (every process at one step, exit 75,
-one line), a checkpoint cut short is never the one resumed, launcher.sh --watch brings a
+one line; with JAX's preemption service off, by the flag all-gathered each step), a
+checkpoint cut short or damaged is never the one resumed, launcher.sh --watch brings a
 run back after a host's process dies, and goodput says where the wall time went.
 
 The 2-process runs use tests/test_multiprocess.py's flags (tiny with 2 blocks on dp2 x
