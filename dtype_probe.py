@@ -97,6 +97,13 @@ def probe_key(shapes):
 def time_matmuls(shapes, repeats=REPEATS):
     """{dtype: seconds}: the fastest call of one jitted function that runs every shape's
     forward and backward products (layers.project and its vjp) in that dtype."""
+    return fastest_calls(probe_calls(shapes), repeats)
+
+
+def probe_calls(shapes):
+    """{dtype: (fn, args)}: one jitted function of every shape's forward and backward
+    products (layers.project and its vjp), compiled and warmed up, and its inputs in
+    that dtype (the weights float32, as the model keeps them)."""
     def products(x_list, w_list, dy_list):
         outs = []
         for x, w, dy in zip(x_list, w_list, dy_list):
@@ -114,7 +121,13 @@ def time_matmuls(shapes, repeats=REPEATS):
         fn = jax.jit(products)
         jax.block_until_ready(fn(xs, ws, dys))  # compile and warm up
         calls[name] = (fn, (xs, ws, dys))
-    fastest = dict.fromkeys(DTYPES, math.inf)
+    return calls
+
+
+def fastest_calls(calls, repeats=REPEATS):
+    """{name: seconds}: the fastest of `repeats` timed calls of each (fn, args) in
+    `calls`, the names taking turns (a neighbour's burst only slows one)."""
+    fastest = dict.fromkeys(calls, math.inf)
     for _ in range(repeats):
         for name, (fn, args) in calls.items():
             start = time.perf_counter()

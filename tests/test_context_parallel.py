@@ -114,6 +114,19 @@ def test_context_parallel_with_muon_equals_one_device():
     assert_equals_one_device(train_steps(v3_config(dp=2, cp=2, tp=2, optimizer="muon")), one_device("muon"))
 
 
+@pytest.mark.parametrize("seq_len, cp", [(32, 2), (64, 4), (256, 8)])
+def test_every_cp_rank_holds_the_same_causal_attention_work(seq_len, cp):
+    """The ranks' positions (chunk_positions) cover the sequence once, and under the
+    causal mask every rank's queries see the same number of keys, T (T + 1) / (2 cp)
+    (contiguous chunks would give the last rank 2 cp - 1 times the first's work). The
+    gathered keys sit in rank order."""
+    positions_RT = np.stack([chunk_positions(seq_len, cp, rank, np) for rank in range(cp)])
+    np.testing.assert_array_equal(np.sort(positions_RT.ravel()), np.arange(seq_len))
+    np.testing.assert_array_equal(gathered_positions(seq_len, cp), positions_RT.ravel())
+    visible_pairs_R = [int(np.sum(positions_T[:, None] >= np.arange(seq_len)[None, :])) for positions_T in positions_RT]
+    assert visible_pairs_R == [seq_len * (seq_len + 1) // (2 * cp)] * cp
+
+
 @functools.cache
 def compiled_hlo(cfg):
     step, (params, opt_state, batch) = placed_step(cfg)
@@ -207,6 +220,28 @@ def attention_with_gather(keys_values):
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, CP)), out_specs=P(None, CP))
     x_bTD = jax.random.normal(jax.random.key(1), (1, T, cfg.d_model))
     return jax.jit(jax.value_and_grad(lambda w, x: jnp.sum(sharded(w, x) ** 2), argnums=(0, 1))), (weights, x_bTD), mesh
+
+
+def test_blockwise_attention_on_cp_chunks_equals_one_device():
+    """One narrow MLA layer with the blockwise kernel on cp 2 (T 256, blocks of 16 = one
+    chunk) equals the matmul kernel on one device at every position: its causal mask
+    and block skipping see each rank's queries at their global positions."""
+    cfg = dataclasses.replace(v3_config().model, n_heads=4, head_dim=16, kv_latent=32, rope_dim=8, q_latent=0, dropout=0.0)
+    T, cp = SEQ_LEN, 2
+    graphdef, weights = nnx.split(MLAttention(cfg, nnx.Rngs(0)))
+    on_cp = nnx.graphdef(MLAttention(dataclasses.replace(cfg, attention="blockwise"), nnx.Rngs(0)))
+    x_bTD = jax.random.normal(jax.random.key(1), (1, T, cfg.d_model))
+    whole_bTD = nnx.merge(graphdef, weights)(x_bTD, rope_angles(jnp.arange(T)[None, :], cfg))
+
+    def local(weights, x_bTD):
+        positions_T = chunk_positions(T, cp, jax.lax.axis_index(CP))
+        chunks = SequenceChunks(rope_angles(positions_T[None, :], cfg), positions_T, jnp.asarray(gathered_positions(T, cp)), CP)
+        return nnx.merge(on_cp, weights)(x_bTD, chunks)
+
+    mesh = jax.make_mesh((cp,), (CP,), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, CP)), out_specs=P(None, CP)))
+    order_T = gathered_positions(T, cp)  # rank order: rank 0's chunks, then rank 1's
+    np.testing.assert_allclose(sharded(weights, x_bTD[:, order_T]), whole_bTD[:, order_T], rtol=1e-5, atol=1e-6)
 
 
 def test_the_latent_crosses_cp_57x_smaller_than_keys_and_values():

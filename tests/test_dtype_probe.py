@@ -1,10 +1,13 @@
-"""--model.dtype auto (dtype_probe.py): the decision from measured matmul times, both
-outcomes forced through the probe's cache (so that neither depends on this machine's
-speed), the choice written into config.json and kept by a resume."""
+"""--model.dtype auto (dtype_probe.py): the probe timing tiny shapes for real, each
+dtype's time taken in that dtype and kept under its name, the cache it writes; the
+decision from measured matmul times, both outcomes forced through the probe's cache (so
+that neither depends on this machine's speed), the choice written into config.json and
+kept by a resume."""
 
 import json
 import os
 
+import numpy as np
 import pytest
 
 import dtype_probe
@@ -22,6 +25,36 @@ from utils import parse_args
 def test_float32_is_chosen_only_when_its_matmuls_are_clearly_faster(seconds, dtype, why):
     chosen, reason = dtype_probe.choose(seconds)
     assert chosen == dtype and reason.startswith(why), reason
+
+
+TINY_SHAPES = [(64, 16, 32), (64, 32, 8)]  # (rows, in, out)
+
+
+def test_the_probe_times_tiny_shapes_in_each_dtype_and_caches_the_times(tmp_path, monkeypatch):
+    """An empty cache: the probe runs the matmuls (in the dtype it names them by: the
+    activations and their gradients in it, the weights' gradients float32), writes both
+    times under the machine's key, and the next call reads them back."""
+    for name, (fn, args) in dtype_probe.probe_calls(TINY_SHAPES).items():
+        y, dx, dw, *_ = fn(*args)
+        assert (y.dtype, dx.dtype, dw.dtype) == (np.dtype(name), np.dtype(name), np.dtype("float32")), name
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    seconds, cached = dtype_probe.probed_seconds(TINY_SHAPES)
+    assert not cached and sorted(seconds) == sorted(dtype_probe.DTYPES) and all(0 < s < 10 for s in seconds.values()), seconds
+    with open(tmp_path / "meshformer" / "dtype_probe.json") as f:
+        assert json.load(f) == {dtype_probe.probe_key(TINY_SHAPES): seconds}
+    assert dtype_probe.probed_seconds(TINY_SHAPES) == (seconds, True)
+
+
+def test_each_time_is_kept_under_the_name_of_the_call_it_timed():
+    """fastest_calls over real probe calls of very different sizes (~1000x the FLOPs),
+    each dtype's name given the large one in turn: the large call's time is the one
+    under its name."""
+    small, large = dtype_probe.probe_calls([(64, 8, 8)]), dtype_probe.probe_calls([(256, 512, 512)])
+    for slow in dtype_probe.DTYPES:
+        calls = {name: (large if name == slow else small)[name] for name in dtype_probe.DTYPES}
+        seconds = dtype_probe.fastest_calls(calls, repeats=3)
+        fast = [name for name in dtype_probe.DTYPES if name != slow][0]
+        assert seconds[slow] > 5 * seconds[fast], (slow, seconds)
 
 
 def test_auto_is_the_laptop_default_and_bfloat16_for_accelerators():

@@ -5,6 +5,7 @@ import ast
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from preemption import PREEMPTED_EXIT_CODE
 from utils import ConfigError, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,12 +121,25 @@ def test_main_py_is_a_script_nothing_imports():
     assert importers == [], importers
 
 
+def assert_goodput_phases_match_the_run(stdout, run_dir):
+    """The end row's goodput phases against the run's own figures: compile is the
+    compile time the run printed (plus the memory summary after it), and the data
+    reads, the eval at the end, the checkpoints and the steps each took some time."""
+    compiled_s = float(re.search(r"^compiled train step in ([\d.]+)s", stdout, re.M).group(1))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        (end,) = [row for row in map(json.loads, f) if row.get("event") == "end"]
+    phases = end["goodput"]
+    assert compiled_s - 0.06 <= phases["compile"] <= compiled_s + max(1.0, 0.1 * compiled_s), (compiled_s, phases)
+    assert min(phases[p] for p in ("data", "eval", "checkpoint", "train")) > 0, phases
+
+
 def test_resume_after_sigkill_repeats_and_skips_no_step(tmp_path, data_cache):
     """Kill -9 mid-run, start again: per-step losses equal an uninterrupted run's, bit
     for bit, and every step appears exactly once in metrics.jsonl."""
     steps = ["--train.steps", "120", "--train.checkpoint_every", "10", "--train.eval_every", "1000"]
-    main_py([*steps, "--run.name", "straight"], tmp_path, data_cache)
+    ran = main_py([*steps, "--run.name", "straight"], tmp_path, data_cache)
     straight, _ = train_losses(tmp_path / "straight")
+    assert_goodput_phases_match_the_run(ran.stdout, tmp_path / "straight")
 
     cmd = [sys.executable, "main.py", "--preset", "tiny", "--run.out_dir", str(tmp_path), "--data.cache_dir", data_cache,
            *QUIET, *steps, "--run.name", "killed"]
@@ -146,6 +161,39 @@ def test_resume_after_sigkill_repeats_and_skips_no_step(tmp_path, data_cache):
     resumed, order = train_losses(tmp_path / "killed")
     assert order == list(range(1, 121))  # no step repeated, none skipped
     assert resumed == straight  # bit for bit
+
+
+def test_sigterm_saves_the_step_it_reached_where_no_checkpoint_was_due(tmp_path, data_cache):
+    """SIGTERM mid-run, with checkpoints, evals and the end 100000 steps away: the stop
+    alone saves the step the run reached (a checkpoint, a `preempted` row, one line)
+    and the run exits with 75."""
+    cmd = [sys.executable, "main.py", "--preset", "tiny", "--run.out_dir", str(tmp_path), "--data.cache_dir", data_cache,
+           *QUIET, "--train.steps", "100000", "--train.checkpoint_every", "100000", "--train.eval_every", "100000",
+           "--run.name", "stopped"]
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    try:
+        assert proc.poll() is None, (tmp_path / "out.txt").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == PREEMPTED_EXIT_CODE, (tmp_path / "out.txt").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    said = [line for line in (tmp_path / "out.txt").read_text().splitlines() if line.startswith("preempted: ")]
+    assert len(said) == 1 and said[0].startswith("preempted: SIGTERM received; saved checkpoint step "), said
+    stopped = int(re.search(r"saved checkpoint step (\d+)", said[0]).group(1))
+    assert stopped >= 3 and os.listdir(tmp_path / "stopped" / "checkpoints") == [str(stopped)]
+    losses, order = train_losses(tmp_path / "stopped")
+    assert order == list(range(1, stopped + 1))
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    assert (last["step"], last["event"]) == (stopped, "preempted") and last["goodput"]["checkpoint"] > 0, last
 
 
 @pytest.mark.slow

@@ -503,6 +503,27 @@ def test_moe_equals_per_expert_loop(capacity_factor, router_score, routing_group
     assert jnp.max(jnp.abs(y_BTD - moe.shared(x_BTD))) > 1e-3  # the routed experts do contribute
 
 
+def test_dropless_equals_the_capacity_path_where_nothing_is_dropped():
+    """routed_dropless (sorted pairs, ragged_dot over each expert's run) against
+    routed_with_capacity at a capacity of the whole group (C = S: nothing dropped), on
+    the same routing of 32 groups of 4 tokens: the same output (each expert's rows and
+    the gates applied) and the same tokens per expert in each group."""
+    cfg = tiny(capacity_factor=0.0, routing_group=4)
+    moe = MoE(cfg, nnx.Rngs(0))
+    E, X = cfg.n_experts, cfg.top_k
+    x_GSD = jax.random.normal(jax.random.key(1), (2 * cfg.seq_len // 4, 4, cfg.d_model))
+    gates_GSX, experts_GSX, _ = jax.jit(moe.route)(x_GSD)
+    assert float(jnp.min(jnp.abs(gates_GSX - 1.0))) > 0.05  # premise: weighting by the gates changes the output
+    moe.capacity_factor = E / X
+    assert expert_capacity(4, X, E, moe.capacity_factor) == 4
+    y_GSD, tokens_per_expert_GE, dropped = jax.jit(moe.routed_with_capacity, static_argnums=(3, 4))(
+        x_GSD, gates_GSX, experts_GSX, E, None)
+    assert int(dropped) == 0
+    dropless_GSD, dropless_per_expert_GE, _ = jax.jit(moe.routed_dropless, static_argnums=3)(x_GSD, gates_GSX, experts_GSX, E)
+    np.testing.assert_allclose(dropless_GSD, y_GSD, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(dropless_per_expert_GE, tokens_per_expert_GE)
+
+
 @pytest.mark.parametrize("top_k", [2, 1])
 def test_router_learns_from_the_task_loss(top_k):
     """The MoE output (aux loss left out) has a non-zero gradient w.r.t. the router

@@ -1,5 +1,6 @@
 """Runs that survive the pod: save on the signal (every process at one step, exit 75,
-one line), a checkpoint cut short is never the one resumed, launcher.sh --watch brings a
+one line; with JAX's preemption service off, by the flag all-gathered each step), a
+checkpoint cut short or damaged is never the one resumed, launcher.sh --watch brings a
 run back after a host's process dies, and goodput says where the wall time went.
 
 The 2-process runs use tests/test_multiprocess.py's flags (tiny with 2 blocks on dp2 x
@@ -25,7 +26,7 @@ from plots import draw_goodput
 from preemption import PREEMPTED_EXIT_CODE
 from test_checkpoint import abstract_state, host, mesh_of, tiny_config
 from test_launch import SSH_OPTIONS, hosts_file, launcher, needs_ssh_and_tmux, repo, ssh_env, sshd  # noqa: F401  (fixtures)
-from test_multiprocess import TRAIN_FLAGS, data_flags, free_port, start_processes, stop_all, train_losses
+from test_multiprocess import REPO, TRAIN_FLAGS, data_flags, free_port, run_env, start_processes, stop_all, train_losses
 from utils import config_to_dict
 
 STEPS = 16
@@ -124,14 +125,21 @@ def damage(step_dir, how):
         import shutil
 
         shutil.rmtree(os.path.join(step_dir, "opt_state"))
+    elif how == "byte_flipped":  # read without complaint by Orbax: only the fingerprint sees it
+        flipped = max((p for p in arrays if os.sep + "params" + os.sep in p), key=os.path.getsize)
+        with open(flipped, "r+b") as f:
+            f.seek(os.path.getsize(flipped) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x04]))
 
 
-@pytest.mark.parametrize("how", ["truncated", "files_removed", "item_removed"])
+@pytest.mark.parametrize("how", ["truncated", "files_removed", "item_removed", "byte_flipped"])
 def test_a_checkpoint_cut_short_is_skipped_with_a_line_naming_it(tmp_path, how):
-    """Checkpoints 5 and 10 (different random values), then 10 damaged and a write of 15
-    left half done (Orbax's temporary directory): the manager removes the partial write
-    and names it, restore names step 10, moves it aside, and gives step 5's arrays bit
-    for bit."""
+    """Checkpoints 5 and 10 (different random values), then 10 damaged (byte_flipped:
+    only the fingerprint check sees it) and a write of 15 left half done (Orbax's
+    temporary directory): the manager removes the partial write and names it, restore
+    names step 10, moves it aside, and gives step 5's arrays bit for bit."""
     cfg = tiny_config(dp=1, pp=1, tp=1)
     mesh = mesh_of((1, 1, 1))
     run_dir = tmp_path / "run"
@@ -160,12 +168,52 @@ def test_a_checkpoint_cut_short_is_skipped_with_a_line_naming_it(tmp_path, how):
     jax.tree.map(np.testing.assert_array_equal, host(restored_params), saved[5])
     named = [line for line in said[1:] if "checkpoint step 10" in line]
     assert named and "could not be restored" in named[0] and "falling back to the previous checkpoint" in named[0], said
+    if how == "byte_flipped":
+        assert "do not match the fingerprint saved with them" in named[0], named
     assert any("moved checkpoint step 10 aside" in line for line in said), said
     assert sorted(manager.all_steps()) == [5]
     deadline = time.monotonic() + 10
     while partial.exists():  # Orbax removes it in the background
         assert time.monotonic() < deadline, f"{partial} is still there"
         time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------------
+# 2 processes, JAX's preemption service off: the flag all-gathered each step
+
+SHOULD_STOP_WORKER = """
+import json, os, signal, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_enable_preemption_service", False)
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+from preemption import Preemption, jax_sync_manager
+with Preemption() as preemption:
+    said = [jax_sync_manager() is None, preemption.jax_owns_sigterm, preemption.should_stop(1)]
+    if jax.process_index() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # caught by Preemption: only this process holds the flag
+    said += [preemption.received, preemption.should_stop(2), preemption.why()]
+print(json.dumps(said), flush=True)
+"""
+
+
+def test_without_jax_preemption_service_a_flag_in_one_process_stops_both_at_the_same_step(tmp_path_factory):
+    """With jax_enable_preemption_service off there is no sync manager: Preemption
+    catches SIGTERM itself and should_stop all-gathers the flag, so a signal to process
+    1 alone stops process 0 at the same step."""
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(run_env(tmp_path_factory), JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", SHOULD_STOP_WORKER, address, str(i)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        stop_all(procs)
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    said = [json.loads(out.splitlines()[-1]) for out, _ in outs]
+    why = ("a preemption notice (SIGTERM or SIGINT to a process of this run{}); all 2 processes stop at this step")
+    assert said == [[True, False, False, None, True, why.format("")],
+                    [True, False, False, "SIGTERM", True, why.format(", here SIGTERM")]], said
 
 
 # ----------------------------------------------------------------------------
