@@ -278,7 +278,7 @@ BAD = {
     "negative temperature": ({"prompt": "KING", "temperature": -1}, 400, "temperature"),
     "seed that would collide with another": ({"prompt": "KING", "seed": 2**40}, 400, "seed must be in"),
     "a field of the wrong type": ({"prompt": "KING", "max_tokens": "many"}, 400, "max_tokens"),
-    "unknown field": ({"prompt": "KING", "frequency_penalty": 0.5}, 400, "unknown field 'frequency_penalty'"),
+    "unknown field": ({"prompt": "KING", "response_format": {"type": "json_object"}}, 400, "unknown field 'response_format'"),
     "malformed JSON": (b'{"prompt": "KING",', 400, "not valid JSON"),
     "JSON that is not an object": (b'["KING"]', 400, "JSON object"),
     "another model": ({"prompt": "KING", "model": "gpt-4"}, 404, "not served here"),
@@ -296,6 +296,13 @@ def test_each_bad_input_gets_its_4xx_and_the_next_request_works(server):
         got, out = post(server, good, headers=headers)
         assert got == 401 and "bearer token" in out["error"]["message"]
         assert complete(server, **good)["choices"][0]["text"] == expected
+
+
+def test_chat_on_a_model_without_a_chat_template_is_a_400_that_says_so(server):
+    status, out = post(server, dict(messages=[{"role": "user", "content": "Hi"}]), path="/v1/chat/completions")
+    assert status == 400 and out["error"]["message"].startswith("'r' has no chat template, so it cannot chat")
+    with urllib.request.urlopen(server + "/health") as r:
+        assert json.load(r)["chat"] is False
 
 
 def test_too_many_waiting_sequences_get_429(server):
