@@ -10,6 +10,7 @@ replies are compared with transformers' greedy decoding of the same rendered cha
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -228,3 +229,51 @@ def test_what_the_server_cannot_do_is_a_bad_request_error_naming_the_field(clien
             client.chat.completions.create(**dict(dict(model="chatty", messages=MESSAGES, max_tokens=4), **kwargs))
         assert words in e.value.message and "\n" not in e.value.message, (name, e.value.message)
     assert client.completions.create(model="chatty", prompt="KING", max_tokens=3).usage.completion_tokens == 3
+
+
+# ----------------------------------------------------------------------------
+# The page offers chat when the model has a template
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")), reason="needs Debian's chromium and chromium-driver")
+def test_the_page_chats_in_a_real_browser(server, client, tmp_path):
+    """Headless chromium: the page shows the chat box (the model has a template), sends
+    two user turns greedily, and shows the replies the API gives for that conversation."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    find = lambda id: driver.find_element(By.ID, id)  # noqa: E731
+    try:
+        driver.get(server + "/")
+        deadline = time.time() + 30
+        while not find("chat").is_displayed():
+            assert time.time() < deadline
+            time.sleep(0.1)
+        find("chat").click()
+        for id, value in (("temperature", "0"), ("max_tokens", "8")):
+            find(id).clear()
+            find(id).send_keys(value)
+        conversation, replies = [], []
+        for said in ("Hi!", "Go on"):
+            find("prompt").clear()
+            find("prompt").send_keys(said)
+            find("go").click()
+            deadline = time.time() + 120
+            while "tokens in" not in find("status").text or find("go").get_attribute("disabled"):
+                assert time.time() < deadline and "error" not in find("status").get_attribute("class"), find("status").text
+                time.sleep(0.1)
+            replies.append(driver.execute_script("return document.getElementById('completion').textContent"))
+            conversation.append({"role": "user", "content": said})
+            expected = client.chat.completions.create(model="chatty", messages=conversation, temperature=0, max_tokens=8)
+            assert replies[-1] == expected.choices[0].message.content
+            conversation.append({"role": "assistant", "content": replies[-1]})
+        assert replies[0] != replies[1] and "user: Go on" in find("output").text
+    finally:
+        driver.quit()

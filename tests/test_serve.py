@@ -250,8 +250,8 @@ def test_streaming_sends_the_same_text_and_logprobs_as_one_response(server):
     whole = complete(server, **body)
     assert whole["choices"][0]["text"] == "KING" + plain[:plain.find(stop)]
     assert whole["choices"][0]["finish_reason"] == "stop"
-    status, events = stream(server, body)
-    assert status == 200 and events[-1]["usage"] == whole["usage"]
+    status, events = stream(server, dict(body, stream_options={"include_usage": True}))
+    assert status == 200 and events[-1]["usage"] == whole["usage"] and events[-1]["choices"] == []
     for choice in whole["choices"]:
         i = choice["index"]
         assert streamed_text(events, i) == choice["text"]
@@ -260,6 +260,7 @@ def test_streaming_sends_the_same_text_and_logprobs_as_one_response(server):
         for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             assert sum((c["logprobs"][key] for c in chunks), []) == choice["logprobs"][key]
     status, events = stream(server, dict(prompt="KING", max_tokens=60, temperature=0.8, seed=5))
+    assert all(e["choices"] and "usage" not in e for e in events)  # no usage chunk unless stream_options asks for it
     assert streamed_text(events) == plain and len([e for e in events if e["choices"] and e["choices"][0]["text"]]) > 10
 
 
