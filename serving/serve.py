@@ -1,15 +1,20 @@
-"""Serve a trained run over HTTP: an OpenAI-compatible completions API and a web page.
+"""Serve a trained run over HTTP: an OpenAI-compatible API (completions, and chat
+completions for a model with a chat template) and a web page.
 
     python main.py --mode serve --run.name shakespeare            # http://127.0.0.1:8000/
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "ROMEO:", "max_tokens": 64, "temperature": 0}'
 
 Endpoints: POST /v1/completions (prompt as a string, a list of strings, or token ids;
-max_tokens, temperature, top_k, top_p, seed, stop, stream as server-sent events,
-logprobs and echo, so that evaluation harnesses that speak this API can score
-log-likelihoods), GET /v1/models, GET /health, and GET / (serve.html: type a prompt,
-watch the text stream in). engine.py does the batched decoding; this file turns
-requests into token ids and tokens back into text, stop strings and JSON.
+max_tokens, temperature, top_k, top_p, seed, stop, frequency_penalty, presence_penalty,
+logit_bias, stream as server-sent events with the usage last only when
+stream_options.include_usage asks, logprobs and echo, so that evaluation harnesses
+that speak this API can score log-likelihoods), POST /v1/chat/completions (messages
+rendered by the model's chat template, chat.py; the same sampling fields; the reply
+ends at the template's end of turn), GET /v1/models, GET /health, and GET /
+(serve.html: type a prompt or chat, watch the text stream in). engine.py does the
+batched decoding; this file turns requests into token ids and tokens back into text,
+stop strings and JSON.
 
 Why FastAPI on uvicorn: streaming clients hold their connection open for the whole
 generation, and an asyncio server serves hundreds of them from one thread while the
@@ -21,9 +26,10 @@ SGLang) use, so its behaviour under clients such as `openai` and lm-eval is well
 
 Bad input gets an OpenAI-style JSON error ({"error": {"message", "type", "param",
 "code"}}) with a 4xx status, and the server keeps serving: 400 for a body that is not
-UTF-8 JSON, unknown fields, values out of range, an empty or too long prompt; 413 for
-a body over 8 MiB (counted as it arrives when chunked); 401
-without the bearer token (when MESHFORMER_API_KEY is set); 404 for another model's
+UTF-8 JSON, unknown fields, values out of range, fields it cannot honour (best_of,
+suffix: check_settings says why), an empty or too long prompt, chat for a model without
+a template; 413 for a body over 8 MiB (counted as it arrives when chunked); 401 without
+the bearer token (when MESHFORMER_API_KEY is set); 404 for another model's
 name; 429 when more sequences wait than --serve.queue. A client that goes away (a
 timeout, a closed tab) cancels its sequences: queued ones leave the queue at once, running
 ones free their slots at the engine's next step.
