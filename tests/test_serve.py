@@ -172,6 +172,20 @@ def test_greedy_and_seeded_completions_equal_mode_sample(loaded, server):
     assert sampled != complete(server, prompt="KING", max_tokens=40, temperature=0.8, top_k=40, seed=4)["choices"][0]["text"]
 
 
+def test_penalties_in_mode_sample_equal_the_server_s(run, server):
+    """`--mode sample --sample.frequency_penalty F --sample.presence_penalty P` prints the
+    completion the server gives with those penalties (greedy), which differs from the
+    plain greedy one."""
+    penalized = complete(server, prompt="KING", max_tokens=40, temperature=0, frequency_penalty=0.3, presence_penalty=1.5)
+    plain = complete(server, prompt="KING", max_tokens=40, temperature=0)
+    assert penalized["choices"][0]["text"] != plain["choices"][0]["text"]
+    result = subprocess.run([sys.executable, "main.py", "--mode", "sample", *run, "--sample.prompt", "KING", "--sample.max_tokens", "40",
+                             "--sample.temperature", "0", "--sample.frequency_penalty", "0.3", "--sample.presence_penalty", "1.5"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.endswith("KING" + penalized["choices"][0]["text"] + "\n"), result.stdout[-500:]
+
+
 @pytest.fixture(scope="module")
 def forward(loaded):
     """log_softmax of the run's plain full forward (Transformer.__call__, jitted), over
