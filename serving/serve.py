@@ -142,6 +142,8 @@ class ChatRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None  # false is accepted (clients send it), true refused saying why
+    top_logprobs: Optional[int] = None
 
 
 # ----------------------------------------------------------------------------
@@ -192,6 +194,9 @@ def check_settings(req, max_tokens, max_tokens_limit, vocab):
              "to return the most likely one (send the prompt several times and compare their logprobs)"),
             (not req.suffix, "suffix", "suffix is not supported: this model continues a text, it was not trained to fill in the middle"),
         ]
+    if isinstance(req, ChatRequest):
+        checks += [(not req.logprobs and not req.top_logprobs, "logprobs", "logprobs are not supported on chat completions "
+                    "here: send the rendered prompt to /v1/completions with logprobs for them")]
     for ok, param, message in checks:
         if not ok:
             raise APIError(400, message, param=param)

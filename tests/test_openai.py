@@ -216,6 +216,8 @@ CHAT_REFUSED = {
                  "only text parts are supported"),
     "a chat longer than the context": (dict(messages=[{"role": "user", "content": "x" * 70}]), "this model's context is 64"),
     "max_completion_tokens over the limit": (dict(max_completion_tokens=100), "max_tokens must be in 0..48"),
+    "logprobs": (dict(logprobs=True, top_logprobs=2), "logprobs are not supported on chat completions"),
+    "no messages": (dict(messages=[]), "messages is empty"),
 }
 
 
@@ -229,6 +231,7 @@ def test_what_the_server_cannot_do_is_a_bad_request_error_naming_the_field(clien
             client.chat.completions.create(**dict(dict(model="chatty", messages=MESSAGES, max_tokens=4), **kwargs))
         assert words in e.value.message and "\n" not in e.value.message, (name, e.value.message)
     assert client.completions.create(model="chatty", prompt="KING", max_tokens=3).usage.completion_tokens == 3
+    assert client.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=3, logprobs=False).usage.completion_tokens <= 3
 
 
 # ----------------------------------------------------------------------------
