@@ -87,7 +87,8 @@ def samples_from_params(cfg, params, graphdef, n):
     tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
     model = nnx.merge(graphdef, host_params(params))
     s = cfg.sample
-    return [generate(model, tokenizer, s.prompt, s.max_tokens, s.temperature, s.top_k, s.seed + i) for i in range(n)]
+    return [generate(model, tokenizer, s.prompt, s.max_tokens, s.temperature, s.top_k, s.seed + i,
+                     frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty) for i in range(n)]
 
 
 # ----------------------------------------------------------------------------

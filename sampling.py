@@ -3,8 +3,8 @@ server's batched engine (engine.py) all decode through the Decoder below.
 
 A Decoder holds a fixed number of rows ("slots") of one latent KV cache. Each row holds
 one sequence. One compiled step chooses the next token of every row (each with its own
-temperature, top-k, top-p and random key), and one compiled decode step runs all rows'
-new tokens through the model at once, each at its own position (model.decode_step with
+temperature, top-k, top-p, frequency and presence penalties, logit bias and random key),
+and one compiled decode step runs all rows' new tokens through the model at once, each at its own position (model.decode_step with
 per-row starts). A prompt is prefilled alone into its row, padded to one of a few
 bucketed lengths so that prefill compiles a handful of times, not once per prompt
 length.
@@ -103,19 +103,37 @@ def sample_row(key, last_V, temperature, top_k, top_p):
     return jax.random.categorical(key, scaled_V)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def sample_slots(vocab, logits_SV, key_data_S2, temperature_S, top_k_S, top_p_S):
-    """The next token of every slot, its log-probability and the top alternatives.
-    Greedy rows (temperature 0) take the argmax; sampled rows split their key once per
-    token (the first half carries on, the second draws)."""
-    last_SV = logits_SV[:, :vocab]  # padded vocabulary entries are never sampled
+def adjusted_logits(last_SV, counts_SV, bias_SV, frequency_S, presence_S):
+    """The logits a row chooses from, as OpenAI's API defines its penalties: token j's
+    logit minus frequency x (times j was generated so far) minus presence x (1 if it
+    was), plus the row's logit bias for j (-100 bans it in practice). All zero: the
+    logits themselves, bit for bit (x + 0 and x - 0 are x)."""
+    penalty_SV = frequency_S[:, None] * counts_SV + presence_S[:, None] * (counts_SV > 0)
+    return last_SV + bias_SV - penalty_SV
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def sample_slots(vocab, logits_SV, key_data_S2, counts_SV, bias_SV, temperature_S, top_k_S, top_p_S, frequency_S, presence_S):
+    """The next token of every slot, its log-probability and the top alternatives, and
+    the generated-token counts with it counted. Greedy rows (temperature 0) take the
+    argmax; sampled rows split their key once per token (the first half carries on, the
+    second draws). Penalties and bias change which token is chosen, not the reported
+    log-probabilities: those stay the model's own (as vLLM reports them)."""
+    choice_SV = adjusted_logits(logits_SV[:, :vocab], counts_SV, bias_SV, frequency_S, presence_S)  # padding: never sampled
     keys_S2 = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data_S2))
-    sampled_S = jax.vmap(sample_row)(keys_S2[:, 1], last_SV, temperature_S, top_k_S, top_p_S)
-    token_S = jnp.where(temperature_S > 0, sampled_S, jnp.argmax(last_SV, axis=-1))
+    sampled_S = jax.vmap(sample_row)(keys_S2[:, 1], choice_SV, temperature_S, top_k_S, top_p_S)
+    token_S = jnp.where(temperature_S > 0, sampled_S, jnp.argmax(choice_SV, axis=-1))
+    counts_SV = counts_SV.at[jnp.arange(token_S.shape[0]), token_S].add(1.0)
     logprobs_SV = jax.nn.log_softmax(logits_SV)
     logprob_S = jnp.take_along_axis(logprobs_SV, token_S[:, None], axis=-1)[:, 0]
     top_logprob_SN, top_id_SN = jax.lax.top_k(real_vocab_only(logprobs_SV, vocab), TOP_LOGPROBS)
-    return token_S, jax.random.key_data(keys_S2[:, 0]), logprob_S, top_id_SN, top_logprob_SN
+    return token_S, jax.random.key_data(keys_S2[:, 0]), counts_SV, logprob_S, top_id_SN, top_logprob_SN
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def start_row(counts_SV, bias_SV, slot, bias_V):
+    """Row `slot` starts a sequence: nothing generated yet, its own logit bias."""
+    return counts_SV.at[slot].set(0.0), bias_SV.at[slot].set(bias_V)
 
 
 def key_data(seed):
@@ -147,11 +165,25 @@ def place_weights(state, tp_devices=None):
 
 class Row:
     """One sequence in the cache: its tokens since its window last (re)started, how many
-    of them the cache holds, and how its next tokens are chosen."""
+    of them the cache holds, and how its next tokens are chosen (temperature, top_k,
+    top_p, frequency and presence penalties; its logit bias sits in the Decoder's
+    bias_SV)."""
 
-    def __init__(self, tokens, temperature, top_k, top_p):
+    def __init__(self, tokens, settings):
         self.tokens, self.position = list(tokens), len(tokens)
-        self.settings = (temperature, top_k, top_p)
+        self.settings = settings
+
+
+FREE_ROW = (0.0, 0, 1.0, 0.0, 0.0)  # a free row's dummy settings: greedy, no penalty
+SETTING_DTYPES = (np.float32, np.int32, np.float32, np.float32, np.float32)
+
+
+def bias_row(logit_bias, vocab):
+    """{token id: bias} -> the dense [vocab] row sample_slots adds to the logits."""
+    bias_V = np.zeros(vocab, np.float32)
+    for token, bias in (logit_bias or {}).items():
+        bias_V[int(token)] = bias
+    return bias_V
 
 
 class Decoder:
@@ -184,6 +216,8 @@ class Decoder:
         self.cache = jax.device_put(init_cache(self.cfg, self.n_slots, self.window), where)
         self.logits_SV = jax.device_put(jnp.zeros((self.n_slots, self.padded_vocab), jnp.float32), where)
         self.key_data_S2 = np.zeros((self.n_slots, 2), np.uint32)
+        self.counts_SV = jax.device_put(jnp.zeros((self.n_slots, self.vocab), jnp.float32), where)  # tokens generated
+        self.bias_SV = jax.device_put(jnp.zeros((self.n_slots, self.vocab), jnp.float32), where)  # logit_bias
         self.rows = [None] * self.n_slots
 
     def warm_up(self):
@@ -200,11 +234,15 @@ class Decoder:
 
     # --- rows ---------------------------------------------------------------
 
-    def start(self, i, prompt_ids, seed, temperature, top_k, top_p=1.0):
-        """Row i takes a prompt (at most one window): a fresh key and a prefill. Returns
-        the per-position prompt log-probabilities (device arrays, padded to the bucket)."""
-        self.rows[i] = Row(prompt_ids, temperature, top_k, top_p)
+    def start(self, i, prompt_ids, seed, temperature, top_k, top_p=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+              logit_bias=None):
+        """Row i takes a prompt (at most one window): a fresh key, no tokens counted for
+        the penalties, its logit bias ({token id: bias}) and a prefill. Returns the
+        per-position prompt log-probabilities (device arrays, padded to the bucket)."""
+        self.rows[i] = Row(prompt_ids, (temperature, top_k, top_p, frequency_penalty, presence_penalty))
         self.key_data_S2[i] = key_data(seed)
+        self.counts_SV, self.bias_SV = start_row(self.counts_SV, self.bias_SV, jnp.int32(i),
+                                                 jnp.asarray(bias_row(logit_bias, self.vocab)))
         return self.prefill(i, self.rows[i].tokens)
 
     def free(self, i):
@@ -213,11 +251,11 @@ class Decoder:
     def sample(self):
         """The next token of every row (free rows: a dummy greedy choice), as host
         arrays: (token_S, logprob_S, top_id_SN, top_logprob_SN)."""
-        settings = [row.settings if row else (0.0, 0, 1.0) for row in self.rows]
-        temperature_S, top_k_S, top_p_S = (np.asarray(column, dtype) for column, dtype in
-                                           zip(zip(*settings), (np.float32, np.int32, np.float32)))
-        out = sample_slots(self.vocab, self.logits_SV, self.key_data_S2, temperature_S, top_k_S, top_p_S)
-        token_S, key_data_S2, logprob_S, top_id_SN, top_logprob_SN = jax.device_get(out)
+        settings = [row.settings if row else FREE_ROW for row in self.rows]
+        columns = [np.asarray(column, dtype) for column, dtype in zip(zip(*settings), SETTING_DTYPES)]
+        token_S, key_data_S2, self.counts_SV, *rest = sample_slots(self.vocab, self.logits_SV, self.key_data_S2, self.counts_SV,
+                                                                   self.bias_SV, *columns)
+        token_S, key_data_S2, logprob_S, top_id_SN, top_logprob_SN = jax.device_get((token_S, key_data_S2, *rest))
         self.key_data_S2 = np.array(key_data_S2)
         return token_S, logprob_S, top_id_SN, top_logprob_SN
 
@@ -260,12 +298,13 @@ class Decoder:
 # One sequence at a time: --mode sample, the samples after training
 
 
-def generate_ids(model, prompt_ids, max_tokens, temperature, top_k, seed, top_p=1.0):
+def generate_ids(model, prompt_ids, max_tokens, temperature, top_k, seed, top_p=1.0, **penalties):
     """`max_tokens` token ids continuing `prompt_ids`, through a one-row Decoder: the ids
-    the server returns for the same prompt, settings and seed. A prompt longer than
-    the window keeps its last window. End-of-text does not stop it."""
+    the server returns for the same prompt, settings and seed (`penalties`: Decoder.start's
+    frequency_penalty, presence_penalty, logit_bias). A prompt longer than the window
+    keeps its last window. End-of-text does not stop it."""
     decoder = Decoder(model, 1)
-    decoder.start(0, prompt_ids[-decoder.window:], seed, temperature, top_k, top_p)
+    decoder.start(0, prompt_ids[-decoder.window:], seed, temperature, top_k, top_p, **penalties)
     out = []
     while len(out) < max_tokens:
         token_S = decoder.sample()[0]
@@ -275,7 +314,7 @@ def generate_ids(model, prompt_ids, max_tokens, temperature, top_k, seed, top_p=
     return out
 
 
-def generate(model, tokenizer, prompt, max_tokens, temperature, top_k, seed, top_p=1.0):
+def generate(model, tokenizer, prompt, max_tokens, temperature, top_k, seed, top_p=1.0, **penalties):
     """`prompt` and its continuation as text (an empty prompt starts from end-of-text)."""
     ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
-    return prompt + tokenizer.decode(generate_ids(model, ids, max_tokens, temperature, top_k, seed, top_p))
+    return prompt + tokenizer.decode(generate_ids(model, ids, max_tokens, temperature, top_k, seed, top_p, **penalties))

@@ -115,6 +115,8 @@ class SampleConfig:
     temperature: float = option(0.8, "0 = greedy")
     top_k: int = option(40, "sample among the k most likely tokens; 0 = all")
     seed: int = option(0, "sampling seed")
+    frequency_penalty: float = option(0.0, "subtracted from a token's logit once per time it was generated (-2..2, OpenAI's)")
+    presence_penalty: float = option(0.0, "subtracted from a token's logit once it was generated (-2..2, OpenAI's)")
     num_samples: int = option(2, "samples written to samples.txt at the end of training")
 
 
@@ -130,6 +132,8 @@ class ServeConfig:
     slots: int = option(8, "sequences decoded together: the batch of the one compiled decode step")
     max_tokens: int = option(1024, "the largest max_tokens a request may ask for")
     queue: int = option(64, "sequences that may wait for a slot; more get 429")
+    chat_template: str = option("", "a Jinja chat template file, or a Hugging Face directory whose template to use, for "
+                                "/v1/chat/completions (default: the template of --train.init_from hf:DIR, if any)")
 
 
 @dataclass(frozen=True)
@@ -399,6 +403,8 @@ def validate_model(cfg):
         (t.eval_capacity_factor >= 0, "--train.eval_capacity_factor must be >= 0 (0 = dropless)"),
         (cfg.serve.slots >= 1 and cfg.serve.max_tokens >= 1 and cfg.serve.queue >= 0,
          "--serve.slots and --serve.max_tokens must be >= 1, --serve.queue >= 0"),
+        (-2 <= cfg.sample.frequency_penalty <= 2 and -2 <= cfg.sample.presence_penalty <= 2,
+         "--sample.frequency_penalty and --sample.presence_penalty must be in [-2, 2]"),
         (0 <= cfg.serve.port < 65536, f"--serve.port must be in 0..65535, got {cfg.serve.port}"),
     ]
     for ok, message in checks:

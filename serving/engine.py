@@ -33,11 +33,14 @@ class Sequence:
     """One prompt's generation: its settings, and `emit`, called from the engine's
     thread with ("prompt", next_logprob_T, top_id_TN, top_logprob_TN) after the prefill
     (only with want_prompt_logprobs), ("token", id, logprob, top_id_N, top_logprob_N)
-    per token, and last ("done", "length" | "cancelled" | "error: ...")."""
+    per token, and last ("done", "length" | "cancelled" | "error: ...").
+    `penalties`: sampling.Decoder.start's frequency_penalty, presence_penalty and
+    logit_bias ({token id: bias})."""
 
-    def __init__(self, prompt_ids, max_tokens, temperature, top_k, top_p, seed, emit, want_prompt_logprobs=False):
+    def __init__(self, prompt_ids, max_tokens, temperature, top_k, top_p, seed, emit, want_prompt_logprobs=False, **penalties):
         self.prompt_ids, self.max_tokens, self.emit = list(prompt_ids), max_tokens, emit
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.penalties = penalties
         self.want_prompt_logprobs = want_prompt_logprobs
         self.cancelled = False  # set from any thread; the engine frees the slot at its next step
         self.engine = None  # the engine it was submitted to
@@ -70,6 +73,7 @@ class Engine:
     def __init__(self, model, slots, queue_limit, tp_devices=None):
         self.decoder = Decoder(model, slots, tp_devices)
         self.window, self.buckets, self.n_slots, self.queue_limit = self.decoder.window, self.decoder.buckets, slots, queue_limit
+        self.vocab = self.decoder.vocab  # the token ids it samples (logit_bias may name any of them)
         self.slots = [None] * slots
         self.waiting = collections.deque()
         self.wakeup = threading.Condition()
@@ -167,7 +171,7 @@ class Engine:
                     seq.emit(("done", "cancelled"))
                     continue
                 self.slots[i] = Slot(seq)
-            prompt = self.decoder.start(i, seq.prompt_ids, seq.seed, seq.temperature, seq.top_k, seq.top_p)
+            prompt = self.decoder.start(i, seq.prompt_ids, seq.seed, seq.temperature, seq.top_k, seq.top_p, **seq.penalties)
             if seq.want_prompt_logprobs:
                 n = len(seq.prompt_ids)
                 seq.emit(("prompt", *(np.asarray(a)[:n] for a in jax.device_get(prompt))))

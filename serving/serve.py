@@ -1,15 +1,20 @@
-"""Serve a trained run over HTTP: an OpenAI-compatible completions API and a web page.
+"""Serve a trained run over HTTP: an OpenAI-compatible API (completions, and chat
+completions for a model with a chat template) and a web page.
 
     python main.py --mode serve --run.name shakespeare            # http://127.0.0.1:8000/
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "ROMEO:", "max_tokens": 64, "temperature": 0}'
 
 Endpoints: POST /v1/completions (prompt as a string, a list of strings, or token ids;
-max_tokens, temperature, top_k, top_p, seed, stop, stream as server-sent events,
-logprobs and echo, so that evaluation harnesses that speak this API can score
-log-likelihoods), GET /v1/models, GET /health, and GET / (serve.html: type a prompt,
-watch the text stream in). engine.py does the batched decoding; this file turns
-requests into token ids and tokens back into text, stop strings and JSON.
+max_tokens, temperature, top_k, top_p, seed, stop, frequency_penalty, presence_penalty,
+logit_bias, stream as server-sent events with the usage last only when
+stream_options.include_usage asks, logprobs and echo, so that evaluation harnesses
+that speak this API can score log-likelihoods), POST /v1/chat/completions (messages
+rendered by the model's chat template, chat.py; the same sampling fields; the reply
+ends at the template's end of turn), GET /v1/models, GET /health, and GET /
+(serve.html: type a prompt or chat, watch the text stream in). engine.py does the
+batched decoding; this file turns requests into token ids and tokens back into text,
+stop strings and JSON.
 
 Why FastAPI on uvicorn: streaming clients hold their connection open for the whole
 generation, and an asyncio server serves hundreds of them from one thread while the
@@ -21,9 +26,10 @@ SGLang) use, so its behaviour under clients such as `openai` and lm-eval is well
 
 Bad input gets an OpenAI-style JSON error ({"error": {"message", "type", "param",
 "code"}}) with a 4xx status, and the server keeps serving: 400 for a body that is not
-UTF-8 JSON, unknown fields, values out of range, an empty or too long prompt; 413 for
-a body over 8 MiB (counted as it arrives when chunked); 401
-without the bearer token (when MESHFORMER_API_KEY is set); 404 for another model's
+UTF-8 JSON, unknown fields, values out of range, fields it cannot honour (best_of,
+suffix: check_settings says why), an empty or too long prompt, chat for a model without
+a template; 413 for a body over 8 MiB (counted as it arrives when chunked); 401 without
+the bearer token (when MESHFORMER_API_KEY is set); 404 for another model's
 name; 429 when more sequences wait than --serve.queue. A client that goes away (a
 timeout, a closed tab) cancels its sequences: queued ones leave the queue at once, running
 ones free their slots at the engine's next step.
@@ -55,6 +61,8 @@ from starlette.exceptions import HTTPException
 
 from dataset import get_tokenizer
 from devices import stop_now
+from hf import hf_config
+from serving.chat import ReplyTokenizer, TemplateRefused, load_chat_template
 from serving.engine import Engine, QueueFull, Sequence
 from runs import host_params, load_run_params
 from sampling import TOP_LOGPROBS
@@ -79,33 +87,71 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions. Fields OpenAI defines that this server cannot honour
-    (best_of, logit_bias, penalties, suffix) are unknown here: a 400, not silently ignored."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # a last chunk with the usage and no choices, before [DONE]
+
+
+class SamplingRequest(BaseModel):
+    """What both endpoints take. Unknown fields are a 400 that names them, not ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: Optional[str] = None
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int = 16  # OpenAI's default
     temperature: float = 1.0
     top_k: int = 0  # 0 (or -1, vLLM's spelling) = all tokens
     top_p: float = 1.0
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
     stream: bool = False
-    logprobs: Optional[int] = None
-    echo: bool = False
+    stream_options: Optional[StreamOptions] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None  # {"token id": bias in [-100, 100]}
     n: int = 1
     user: Optional[str] = None
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions. best_of and suffix are OpenAI's fields this server cannot
+    honour: accepted by the schema so that check_settings refuses them saying why."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int = 16  # OpenAI's default
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    """A message as the chat template sees it: role, content (text, or a list of text
+    parts) and whatever else the client sends (name, tool_call_id, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Union[str, list[dict], None] = None
+
+
+class ChatRequest(SamplingRequest):
+    """POST /v1/chat/completions. max_tokens (or OpenAI's newer max_completion_tokens)
+    defaults to --serve.max_tokens: a reply ends at the template's end of turn."""
+
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None  # false is accepted (clients send it), true refused saying why
+    top_logprobs: Optional[int] = None
 
 
 # ----------------------------------------------------------------------------
 # Requests -> sequences
 
 
-def parse_request(body_bytes):
-    """Raw body -> CompletionRequest, or a 400 saying what is wrong with it."""
+def parse_request(body_bytes, schema=CompletionRequest):
+    """Raw body -> a `schema` instance, or a 400 saying what is wrong with it."""
     try:
         text = body_bytes.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -117,34 +163,63 @@ def parse_request(body_bytes):
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        return CompletionRequest.model_validate(obj)
+        return schema.model_validate(obj)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
         if first["type"] == "extra_forbidden":
-            known = ", ".join(CompletionRequest.model_fields)
+            known = ", ".join(schema.model_fields)
             raise APIError(400, f"unknown field {where!r}; this server accepts: {known}", param=where) from None
         raise APIError(400, f"{where}: {first['msg']}", param=where.split(".")[0]) from None
 
 
-def check_settings(req, max_tokens_limit):
+def check_settings(req, max_tokens, max_tokens_limit, vocab):
+    """The request's settings in range (else a 400 naming the field), and its stop strings."""
     checks = [
-        (0 <= req.max_tokens <= max_tokens_limit, "max_tokens",
-         f"max_tokens must be in 0..{max_tokens_limit} (--serve.max_tokens), got {req.max_tokens}"),
+        (0 <= max_tokens <= max_tokens_limit, "max_tokens",
+         f"max_tokens must be in 0..{max_tokens_limit} (--serve.max_tokens), got {max_tokens}"),
         (0 <= req.temperature <= 100, "temperature", f"temperature must be in [0, 100] (0 = greedy), got {req.temperature}"),
         (req.top_k >= -1, "top_k", f"top_k must be >= 0 (0 or -1 = all tokens), got {req.top_k}"),
         (0 < req.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {req.top_p}"),
-        (req.logprobs is None or 0 <= req.logprobs <= TOP_LOGPROBS, "logprobs", f"logprobs must be in 0..{TOP_LOGPROBS}, got {req.logprobs}"),
-        (req.n == 1, "n", "n must be 1: send the prompt several times (as a list) for several completions"),
+        (-2 <= req.frequency_penalty <= 2, "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {req.frequency_penalty}"),
+        (-2 <= req.presence_penalty <= 2, "presence_penalty", f"presence_penalty must be in [-2, 2], got {req.presence_penalty}"),
+        (req.n == 1, "n", "n must be 1: send the request (or the prompt, as a list) several times for several completions"),
         (req.seed is None or 0 <= req.seed < 2**32, "seed", "seed must be in 0..2^32-1 (jax.random.key would fold larger ones onto these)"),
+        (req.stream or req.stream_options is None, "stream_options", "stream_options is only allowed when stream is true"),
     ]
+    if isinstance(req, CompletionRequest):
+        checks += [
+            (req.logprobs is None or 0 <= req.logprobs <= TOP_LOGPROBS, "logprobs", f"logprobs must be in 0..{TOP_LOGPROBS}, got {req.logprobs}"),
+            (req.best_of in (None, 1), "best_of", "best_of must be 1: this server does not generate several candidates "
+             "to return the most likely one (send the prompt several times and compare their logprobs)"),
+            (not req.suffix, "suffix", "suffix is not supported: this model continues a text, it was not trained to fill in the middle"),
+        ]
+    if isinstance(req, ChatRequest):
+        checks += [(not req.logprobs and not req.top_logprobs, "logprobs", "logprobs are not supported on chat completions "
+                    "here: send the rendered prompt to /v1/completions with logprobs for them")]
     for ok, param, message in checks:
         if not ok:
             raise APIError(400, message, param=param)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or not all(stops):
         raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
-    return stops
+    return stops, check_logit_bias(req.logit_bias, vocab)
+
+
+def check_logit_bias(logit_bias, vocab):
+    """{"token id": bias} -> {id: bias}, ids in the model's vocabulary, biases in [-100, 100]."""
+    out = {}
+    for key, bias in (logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id in 0..{vocab - 1}", param="logit_bias")
+        if not -100 <= bias <= 100:
+            raise APIError(400, f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}", param="logit_bias")
+        out[token] = bias
+    return out
 
 
 def max_token_chars(tokenizer):
@@ -201,12 +276,14 @@ class Choice:
     Text is released only when it is final: never the start of a stop string (it may
     turn out to be one), never a trailing U+FFFD (a multi-byte character may be only
     partly generated). The non-streaming response is these same chunks joined, so a
-    stream and a plain response always carry the same text.
+    stream and a plain response always carry the same text. A token of `stop_ids`
+    (default: end-of-text; a chat adds its template's end of turn) ends it unshown.
     """
 
-    def __init__(self, index, prompt_text, prompt_ids, tokenizer, stops, logprobs, echo):
+    def __init__(self, index, prompt_text, prompt_ids, tokenizer, stops, logprobs, echo, stop_ids=None):
         self.index, self.prompt_text, self.prompt_ids = index, prompt_text, prompt_ids
         self.tokenizer, self.stops, self.logprobs, self.echo = tokenizer, stops, logprobs, echo
+        self.stop_ids = {tokenizer.eot_id} if stop_ids is None else set(stop_ids)
         self.ids, self.sent, self.offset = [], "", 0
         self.pending = self.empty_logprobs()
         self.finished, self.completion_tokens = False, 0
@@ -270,7 +347,7 @@ class Choice:
         if kind == "token":
             token, logprob, top_ids, top_logprobs = event[1:]
             self.completion_tokens += 1  # what max_tokens counts, the end-of-text token too
-            if token == self.tokenizer.eot_id:  # end of text: the model says it is done
+            if token in self.stop_ids:  # end of text (or of turn): the model says it is done
                 return self.finish("stop")
             self.ids.append(token)
             if self.logprobs is not None:
@@ -325,10 +402,11 @@ async def disconnected(request):
         pass
 
 
-def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
+def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None, chat=None):
+    """The FastAPI app: the page, /health, /v1/models, and the two generation endpoints
+    (`chat`: the model's ChatTemplate, or None: chat completions are then a 400)."""
     app = FastAPI(title="meshformer", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
-    token_chars = max_token_chars(tokenizer)
     with open(PAGE) as f:
         page = f.read()
 
@@ -356,62 +434,131 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None):
     async def health():
         """status "ok" (200) once every program is compiled, "loading" (503) before:
         a load balancer or a harness waits for the 200. Requests sent while loading wait
-        in the queue."""
+        in the queue. `chat`: whether the model has a chat template."""
         active, waiting = engine.busy()
         ready = engine.ready.is_set()
         return JSONResponse(dict(status="ok" if ready else "loading", model=model_name, slots=engine.n_slots, active=active,
-                                 waiting=waiting, context=engine.window, max_tokens=max_tokens_limit, auth=api_key is not None),
-                            status_code=200 if ready else 503)
+                                 waiting=waiting, context=engine.window, max_tokens=max_tokens_limit, auth=api_key is not None,
+                                 chat=chat is not None), status_code=200 if ready else 503)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
         return dict(object="list", data=[dict(id=model_name, object="model", created=created, owned_by="meshformer",
                                               max_model_len=engine.window)])
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(request: Request):
-        req = parse_request(await read_body(request))
-        if req.model is not None and req.model != model_name:
-            raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}", param="model")
-        stops = check_settings(req, max_tokens_limit)
-        prompts = tokenize_prompts(req.prompt, tokenizer, engine.window, token_chars)
-        choices, events = submit(engine, req, prompts, tokenizer, stops)
-        head = dict(id=f"cmpl-{secrets.token_hex(12)}", object="text_completion", created=int(time.time()), model=model_name)
-        if req.stream:
-            return StreamingResponse(stream_events(head, req, choices, events), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await unless_client_gone(request, joined_response(head, req, choices, events))
-
+    add_generation_routes(app, Server(engine, tokenizer, model_name, max_tokens_limit, chat), authorized)
     return app
 
 
+class Server:
+    """What the generation endpoints share: the engine, the tokenizer, the model's name,
+    the max_tokens limit and its chat template (or None)."""
+
+    def __init__(self, engine, tokenizer, model_name, max_tokens_limit, chat):
+        self.engine, self.tokenizer, self.model_name, self.max_tokens_limit = engine, tokenizer, model_name, max_tokens_limit
+        self.chat, self.token_chars = chat, max_token_chars(tokenizer)
+        self.reply_tokenizer = ReplyTokenizer(tokenizer, chat) if chat is not None else None
+
+    def check_model(self, req):
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"model {req.model!r} is not served here; this server serves {self.model_name!r}", param="model")
+
+    def head(self, kind):
+        prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+        return dict(id=f"{prefix}-{secrets.token_hex(12)}", object=kind, created=int(time.time()), model=self.model_name)
+
+
+def add_generation_routes(app, server, authorized):
+    """POST /v1/completions and POST /v1/chat/completions."""
+    s = server
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request):
+        req = parse_request(await read_body(request))
+        s.check_model(req)
+        stops, bias = check_settings(req, req.max_tokens, s.max_tokens_limit, s.engine.vocab)
+        prompts = tokenize_prompts(req.prompt, s.tokenizer, s.engine.window, s.token_chars)
+        choices = [Choice(i, text, ids, s.tokenizer, stops, req.logprobs, req.echo) for i, (text, ids) in enumerate(prompts)]
+        events = submit(s.engine, req, req.max_tokens, choices, bias, want_prompt_logprobs=req.echo and req.logprobs is not None)
+        leading = [choice.echo_chunk() for choice in choices] if req.echo and req.logprobs is None else []
+        head = s.head("text_completion")
+        if req.stream:
+            return streaming(stream_events(head, req, choices, events, lambda chunk: chunk, leading))
+        return await unless_client_gone(request, completion_response(head, choices, events, leading, req.logprobs))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(request: Request):
+        req = parse_request(await read_body(request), ChatRequest)
+        s.check_model(req)
+        if s.chat is None:
+            raise APIError(400, f"{s.model_name!r} has no chat template, so it cannot chat: use /v1/completions, or start the "
+                           "server with --serve.chat_template (a Jinja file, or a Hugging Face directory)", param="messages")
+        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), s.max_tokens_limit)
+        stops, bias = check_settings(req, max_tokens, s.max_tokens_limit, s.engine.vocab)
+        text, ids = chat_prompt(req.messages, s.chat, s.tokenizer, s.engine.window, s.token_chars)
+        choices = [Choice(0, text, ids, s.reply_tokenizer, stops, None, False, stop_ids=s.chat.end_ids)]
+        events = submit(s.engine, req, max_tokens, choices, bias)
+        if req.stream:
+            role = dict(index=0, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None)
+            return streaming(stream_events(s.head("chat.completion.chunk"), req, choices, events, chat_chunk, [role]))
+        return await unless_client_gone(request, chat_response(s.head("chat.completion"), choices, events))
+
+
+def chat_prompt(messages, chat, tokenizer, window, token_chars):
+    """(text, ids) of a chat rendered by its template, or a 400: no messages, content
+    other than text, what the template refuses, a prompt over the window (counted from
+    its length before it is tokenized, as tokenize_prompts does)."""
+    plain = []
+    for i, message in enumerate(messages):
+        message = message.model_dump(exclude_none=True)
+        if isinstance(message.get("content"), list):  # text parts, joined as vLLM joins them for a text template
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in message["content"]):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported (this model reads text)", param="messages")
+            message["content"] = "\n".join(part["text"] for part in message["content"])
+        plain.append(message)
+    if not plain:
+        raise APIError(400, "messages is empty: give at least one message", param="messages")
+    try:
+        text = chat.render(plain)
+    except TemplateRefused as e:
+        raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "messages hold text that is not valid UTF-8 (a lone surrogate)", param="messages") from None
+    pieces = chat.pieces(text)
+    at_least = sum(1 if special is not None else -(-len(piece) // token_chars) for piece, special in pieces)
+    ids = chat.encode(pieces, tokenizer) if at_least <= window else []
+    if at_least > window or len(ids) > window:
+        raise APIError(400, f"the chat's prompt is {max(at_least, len(ids))}{'+' if not ids else ''} tokens; this model's "
+                       f"context is {window} (its seq_len)", param="messages", code="context_length_exceeded")
+    return text, ids
+
+
 # ----------------------------------------------------------------------------
-# A completion request: its sequences in the engine, its chunks out
+# A request: its sequences in the engine, its chunks out
 
 
-def submit(engine, req, prompts, tokenizer, stops):
-    """One Choice (and engine Sequence) per prompt, queued together; returns (choices,
-    the asyncio queue their engine events arrive on as (choice index, event))."""
+def submit(engine, req, max_tokens, choices, logit_bias, want_prompt_logprobs=False):
+    """An engine Sequence per Choice, queued together; returns the asyncio queue their
+    engine events arrive on as (choice index, event)."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    choices = [Choice(i, text, ids, tokenizer, stops, req.logprobs, req.echo) for i, (text, ids) in enumerate(prompts)]
     for choice in choices:
         emit = (lambda i: lambda event: loop.call_soon_threadsafe(events.put_nowait, (i, event)))(choice.index)
         seed = secrets.randbits(31) if req.seed is None else req.seed
-        choice.seq = Sequence(choice.prompt_ids, req.max_tokens, req.temperature, max(req.top_k, 0), req.top_p, seed,
-                              emit, want_prompt_logprobs=req.echo and req.logprobs is not None)
+        choice.seq = Sequence(choice.prompt_ids, max_tokens, req.temperature, max(req.top_k, 0), req.top_p, seed, emit,
+                              want_prompt_logprobs=want_prompt_logprobs, frequency_penalty=req.frequency_penalty,
+                              presence_penalty=req.presence_penalty, logit_bias=logit_bias)
     try:
         engine.submit([c.seq for c in choices])
     except QueueFull as e:
         raise APIError(429, f"the server is busy: {e}; retry shortly") from None
-    return choices, events
+    return events
 
 
-async def chunks(req, choices, events):
+async def chunks(choices, events):
     """Every choice's chunks as the engine's events come in."""
     try:
-        for choice in choices:
-            if req.echo and req.logprobs is None:
-                yield choice.echo_chunk()
         while not all(c.finished for c in choices):
             i, event = await events.get()
             chunk = choices[i].handle(event)
@@ -428,15 +575,33 @@ def usage(choices):
     return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
-async def stream_events(head, req, choices, events):
-    """stream: one server-sent event per chunk, then the usage, then [DONE]."""
+def chat_chunk(chunk):
+    """A completion chunk as a chat.completion.chunk's choice: its text as a delta."""
+    delta = dict(content=chunk["text"]) if chunk["text"] else {}
+    return dict(index=chunk["index"], delta=delta, logprobs=None, finish_reason=chunk["finish_reason"])
+
+
+def streaming(events):
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def stream_events(head, req, choices, events, shape, leading=()):
+    """stream: one server-sent event per chunk (`leading` ones first, then each of
+    chunks() through `shape`), then, as OpenAI's API, the usage with no choices only
+    when stream_options.include_usage (every other chunk then says "usage": null),
+    then [DONE]."""
+    with_usage = req.stream_options is not None and req.stream_options.include_usage
+    extra = dict(usage=None) if with_usage else {}
     try:
-        async for chunk in chunks(req, choices, events):
-            yield f"data: {json.dumps(dict(head, choices=[chunk]))}\n\n"
+        for chunk in leading:
+            yield f"data: {json.dumps(dict(head, choices=[chunk], **extra))}\n\n"
+        async for chunk in chunks(choices, events):
+            yield f"data: {json.dumps(dict(head, choices=[shape(chunk)], **extra))}\n\n"
     except APIError as e:
         yield f"data: {json.dumps(e.body())}\n\n"
         return
-    yield f"data: {json.dumps(dict(head, choices=[], usage=usage(choices)))}\n\n"
+    if with_usage:
+        yield f"data: {json.dumps(dict(head, choices=[], usage=usage(choices)))}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -457,18 +622,34 @@ async def unless_client_gone(request, answer):
     return answer.result()
 
 
-async def joined_response(head, req, choices, events):
-    """Not streaming: each choice's chunks joined into one."""
-    joined = [dict(index=c.index, text="", logprobs=None if req.logprobs is None else c.empty_logprobs(),
+async def joined_choices(choices, events, leading, logprobs):
+    """Not streaming: each choice's chunks (`leading` ones first) joined into one."""
+    joined = [dict(index=c.index, text="", logprobs=None if logprobs is None else c.empty_logprobs(),
                    finish_reason=None) for c in choices]
-    async for chunk in chunks(req, choices, events):
+
+    def add(chunk):
         out = joined[chunk["index"]]
         out["text"] += chunk["text"]
         out["finish_reason"] = chunk["finish_reason"] or out["finish_reason"]
         if chunk["logprobs"] is not None:
             for key, values in chunk["logprobs"].items():
                 out["logprobs"][key] += values
-    return dict(head, choices=joined, usage=usage(choices))
+
+    for chunk in leading:
+        add(chunk)
+    async for chunk in chunks(choices, events):
+        add(chunk)
+    return joined
+
+
+async def completion_response(head, choices, events, leading, logprobs):
+    return dict(head, choices=await joined_choices(choices, events, leading, logprobs), usage=usage(choices))
+
+
+async def chat_response(head, choices, events):
+    joined = await joined_choices(choices, events, [], None)
+    return dict(head, choices=[dict(index=c["index"], message=dict(role="assistant", content=c["text"]), logprobs=None,
+                                    finish_reason=c["finish_reason"]) for c in joined], usage=usage(choices))
 
 
 # ----------------------------------------------------------------------------
@@ -493,13 +674,17 @@ def serve_run(cfg):
     api_key = os.environ.get(API_KEY_ENV) or None
     if s.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {s.host} without a bearer token; set {API_KEY_ENV} to require one", file=sys.stderr)
+    if s.chat_template and not os.path.exists(s.chat_template):
+        raise ConfigError(f"--serve.chat_template {s.chat_template}: no such file or directory")
     cfg, graphdef, params = load_run_params(cfg)
     model = nnx.merge(graphdef, host_params(params))
     tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
+    chat = load_chat_template(hf_config.hf_dir(cfg.train.init_from), s.chat_template, tokenizer)
     engine = Engine(model, s.slots, s.queue, tp_devices=jax.devices()[:cfg.mesh.tp])
-    app = make_app(engine, tokenizer, cfg.run.name, s.max_tokens, api_key)
+    app = make_app(engine, tokenizer, cfg.run.name, s.max_tokens, api_key, chat)
     print(f"serving {cfg.run.name} on http://{s.host}:{s.port}/ (context {engine.window} tokens"
-          f"{', bearer token required' if api_key else ''}); /health says loading until compiled", flush=True)
+          f"{', bearer token required' if api_key else ''}; chat {'template: ' + chat.source if chat else 'off: no chat template'})"
+          "; /health says loading until compiled", flush=True)
     threading.Thread(target=start_engine, args=(engine, cfg.mesh.tp), name="compile", daemon=True).start()
     try:
         uvicorn.run(app, host=s.host, port=s.port, log_level="warning")

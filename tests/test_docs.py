@@ -3,13 +3,17 @@
 Every fenced ```bash or ```python block in README.md and docs/*.md carries a comment on the
 line before it that says what the test does with it:
 
-    <!-- test: run [slow] [SCRIPT+="ARGS"] ["/TEXT/+=ARGS"] -->
+    <!-- test: run [slow] [port=N] [SCRIPT+="ARGS"] ["/TEXT/+=ARGS"] -->
         run the block's commands in order in one scratch copy of the repo per page (the
         page's blocks share it, so a later block may use an earlier one's run), with ARGS
         appended to every `python SCRIPT` command (e.g. main.py+="--train.steps 3") or to
         every command containing TEXT; flags given twice take the last value, so ARGS
         shrink a run without the page saying so. `pip install` lines are not run (the
-        suite runs in what they install). `slow`: only under -m slow.
+        suite runs in what they install). `slow`: only under -m slow. `port=N`: the
+        number N in the block (a server's port, as the page writes it) is replaced by a
+        port that is free, the same one for every block of the page that says port=N.
+        A command that ends in ` &` (a server) runs in the background, its output in a
+        log that a failing command shows, until the page's blocks are done.
     <!-- test: skip (WHY) -->      not runnable on a laptop CPU (a pod, a bucket, a
                                    server that runs until stopped), or a command another
                                    test already runs; WHY names the test that covers it,
@@ -104,6 +108,8 @@ def parse_marker(marker):
     for token in tokens[1:] if mode == "run" else []:
         if token == "slow":
             slow = True
+        elif token.startswith("port="):
+            overrides.append(("port", token[len("port="):]))
         else:
             selector, sep, args = token.partition("+=")
             assert sep, f"marker {marker!r}: {token!r} is not SCRIPT+=ARGS or /TEXT/+=ARGS"
@@ -121,8 +127,13 @@ def commands(body, overrides):
         tokens = shlex.split(line, comments=True)
         if tokens[0] == "pip":
             continue
+        background = tokens[-1] == "&"
+        if background:  # the overrides go before the `&`
+            line, tokens = without_comment(line, tokens)[:-1].rstrip(), tokens[:-1]
         extra = []
         for selector, args in overrides:
+            if selector == "port":
+                continue
             if selector.startswith("/") and selector.endswith("/"):
                 hit = selector[1:-1] in line
             else:
@@ -132,7 +143,7 @@ def commands(body, overrides):
             assert tokens[0] == "python" and not set(tokens) & {"|", ">", "&&", ";"}, \
                 f"overrides apply to plain `python ...` commands only: {line!r}"
             line = without_comment(line, tokens) + " " + shlex.join(extra)  # the page's words as bash reads them (globs too)
-        out.append(line)
+        out.append(line + " &" if background else line)
     return out
 
 
@@ -251,7 +262,51 @@ def warm_python():
     warm.close()
 
 
-def run_block(cwd, page, line, lang, body, overrides, warm):
+class Background:
+    """The page's background commands (` &`): started under bash with their output in a
+    log, stopped (their whole process group) when the page is done."""
+
+    def __init__(self, cwd):
+        self.cwd, self.procs = cwd, []
+
+    def start(self, command):
+        log = open(self.cwd / f".background_{len(self.procs)}.log", "w")
+        self.procs.append((subprocess.Popen(["bash", "-c", command], cwd=self.cwd, env=reader_env(), stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True), log))
+
+    def logs(self):
+        return "".join(f"\n--- background {p.args[-1]}:\n{open(log.name).read()[-3000:]}" for p, log in self.procs)
+
+    def stop(self):
+        for proc, log in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+
+
+def with_port(body, overrides, port):
+    """The block with its port=N replaced by the page's free port."""
+    for selector, number in overrides:
+        if selector == "port":
+            body = re.sub(rf"\b{number}\b", str(port), body)
+    return body
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_block(cwd, page, line, lang, body, overrides, warm, background, port):
+    body = with_port(body, overrides, port)
     if lang == "python":
         script = cwd / f"block_{line}.py"
         script.write_text(body + "\n")
@@ -260,6 +315,10 @@ def run_block(cwd, page, line, lang, body, overrides, warm):
         shell_lines = commands(body, overrides)
     output = []
     for command in shell_lines:
+        if command.endswith(" &"):
+            background.start(command[:-2])
+            print(f"{page}:{line}: background  {command}")
+            continue
         if warm.takes(command, cwd):
             returncode, cpu_s, stdout, stderr = warm.run(command, cwd)
         else:
@@ -270,15 +329,20 @@ def run_block(cwd, page, line, lang, body, overrides, warm):
             returncode, stdout, stderr = result.returncode, result.stdout, result.stderr
             cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         print(f"{page}:{line}: {cpu_s:5.1f} s CPU  {command}")  # what each command costs (pytest -s shows it)
-        assert returncode == 0, f"{page}:{line}: `{command}` exited {returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+        assert returncode == 0, (f"{page}:{line}: `{command}` exited {returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+                                 f"{background.logs()}")
         output.append(stdout + stderr)
     return "\n".join(output)
 
 
 def run_page(page, slow, tmp_path, data_cache, warm):
     cwd = scratch_copy(tmp_path, data_cache)
-    return {line: run_block(cwd, page, line, lang, body, overrides, warm)
-            for line, lang, body, overrides in runnable(page, slow)}, cwd
+    background, port = Background(cwd), free_port()
+    try:
+        return {line: run_block(cwd, page, line, lang, body, overrides, warm, background, port)
+                for line, lang, body, overrides in runnable(page, slow)}, cwd
+    finally:
+        background.stop()
 
 
 @pytest.mark.parametrize("page", pages_with(slow=False))

@@ -172,6 +172,20 @@ def test_greedy_and_seeded_completions_equal_mode_sample(loaded, server):
     assert sampled != complete(server, prompt="KING", max_tokens=40, temperature=0.8, top_k=40, seed=4)["choices"][0]["text"]
 
 
+def test_penalties_in_mode_sample_equal_the_server_s(run, server):
+    """`--mode sample --sample.frequency_penalty F --sample.presence_penalty P` prints the
+    completion the server gives with those penalties (greedy), which differs from the
+    plain greedy one."""
+    penalized = complete(server, prompt="KING", max_tokens=40, temperature=0, frequency_penalty=0.3, presence_penalty=1.5)
+    plain = complete(server, prompt="KING", max_tokens=40, temperature=0)
+    assert penalized["choices"][0]["text"] != plain["choices"][0]["text"]
+    result = subprocess.run([sys.executable, "main.py", "--mode", "sample", *run, "--sample.prompt", "KING", "--sample.max_tokens", "40",
+                             "--sample.temperature", "0", "--sample.frequency_penalty", "0.3", "--sample.presence_penalty", "1.5"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.endswith("KING" + penalized["choices"][0]["text"] + "\n"), result.stdout[-500:]
+
+
 @pytest.fixture(scope="module")
 def forward(loaded):
     """log_softmax of the run's plain full forward (Transformer.__call__, jitted), over
@@ -250,8 +264,8 @@ def test_streaming_sends_the_same_text_and_logprobs_as_one_response(server):
     whole = complete(server, **body)
     assert whole["choices"][0]["text"] == "KING" + plain[:plain.find(stop)]
     assert whole["choices"][0]["finish_reason"] == "stop"
-    status, events = stream(server, body)
-    assert status == 200 and events[-1]["usage"] == whole["usage"]
+    status, events = stream(server, dict(body, stream_options={"include_usage": True}))
+    assert status == 200 and events[-1]["usage"] == whole["usage"] and events[-1]["choices"] == []
     for choice in whole["choices"]:
         i = choice["index"]
         assert streamed_text(events, i) == choice["text"]
@@ -260,6 +274,7 @@ def test_streaming_sends_the_same_text_and_logprobs_as_one_response(server):
         for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             assert sum((c["logprobs"][key] for c in chunks), []) == choice["logprobs"][key]
     status, events = stream(server, dict(prompt="KING", max_tokens=60, temperature=0.8, seed=5))
+    assert all(e["choices"] and "usage" not in e for e in events)  # no usage chunk unless stream_options asks for it
     assert streamed_text(events) == plain and len([e for e in events if e["choices"] and e["choices"][0]["text"]]) > 10
 
 
@@ -278,7 +293,7 @@ BAD = {
     "negative temperature": ({"prompt": "KING", "temperature": -1}, 400, "temperature"),
     "seed that would collide with another": ({"prompt": "KING", "seed": 2**40}, 400, "seed must be in"),
     "a field of the wrong type": ({"prompt": "KING", "max_tokens": "many"}, 400, "max_tokens"),
-    "unknown field": ({"prompt": "KING", "frequency_penalty": 0.5}, 400, "unknown field 'frequency_penalty'"),
+    "unknown field": ({"prompt": "KING", "response_format": {"type": "json_object"}}, 400, "unknown field 'response_format'"),
     "malformed JSON": (b'{"prompt": "KING",', 400, "not valid JSON"),
     "JSON that is not an object": (b'["KING"]', 400, "JSON object"),
     "another model": ({"prompt": "KING", "model": "gpt-4"}, 404, "not served here"),
@@ -296,6 +311,13 @@ def test_each_bad_input_gets_its_4xx_and_the_next_request_works(server):
         got, out = post(server, good, headers=headers)
         assert got == 401 and "bearer token" in out["error"]["message"]
         assert complete(server, **good)["choices"][0]["text"] == expected
+
+
+def test_chat_on_a_model_without_a_chat_template_is_a_400_that_says_so(server):
+    status, out = post(server, dict(messages=[{"role": "user", "content": "Hi"}]), path="/v1/chat/completions")
+    assert status == 400 and out["error"]["message"].startswith("'r' has no chat template, so it cannot chat")
+    with urllib.request.urlopen(server + "/health") as r:
+        assert json.load(r)["chat"] is False
 
 
 def test_too_many_waiting_sequences_get_429(server):

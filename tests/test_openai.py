@@ -1,0 +1,282 @@
+"""The official `openai` client against `python main.py --mode serve`, as a new user tries
+it: completions, streaming with and without usage, chat and chat streaming, penalties
+and logit_bias, and every refusal as the SDK's BadRequestError.
+
+One server for the module: a small random DeepseekV3 made and saved by transformers
+(test_hf.hf_made_model), given a byte-level tokenizer with two chat tokens and a ChatML
+template in its tokenizer_config.json, imported with --train.init_from hf:DIR. Its
+replies are compared with transformers' greedy decoding of the same rendered chat.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dataset import get_tokenizer  # noqa: E402
+from hf import hf_tokenizer  # noqa: E402
+from test_hf import hf_made_model  # noqa: E402
+from test_serve import REPO, free_port  # noqa: E402
+
+BYTES = get_tokenizer("bytes")
+IM_START, IM_END = 257, 258  # the chat tokens, after the bytes and <|endoftext|> (256); the model's vocabulary is 300
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WINDOW = 64  # the model's max_position_embeddings, and --model.seq_len: no window restart in a reply
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]  # 41 tokens: 20 more fit
+ASCII_ONLY = {t: -100.0 for t in range(128, 300) if t != IM_END}  # replies whose text is their tokens exactly
+
+
+def write_chat_tokenizer(path):
+    """tokenizer.json (our byte-level BPE plus <|im_start|> and <|im_end|>),
+    tokenizer_config.json with the template, generation_config.json ending at <|im_end|>."""
+    tok = hf_tokenizer.tokenizer_json(BYTES)
+    tok["added_tokens"] += [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for i, s in ((IM_START, "<|im_start|>"), (IM_END, "<|im_end|>"))]
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                   "model_max_length": WINDOW, "chat_template": CHATML}, f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": IM_END, "pad_token_id": 256}, f)
+
+
+@pytest.fixture(scope="module")
+def hf_chat_model(tmp_path_factory):
+    """(directory, transformers model, its tokenizer)."""
+    torch.set_num_threads(1)
+    path = str(tmp_path_factory.mktemp("hf_chat"))
+    hf = hf_made_model(path, first_k_dense=1, n_layers=2, seed=5)  # seed 5: <|im_end|> is nearest the top 12 tokens in
+    write_chat_tokenizer(path)
+    return path, hf, transformers.AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def server(hf_chat_model, tmp_path_factory):
+    """`python main.py --mode serve --train.init_from hf:DIR`, once /health says ok: its URL."""
+    port, out = free_port(), tmp_path_factory.mktemp("serve")
+    log = open(out / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", "--preset", "tiny", "--model.seq_len", str(WINDOW),
+                             "--train.init_from", f"hf:{hf_chat_model[0]}", "--run.name", "chatty", "--run.out_dir", str(out),
+                             "--serve.port", str(port), "--serve.slots", "2", "--serve.max_tokens", "48"],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                import urllib.request
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    assert json.load(r)["chat"] is True
+                break
+            except OSError:
+                log.seek(0)
+                assert proc.poll() is None and time.time() < deadline, log.read()[-3000:]
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def hf_greedy(hf, prompt_ids, n, bias=None, logits_processor=None):
+    """transformers' greedy continuation (stopping at <|im_end|>, generation_config.json's
+    eos, or <|endoftext|>: the server's ends of turn), with `bias` {id: b} added to the logits (sequence_bias: what logit_bias does)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=[IM_END, 256], pad_token_id=256,
+                          sequence_bias={(t,): b for t, b in (bias or {}).items()} or None, logits_processor=logits_processor)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def reply_ids(text, finish_reason):
+    """The tokens of an ASCII-only reply: its bytes, and <|im_end|> if it ended the turn."""
+    return BYTES.encode(text) + ([IM_END] if finish_reason == "stop" else [])
+
+
+# ----------------------------------------------------------------------------
+# Chat
+
+
+def test_chat_reply_equals_transformers_greedy_of_the_rendered_chat(client, hf_chat_model):
+    """The server renders the chat as apply_chat_template does and replies, token for
+    token, what transformers' greedy decoding of that prompt gives: stopping at the
+    template's end of turn (<|im_end|>, favoured by a logit_bias that transformers'
+    sequence_bias applies alike, at the first strength that ends the turn mid-reply),
+    streamed as chat.completion.chunks; and with no bias at all, the same text."""
+    _, hf, tok = hf_chat_model
+    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert prompt[:1] == [IM_START] and prompt.count(IM_END) == 2
+    for strength in range(16):
+        bias = {**ASCII_ONLY, IM_END: strength / 4}
+        expected = hf_greedy(hf, prompt, 20, bias)
+        if expected[-1] == IM_END and len(expected) >= 5:
+            break
+    assert expected[-1] == IM_END and len(set(expected)) > 3, expected  # ends its turn after a real reply
+    logit_bias = {str(t): b for t, b in bias.items()}
+    reply = client.chat.completions.create(model="chatty", messages=MESSAGES, temperature=0, max_tokens=20, logit_bias=logit_bias)
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion" and choice.message.role == "assistant" and choice.finish_reason == "stop"
+    assert reply_ids(choice.message.content, choice.finish_reason) == expected
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), len(expected))
+
+    stream = client.chat.completions.create(model="chatty", messages=MESSAGES, temperature=0, max_tokens=20, logit_bias=logit_bias,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage and len(chunks) > 5
+
+    plain = client.chat.completions.create(model="chatty", messages=MESSAGES, temperature=0, max_tokens=20).choices[0]
+    theirs = hf_greedy(hf, prompt, 20)
+    assert plain.message.content == BYTES.decode([t for t in theirs if t not in (IM_START, IM_END)])
+    assert plain.finish_reason == ("stop" if theirs[-1] == IM_END else "length")
+
+
+class OpenAIPenalties(transformers.LogitsProcessor):
+    """OpenAI's documented penalties, in transformers' decoding loop: token j's logit minus
+    frequency x c[j] minus presence x (c[j] > 0), c counting the generated tokens."""
+
+    def __init__(self, prompt_length, frequency, presence):
+        self.prompt_length, self.frequency, self.presence = prompt_length, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        counts = torch.zeros_like(scores)
+        counts.scatter_add_(1, input_ids[:, self.prompt_length:], torch.ones_like(input_ids[:, self.prompt_length:], dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def test_penalties_and_logit_bias_equal_transformers_with_openai_s_formula(client, hf_chat_model):
+    """frequency_penalty and presence_penalty, greedy: the tokens transformers chooses
+    with OpenAI's formula applied to its logits (counting only generated tokens); without
+    them the same prompt repeats tokens more."""
+    _, hf, _ = hf_chat_model
+    prompt = BYTES.encode("ROMEO:\n")
+    ascii_text = {**ASCII_ONLY, IM_END: -100.0}  # a completion does not end at a chat's end of turn
+    logit_bias = {str(t): b for t, b in ascii_text.items()}
+    runs = {}
+    for frequency, presence in ((0.0, 0.0), (0.7, 0.0), (0.0, 1.5), (0.4, -0.3)):
+        out = client.completions.create(model="chatty", prompt="ROMEO:\n", max_tokens=30, temperature=0, logit_bias=logit_bias,
+                                        frequency_penalty=frequency, presence_penalty=presence).choices[0]
+        processor = transformers.LogitsProcessorList([OpenAIPenalties(len(prompt), frequency, presence)])
+        expected = hf_greedy(hf, prompt, 30, ascii_text, processor)
+        assert reply_ids(out.text, out.finish_reason) == expected, (frequency, presence)
+        runs[frequency, presence] = out.text
+    assert len(set(runs.values())) == 4 and len(set(runs[0.0, 1.5])) > len(set(runs[0.0, 0.0])), runs
+
+
+# ----------------------------------------------------------------------------
+# Completions and streaming, as the SDK's own examples use them
+
+
+def test_completions_stream_with_and_without_usage(client):
+    """The SDK's example (`chunk.choices[0].text` for every chunk) runs to the end: no
+    chunk without choices unless include_usage asks for the usage, which then comes last
+    with `choices: []`, every other chunk saying usage null."""
+    whole = client.completions.create(model="chatty", prompt="KING", max_tokens=20, temperature=0)
+    assert whole.object == "text_completion" and whole.usage.completion_tokens == 20 and whole.choices[0].finish_reason == "length"
+    text = "".join(chunk.choices[0].text for chunk in client.completions.create(model="chatty", prompt="KING", max_tokens=20,
+                                                                                 temperature=0, stream=True))
+    assert text == whole.choices[0].text
+    chunks = list(client.completions.create(model="chatty", prompt="KING", max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.choices and c.usage is None for c in chunks[:-1]) and "".join(c.choices[0].text for c in chunks[:-1]) == text
+
+
+REFUSED = {  # what the SDK is asked -> the words its BadRequestError carries
+    "best_of": (dict(best_of=2), "best_of must be 1"),
+    "suffix": (dict(suffix="THE END"), "suffix is not supported"),
+    "stream_options without stream": (dict(stream_options={"include_usage": True}), "stream_options is only allowed when stream"),
+    "a penalty out of range": (dict(frequency_penalty=2.5), "frequency_penalty must be in [-2, 2]"),
+    "logit_bias of no token": (dict(logit_bias={"300": 1}), "logit_bias: '300' is not a token id in 0..299"),
+    "logit_bias over 100": (dict(logit_bias={"65": 101}), "must be in [-100, 100]"),
+    "max_tokens over the limit": (dict(max_tokens=49), "max_tokens must be in 0..48"),
+    "negative temperature": (dict(temperature=-1), "temperature must be in"),
+    "an unknown field": (dict(extra_body={"guided_json": {}}), "unknown field 'guided_json'"),
+}
+CHAT_REFUSED = {
+    "tools": (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "unknown field 'tools'"),
+    "an image": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+                 "only text parts are supported"),
+    "a chat longer than the context": (dict(messages=[{"role": "user", "content": "x" * 70}]), "this model's context is 64"),
+    "max_completion_tokens over the limit": (dict(max_completion_tokens=100), "max_tokens must be in 0..48"),
+    "logprobs": (dict(logprobs=True, top_logprobs=2), "logprobs are not supported on chat completions"),
+    "no messages": (dict(messages=[]), "messages is empty"),
+}
+
+
+def test_what_the_server_cannot_do_is_a_bad_request_error_naming_the_field(client):
+    for name, (kwargs, words) in REFUSED.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**dict(dict(model="chatty", prompt="KING", max_tokens=4), **kwargs))
+        assert words in e.value.message and "\n" not in e.value.message, (name, e.value.message)
+    for name, (kwargs, words) in CHAT_REFUSED.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**dict(dict(model="chatty", messages=MESSAGES, max_tokens=4), **kwargs))
+        assert words in e.value.message and "\n" not in e.value.message, (name, e.value.message)
+    assert client.completions.create(model="chatty", prompt="KING", max_tokens=3).usage.completion_tokens == 3
+    assert client.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=3, logprobs=False).usage.completion_tokens <= 3
+
+
+# ----------------------------------------------------------------------------
+# The page offers chat when the model has a template
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")), reason="needs Debian's chromium and chromium-driver")
+def test_the_page_chats_in_a_real_browser(server, client, tmp_path):
+    """Headless chromium: the page shows the chat box (the model has a template), sends
+    two user turns greedily, and shows the replies the API gives for that conversation."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    find = lambda id: driver.find_element(By.ID, id)  # noqa: E731
+    try:
+        driver.get(server + "/")
+        deadline = time.time() + 30
+        while not find("chat").is_displayed():
+            assert time.time() < deadline
+            time.sleep(0.1)
+        find("chat").click()
+        for id, value in (("temperature", "0"), ("max_tokens", "8")):
+            find(id).clear()
+            find(id).send_keys(value)
+        conversation, replies = [], []
+        for said in ("Hi!", "Go on"):
+            find("prompt").clear()
+            find("prompt").send_keys(said)
+            find("go").click()
+            deadline = time.time() + 120
+            while "tokens in" not in find("status").text or find("go").get_attribute("disabled"):
+                assert time.time() < deadline and "error" not in find("status").get_attribute("class"), find("status").text
+                time.sleep(0.1)
+            replies.append(driver.execute_script("return document.getElementById('completion').textContent"))
+            conversation.append({"role": "user", "content": said})
+            expected = client.chat.completions.create(model="chatty", messages=conversation, temperature=0, max_tokens=8)
+            assert replies[-1] == expected.choices[0].message.content
+            conversation.append({"role": "assistant", "content": replies[-1]})
+        assert replies[0] != replies[1] and "user: Go on" in find("output").text
+    finally:
+        driver.quit()
