@@ -29,10 +29,10 @@ class RunConfig:
     compile_cache: str = option("~/.cache/meshformer/jax", "JAX's persistent compilation cache (reruns skip compiling); empty = off")
 
 
-# --train.pipeline values: executor_gpipe.py runs gpipe, executor_1f1b.py the others (train_steps.executor_of).
+# --train.pipeline values: executor_gpipe.py runs gpipe, executor_1f1b.py the others (step/rules.executor_name).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-GATHER_ONCE = ("auto", "true", "false")  # --train.gather_once: executor_accumulate.gathers_once reads it
-SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: train_steps.executor_of dispatches on it
+GATHER_ONCE = ("auto", "true", "false")  # --train.gather_once: step/rules.gathers_once reads it
+SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: step/rules.executor_name dispatches on it
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import numpy as np
 import pipeline
 from moe import expert_capacity
 from model import padded_vocab
+from step import rules
 
 F32 = 4  # bytes of float32: master weights, optimizer moments, softmax/norm internals, logits (planner_model too)
 
@@ -141,8 +142,8 @@ def local_sizes(cfg, mesh_shape, compute_bytes=None):
 
 
 def accumulates(cfg, pp):
-    """Does the step run executor_accumulate (train_steps.executor_of's rule)?"""
-    return cfg.mesh.sharding == "manual" and pp == 1 and cfg.train.pipeline == "gpipe" and cfg.train.microbatches > 1
+    """Does the step run executor_accumulate on `pp` stages? (The step's rule, asked.)"""
+    return rules.executor_name(cfg, pp) == rules.ACCUMULATE
 
 
 def pipeline_loops(cfg, pp):

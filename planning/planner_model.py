@@ -25,12 +25,12 @@ import jax
 from jax.sharding import AbstractMesh
 
 import dtype_probe
-from step import executor_accumulate
 import optimizers
 import parallel as par
 import weights
 from flops import count_params, flops_per_token, measure_peak_flops, part_flops_per_token, stage_flops
 from model import abstract_params
+from step import rules
 from planning.planner_activations import (F32, BACKWARD_TICK_COST, accumulates, activation_bytes, local_sizes, pipeline_loops, schedule_of,
                                  scheduled_bubble_factor)
 from utils import ConfigError, apply_overrides, context_parallel_checks
@@ -481,18 +481,14 @@ def muon_cost(params, expert_parallel, mesh_shape, tiled=False):
 
 
 def gathers_once(cfg, pp, hw_name, store):
-    """Does executor_accumulate gather the blocks once per step (its gathers_once rule)?
-    --train.gather_once true, or auto with M > 1 and the gathered blocks and their
-    float32 gradient within GATHER_ONCE_SHARE of the device's memory (here the chip's
-    HBM; the executor asks jax, which reports a little less); on CPU, which reports no
-    memory, per microbatch."""
-    choice = cfg.train.gather_once
-    if not accumulates(cfg, pp) or choice == "false" or not store["fsdp"]:
+    """Does executor_accumulate gather the blocks once per step? The step's rule
+    (step/rules.gathers_once), asked with every block's gathered weights and their
+    float32 gradient and the chip's HBM (the executor asks jax, which reports a little
+    less; CPU reports none). No: another executor, or no FSDP (nothing to gather)."""
+    if not accumulates(cfg, pp) or not store["fsdp"]:
         return False
-    if choice == "true":
-        return True
     held = cfg.model.n_blocks * store["one_block"] * (store["c"] + F32) / store["c"]
-    return hw_name != "cpu" and held <= executor_accumulate.GATHER_ONCE_SHARE * HARDWARE[hw_name].memory_bytes
+    return rules.gathers_once(cfg, held, None if hw_name == "cpu" else HARDWARE[hw_name].memory_bytes)
 
 
 

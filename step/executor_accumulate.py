@@ -20,9 +20,10 @@ FSDP (the block weights split over dp), --train.gather_once:
          block's gradient (M gathers and M reduce-scatters per step, as GPipe), holding
          one block's gathered weights at a time (with remat none, its backward keeps
          them all, as GPipe's does) and only the gradient shards.
-  auto   (the default) once when M > 1 and that costs at most GATHER_ONCE_SHARE of the
-         device's memory (gather_once_bytes; memory as jax reports it: TPU and GPU),
-         else per microbatch (also on CPU, which reports no memory).
+  auto   (the default) once when M > 1 and that costs at most rules.GATHER_ONCE_SHARE
+         of the device's memory (gather_once_bytes; memory as jax reports it: TPU and
+         GPU), else per microbatch (also on CPU, which reports no memory): the rule is
+         rules.gathers_once, which the planner asks too.
 The embedding, dense prefix, final norm and MTP are gathered once per step either way
 (step_core.gather_top), their gradient summed in float32 and reduce-scattered once.
 
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from step import rules
 from step import step_core as core
 from context_parallel import local_inputs, local_targets
 from model import apply_blocks
@@ -43,11 +45,6 @@ from parallel import gather_for_use
 from weights import AXES, DP, TP, is_trained, weight_name
 
 MANUAL = True  # runs inside jax.shard_map: every collective written out
-
-# auto: gather the blocks once per step when their gathered weights and float32
-# gradient take at most this share of a device's memory (the rest: optimizer state,
-# params, one microbatch's activations, the compiler's buffers).
-GATHER_ONCE_SHARE = 0.25
 
 
 def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
@@ -128,12 +125,8 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
 
 def gathers_once(cfg, blocks_local):
     """Does this step all-gather the blocks once (True) or per microbatch (False)?
-    --train.gather_once, "auto" resolved by the rule in the module docstring."""
-    choice = cfg.train.gather_once
-    if choice != "auto":
-        return choice == "true"
-    memory = device_memory()
-    return cfg.train.microbatches > 1 and memory is not None and gather_once_bytes(blocks_local, cfg) <= GATHER_ONCE_SHARE * memory
+    rules.gathers_once, asked with this device's blocks and memory."""
+    return rules.gathers_once(cfg, gather_once_bytes(blocks_local, cfg), device_memory())
 
 
 def device_memory():

@@ -4,7 +4,7 @@
         executor.value_and_grad   -> (loss, metrics), grads     (the schedule's part)
         step_core.apply_gradients -> clip, optimizer, router biases (everyone's part)
 
-The executor is chosen by the config:
+The executor is chosen by the config (rules.executor_name, which the planner asks too):
 
     --mesh.sharding manual, pp = 1, gpipe, microbatches > 1  executor_accumulate (shard_map, a vjp per microbatch)
     --mesh.sharding manual, --train.pipeline gpipe        executor_gpipe   (shard_map, autodiff)
@@ -34,21 +34,18 @@ from step import executor_1f1b
 from step import executor_accumulate
 from step import executor_auto
 from step import executor_gpipe
+from step import rules
 from step import step_core as core
 from model import Transformer
 from parallel import PP, batch_spec, live_spec, named, specs_of
 from utils import ConfigError, apply_overrides
 
-PIPELINE_EXECUTORS = {"gpipe": executor_gpipe, "1f1b": executor_1f1b, "interleaved": executor_1f1b}
+EXECUTORS = {"auto": executor_auto, rules.ACCUMULATE: executor_accumulate, "gpipe": executor_gpipe, "1f1b": executor_1f1b}
 
 
 def executor_of(cfg):
-    """The module that computes (loss, metrics, grads) under this config."""
-    if cfg.mesh.sharding == "auto":
-        return executor_auto
-    if cfg.mesh.pp == 1 and cfg.train.pipeline == "gpipe" and cfg.train.microbatches > 1:
-        return executor_accumulate  # no pipeline: accumulation (one microbatch: GPipe's autodiff is the same)
-    return PIPELINE_EXECUTORS[cfg.train.pipeline]
+    """The module that computes (loss, metrics, grads) under this config (rules.executor_name)."""
+    return EXECUTORS[rules.executor_name(cfg, cfg.mesh.pp)]
 
 
 def check_auto_mesh(mesh):

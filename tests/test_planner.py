@@ -12,7 +12,9 @@ five dense layers and one MoE layer with 2 shared + top-2 of 8 routed experts, 4
 microbatches; narrower, float32 because XLA:CPU computes bfloat16 in float32 anyway).
 """
 
+import ast
 import dataclasses
+import glob
 import io
 import os
 import re
@@ -29,12 +31,14 @@ import parallel as par
 import planner
 from planning import tpu_compile
 from flops import count_params, flops_per_token
+from step import rules
 from step.train_steps import make_train_step
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides, parse_args
 
 SMALL_MOE1B = dict(vocab_size=1024, seq_len=128, d_model=128, n_heads=4, head_dim=32, rope_dim=16, q_latent=64,
                    kv_latent=32, n_blocks=2, d_ff=256, d_expert=128, n_experts=8, dtype="float32")
 TEMP_TOLERANCE = 0.15
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def case_config(preset, mesh_shape, remat, expert_parallel=False):
@@ -262,14 +266,18 @@ def test_bubble_remat_and_expert_parallel_show_up():
     assert ep["memory"]["gathered weights"] < m4["memory"]["gathered weights"]
 
 
+# moe1b accumulating (pp = 1, 4 microbatches) with FSDP over 32 devices
+ACCUMULATE_BASE = ["--preset", "moe1b", "--mesh.dp", "32", "--mesh.pp", "1", "--mesh.tp", "1", "--train.microbatches", "4",
+                   "--model.remat", "block", "--train.optimizer", "adamw"]
+
+
 def test_gathering_once_per_step_moves_a_microbatch_count_fewer_bytes_and_holds_the_blocks_gradient():
     """executor_accumulate's --train.gather_once: per microbatch, M gathers and M
     reduce-scatters of each block per step; once, one of each, holding every block's
     gathered weights and their float32 gradient. auto decides as the executor does on
     the chips: once on a TPU where that fits in GATHER_ONCE_SHARE of HBM, per microbatch
     on CPU (no memory reported) and where it does not fit."""
-    base = ["--preset", "moe1b", "--mesh.dp", "32", "--mesh.pp", "1", "--mesh.tp", "1", "--train.microbatches", "4",
-            "--model.remat", "block", "--train.optimizer", "adamw"]
+    base = ACCUMULATE_BASE
     plans = {g: planner.plan(parse_args(base + ["--train.gather_once", g]), 0, "tpu-v4") for g in ("false", "true", "auto")}
     per_microbatch, once = plans["false"], plans["true"]
     assert (per_microbatch["gather_once"], once["gather_once"], plans["auto"]["gather_once"]) == (False, True, True)
@@ -284,6 +292,46 @@ def test_gathering_once_per_step_moves_a_microbatch_count_fewer_bytes_and_holds_
     assert not planner.plan(parse_args(base), 0, "cpu")["gather_once"]
     assert not planner.plan(parse_args(base + ["--train.microbatches", "1"]), 0, "tpu-v4")["gather_once"]
     assert not planner.plan(parse_args(base + ["--mesh.pp", "2", "--mesh.dp", "16"]), 0, "tpu-v4")["gather_once"]  # (no accumulation)
+
+
+def test_the_planner_asks_the_steps_gather_once_rule(monkeypatch):
+    """The planner's gather-once answer is step/rules.gathers_once's: with the step's
+    share of memory at 0, auto gathers per microbatch (the plan of
+    --train.gather_once false, byte for byte); back at GATHER_ONCE_SHARE, once."""
+    plans = {g: planner.plan(parse_args(ACCUMULATE_BASE + ["--train.gather_once", g]), 0, "tpu-v4") for g in ("false", "auto")}
+    assert plans["auto"]["gather_once"] and plans["auto"]["total_bytes"] > plans["false"]["total_bytes"]
+    monkeypatch.setattr(rules, "GATHER_ONCE_SHARE", 0.0)
+    auto = planner.plan(parse_args(ACCUMULATE_BASE), 0, "tpu-v4")
+    assert not auto["gather_once"] and (auto["memory"], auto["total_bytes"]) == (plans["false"]["memory"], plans["false"]["total_bytes"])
+
+
+def test_the_planner_asks_the_steps_executor_rule(monkeypatch):
+    """The planner's executor is step/rules.executor_name's: told that pp = 1 with 4
+    microbatches runs GPipe rather than accumulation, the planner keeps every tick's
+    block inputs (4 ticks, not 1), no float32 embedding-gradient sum, and never
+    gathers once (an accumulation option)."""
+    cfg = parse_args(ACCUMULATE_BASE + ["--train.gather_once", "true"])
+    accumulating = planner.plan(cfg, 0, "tpu-v4")
+    monkeypatch.setattr(rules, "executor_name", lambda cfg, pp: "gpipe")
+    gpipe = planner.plan(cfg, 0, "tpu-v4")
+    saved = "saved: every local block's input, every tick"
+    assert gpipe["activations"][saved] == 4 * accumulating["activations"][saved] > 0
+    summed = "gradient of the gathered embedding (float32, summed over microbatches)"
+    assert summed in accumulating["memory"] and summed not in gpipe["memory"]
+    assert (accumulating["gather_once"], gpipe["gather_once"]) == (True, False)
+
+
+def test_the_planner_imports_no_executor():
+    """planner.py and planning/ take the step's rules from step/rules.py, never from an
+    executor module (tpu_compile compiles the real step through train_steps)."""
+    importing = {}
+    for path in ["planner.py"] + sorted(glob.glob(os.path.join(REPO, "planning", "*.py"))):
+        tree = ast.parse(open(os.path.join(REPO, path)).read())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+        importing[os.path.basename(path)] = [x for x in names if x.startswith("step.")]
+    assert {f: x for f, x in importing.items() if any("executor_" in n for n in x)} == {}
+    assert importing["planner_model.py"] == importing["planner_activations.py"] == ["step.rules"]
 
 
 # ----------------------------------------------------------------------------
