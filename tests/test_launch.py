@@ -10,6 +10,7 @@ Needs the Debian packages openssh-server, tmux and shellcheck (.ci/run installs 
 """
 
 import getpass
+import importlib.util
 import os
 import shutil
 import site
@@ -116,6 +117,9 @@ def make_venv_seeing_these_packages(venv):
                              capture_output=True, text=True, check=True).stdout.strip()
     lines = [f"import site; site.addsitedir({path!r})\n" for path in site.getsitepackages()]
     (Path(purelib) / "meshformer_tests_parent.pth").write_text("".join(lines))
+    where = "import importlib.util; print(importlib.util.find_spec('jax').origin)"
+    seen = subprocess.run([str(venv / "bin" / "python"), "-c", where], capture_output=True, text=True, check=True)
+    assert seen.stdout.strip() == importlib.util.find_spec("jax").origin, seen.stdout  # the same jax, not another
 
 
 def ssh_env(sshd):
