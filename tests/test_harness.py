@@ -13,7 +13,6 @@ from elsewhere in the split, so that context + continuation fits the tiny preset
 import glob
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -79,7 +78,7 @@ metric_list:
 
 def lm_eval(model, model_args, task_dir, out_dir, *extra):
     """Run the harness's command line; (accuracy, {(item, choice): log-likelihood})."""
-    cmd = [shutil.which("lm_eval") or "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", TASK,
+    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", TASK,
            "--include_path", str(task_dir), "--output_path", str(out_dir), "--log_samples", "--batch_size", "1", *extra]
     result = subprocess.run(cmd, cwd=str(out_dir.parent), capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, **OFFLINE))

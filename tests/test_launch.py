@@ -10,13 +10,16 @@ Needs the Debian packages openssh-server, tmux and shellcheck (.ci/run installs 
 """
 
 import getpass
+import importlib.util
 import os
 import shutil
+import site
 import socket
 import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +105,21 @@ SetEnv TMUX_TMPDIR={tmux_dir} WANDB_MODE=offline MESHFORMER_VENV={d}/venv MESHFO
     subprocess.run(["tmux", "kill-server"], env=dict(os.environ, TMUX_TMPDIR=str(tmux_dir)), capture_output=True)
     server.terminate()
     server.wait(timeout=10)
+
+
+def make_venv_seeing_these_packages(venv):
+    """A virtualenv at `venv` whose python imports what the interpreter running the tests
+    imports. `--system-site-packages` alone is not that when the tests run in a virtualenv:
+    the new one would see the base interpreter's site-packages, not this virtualenv's. So a
+    .pth file adds this interpreter's site directories too (their own .pth files included)."""
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    lines = [f"import site; site.addsitedir({path!r})\n" for path in site.getsitepackages()]
+    (Path(purelib) / "meshformer_tests_parent.pth").write_text("".join(lines))
+    where = "import importlib.util; print(importlib.util.find_spec('jax').origin)"
+    seen = subprocess.run([str(venv / "bin" / "python"), "-c", where], capture_output=True, text=True, check=True)
+    assert seen.stdout.strip() == importlib.util.find_spec("jax").origin, seen.stdout  # the same jax, not another
 
 
 def ssh_env(sshd):
@@ -258,7 +276,7 @@ esac
 def test_launcher_setup_runs_setup_on_every_host(repo, sshd, tmp_path):
     """--setup runs setup_tpu.sh on each host; the hosts' virtualenv (from the sshd's
     environment) sees this interpreter's packages, so nothing is downloaded."""
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(sshd["venv"])], check=True)
+    make_venv_seeing_these_packages(sshd["venv"])
     hosts = hosts_file(tmp_path, "127.0.0.1", "localhost")
     done = launcher(repo, sshd, hosts, "--remote-dir", str(tmp_path / "remote"), "--setup", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -369,7 +387,7 @@ def test_setup_is_idempotent(tmp_path):
     """Into a virtualenv that sees this interpreter's packages, so that nothing is
     downloaded: the first run installs (all satisfied), the second does nothing."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    make_venv_seeing_these_packages(venv)
     env = dict(os.environ, MESHFORMER_VENV=str(venv), MESHFORMER_ACCELERATOR="cpu", PIP_NO_INDEX="1")
     check = subprocess.run(["bash", str(REPO / "setup_tpu.sh"), "--check"], env=env, capture_output=True, text=True)
     assert check.returncode == 0 and "would run: pip install -r requirements.txt" in check.stdout, check.stdout
