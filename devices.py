@@ -33,6 +33,90 @@ def skip_tpu_probe_without_tpu():
     jax.config.update("jax_platforms", "cpu")
 
 
+# ----------------------------------------------------------------------------
+# The compiler's overlap options: communication scheduled under matmul work
+#
+# Without these the TPU compiler runs every all-gather and all-reduce of the step as
+# a plain, blocking collective (planner.py --tpu showed 0 bytes overlapped). With them
+# it splits a collective into steps fused into the matmuls (convolutions) around it
+# ("async collective fusion": async_collective_fusion computations between an
+# AsyncCollectiveStart and an AsyncCollectiveDone) and runs permutes and all-to-alls
+# asynchronously. Each is a flag libtpu 0.0.42.1 accepts (an unknown one aborts libtpu,
+# e.g. --xla_enable_async_reduce_scatter does); the set is MaxText's for all-gathers
+# (its xla_flags_library), with reduce-scatters, async all-reduces, permutes and
+# all-to-alls and the data-parallel all-reduce pipelining added. Left out:
+# --xla_tpu_enable_async_collective_fusion_fuse_all_reduce, with which the scaled-down
+# moonlight's step on a v4-64 no longer compiles (a backward expert matmul's fusion
+# then needs 16.25 MiB of v4's 16 MiB VMEM; test_planner_tpu_prints_the_compiler_
+# beside_the_planner). On GPUs: XLA's latency-hiding
+# scheduler and its pipelined collectives (JAX's GPU performance tips). They change
+# when bytes move, not what is computed.
+TPU_OVERLAP_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter=true",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true",
+    "--xla_enable_async_all_reduce=true",
+    "--xla_enable_async_collective_permute=true",
+    "--xla_tpu_enable_async_all_to_all=true",
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+    "--xla_tpu_data_parallel_opt_different_sized_ops=true",
+)
+GPU_OVERLAP_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+)
+OVERLAP_VARIABLE = {"tpu": "LIBTPU_INIT_ARGS", "gpu": "XLA_FLAGS"}  # where each platform's compiler reads them
+OVERLAP_FLAGS = {"tpu": TPU_OVERLAP_FLAGS, "gpu": GPU_OVERLAP_FLAGS}
+
+
+def merge_flags(ours, theirs):
+    """A flag string: `theirs` (the user's, as given) after each of `ours` whose name
+    it does not set. The user's value wins flag by flag (--xla_...=false turns one off)."""
+    named = {flag.split("=", 1)[0] for flag in theirs.split()}
+    return " ".join([flag for flag in ours if flag.split("=", 1)[0] not in named] + theirs.split())
+
+
+def overlap_environ(platform, environ=None):
+    """{variable: value} that gives `platform`'s compiler the overlap flags, merged
+    with what `environ` (os.environ) holds already; {} on CPU (no new flags there)."""
+    environ = os.environ if environ is None else environ
+    if platform not in OVERLAP_VARIABLE:
+        return {}
+    variable = OVERLAP_VARIABLE[platform]
+    return {variable: merge_flags(OVERLAP_FLAGS[platform], environ.get(variable, ""))}
+
+
+def accelerator_platform():
+    """"tpu", "gpu" or "cpu": the backend JAX will start here, asked before it starts
+    (JAX_PLATFORMS or jax_platforms where set, else JAX's own PCI and /dev checks)."""
+    chosen = (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").split(",")[0].strip()
+    if chosen:
+        return {"cuda": "gpu", "rocm": "gpu"}.get(chosen, chosen)
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+        return "tpu"
+    if hardware_utils.has_visible_nvidia_gpu() or hardware_utils.num_available_amd_gpus(stop_at=1):
+        return "gpu"
+    return "cpu"
+
+
+def set_overlap_flags(cfg):
+    """--mode train on a TPU or GPU: the overlap flags into the environment the compiler
+    reads (merged with the user's), printed once. Nothing on CPU or fake CPU devices.
+    Must run before JAX starts its backend."""
+    if cfg.mode != "train" or cfg.run.cpu_devices:
+        return
+    platform = accelerator_platform()
+    for variable, value in overlap_environ(platform).items():
+        os.environ[variable] = value
+        print(f"{variable}={value}  (the compiler's overlap flags on {platform.upper()}; yours win flag by flag)", flush=True)
+
+
 def use_fake_cpu_devices(n_devices, timeout_s=600):
     """Split the CPU into `n_devices` fake devices, set up so that collectives between
     them cannot hang. Must run before JAX starts its backend.
@@ -59,9 +143,11 @@ def use_fake_cpu_devices(n_devices, timeout_s=600):
 
 
 def setup_devices(cfg):
-    """Fake CPU devices and multi-process init; must run before JAX touches a device.
+    """Fake CPU devices, the compiler's overlap flags (TPU, GPU) and multi-process
+    init; must run before JAX touches a device.
     Returns whether this is one process of several."""
     skip_tpu_probe_without_tpu()
+    set_overlap_flags(cfg)
     if cfg.run.cpu_devices:
         use_fake_cpu_devices(cfg.run.cpu_devices)
     if cfg.run.compile_cache:

@@ -18,9 +18,14 @@ main.py flag, plus:
     --tpu TYPE        compile the real train and eval steps for that TPU slice (gcloud's
                       accelerator type, below) with the TPU compiler, on this CPU, and print
                       its per-device bytes beside the estimate, whether it fits the chip's
-                      HBM, and the compiled program's collectives. Needs libtpu
+                      HBM, the compiled program's collectives and how much of them its
+                      schedule overlaps with matmul work. Compiles with the options main.py
+                      sets on a TPU (devices.TPU_OVERLAP_FLAGS). Needs libtpu
                       (requirements-test.txt). Sets --hardware and --devices. Last line:
                       tpu_bytes_per_device=<int> planner_bytes_per_device=<int> fits=<true|false>
+                      collective_bytes=<int> exposed_bytes=<int> (one line; the train step's
+                      collectives and those left exposed, bytes per device per step, loops
+                      by their trips, a conditional at its costliest branch)
 
     --search          rank every layout of the model and batch on these devices (mesh,
                       expert parallelism, schedule, microbatches, remat; planner_search.py)

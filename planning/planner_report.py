@@ -85,8 +85,24 @@ def tpu_check(cfg, tpu_name, p):
         if name == "train" and over_cp:  # context parallelism's latent, as planner_model.latent_gathers counts it
             lines.append("  the planner's MLA latent over cp: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(over_cp.items())))
         lines.append("")
+    ov = tpu_compile.overlap(compiled["train"].as_text(), tuple(mesh.shape.values()))
+    lines += overlap_report(ov) + [""]
     fits = tpu_compile.fits(tpu, compiled["log"]["train"], hbm)
-    lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()}")
+    lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()} "
+                 f"collective_bytes={ov['overlapped'] + ov['exposed']} exposed_bytes={ov['exposed']}")
+    return lines
+
+
+def overlap_report(ov):
+    """Lines: what of the train step's communication the compiled schedule runs beside
+    matmul work (tpu_compile.overlap), in all and by kind."""
+    total = ov["overlapped"] + ov["exposed"]
+    lines = [f"the compiled train step's schedule (per step, per device): of {total / 2**20:.1f} MiB of collectives it "
+             f"overlaps {ov['overlapped'] / 2**20:.1f} MiB with matmul work and leaves {ov['exposed'] / 2**20:.1f} MiB "
+             f"exposed ({ov['exposed'] / max(total, 1):.0%})",
+             f"  {'kind':<20}{'over':<16}{'overlapped':>14}{'exposed':>14}"]
+    for (kind, over), row in sorted(ov["by kind"].items(), key=lambda kv: (tpu_compile.COLLECTIVE_KINDS.index(kv[0][0]), kv[0][1])):
+        lines.append(f"  {kind:<20}{over:<16}{row['overlapped'] / 2**20:>10.1f} MiB{row['exposed'] / 2**20:>10.1f} MiB")
     return lines
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import devices
 import dtype_probe
 import optimizers
 import parallel as par
@@ -105,24 +106,29 @@ def pod_devices(name, slices=1):
     # (libtpu reads it when it loads, here) and keep it off the terminal (captured_stderr).
     # Only for this call: left in os.environ, TPU_WORKER_HOSTNAMES would tell every
     # main.py this process starts afterwards that it runs on a TPU pod (devices.setup_devices).
+    # The compiler's options are main.py's on a TPU (devices.TPU_OVERLAP_FLAGS, merged
+    # with a LIBTPU_INIT_ARGS of the user's): libtpu reads them once, when it loads, so
+    # every program this process compiles for a pod is the one a pod runs.
     libtpu_environ = dict(TPU_WORKER_HOSTNAMES="localhost",
                           TPU_ACCELERATOR_TYPE=pod.name, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                           TPU_STDERR_LOG_LEVEL="0", TPU_MIN_LOG_LEVEL="0")
     from jax.experimental import topologies
 
-    with environ_set_for_now(libtpu_environ), captured_stderr():
+    with environ_set_for_now(libtpu_environ, devices.overlap_environ("tpu")), captured_stderr():
         topology = topologies.get_topology_desc(platform="tpu", topology_name=pod.topology, chip_config_name=pod.chip_config,
                                                 chips_per_host_bounds=pod.host_bounds, num_slices=slices, wrap=pod.wrap)
     return list(topology.devices)
 
 
 @contextlib.contextmanager
-def environ_set_for_now(values):
+def environ_set_for_now(values, replaced=None):
     """os.environ with `values` where it does not say otherwise already (unset or
-    empty), then as before."""
-    saved = {name: os.environ.get(name) for name in values}
+    empty) and `replaced` whatever it says, then as before."""
+    replaced = replaced or {}
+    saved = {name: os.environ.get(name) for name in {**values, **replaced}}
     for name, value in values.items():
         os.environ[name] = os.environ.get(name) or value
+    os.environ.update(replaced)
     try:
         yield
     finally:
@@ -318,7 +324,8 @@ def memory_bytes(compiled):
 # 0..N-1). collective_table reads the same ops (one parser for both).
 # Bytes per device: the op's full buffer (all-gather: its output; reduce-scatter: its
 # input, i.e. output x group size; the rest: their output). Async pairs count once (at
-# -done); "over" names the mesh axes its device groups span. Across TPU slices the
+# -done, an async collective fusion's chain once: see overlap's comment); "over" names
+# the mesh axes its device groups span. Across TPU slices the
 # compiler writes no collective op: the part of a reduction that crosses slices is a
 # host transfer, `send(...) is_host_transfer=true` with _xla_megascale_transfer_type=
 # "ALL_REDUCE" (the megascale runtime's, over the data-center network), and the part
@@ -459,11 +466,12 @@ class CollectiveOp:
 
 
 def collective_ops(hlo, mesh_shape):
-    """Every collective of an optimized HLO module, once each (async pairs at -done)."""
+    """Every collective of an optimized HLO module, once each: an async pair at its
+    -done, an async collective fusion's chain at once (see overlap's comment)."""
     comps, entry = split_computations(hlo)
     runs = executions(comps, entry)
-    n_devices = math.prod(mesh_shape)
     matmul_of = calls_matmul(comps)
+    callers = fusion_callers(comps)
     pairs = {name: overlapped_pairs(lines, matmul_of) for name, lines in comps.items() if runs.get(name)}
     # async-start(..., calls=%wrapped) ... async-done: the collective sits in %wrapped
     wrapped_overlapped = {}
@@ -472,7 +480,7 @@ def collective_ops(hlo, mesh_shape):
             wrapped = re.search(r" async-start\(.*calls=%([^\s,}]+)", start_line)
             if wrapped:
                 wrapped_overlapped[wrapped.group(1)] = hidden
-    ops = []
+    ops, chains = [], defaultdict(list)  # (computation scheduling it, chain id) -> [(its line, fused computation)]
     for name, lines in comps.items():
         if not runs.get(name):
             continue
@@ -491,18 +499,65 @@ def collective_ops(hlo, mesh_shape):
             kind = op[:-len("-done")] if op.endswith("-done") else op
             if kind not in COLLECTIVE_KINDS or op.endswith("-start"):
                 continue
+            chain = re.search(r'chain_id="(\d+)"', line)
+            if chain and name in callers:
+                chains[(callers[name][0], chain.group(1))].append((line, name))
+                continue
             start_line = line
             if op.endswith("-done"):  # the groups sit on the matching -start
                 operand = re.match(r"%([^\s,)]+)", m.group(3))
                 start_line = next((s for s in lines if operand and s.lstrip().startswith(f"%{operand.group(1)} =")), line)
-            groups = device_groups(start_line, n_devices)
-            arrays = tuple((dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
-                           for dtype, dims in ARRAY.findall(result))
             done_name = re.match(r"^\s*(?:ROOT )?%(\S+) =", line).group(1)
-            hidden = pairs[name].get(done_name, ("", False))[1] or wrapped_overlapped.get(name, False)
-            ops.append(CollectiveOp(kind, axes_spanned(groups, mesh_shape), runs[name],
-                                    len(groups[0]) if groups else 1, arrays, hidden, name))
+            hidden = (pairs[name].get(done_name, ("", False))[1] or wrapped_overlapped.get(name, False)
+                      or name in callers and matmul_of[callers[name][2]])  # in a fusion with a convolution
+            ops.append(collective_op(kind, start_line, result, runs[name], mesh_shape, hidden, name))
+    for (scheduled, _), members in chains.items():
+        ops.append(chain_op(members, comps[scheduled], callers, matmul_of, runs[scheduled], mesh_shape, scheduled))
     return ops
+
+
+def collective_op(kind, line, result, runs, mesh_shape, overlapped, computation):
+    """A CollectiveOp of one instruction (`line` holds its device groups, `result` its
+    result's type)."""
+    groups = device_groups(line, math.prod(mesh_shape))
+    arrays = tuple((dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+                   for dtype, dims in ARRAY.findall(result))
+    return CollectiveOp(kind, axes_spanned(groups, mesh_shape), runs, len(groups[0]) if groups else 1, arrays,
+                        overlapped, computation)
+
+
+def chain_op(members, scheduled_lines, callers, matmul_of, runs, mesh_shape, scheduled):
+    """One CollectiveOp for an async collective fusion's chain: members [(line, fused
+    computation)] of one chain_id in one scheduled computation. Its bytes are one
+    member's result (each step's op names the whole buffer; the flag range says which
+    part it moves). Overlapped when a member shares its fusion with matmul work, or
+    matmul work is scheduled between the chain's first fusion and its last."""
+    positions = sorted(callers[fused][1] for _, fused in members)
+    hidden = (any(matmul_of[callers[fused][2]] for _, fused in members)
+              or any(is_matmul_work(line, matmul_of) for line in scheduled_lines[positions[0] + 1:positions[-1]]))
+    line = members[0][0]
+    m = INSTRUCTION.match(line)
+    return collective_op(m.group(2), line, m.group(1), runs, mesh_shape, hidden, scheduled)
+
+
+def fusion_callers(comps):
+    """{fused computation: (the computation whose schedule runs it, the index of the
+    fusion instruction there, the computation that instruction calls)}: a fusion
+    nested in a fusion is placed by its outermost one."""
+    direct = {}  # fused computation -> (caller computation, line index)
+    for name, lines in comps.items():
+        for i, line in enumerate(lines):
+            m = INSTRUCTION.match(line)
+            if m and m.group(2) == "fusion":
+                for callee in re.findall(r"calls=%([^\s,}]+)", line):
+                    direct[callee] = (name, i)
+    out = {}
+    for fused in direct:
+        outer = fused
+        while direct[outer][0] in direct:
+            outer = direct[outer][0]
+        out[fused] = (*direct[outer], outer)
+    return out
 
 
 def operand_names(args):
@@ -576,13 +631,26 @@ def dot_flops(hlo, name_part=""):
 # Overlap: which communication the compiled schedule hides behind compute
 #
 # An optimized TPU module is scheduled (is_scheduled=true): each computation lists its
-# instructions in the order they run. A collective written as a start/done pair
-# (collective-permute-start ... -done, all-gather-start, async-start wrapping one)
-# moves its data while the instructions between the two run; a plain collective
-# (all-gather, all-reduce) holds up the program while it moves. A pair counts as
-# overlapped when matmul work (a dot or convolution, directly or inside a fusion, call
-# or loop) is scheduled between its start and its done; elementwise or index work
-# between them does not hide communication of any size, so it does not count.
+# instructions in the order they run. The compiler writes communication that runs
+# beside compute in three forms, each counted as overlapped when matmul work (a dot or
+# convolution, directly or inside a fusion, call or loop) runs beside it:
+#
+# - a start/done pair (collective-permute-start ... -done, all-gather-start, an
+#   async-start wrapping one): moves its data while the instructions scheduled between
+#   the two run; overlapped when matmul work is among them;
+# - an async collective fusion (devices.TPU_OVERLAP_FLAGS): one collective split into
+#   steps, each an op carrying frontend_attributes={chain_id="N"} and an
+#   async_collective_fusion_config flag range, inside fusions of the scheduled
+#   computation: the first beside an AsyncCollectiveStart custom call, the middle ones
+#   in `async_collective_fusion` computations beside this step's convolutions, the last
+#   beside an AsyncCollectiveDone. Every step names the whole buffer, so a chain counts
+#   once (chain_op); overlapped when a step shares its fusion with matmul work or
+#   matmul work is scheduled between its first fusion and its last;
+# - any other collective inside a fusion that also runs matmul work.
+#
+# A plain collective (all-gather, all-reduce) holds up the program while it moves, and
+# elementwise or index work beside a collective hides communication of no size, so
+# neither counts.
 
 BOOKKEEPING_OPS = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
                    "replica-id", "opt-barrier")
@@ -631,13 +699,13 @@ def is_matmul_work(line, matmul_of):
 
 def overlap(hlo, mesh_shape):
     """{"overlapped": bytes, "exposed": bytes, "by kind": {(kind, over): {"overlapped": bytes,
-    "exposed": bytes}}} per device per step, the bytes as collectives() counts them."""
+    "exposed": bytes}}} per device per step, the bytes as busiest_collective_bytes counts
+    them (loops by their trips, a conditional at its costliest branch)."""
+    table = per_step_bytes(hlo, mesh_shape, lambda op: (op.kind, op.over, "overlapped" if op.overlapped else "exposed"))
     out = {"overlapped": 0, "exposed": 0, "by kind": defaultdict(lambda: {"overlapped": 0, "exposed": 0})}
-    for op in collective_ops(hlo, mesh_shape):
-        nbytes = op.runs * sum(b for _, b in op.arrays) * (op.group_size if op.kind == "reduce-scatter" else 1)
-        where = "overlapped" if op.overlapped else "exposed"
+    for (kind, over, where), nbytes in table.items():
         out[where] += nbytes
-        out["by kind"][(op.kind, op.over)][where] += nbytes
+        out["by kind"][(kind, over)][where] += nbytes
     out["by kind"] = dict(out["by kind"])
     return out
 
@@ -647,11 +715,18 @@ def busiest_collective_bytes(hlo, mesh_shape):
     but a conditional counting only its costliest branch (by bytes), as dot_flops does:
     a device runs one branch, and the HLO does not say which (the 1F1B executor's
     per-tick cond: each tick at its costliest op)."""
+    return per_step_bytes(hlo, mesh_shape, lambda op: f"{op.kind} over {op.over}")
+
+
+def per_step_bytes(hlo, mesh_shape, key):
+    """{key(op): bytes} per device per step of the module's collectives: each op's bytes
+    as collectives() counts them, times the trips of the loops around it, a conditional
+    counting only its costliest branch (by bytes)."""
     comps, entry = split_computations(hlo)
     own = defaultdict(lambda: defaultdict(int))
     for op in collective_ops(hlo, mesh_shape):
         nbytes = sum(b for _, b in op.arrays) * (op.group_size if op.kind == "reduce-scatter" else 1)
-        own[op.computation][f"{op.kind} over {op.over}"] += nbytes
+        own[op.computation][key(op)] += nbytes
     memo = {}
 
     def total(name):
@@ -661,8 +736,8 @@ def busiest_collective_bytes(hlo, mesh_shape):
         out = defaultdict(int, own.get(name, {}))
 
         def add(table, times):
-            for key, nbytes in table.items():
-                out[key] += times * nbytes
+            for k, nbytes in table.items():
+                out[k] += times * nbytes
         for line in comps.get(name, []):
             loop = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
             if loop:

@@ -244,6 +244,45 @@ def test_fake_devices_get_two_pool_threads_each_unless_the_user_chose(environ, t
     assert result.stdout.split() == [str(threads), "8"]
 
 
+@pytest.mark.parametrize("platform, mode, cpu_devices, expected", [
+    ("tpu", "train", 0, "tpu"), ("cuda", "train", 0, "gpu"), ("cpu", "train", 0, None),
+    ("tpu", "sample", 0, None), ("tpu", "train", 8, None)])
+def test_overlap_flags_go_to_the_accelerators_compiler_on_train_only(monkeypatch, capsys, platform, mode, cpu_devices,
+                                                                     expected):
+    """--mode train on a TPU or GPU: the compiler's overlap flags (devices.OVERLAP_FLAGS)
+    in LIBTPU_INIT_ARGS or XLA_FLAGS, merged with the user's (whose own value of a flag
+    wins), printed once. On CPU, fake CPU devices or another mode: the environment as it
+    was (the default run compiles as before)."""
+    import devices
+    monkeypatch.setenv("JAX_PLATFORMS", platform)
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=false --xla_tpu_user_flag=1")
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_latency_hiding_scheduler=false")
+    before = dict(os.environ)
+    devices.set_overlap_flags(parse_args(["--mode", mode, "--run.cpu_devices", str(cpu_devices)]))
+    printed = capsys.readouterr().out
+    changed = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    if expected is None:
+        assert changed == {} and printed == ""
+        return
+    variable = devices.OVERLAP_VARIABLE[expected]
+    ours = [f for f in devices.OVERLAP_FLAGS[expected] if not f.startswith(("--xla_enable_async_all_gather=",
+                                                                           "--xla_gpu_enable_latency_hiding_scheduler="))]
+    assert len(ours) == len(devices.OVERLAP_FLAGS[expected]) - 1
+    assert changed == {variable: " ".join(ours + before[variable].split())}
+    assert printed.count("\n") == 1 and printed.startswith(f"{variable}={changed[variable]}  ")
+
+
+def test_gpu_overlap_flags_are_flags_xla_knows():
+    """XLA aborts at start-up on a flag in XLA_FLAGS it does not know (the list changes
+    between versions: --xla_gpu_enable_async_collectives is gone from jaxlib 0.10.2);
+    devices.GPU_OVERLAP_FLAGS all parse (here, on CPU; they apply to GPU compiles)."""
+    import devices
+    env = {**os.environ, "XLA_FLAGS": " ".join(devices.GPU_OVERLAP_FLAGS), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and result.stdout.split() == ["3.0"], result.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_run_writes_contract_files_and_samples(tmp_path, data_cache):
     """A short run leaves config.json, metrics.jsonl (the schema in docs/checkpoints.md),

@@ -349,8 +349,11 @@ def test_planner_tpu_prints_the_compiler_beside_the_planner(preset):
     for row in (r"total as allocated \(the holes counted once\) +[0-9.]+ GiB +[0-9.]+ GiB", r"collective-permute +bf16 +pp ",
                 r"all-to-all +f32 +dp\+tp ", r"collectives of the eval step"):
         assert re.search(row, text), row
-    last = re.fullmatch(r"tpu_bytes_per_device=(\d+) planner_bytes_per_device=(\d+) fits=true", text.splitlines()[-1])
+    last = re.fullmatch(r"tpu_bytes_per_device=(\d+) planner_bytes_per_device=(\d+) fits=true "
+                        r"collective_bytes=(\d+) exposed_bytes=(\d+)", text.splitlines()[-1])
     assert last and int(last.group(1)) > 0 and int(last.group(2)) > 0, text.splitlines()[-1]
+    assert 0 < int(last.group(4)) <= int(last.group(3)), text.splitlines()[-1]
+    assert "the compiled train step's schedule (per step, per device)" in text
 
 
 # ----------------------------------------------------------------------------
@@ -390,6 +393,56 @@ def test_overlap_of_a_compiled_send_beside_a_matmul(independent):
     hidden = SENT_BYTES if independent else 0
     assert (found["overlapped"], found["exposed"]) == (hidden, SENT_BYTES - hidden)
     assert tpu_compile.dot_flops(hlo) == MATMUL_FLOPS  # XLA:TPU writes the matmul as a convolution
+
+
+# FSDP's gathers in a scan of matmuls, compiled for a v4-8 with the overlap flags
+# (devices.TPU_OVERLAP_FLAGS, which pod_devices gives libtpu): 4 layers of [1024, 1024]
+# bf16 weights split over 4 chips, each gathered (2 MiB) before its matmul.
+SCAN_LAYERS, SCAN_WIDTH = 4, 1024
+LAYER_BYTES = SCAN_WIDTH * SCAN_WIDTH * 2
+
+
+def compile_fsdp_scan(prefetch):
+    """The HLO of a scan over 4 layers, h = tanh(h @ W_l), W_l gathered from its
+    shards: with prefetch, layer l+1's gather is issued beside layer l's matmul (the
+    first one before the loop); without, each layer's matmul needs the gather just
+    issued, and nothing else runs beside it."""
+    from jax import shard_map
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = Mesh(np.array(tpu_compile.pod_devices("v4-8")).reshape(4), ("dp",))
+
+    def gather(w_shard):
+        return jax.lax.all_gather(w_shard, "dp", axis=0, tiled=True)
+
+    def f(w_LDD, x_BD):
+        if prefetch:
+            def layer(carry, w_next):
+                h, w = carry
+                return (jax.numpy.tanh(h @ w), gather(w_next)), None
+            (h, w), _ = jax.lax.scan(layer, (x_BD, gather(w_LDD[0])), w_LDD[1:])
+            h = jax.numpy.tanh(h @ w)
+        else:
+            h, _ = jax.lax.scan(lambda h, w_shard: (jax.numpy.tanh(h @ gather(w_shard)), None), x_BD, w_LDD)
+        return h.sum()
+    step = jax.jit(shard_map(f, mesh=mesh, in_specs=(P(None, "dp"), P("dp")), out_specs=P(), check_vma=False))
+    args = [jax.ShapeDtypeStruct((SCAN_LAYERS, SCAN_WIDTH, SCAN_WIDTH), jax.numpy.bfloat16, sharding=NamedSharding(mesh, P(None, "dp"))),
+            jax.ShapeDtypeStruct((256, SCAN_WIDTH), jax.numpy.bfloat16, sharding=NamedSharding(mesh, P("dp")))]
+    with tpu_compile.captured_stderr():
+        return step.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_overlap_of_fsdp_gathers_in_a_compiled_scan(prefetch):
+    """Prefetched, the compiler splits each in-loop gather into an async collective
+    fusion whose steps run inside the matmul's fusion: 3 layers overlapped, the first
+    gather (before the loop, nothing to hide behind) exposed. Not prefetched, all 4
+    exposed. Either way every gather counts once: 4 layers' bytes."""
+    hlo = compile_fsdp_scan(prefetch)
+    found = tpu_compile.overlap(hlo, (4,))
+    hidden = (SCAN_LAYERS - 1) * LAYER_BYTES if prefetch else 0
+    assert (found["overlapped"], found["exposed"]) == (hidden, SCAN_LAYERS * LAYER_BYTES - hidden)
+    assert ("AsyncCollectiveStart" in hlo and "calls=%async_collective_fusion" in hlo) == prefetch
 
 
 # A scheduled module by hand: a loop of 3 trips whose body sends 4 KiB while a fused
