@@ -183,10 +183,11 @@ def sequence_balance_loss(probs_BTE, experts_BTX, n_experts, seq_axis=None):
 
 
 def resolve_moe_kernel(kernel):
-    """The grouped matmul `--model.moe_kernel` names: auto is gmm on TPU (megablox skips the
-    tiles of other experts), ragged_dot elsewhere (CPU and GPU keep XLA's op)."""
+    """The grouped matmul `--model.moe_kernel` names: auto is gmm on a one-device TPU
+    (megablox skips the tiles of other experts; on a mesh it does not run yet, see
+    parallel.check_config_fits_mesh), ragged_dot elsewhere (CPU and GPU keep XLA's op)."""
     if kernel == "auto":
-        return "gmm" if jax.default_backend() == "tpu" else "ragged_dot"
+        return "gmm" if jax.default_backend() == "tpu" and jax.device_count() == 1 else "ragged_dot"
     return kernel
 
 
@@ -336,23 +337,34 @@ class MoE(nnx.Module):
         dropped = jnp.sum(~kept_GSX)
         return y_GSD, tokens_per_expert_GE, dropped
 
-    def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts):
+    def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis=None):
         """No capacity: sort all (token, choice) pairs by expert and run a grouped
         matmul (`grouped_matmul`: ragged_dot or megablox gmm) over the contiguous runs
-        of each expert."""
+        of each expert.
+
+        With expert parallelism (this device holds E/ep experts) every device gathers the
+        ep devices' groups, runs the pairs of its own experts (the others' sort after them
+        and come out 0), and a psum_scatter hands each device its groups' sums: no fixed
+        buffers and nothing dropped, for an all-gather of ep x the tokens."""
+        tokens_per_expert_GE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_GSX)
+        expert_parallel = ep_axis is not None and not is_auto_axis(ep_axis) and bool(live_axes(ep_axis))
+        if expert_parallel:
+            x_GSD, gates_GSX, experts_GSX = (jax.lax.all_gather(a, ep_axis, axis=0, tiled=True) for a in (x_GSD, gates_GSX, experts_GSX))
         G, S, D = x_GSD.shape
-        X = self.top_k
-        experts_N = experts_GSX.reshape(-1)
-        order = jnp.argsort(experts_N, stable=True)
+        X, n_local = self.top_k, self.w_gate_EDF[...].shape[0]
+        local_N = experts_GSX.reshape(-1) - (jax.lax.axis_index(ep_axis) * n_local if expert_parallel else 0)
+        local_N = jnp.where((local_N >= 0) & (local_N < n_local), local_N, n_local)  # n_local: another device's expert
+        order = jnp.argsort(local_N, stable=True)
         token_of_pair = jnp.arange(G * S * X) // X
         x_ND = x_GSD.reshape(G * S, D)[token_of_pair[order]]
-        tokens_per_expert_E = jnp.zeros((n_experts,), jnp.int32).at[experts_N].add(1)
+        tokens_per_expert_E = jnp.zeros((n_local + 1,), jnp.int32).at[local_N].add(1)[:n_local]
         matmul = functools.partial(grouped_matmul, self.moe_kernel, tokens_per_expert_E=tokens_per_expert_E)
         gate, up = matmul(x_ND, self.w_gate_EDF[...]), matmul(x_ND, self.w_up_EDF[...])
         y_ND = matmul(jax.nn.silu(gate) * up, self.w_down_EFD[...])
         y_pairs = jnp.zeros_like(y_ND).at[order].set(y_ND).reshape(G, S, X, D)
         y_GSD = jnp.einsum("gsxd,gsx->gsd", y_pairs, gates_GSX.astype(y_pairs.dtype))
-        tokens_per_expert_GE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_GSX)
+        if expert_parallel:
+            y_GSD = jax.lax.psum_scatter(y_GSD, ep_axis, scatter_dimension=0, tiled=True)
         return y_GSD, tokens_per_expert_GE, jnp.zeros((), jnp.int32)
 
     def __call__(self, x_BTD, tp_axis=None, ep_axis=None, seq_axis=None):
@@ -369,7 +381,7 @@ class MoE(nnx.Module):
         if self.capacity_factor > 0:
             y_GSD, tokens_per_expert_GE, dropped = self.routed_with_capacity(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis)
         else:
-            y_GSD, tokens_per_expert_GE, dropped = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, n_experts)
+            y_GSD, tokens_per_expert_GE, dropped = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis)
         y_BTD = y_GSD.reshape(B, T, D)
         if self.shared is not None:
             y_BTD = y_BTD + self.shared(x_BTD)

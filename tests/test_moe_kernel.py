@@ -1,6 +1,7 @@
 """--model.moe_kernel: the dropless experts through megablox's grouped matmul (gmm, in
 interpret mode on CPU) compute what jax.lax.ragged_dot computes, forward and backward,
-in float32; bad combinations are one-line ConfigErrors."""
+in float32; dropless experts under expert parallelism equal one device; bad
+combinations are one-line ConfigErrors."""
 
 import re
 
@@ -8,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_parallel import assert_same_steps, tiny_config, train_steps
+from test_parallel import assert_same_steps, mesh_for, tiny_config, train_steps
 
+import parallel as par
 from moe import grouped_matmul
-from utils import ConfigError, parse_args
+from utils import ConfigError, apply_overrides, parse_args
 
 
 @pytest.mark.parametrize("rows, tokens_per_expert", [(200, [50, 0, 70, 80]), (37, [9, 20, 0, 3])],
@@ -52,4 +54,25 @@ def test_two_gmm_steps_equal_ragged_dot():
 def test_bad_kernel_flags_get_one_line(argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as error:
         parse_args(argv)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_dropless_expert_parallel_equals_one_device():
+    """Experts over dp 4 (2 of the 8 per device) beside tp 2, no capacity: each device
+    gathers the 4 devices' groups and runs its own experts' pairs; 2 steps equal one device."""
+    reference = train_steps(tiny_config(capacity_factor=0.0, moe_kernel="ragged_dot"))
+    assert_same_steps(train_steps(tiny_config((4, 1, 2), expert_parallel=True, capacity_factor=0.0, moe_kernel="ragged_dot")),
+                      reference)
+
+
+@pytest.mark.parametrize("mesh_shape, expert_parallel, sharding, message", [
+    ((2, 1, 1), False, "manual", "--model.moe_kernel gmm runs on one device for now, not on 2"),
+    ((2, 1, 1), True, "auto", "--mesh.expert_parallel with dropless experts (--model.capacity_factor 0) needs --mesh.sharding manual"),
+], ids=["gmm-on-a-mesh", "dropless-expert-parallel-auto"])
+def test_mesh_refusals_get_one_line(mesh_shape, expert_parallel, sharding, message):
+    cfg = tiny_config(mesh_shape, expert_parallel, capacity_factor=0.0, moe_kernel="gmm" if "gmm" in message else "ragged_dot")
+    cfg = apply_overrides(cfg, {"mesh": dict(sharding=sharding)})
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        par.check_config_fits_mesh(cfg, mesh_for(cfg))
     assert "\n" not in str(error.value)
