@@ -10,8 +10,15 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax._src import config as jax_config
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
 
+from blockwise_attention import varying_like
 from layers import ACC_DTYPE, DenseFFN, init_normal, is_auto_axis, live_axes, residual_scale
+
+MOE_KERNELS = ("auto", "ragged_dot", "gmm")
+GMM_ROW_TILE = 128  # megablox's default m tile; the sorted (token, choice) rows are padded to a multiple of it
+GMM_LANE_TILE = 128  # its k and n tiles where D and F allow (a TPU block is a multiple of 128 lanes or a whole dim)
 
 # ----------------------------------------------------------------------------
 # Routing
@@ -171,6 +178,81 @@ def sequence_balance_loss(probs_BTE, experts_BTX, n_experts, seq_axis=None):
     return jnp.sum(jax.vmap(load_balance_loss, (0, 0, None))(probs_BTE, tokens_per_expert_BE, experts_BTX.shape[-1]))
 
 
+# ----------------------------------------------------------------------------
+# Grouped matmuls of the dropless experts
+
+
+def resolve_moe_kernel(kernel):
+    """The grouped matmul `--model.moe_kernel` names: auto is gmm on a one-device TPU
+    (megablox skips the tiles of other experts; on a mesh it does not run yet, see
+    parallel.check_config_fits_mesh), ragged_dot elsewhere (CPU and GPU keep XLA's op)."""
+    if kernel == "auto":
+        return "gmm" if jax.default_backend() == "tpu" and jax.device_count() == 1 else "ragged_dot"
+    return kernel
+
+
+def gmm_tiling(m_padded, k, n):
+    """(tm, tk, tn) for megablox.gmm: its backward multiplies by the transposed weights
+    with the same tiles, so tk and tn each divide both k and n."""
+    lane = GMM_LANE_TILE if k % GMM_LANE_TILE == 0 and n % GMM_LANE_TILE == 0 else math.gcd(k, n)
+    return min(GMM_ROW_TILE, m_padded), lane, lane
+
+
+def untyped_kernel(kernel, *args):
+    """A megablox kernel traced with shard_map's varying-axes check off: its Pallas call
+    declares its output without the axes it varies over, which check_vma refuses."""
+    with jax_config._check_vma(False):
+        return kernel(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def typed_gmm(x_PI, w_EIO, sizes_E, tiling, interpret):
+    """megablox's gmm with its backward (gmm for the input's gradient, tgmm for the
+    weights', as megablox.ops does), each result typed as varying over what x_PI and
+    w_EIO vary over. Inside a shard_map both arrive with the same varying axes
+    (`grouped_matmul` casts them first), so no cotangent needs a psum here."""
+    y_PO = untyped_kernel(megablox_ops.backend.gmm, x_PI, w_EIO, sizes_E, x_PI.dtype, tiling, None, None, False, interpret)
+    return varying_like(y_PO, x_PI, w_EIO)
+
+
+def typed_gmm_fwd(x_PI, w_EIO, sizes_E, tiling, interpret):
+    return typed_gmm(x_PI, w_EIO, sizes_E, tiling, interpret), (x_PI, w_EIO, sizes_E)
+
+
+def typed_gmm_bwd(tiling, interpret, residuals, dy_PO):
+    x_PI, w_EIO, sizes_E = residuals
+    kernels = megablox_ops.backend
+    dx_PI = untyped_kernel(functools.partial(kernels.gmm, transpose_rhs=True, interpret=interpret), dy_PO, w_EIO, sizes_E,
+                           x_PI.dtype, tiling)
+    dw_EIO = untyped_kernel(functools.partial(kernels.tgmm, interpret=interpret), x_PI.swapaxes(0, 1), dy_PO, sizes_E,
+                            w_EIO.dtype, tiling, None, w_EIO.shape[0])
+    return varying_like(dx_PI, x_PI), varying_like(dw_EIO, w_EIO), None
+
+
+typed_gmm.defvjp(typed_gmm_fwd, typed_gmm_bwd)
+
+
+def grouped_matmul(kernel, x_NI, w_EIO, tokens_per_expert_E):
+    """Rows of x_NI (sorted by expert, the runs of tokens_per_expert_E first, any rest
+    after them) times their expert's weights; the rest's rows are 0.
+
+    gmm pads the rows to a multiple of its row tile and runs in interpret mode off TPU.
+    The kernel leaves rows past the experts' runs unwritten (in both directions), so they
+    are selected away on the way out and on the way back, never multiplied."""
+    if kernel == "ragged_dot":
+        return jax.lax.ragged_dot(x_NI, w_EIO, tokens_per_expert_E)
+    N, n_in = x_NI.shape
+    padded = -N % min(GMM_ROW_TILE, N)
+    written_P1 = (jnp.arange(N + padded) < jnp.sum(tokens_per_expert_E))[:, None]
+    x_PI = jnp.where(written_P1, jnp.pad(x_NI, ((0, padded), (0, 0))), 0)
+    w_EIO = w_EIO.astype(x_NI.dtype)
+    # One varying type for both (the casts' transposes sum the gradients of whatever is replicated).
+    x_PI, w_EIO = varying_like(x_PI, w_EIO), varying_like(w_EIO, x_PI)
+    tiling = gmm_tiling(N + padded, n_in, w_EIO.shape[2])
+    y_PO = typed_gmm(x_PI, w_EIO, tokens_per_expert_E.astype(jnp.int32), tiling, jax.default_backend() != "tpu")
+    return jnp.where(written_P1, y_PO, 0)[:N]
+
+
 class MoE(nnx.Module):
     """Shared experts (see every token) + top-k routed experts (DeepSeekMoE).
 
@@ -184,6 +266,7 @@ class MoE(nnx.Module):
         D, E, F = cfg.d_model, cfg.n_experts, cfg.d_expert
         self.top_k, self.score = cfg.top_k, cfg.router_score
         self.capacity_factor = cfg.capacity_factor
+        self.moe_kernel = resolve_moe_kernel(cfg.moe_kernel)
         self.group_size = cfg.routing_group or cfg.seq_len
         self.router_DE = init_normal(rngs, (D, E), D)
         self.router_bias_E = RouterBias(jnp.zeros((E,), jnp.float32)) if has_router_bias(cfg) else None
@@ -254,22 +337,34 @@ class MoE(nnx.Module):
         dropped = jnp.sum(~kept_GSX)
         return y_GSD, tokens_per_expert_GE, dropped
 
-    def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts):
+    def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis=None):
         """No capacity: sort all (token, choice) pairs by expert and run a grouped
-        matmul (jax.lax.ragged_dot) over the contiguous runs of each expert."""
+        matmul (`grouped_matmul`: ragged_dot or megablox gmm) over the contiguous runs
+        of each expert.
+
+        With expert parallelism (this device holds E/ep experts) every device gathers the
+        ep devices' groups, runs the pairs of its own experts (the others' sort after them
+        and come out 0), and a psum_scatter hands each device its groups' sums: no fixed
+        buffers and nothing dropped, for an all-gather of ep x the tokens."""
+        tokens_per_expert_GE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_GSX)
+        expert_parallel = ep_axis is not None and not is_auto_axis(ep_axis) and bool(live_axes(ep_axis))
+        if expert_parallel:
+            x_GSD, gates_GSX, experts_GSX = (jax.lax.all_gather(a, ep_axis, axis=0, tiled=True) for a in (x_GSD, gates_GSX, experts_GSX))
         G, S, D = x_GSD.shape
-        X = self.top_k
-        experts_N = experts_GSX.reshape(-1)
-        order = jnp.argsort(experts_N, stable=True)
+        X, n_local = self.top_k, self.w_gate_EDF[...].shape[0]
+        local_N = experts_GSX.reshape(-1) - (jax.lax.axis_index(ep_axis) * n_local if expert_parallel else 0)
+        local_N = jnp.where((local_N >= 0) & (local_N < n_local), local_N, n_local)  # n_local: another device's expert
+        order = jnp.argsort(local_N, stable=True)
         token_of_pair = jnp.arange(G * S * X) // X
         x_ND = x_GSD.reshape(G * S, D)[token_of_pair[order]]
-        tokens_per_expert_E = jnp.zeros((n_experts,), jnp.int32).at[experts_N].add(1)
-        gate = jax.lax.ragged_dot(x_ND, self.w_gate_EDF[...], tokens_per_expert_E)
-        up = jax.lax.ragged_dot(x_ND, self.w_up_EDF[...], tokens_per_expert_E)
-        y_ND = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.w_down_EFD[...], tokens_per_expert_E)
+        tokens_per_expert_E = jnp.zeros((n_local + 1,), jnp.int32).at[local_N].add(1)[:n_local]
+        matmul = functools.partial(grouped_matmul, self.moe_kernel, tokens_per_expert_E=tokens_per_expert_E)
+        gate, up = matmul(x_ND, self.w_gate_EDF[...]), matmul(x_ND, self.w_up_EDF[...])
+        y_ND = matmul(jax.nn.silu(gate) * up, self.w_down_EFD[...])
         y_pairs = jnp.zeros_like(y_ND).at[order].set(y_ND).reshape(G, S, X, D)
         y_GSD = jnp.einsum("gsxd,gsx->gsd", y_pairs, gates_GSX.astype(y_pairs.dtype))
-        tokens_per_expert_GE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_GSX)
+        if expert_parallel:
+            y_GSD = jax.lax.psum_scatter(y_GSD, ep_axis, scatter_dimension=0, tiled=True)
         return y_GSD, tokens_per_expert_GE, jnp.zeros((), jnp.int32)
 
     def __call__(self, x_BTD, tp_axis=None, ep_axis=None, seq_axis=None):
@@ -286,7 +381,7 @@ class MoE(nnx.Module):
         if self.capacity_factor > 0:
             y_GSD, tokens_per_expert_GE, dropped = self.routed_with_capacity(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis)
         else:
-            y_GSD, tokens_per_expert_GE, dropped = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, n_experts)
+            y_GSD, tokens_per_expert_GE, dropped = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis)
         y_BTD = y_GSD.reshape(B, T, D)
         if self.shared is not None:
             y_BTD = y_BTD + self.shared(x_BTD)

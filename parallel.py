@@ -37,6 +37,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from layers import live_axes
+from moe import resolve_moe_kernel
 from model import Transformer
 from pipeline import formula_bubble
 from utils import ConfigError
@@ -216,8 +217,12 @@ def check_config_fits_mesh(cfg, mesh):
     if cfg.mesh.expert_parallel:
         if m.n_experts % dp:
             raise ConfigError(f"--model.n_experts ({m.n_experts}) must be divisible by --mesh.dp ({dp}) with --mesh.expert_parallel")
-        if m.capacity_factor == 0:
-            raise ConfigError("--mesh.expert_parallel needs fixed-size expert buffers: set --model.capacity_factor > 0")
+        if m.capacity_factor == 0 and cfg.mesh.sharding == "auto":
+            raise ConfigError("--mesh.expert_parallel with dropless experts (--model.capacity_factor 0) needs --mesh.sharding "
+                              "manual: the automatic executor places fixed-size expert buffers only")
+    if "M" in m.block_pattern and m.capacity_factor == 0 and resolve_moe_kernel(m.moe_kernel) == "gmm" and mesh.size > 1:
+        raise ConfigError(f"--model.moe_kernel gmm runs on one device for now, not on {mesh.size}: megablox's Pallas call does not "
+                          "type its output for shard_map (check_vma); use --model.moe_kernel ragged_dot")
     if "M" in m.block_pattern and m.d_expert % tp:
         raise ConfigError(f"--model.d_expert ({m.d_expert}) must be divisible by --mesh.tp ({tp})")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from errors import ConfigError  # noqa: F401  (raised by every module as utils.ConfigError; errors.py says why it lives there)
 from model import REMAT_POLICIES, ModelConfig, option
+from moe import MOE_KERNELS
 
 # ----------------------------------------------------------------------------
 # Config sections
@@ -375,6 +376,9 @@ def validate_model(cfg):
          f"--model.yarn_beta_slow ({m.yarn_beta_slow}) must be > 0 and below --model.yarn_beta_fast ({m.yarn_beta_fast})"),
         (1 <= m.top_k <= m.n_experts, f"--model.top_k ({m.top_k}) must be between 1 and --model.n_experts ({m.n_experts})"),
         (m.capacity_factor >= 0, "--model.capacity_factor must be >= 0 (0 = dropless)"),
+        (m.moe_kernel in MOE_KERNELS, f"--model.moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {m.moe_kernel!r}"),
+        (m.moe_kernel != "gmm" or m.capacity_factor == 0, f"--model.moe_kernel gmm computes dropless experts: set "
+                                                          f"--model.capacity_factor 0 (got {m.capacity_factor}) or the kernel auto"),
         (m.router_bias_rate >= 0 and m.seq_aux_loss_weight >= 0, "--model.router_bias_rate and --model.seq_aux_loss_weight must be >= 0"),
         (m.routed_scale > 0, f"--model.routed_scale must be > 0, got {m.routed_scale}"),
         (m.first_dense >= 0, f"--model.first_dense ({m.first_dense}) must be >= 0 (dense layers before the blocks; 0 = none)"),

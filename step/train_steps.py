@@ -96,9 +96,10 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
 def eval_model_config(cfg):
     """The model that evaluation measures: training's, with --train.eval_capacity_factor
     (0 = dropless, the function that sampling computes, so val_loss counts no token
-    whose expert output was dropped). Expert parallelism needs fixed-size buffers, so
-    there "dropless" is the capacity factor E / top_k: C = the group size, room for
-    every token in every expert, nothing dropped."""
+    whose expert output was dropped). Under expert parallelism evaluation keeps the
+    fixed-size buffers (the automatic executor has no other): there "dropless" is the
+    capacity factor E / top_k: C = the group size, room for every token in every
+    expert, nothing dropped."""
     m = cfg.model
     factor = cfg.train.eval_capacity_factor
     if factor == 0 and cfg.mesh.expert_parallel:

@@ -1,0 +1,78 @@
+"""--model.moe_kernel: the dropless experts through megablox's grouped matmul (gmm, in
+interpret mode on CPU) compute what jax.lax.ragged_dot computes, forward and backward,
+in float32; dropless experts under expert parallelism equal one device; bad
+combinations are one-line ConfigErrors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_parallel import assert_same_steps, mesh_for, tiny_config, train_steps
+
+import parallel as par
+from moe import grouped_matmul
+from utils import ConfigError, apply_overrides, parse_args
+
+
+@pytest.mark.parametrize("rows, tokens_per_expert", [(200, [50, 0, 70, 80]), (37, [9, 20, 0, 3])],
+                         ids=["rows-past-one-tile", "a-rest-past-the-runs"])
+def test_gmm_equals_ragged_dot_with_gradients(rows, tokens_per_expert):
+    """200 rows pad to two row tiles of 128; in the second case 5 rows follow the experts'
+    runs (as rows of other devices' experts would), and must come out 0 with 0 gradient."""
+    x_key, w_key, cot_key = jax.random.split(jax.random.key(0), 3)
+    x_NI, w_EIO = jax.random.normal(x_key, (rows, 32)), jax.random.normal(w_key, (4, 32, 16))
+    cot_NO = jax.random.normal(cot_key, (rows, 16))
+    sizes_E = jnp.asarray(tokens_per_expert, jnp.int32)
+
+    def loss_and_grads(kernel):
+        loss = lambda x_NI, w_EIO: jnp.sum(jnp.sin(grouped_matmul(kernel, x_NI, w_EIO, sizes_E)) * cot_NO)  # noqa: E731
+        return jax.value_and_grad(loss, (0, 1))(x_NI, w_EIO)
+
+    (loss, (dx, dw)), (ref_loss, (ref_dx, ref_dw)) = loss_and_grads("gmm"), loss_and_grads("ragged_dot")
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for got, want in ((dx, ref_dx), (dw, ref_dw)):
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    rest = int(sizes_E.sum())
+    assert np.all(np.asarray(dx[rest:]) == 0) and np.all(np.isfinite(dx))
+
+
+@pytest.mark.slow
+def test_two_gmm_steps_equal_ragged_dot():
+    """Loss, aux loss, grad norm, expert counts, every gradient (Adam's moments) and the
+    params after 2 dropless train steps of the tiny model on one device."""
+    gmm, ragged = (train_steps(tiny_config(capacity_factor=0.0, moe_kernel=kernel)) for kernel in ("gmm", "ragged_dot"))
+    assert_same_steps(gmm, ragged)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model.moe_kernel", "gmm"], "--model.moe_kernel gmm computes dropless experts: set --model.capacity_factor 0 (got 1.5)"),
+    (["--model.moe_kernel", "megablox", "--model.capacity_factor", "0"],
+     "--model.moe_kernel must be one of auto, ragged_dot, gmm, got 'megablox'"),
+])
+def test_bad_kernel_flags_get_one_line(argv, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        parse_args(argv)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_dropless_expert_parallel_equals_one_device():
+    """Experts over dp 4 (2 of the 8 per device) beside tp 2, no capacity: each device
+    gathers the 4 devices' groups and runs its own experts' pairs; 2 steps equal one device."""
+    reference = train_steps(tiny_config(capacity_factor=0.0, moe_kernel="ragged_dot"))
+    assert_same_steps(train_steps(tiny_config((4, 1, 2), expert_parallel=True, capacity_factor=0.0, moe_kernel="ragged_dot")),
+                      reference)
+
+
+@pytest.mark.parametrize("mesh_shape, expert_parallel, sharding, message", [
+    ((2, 1, 1), False, "manual", "--model.moe_kernel gmm runs on one device for now, not on 2"),
+    ((2, 1, 1), True, "auto", "--mesh.expert_parallel with dropless experts (--model.capacity_factor 0) needs --mesh.sharding manual"),
+], ids=["gmm-on-a-mesh", "dropless-expert-parallel-auto"])
+def test_mesh_refusals_get_one_line(mesh_shape, expert_parallel, sharding, message):
+    cfg = tiny_config(mesh_shape, expert_parallel, capacity_factor=0.0, moe_kernel="gmm" if "gmm" in message else "ragged_dot")
+    cfg = apply_overrides(cfg, {"mesh": dict(sharding=sharding)})
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        par.check_config_fits_mesh(cfg, mesh_for(cfg))
+    assert "\n" not in str(error.value)
