@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 from test_parallel import RTOL, assert_tree_close, initial_params, tiny_config, train_steps
 
+from attention import MLAttention, rope_angles
 from step.step_core import qk_clip
 from utils import ConfigError, apply_overrides, validate_model
 
@@ -103,3 +104,22 @@ def test_clipped_steps_equal_one_clipped_device(mesh_shape, cp):
     for s, (o, ref_o) in enumerate(zip(opt_states, ref_opt_states)):
         assert_tree_close(o, ref_o, what=f"optimizer state after step {s}: ")
     assert_tree_close(params, ref_params, what="params: ")
+
+
+def test_every_attention_kernel_reports_the_same_largest_logits():
+    """The blockwise kernel's running max (4 x 4 blocks, those above the diagonal
+    skipped) and the fused kernel's separate pass give the matmul kernel's largest logit
+    per head. (Their outputs and gradients: tests/test_blockwise_attention.py.)"""
+    cfg = apply_overrides(tiny_config(), {"model": dict(seq_len=64, attention_block=16)}).model
+    attn = MLAttention(cfg, nnx.Rngs(0))
+    x_BTD = jax.random.normal(jax.random.key(1), (2, cfg.seq_len, cfg.d_model))
+    angles = rope_angles(jnp.arange(cfg.seq_len)[None], cfg)
+
+    def max_logit_H(implementation):
+        attn.implementation = implementation
+        return attn.with_max_logits(x_BTD, angles)[1]
+
+    want_H = max_logit_H("matmul")
+    assert want_H.shape == (cfg.n_heads,) and np.ptp(want_H) > 0
+    for implementation in ("blockwise", "dot_product_attention"):
+        np.testing.assert_allclose(max_logit_H(implementation), want_H, rtol=1e-5, err_msg=implementation)
