@@ -10,7 +10,7 @@ compiler partitions a one-device program). Everything around it is here, written
   loss       from per-device sums (cross-entropy, load-balance and sequence-wise
              losses, MTP) to the global mean loss and the metrics; sum_cotangents
              gives the hand-written backward the same loss's derivatives
-  update     global gradient norm, clipping, the optimizer, the router-bias update
+  update     global gradient norm, clipping, the optimizer, QK-clip, the router-bias update
 
 The reductions (psum, pmean, pmax) run over the mesh axes that shard_map made manual;
 under the automatic executor no axis is manual, arrays are global, the reductions are
@@ -276,16 +276,16 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
     m_cfg, t_cfg = cfg.model, cfg.train
     n_tokens = t_cfg.batch_size * m_cfg.seq_len
     ce = psum(ce_sum, TOKEN_AXES + (PP,)) / n_tokens
-    # Routing statistics, per block, summed over the batch. Every tp device routed the
-    # same tokens the same way (the router is gathered whole), but the router came out
-    # of an all_gather over tp, so shard_map types the statistics as varying over tp:
-    # pmean/pmax state that they agree. pmean also gives each tp device 1/tp of the
-    # aux loss gradient, which the router's reduce-scatter sums back to one.
     # Each block's largest attention logit per layer and head, the max over every token
     # axis (rows, and cp's chunks: each chunk's queries met the gathered keys). The
     # heads stay split over tp and the blocks over pp (metric_specs); `max_logit` is
     # the max over all of them.
     max_logit_NLH = pmax(stats_N.pop("max_logit_LH"), TOKEN_AXES)
+    # Routing statistics, per block, summed over the batch. Every tp device routed the
+    # same tokens the same way (the router is gathered whole), but the router came out
+    # of an all_gather over tp, so shard_map types the statistics as varying over tp:
+    # pmean/pmax state that they agree. pmean also gives each tp device 1/tp of the
+    # aux loss gradient, which the router's reduce-scatter sums back to one.
     aux_sum_N = stats_N.pop("aux_loss_sum")
     seq_aux_sum_N = stats_N.pop("seq_aux_loss_sum", None)  # with --model.seq_aux_loss_weight
     n_moe = n_moe_layers(m_cfg)
@@ -331,7 +331,8 @@ def sum_cotangents(cfg, tp):
 
 def metric_specs(cfg):
     """out_specs of the metrics of a shard_map step: scalars replicated, per-block
-    statistics over pp (each stage has its blocks')."""
+    statistics over pp (each stage has its blocks'), the largest logits per head also
+    over tp (each device has its heads')."""
     m = cfg.model
     specs = dict(loss=P(), aux_loss=P(), grad_norm=P(), stats_N=P(PP), max_logit=P(), max_logit_NLH=P(PP, None, TP))
     if balancing(m):
