@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from blockwise_attention import blockwise_attention
+from blockwise_attention import blockwise_attention_and_max_logits, max_logits
 from context_parallel import SequenceChunks
 from layers import ACC_DTYPE, RMSNorm, init_normal, project, psum_if, residual_scale
 
@@ -153,6 +153,17 @@ class MLAttention(nnx.Module):
     def __call__(self, x_BTD, angles, tp_axis=None):
         """Causal self-attention over a whole sequence (training and eval), or over this
         rank's chunks of it (angles a SequenceChunks: context_parallel.py)."""
+        return self.with_max_logits(x_BTD, angles, tp_axis)[0]
+
+    def with_max_logits(self, x_BTD, angles, tp_axis=None):
+        """(the attention's output, each local head's largest logit [H], float32).
+
+        A logit is a query-key score after the softmax scale, before the softmax; the max
+        runs over this device's rows and queries (under cp: its chunks' queries against
+        the gathered keys) and every visible key. It is read off the scores the forward
+        computes anyway (stop_gradient: it changes neither the output nor a gradient);
+        the step reduces it over the mesh (step_core.loss_and_metrics) and QK-clip reads it.
+        """
         B, T, _ = x_BTD.shape
         chunks, angles = (angles, angles.angles) if isinstance(angles, SequenceChunks) else (None, angles)
         q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles)
@@ -163,10 +174,14 @@ class MLAttention(nnx.Module):
         k_nope_BSHK = project(kv_BSA, self.wk_up_AHK[...])
         v_BSHK = project(kv_BSA, self.wv_up_AHK[...])
         if self.implementation == "blockwise":
-            out_BTHK = blockwise_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S,
-                                           self.softmax_scale, self.block)
+            out_BTHK, max_logit_H = blockwise_attention_and_max_logits(
+                q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, self.softmax_scale, self.block)
         elif self.implementation == "dot_product_attention":
             out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK)
+            # The fused kernel keeps its scores to itself: they are taken again, a block of
+            # queries at a time (the forward's score FLOPs once more, no [T, S] buffer).
+            max_logit_H = max_logits(*jax.lax.stop_gradient((q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR)),
+                                     q_pos_T, k_pos_S, self.softmax_scale, self.block)
         else:
             # Heads-major layout, so each product is a batch of plain 2-D matmuls (on
             # this CPU the forward runs 2x faster than with einsums over [B, T, H, K]).
@@ -177,11 +192,12 @@ class MLAttention(nnx.Module):
             scores_BHTS += jnp.matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1), preferred_element_type=ACC_DTYPE).reshape(scores_BHTS.shape)
             causal_TS = jnp.tril(jnp.ones((T, T), bool)) if chunks is None else k_pos_S[None, :] <= q_pos_T[:, None]
             scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
+            max_logit_H = jnp.max(jax.lax.stop_gradient(scores_BHTS), axis=(0, 2, 3))
             probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
             out_BTHK = jnp.matmul(probs_BHTS, v_BHSK, preferred_element_type=ACC_DTYPE).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
         # Tensor parallel: each device holds H/tp heads, so this is a partial sum over
         # heads; the psum (an all-reduce over `tp`) completes it (Megatron, row-parallel).
-        return psum_if(project(out_BTHK, self.wo_HKD[...], n_in=2), tp_axis)
+        return psum_if(project(out_BTHK, self.wo_HKD[...], n_in=2), tp_axis), max_logit_H.astype(jnp.float32)
 
     def fused_attention(self, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK):
         """jax.nn.dot_product_attention (cuDNN flash attention on GPUs that have it).

@@ -22,6 +22,7 @@ so skipping it changes no number.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,13 @@ def blockwise_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSH
     """Causal softmax(scale (q_nope . k_nope + q_rope . k_rope)) v over key blocks: out [B, T, H, K].
     q_pos_T / k_pos_S: the global positions of the queries / keys. `block` must divide T and S
     (utils.validate_model checks --model.attention_block); one longer than T or S is cut to it."""
+    return blockwise_attention_and_max_logits(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S,
+                                              scale, block)[0]
+
+
+def blockwise_attention_and_max_logits(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block):
+    """(blockwise_attention's output, each head's largest scaled score [H]): the online
+    softmax's running max, which the forward keeps anyway (no gradient flows through it)."""
     block = min(block, q_pos_T.shape[0], k_pos_S.shape[0])
     # The positions are constants (arange, or cp's chunk positions), so without this tie
     # the partial evaluation of an enclosing loop (apply_blocks' scan over blocks) computes
@@ -41,7 +49,23 @@ def blockwise_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSH
     # kept for the backward pass: at T = 32768 and cp 8, 4 GiB of float32 and 1 GiB of
     # masks per device in the compiled TPU step (docs/planning.md, "Long sequences").
     q_pos_T, k_pos_S, q_nope_BTHK = jax.lax.optimization_barrier((q_pos_T, k_pos_S, q_nope_BTHK))
-    return _attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block)
+    out_BTHK, max_nBHt = _attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block)
+    return out_BTHK, jnp.max(jax.lax.stop_gradient(max_nBHt), axis=(0, 1, 3))
+
+
+def max_logits(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, q_pos_T, k_pos_S, scale, block):
+    """Each head's largest scaled score [H], a block of queries at a time against every
+    key (for an attention that does not hand its scores out: [B, H, block, S] at once)."""
+    block = math.gcd(block, q_pos_T.shape[0])
+    k_nope_BHSK = k_nope_BSHK.transpose(0, 2, 1, 3)
+
+    def one_query_block(query):
+        q_nope_BHtK, q_rope_BHtR, q_pos_t = query
+        scores_BHtS = block_scores(q_nope_BHtK, q_rope_BHtR, q_pos_t, k_nope_BHSK, k_rope_BSR, k_pos_S, scale)
+        return jnp.max(scores_BHtS, axis=(0, 2, 3))
+
+    queries = (query_blocks(q_nope_BTHK, block), query_blocks(q_rope_BTHR, block), q_pos_T.reshape(-1, block))
+    return jnp.max(jax.lax.map(one_query_block, queries), axis=0)
 
 
 # ----------------------------------------------------------------------------
@@ -96,7 +120,8 @@ def any_visible(q_pos_t, k_pos_s):
 
 
 def forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block):
-    """(out [B, T, H, K], log-sum-exp of each query's scores [T/block, B, H, block])."""
+    """(out [B, T, H, K], log-sum-exp of each query's scores [T/block, B, H, block], and
+    their max, the same shape)."""
     keys = key_blocks(k_nope_BSHK, k_rope_BSR, v_BSHK, k_pos_S, block)
 
     def one_query_block(query):
@@ -121,11 +146,11 @@ def forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, 
         init = (jnp.full((B, H, t), -jnp.inf, ACC_DTYPE), jnp.zeros((B, H, t), ACC_DTYPE), jnp.zeros((B, H, t, K), ACC_DTYPE))
         init = varying_like(init, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S)
         max_BHt, sum_BHt, acc_BHtK = jax.lax.scan(visit, init, keys)[0]
-        return acc_BHtK / sum_BHt[..., None], max_BHt + jnp.log(sum_BHt)
+        return acc_BHtK / sum_BHt[..., None], max_BHt + jnp.log(sum_BHt), max_BHt
 
     queries = (query_blocks(q_nope_BTHK, block), query_blocks(q_rope_BTHR, block), q_pos_T.reshape(-1, block))
-    out_nBHtK, lse_nBHt = jax.lax.map(one_query_block, queries)
-    return unblock(out_nBHtK).astype(q_nope_BTHK.dtype), lse_nBHt
+    out_nBHtK, lse_nBHt, max_nBHt = jax.lax.map(one_query_block, queries)
+    return unblock(out_nBHtK).astype(q_nope_BTHK.dtype), lse_nBHt, max_nBHt
 
 
 # ----------------------------------------------------------------------------
@@ -134,20 +159,23 @@ def forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block):
-    return forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block)[0]
+    """(out, the max of each query's scores [T/block, B, H, block]: a metric, no cotangent)."""
+    out_BTHK, _, max_nBHt = forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block)
+    return out_BTHK, max_nBHt
 
 
 def _attention_fwd(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block):
-    out_BTHK, lse_nBHt = forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block)
-    return out_BTHK, (q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, out_BTHK, lse_nBHt)
+    out_BTHK, lse_nBHt, max_nBHt = forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block)
+    return (out_BTHK, max_nBHt), (q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, out_BTHK, lse_nBHt)
 
 
-def _attention_bwd(scale, block, saved, d_out_BTHK):
+def _attention_bwd(scale, block, saved, cotangents):
     """Per key block (outer loop) and query block (inner loop), with P the block's
     probabilities recomputed from the saved log-sum-exp: dV += P^T dO,
     dS = P (dO V^T - rowsum(dO * O)) scale, dQ += dS K, dK += dS^T Q. The key block's
     dK, dV are the inner loop's carry; dQ of every query block is the outer loop's."""
     q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, out_BTHK, lse_nBHt = saved
+    d_out_BTHK = cotangents[0]  # (the max logits are a metric: their cotangent is zero)
     dtype = q_nope_BTHK.dtype
     delta_nBHt = query_blocks(jnp.sum(d_out_BTHK.astype(ACC_DTYPE) * out_BTHK.astype(ACC_DTYPE), axis=-1, keepdims=True), block)[..., 0]
     queries = (query_blocks(q_nope_BTHK, block), query_blocks(q_rope_BTHR, block), q_pos_T.reshape(-1, block),

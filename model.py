@@ -163,16 +163,18 @@ class Layer(nnx.Module):
         return jnp.where(keep_BTD, x_BTD / (1 - self.dropout), 0).astype(x_BTD.dtype)
 
     def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None):
-        """rng: dropout keys, one per batch row [B] (see fold_in_rows), or None = no dropout."""
+        """(x, MoE statistics or None, each local head's largest attention logit [H]).
+        rng: dropout keys, one per batch row [B] (see fold_in_rows), or None = no dropout."""
         rngs = (fold_in_rows(rng, 0), fold_in_rows(rng, 1)) if rng is not None else (None, None)
         positions_T = token_positions(angles, x_BTD.shape[1])
-        x_BTD = x_BTD + self.drop(self.attn(self.attn_norm(x_BTD), angles, tp_axis), rngs[0], positions_T)
+        attn_BTD, max_logit_H = self.attn.with_max_logits(self.attn_norm(x_BTD), angles, tp_axis)
+        x_BTD = x_BTD + self.drop(attn_BTD, rngs[0], positions_T)
         h_BTD = self.ffn_norm(x_BTD)
         if self.kind == "M":
             y_BTD, stats = self.ffn(h_BTD, tp_axis, ep_axis, sequence_axis(angles))
         else:
             y_BTD, stats = self.ffn(h_BTD), None
-        return x_BTD + self.drop(psum_if(y_BTD, tp_axis), rngs[1], positions_T), stats
+        return x_BTD + self.drop(psum_if(y_BTD, tp_axis), rngs[1], positions_T), stats, max_logit_H
 
     def decode(self, x_BTD, angles, cache, start):
         """The layer on T new tokens given the latent cache of earlier ones (decode_step)."""
@@ -191,19 +193,23 @@ class Block(nnx.Module):
 
     def __call__(self, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat_layers=False):
         """Returns x_BTD and the MoE statistics of this block's MoE layers, summed
-        (with bias balancing also each MoE layer's own tokens_per_expert_LE).
+        (with bias balancing also each MoE layer's own tokens_per_expert_LE), with
+        max_logit_LH: each layer's largest attention logit per local head (a max, not a
+        sum, wherever statistics are combined: step_core.add_stats).
         remat_layers: keep only each layer's input for the backward pass."""
-        stats, tokens_per_expert_LE = empty_moe_stats(self.n_experts, self.sequence_loss), []
+        stats, tokens_per_expert_LE, max_logit_LH = empty_moe_stats(self.n_experts, self.sequence_loss), [], []
         run_layer = lambda layer, x_BTD, rng: layer(x_BTD, angles, tp_axis, ep_axis, rng)  # noqa: E731
         if remat_layers:
             run_layer = nnx.remat(run_layer)
         for i, layer in enumerate(self.layers):
-            x_BTD, layer_stats = run_layer(layer, x_BTD, None if rng is None else fold_in_rows(rng, i))
+            x_BTD, layer_stats, max_logit_H = run_layer(layer, x_BTD, None if rng is None else fold_in_rows(rng, i))
+            max_logit_LH.append(max_logit_H)
             if layer_stats is not None:
                 stats = jax.tree.map(jnp.add, stats, layer_stats)
                 tokens_per_expert_LE.append(layer_stats["tokens_per_expert"])
         if self.balancing:
             stats["tokens_per_expert_LE"] = jnp.stack(tokens_per_expert_LE)
+        stats["max_logit_LH"] = jnp.stack(max_logit_LH)
         return x_BTD, stats
 
     def decode(self, x_BTD, angles, caches, start):

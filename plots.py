@@ -73,7 +73,9 @@ def step_ticks(axis):
 
 
 def draw_loss(fig, rows, cfg):
-    """Train and validation loss against tokens seen (step on the top axis)."""
+    """Train and validation loss against tokens seen (step on the top axis), and on a
+    right-hand axis the attention's largest logit (max_logit; with --train.qk_clip, its
+    bound as a dashed line)."""
     tokens_per_step = cfg["train"]["batch_size"] * cfg["model"]["seq_len"]
     steps, loss = plot_series(rows, "loss")
     val_steps, val_loss = plot_series(rows, "val_loss")
@@ -102,9 +104,27 @@ def draw_loss(fig, rows, cfg):
     human_ticks(step_axis.xaxis)
     ax.set(xlabel=f"tokens seen ({human(tokens_per_step)} per step)", ylabel="cross-entropy (nats/token)",
            title=f"loss, run {cfg['run']['name']}")
-    ax.legend()
+    handles = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+    handles += draw_max_logit(ax, rows, cfg, tokens_per_step, drawn)
+    ax.legend(handles=handles, labels=[h.get_label() for h in handles])
     ax.grid(alpha=0.3)
     return drawn
+
+
+def draw_max_logit(ax, rows, cfg, tokens_per_step, drawn):
+    """max_logit on a twin axis of the loss's (rows without it: nothing); the lines drawn."""
+    steps, max_logit = plot_series(rows, "max_logit")
+    if not steps:
+        return []
+    logit_ax = ax.twinx()
+    (line,) = logit_ax.plot([s * tokens_per_step for s in steps], max_logit, color="tab:red", lw=1.0, label="max attention logit")
+    drawn["max_logit"] = line_data(line)
+    lines = [line]
+    tau = cfg["train"].get("qk_clip", 0)
+    if tau:
+        lines.append(logit_ax.axhline(tau, color="tab:red", ls="--", lw=0.8, label=f"--train.qk_clip {tau:g}"))
+    logit_ax.set_ylabel("largest attention logit", color="tab:red")
+    return lines
 
 
 def draw_load_balance(fig, rows, cfg):

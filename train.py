@@ -273,7 +273,9 @@ class Reporter:
             assigned = max(int(np.sum(stats["tokens_per_expert"])), 1)
             row = dict(step=step, loss=loss, lr=float(self.schedule(step - 1)), grad_norm=float(metrics["grad_norm"]),
                        tokens_per_sec=tokens_per_sec, mfu=mfu, aux_loss=float(metrics["aux_loss"]),
-                       dropped_frac=float(np.sum(stats["dropped"])) / assigned, expert_load=load_NE.round(4))
+                       dropped_frac=float(np.sum(stats["dropped"])) / assigned, expert_load=load_NE.round(4),
+                       max_logit=float(metrics["max_logit"]),  # the attention's largest logit (step_core.loss_and_metrics)
+                       max_logit_layer=np.asarray(metrics["max_logit_NLH"]).max(-1).reshape(-1).round(4))  # per layer, block-major
             moe_NE = load_NE[load_NE.sum(-1) > 0]
             if len(moe_NE):  # imbalance: the busiest expert's share over the uniform one, mean over MoE blocks
                 row["load_max_over_mean"] = round(float(np.mean(moe_NE.max(-1) * moe_NE.shape[-1])), 4)

@@ -73,6 +73,9 @@ class TrainConfig:
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off")
+    qk_clip: float = option(0.0, "QK-clip (Kimi K2's MuonClip): after each update, scale the query and key weights of every "
+                                 "head whose largest attention logit (metrics' max_logit) exceeded this so it would be this; "
+                                 "0 = off (step_core.qk_clip)")
     eval_every: int = option(200, "evaluate every N steps (and at the end)")
     eval_batches: int = option(8, "validation batches per evaluation")
     eval_capacity_factor: float = option(0.0, "expert capacity factor of evaluation (val_loss); 0 = dropless, "
@@ -400,6 +403,7 @@ def validate_model(cfg):
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
         (t.optimizer in ("muon", "adamw"), f"--train.optimizer must be muon or adamw, got {t.optimizer!r}"),
+        (t.qk_clip >= 0, f"--train.qk_clip must be >= 0 (a logit bound; 0 = off), got {t.qk_clip}"),
         (0 <= t.muon_momentum < 1, f"--train.muon_momentum must be in [0, 1), got {t.muon_momentum}"),
         (t.pipeline in PIPELINE_SCHEDULES, f"--train.pipeline must be one of {', '.join(PIPELINE_SCHEDULES)}, got {t.pipeline!r}"),
         (t.gather_once in GATHER_ONCE, f"--train.gather_once must be one of {', '.join(GATHER_ONCE)}, got {t.gather_once!r}"),

@@ -303,7 +303,7 @@ class ScheduledStep:
             x_recv=x0, g_recv=x0,
             g_chunks=jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), self.chunks),
             g_top=jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), self.top),
-            stats=jax.tree.map(lambda z: jnp.stack([z] * self.V), core.zeros_of(stats_aval)),
+            stats=jax.tree.map(lambda z: jnp.stack([z] * self.V), core.empty_stats(stats_aval)),
             ce=zero_sum, mtp=zero_sum)
 
     def tick(self, carry, row_S):
@@ -328,7 +328,7 @@ class ScheduledStep:
         grads = grads.at[jnp.where(is_head, grad_slot, sched.grad_slots)].set(gy.astype(act_dtype))
         g_chunks = jax.tree.map(lambda acc, g: acc.at[v].add(g.astype(jnp.float32)), carry["g_chunks"], g_chunk)
         g_top = jax.tree.map(lambda acc, f, g: acc + f + g, carry["g_top"], g_top_f, g_top_b)
-        stats = jax.tree.map(lambda acc, s: acc.at[v].add(s), carry["stats"], stats_L)
+        stats = core.add_stats_at(carry["stats"], stats_L, v, is_f)  # (no forward: its zeros add nothing)
         if pp > 1:  # activations to the next stage, gradients to the previous one
             forward_pairs = [(i, (i + 1) % pp) for i in range(pp if self.V > 1 else pp - 1)]
             x_recv = jax.lax.ppermute(y, PP, forward_pairs)

@@ -102,13 +102,13 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
         add = lambda acc, g: acc + g.astype(acc.dtype)  # noqa: E731
         return dict(g_top=jax.tree.map(add, carry["g_top"], g_top), g_blocks=jax.tree.map(add, carry["g_blocks"], g_blocks),
                     ce=carry["ce"] + sums[0], mtp=carry["mtp"] + sums[1],
-                    stats=jax.tree.map(jnp.add, carry["stats"], stats_N)), None
+                    stats=core.add_stats(carry["stats"], stats_N)), None
 
     f32_zeros = lambda tree: jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), tree)  # noqa: E731
     carry = dict(g_top=f32_zeros(top), g_blocks=f32_zeros(blocks), ce=jnp.zeros((), jnp.float32),
                  mtp=jnp.zeros((), jnp.float32))
     first = lambda t, b: microbatch_sums(t, b, mb.tokens_MbT1[0], None if mb.keys_Mb is None else mb.keys_Mb[0])  # noqa: E731
-    carry["stats"] = core.zeros_of(jax.eval_shape(first, top, blocks)[1])
+    carry["stats"] = core.empty_stats(jax.eval_shape(first, top, blocks)[1])
     for _ in range(2):  # settle the carry's types (which axes each sum varies over)
         carry = core.widen(carry, jax.eval_shape(lambda c: step(c, 0)[0], carry))
     carry, _ = jax.lax.scan(step, carry, jnp.arange(mb.tokens_MbT1.shape[0]))

@@ -116,7 +116,7 @@ def loss(params, tokens_BT1, graphdef, cfg, rng):
 
     zero = jnp.zeros((), jnp.float32)
     (ce_sum, mtp_sum), stats_MN = jax.lax.scan(microbatch, (zero, zero), (mb.tokens_MbT1, jnp.arange(M)))
-    stats_N = jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_MN)
+    stats_N = core.total_stats(stats_MN)
     return core.loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum)
 
 

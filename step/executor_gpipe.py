@@ -80,7 +80,7 @@ def pipeline_sums(model, prepare_block, mb, cfg):
         keys_b = None if keys_Mb is None else keys_Mb[jnp.clip(t - stage, 0, M - 1)]  # this tick's microbatch
         y_bTD, stats_N = run_stage(blocks_state, x_bTD, keys_b)
         valid = (t - stage >= 0) & (t - stage < M)  # is this stage working on a real microbatch?
-        stats_N = jax.tree.map(lambda s: jnp.where(valid, s, jnp.zeros_like(s)), stats_N)
+        stats_N = core.mask_stats(stats_N, valid)
         # Hand the activation to the next stage; the last stage's output is kept as ys.
         sent_bTD = jax.lax.ppermute(y_bTD, PP, [(i, i + 1) for i in range(n_stages - 1)]) if n_stages > 1 else y_bTD
         return sent_bTD, (y_bTD, stats_N)
@@ -91,7 +91,7 @@ def pipeline_sums(model, prepare_block, mb, cfg):
     outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1
     ce_sum, mtp_sum = core.when(n_stages == 1 or stage == n_stages - 1,
                                 lambda y: last_stage_sums(model, y, tokens_MbT1, angles, keys_Mb, mb.positions_T), outputs_MbTD)
-    return ce_sum, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats_tN), mtp_sum
+    return ce_sum, core.total_stats(stats_tN), mtp_sum
 
 
 def last_stage_sums(model, outputs_MbTD, tokens_MbT1, angles, keys_Mb, positions_T=None):

@@ -10,7 +10,7 @@ compiler partitions a one-device program). Everything around it is here, written
   loss       from per-device sums (cross-entropy, load-balance and sequence-wise
              losses, MTP) to the global mean loss and the metrics; sum_cotangents
              gives the hand-written backward the same loss's derivatives
-  update     global gradient norm, clipping, the optimizer, the router-bias update
+  update     global gradient norm, clipping, the optimizer, QK-clip, the router-bias update
 
 The reductions (psum, pmean, pmax) run over the mesh axes that shard_map made manual;
 under the automatic executor no axis is manual, arrays are global, the reductions are
@@ -92,6 +92,45 @@ def when(pred, fn, *args):
 def widen(tree, avals):
     """Make tree vary over every axis its counterpart in avals varies over."""
     return jax.tree.map(lambda x, s: vary(x, tuple(s.manual_axis_type.varying)), tree, avals)
+
+
+# ----------------------------------------------------------------------------
+# MoE and attention statistics, combined over microbatches and pipeline ticks: sums,
+# but the attention's largest logits (model.Block's max_logit_LH) by a max, whose
+# "nothing yet" is -inf, not 0 (a head's largest logit may be negative).
+
+MAX_STATS = ("max_logit_LH",)
+
+
+def is_max_stat(path):
+    return any(getattr(k, "key", None) in MAX_STATS for k in path)
+
+
+def empty_stats(avals):
+    """Statistics that add nothing (zeros; -inf for the maxima), typed as avals."""
+    return jax.tree_util.tree_map_with_path(lambda path, z: z - jnp.inf if is_max_stat(path) else z, zeros_of(avals))
+
+
+def mask_stats(stats, valid):
+    """stats where valid holds, else statistics that add nothing."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: jnp.where(valid, s, -jnp.inf if is_max_stat(path) else jnp.zeros_like(s)), stats)
+
+
+def add_stats(acc, new):
+    return jax.tree_util.tree_map_with_path(lambda path, a, n: jnp.maximum(a, n) if is_max_stat(path) else a + n, acc, new)
+
+
+def add_stats_at(acc_V, new, v, valid):
+    """acc_V[v] combined with new, where valid holds (acc_V as it is elsewhere)."""
+    def add(path, a_V, n):
+        return a_V.at[v].max(jnp.where(valid, n, -jnp.inf)) if is_max_stat(path) else a_V.at[v].add(n)
+    return jax.tree_util.tree_map_with_path(add, acc_V, new)
+
+
+def total_stats(stats_X):
+    """The statistics stacked on a leading axis (microbatches, ticks), combined over it."""
+    return jax.tree_util.tree_map_with_path(lambda path, s: jnp.max(s, axis=0) if is_max_stat(path) else jnp.sum(s, axis=0), stats_X)
 
 
 # ----------------------------------------------------------------------------
@@ -237,6 +276,11 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
     m_cfg, t_cfg = cfg.model, cfg.train
     n_tokens = t_cfg.batch_size * m_cfg.seq_len
     ce = psum(ce_sum, TOKEN_AXES + (PP,)) / n_tokens
+    # Each block's largest attention logit per layer and head, the max over every token
+    # axis (rows, and cp's chunks: each chunk's queries met the gathered keys). The
+    # heads stay split over tp and the blocks over pp (metric_specs); `max_logit` is
+    # the max over all of them.
+    max_logit_NLH = pmax(stats_N.pop("max_logit_LH"), TOKEN_AXES)
     # Routing statistics, per block, summed over the batch. Every tp device routed the
     # same tokens the same way (the router is gathered whole), but the router came out
     # of an all_gather over tp, so shard_map types the statistics as varying over tp:
@@ -252,7 +296,8 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
         groups_per_layer = n_tokens // (m_cfg.routing_group or m_cfg.seq_len)
         aux = mean_over_mesh(aux_sum_N, groups_per_layer * n_moe)
     loss = ce + m_cfg.aux_loss_weight * aux
-    metrics = dict(loss=ce, aux_loss=aux, stats_N=stats_N)
+    metrics = dict(loss=ce, aux_loss=aux, stats_N=stats_N, max_logit_NLH=max_logit_NLH,
+                   max_logit=pmax(jnp.max(max_logit_NLH), (PP, TP)))
     if seq_aux_sum_N is not None:  # DeepSeek-V3's sequence-wise balance loss: mean over sequences and MoE layers
         metrics["seq_aux_loss"] = mean_over_mesh(seq_aux_sum_N, t_cfg.batch_size * n_moe)
         loss = loss + m_cfg.seq_aux_loss_weight * metrics["seq_aux_loss"]
@@ -286,9 +331,10 @@ def sum_cotangents(cfg, tp):
 
 def metric_specs(cfg):
     """out_specs of the metrics of a shard_map step: scalars replicated, per-block
-    statistics over pp (each stage has its blocks')."""
+    statistics over pp (each stage has its blocks'), the largest logits per head also
+    over tp (each device has its heads')."""
     m = cfg.model
-    specs = dict(loss=P(), aux_loss=P(), grad_norm=P(), stats_N=P(PP))
+    specs = dict(loss=P(), aux_loss=P(), grad_norm=P(), stats_N=P(PP), max_logit=P(), max_logit_NLH=P(PP, None, TP))
     if balancing(m):
         specs["router_bias_NLE"] = P(PP)
     if m.seq_aux_loss_weight > 0 and "M" in m.block_pattern:
@@ -320,7 +366,8 @@ def global_grad_norm(grads, specs):
 
 def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_specs):
     """Clip to the global norm, run the optimizer on the local shards (Muon needs the
-    shards' layout, `param_specs`), then move the router biases by the step's load.
+    shards' layout, `param_specs`), QK-clip the heads whose logits ran over
+    --train.qk_clip (qk_clip), then move the router biases by the step's load.
     Returns (params, opt_state, metrics with grad_norm and router biases)."""
     grad_norm = global_grad_norm(grads, param_specs)
     clip = cfg.train.grad_clip
@@ -329,6 +376,8 @@ def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_spe
         grads = jax.tree.map(lambda g: g * scale, grads)
     updates, opt_state = optimizer.update(grads, opt_state, params, param_specs=param_specs)
     new_params = optax.apply_updates(params, updates)
+    if cfg.train.qk_clip > 0:
+        new_params = qk_clip(new_params, metrics["max_logit_NLH"], cfg.train.qk_clip)
     metrics = dict(metrics, grad_norm=grad_norm)
     m_cfg = cfg.model
     if balancing(m_cfg):
@@ -340,3 +389,42 @@ def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_spe
         new_params = dict(new_params, blocks=blocks)
         metrics["router_bias_NLE"] = router_biases(blocks, m_cfg.block_pattern)
     return new_params, opt_state, metrics
+
+
+# ----------------------------------------------------------------------------
+# QK-clip (Kimi K2's MuonClip, arXiv:2507.20534 section 2.1)
+
+
+def qk_clip(params, max_logit_NLH, tau):
+    """After the update: every head whose largest logit of the step (max_logit_NLH: per
+    block, layer and head, before the update) exceeded tau gets its logits scaled by
+    gamma = tau / max_logit, so on the step's tokens its largest logit would be tau;
+    the other heads' weights stay bit for bit. MLA's logit is q_nope . k_nope (per head)
+    + q_rope . k_rope (the RoPE key shared by every head). As in K2: the per-head
+    content parts, the query up-projection wq_up_QHK (wq_DHK with full-rank queries) and
+    the latent's key up-projection wk_up_AHK, are scaled by sqrt(gamma) each; the
+    per-head rotary query wq_rope_QHR (wq_rope_DHR) by gamma; the shared rotary key
+    wk_rope_DR, the latents' down-projections and norms are not touched (scaling them
+    would move every head). The dense prefix and MTP blocks are not clipped.
+
+    Works on whatever each device holds: the blocks [N/pp] and heads [H/tp] of its
+    shards (the FSDP split is on a dim the scale broadcasts over), or global arrays
+    under the automatic executor. No state: nothing new in a checkpoint."""
+    gamma_NLH = jnp.where(max_logit_NLH > tau, tau / max_logit_NLH, 1.0)
+    layers = dict(params["blocks"]["layers"])
+    for i, layer in layers.items():
+        layers[i] = dict(layer, attn=clip_heads(layer["attn"], gamma_NLH[:, i]))
+    return dict(params, blocks=dict(params["blocks"], layers=layers))
+
+
+def clip_heads(attn, gamma_NH):
+    """One stacked attention layer's weights [N, ..., H, ...] with head h of block n scaled
+    as qk_clip says (gamma_NH[n, h])."""
+    root_NH = jnp.sqrt(gamma_NH)
+    factors = {"wk_up_AHK": root_NH, "wq_up_QHK": root_NH, "wq_DHK": root_NH, "wq_rope_QHR": gamma_NH, "wq_rope_DHR": gamma_NH}
+
+    def scale(name, w_NXHY):
+        if name not in factors:
+            return w_NXHY
+        return (w_NXHY * factors[name][:, None, :, None]).astype(w_NXHY.dtype)
+    return {name: scale(name, w) for name, w in attn.items()}

@@ -75,9 +75,10 @@ def assert_equals_one_device(result, reference):
     assert_tree_close(params, ref_params, what="params: ")
     for s, (m, ref_m) in enumerate(zip(metrics, ref_metrics)):
         np.testing.assert_array_equal(m["stats_N"]["tokens_per_expert"], ref_m["stats_N"]["tokens_per_expert"])
-        for key in ("loss", "aux_loss", "grad_norm", "seq_aux_loss", "mtp_loss"):
+        for key in ("loss", "aux_loss", "grad_norm", "seq_aux_loss", "mtp_loss", "max_logit"):
             assert ref_m[key] > 0, key
             np.testing.assert_allclose(m[key], ref_m[key], rtol=RTOL, err_msg=f"step {s}: {key}")
+        assert_tree_close(m["max_logit_NLH"], ref_m["max_logit_NLH"], what=f"step {s}: max_logit_NLH")  # (test_parallel: why as a whole)
         assert np.abs(ref_m["router_bias_NLE"]).max() > 0
         np.testing.assert_allclose(m["router_bias_NLE"], ref_m["router_bias_NLE"], atol=1e-7, err_msg=f"step {s}: router biases")
 

@@ -11,9 +11,9 @@ one device computes (8 fake CPU devices, fp32).
 
 Compared with the GPipe executor on one device, the whole batch as one microbatch: the
 loss and its parts, every gradient leaf (before the optimizer, which would hide a leaf's
-scale), and after one whole step the grad norm, the router biases and every updated
-weight. (The real checkpoints' softmax router with raw top-k gates is per-token
-arithmetic that no executor touches: tests/test_model_options.py checks it against
+scale), and after one whole step (QK-clipped: some heads above tau, some not) the grad
+norm, the attention's largest logits, the router biases and every updated weight. (The
+real checkpoints' softmax router with raw top-k gates is per-token arithmetic that no executor touches: tests/test_model_options.py checks it against
 transformers.)
 """
 
@@ -87,9 +87,15 @@ def executor_gradients(cfg):
     return jax.device_get(step(params, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size)))
 
 
+# QK-clip on in the whole step: between the reference's 10th and 11th largest of its 32
+# heads' largest logits (4.407, 4.416), so 22 heads are clipped and 10 are not.
+QK_CLIP_TAU = 4.41
+
+
 def whole_step(cfg):
-    """(metrics, params) after one train step (AdamW: Muon's equality has its own tests)."""
-    cfg = apply_overrides(cfg, {"train": dict(optimizer="adamw")})
+    """(metrics, params) after one train step (AdamW: Muon's equality has its own tests),
+    QK-clipped at QK_CLIP_TAU."""
+    cfg = apply_overrides(cfg, {"train": dict(optimizer="adamw", qk_clip=QK_CLIP_TAU)})
     mesh, graphdef, params, _ = placed(cfg)
     optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
@@ -129,7 +135,9 @@ def assert_equals_one_device(cfg, reference):
     assert_tree_close(trained_leaves(grads), trained_leaves(ref_grads), what="gradient ")
 
     metrics, params = whole_step(cfg)
-    for key in ("loss", "grad_norm", "seq_aux_loss", "mtp_loss"):
+    clipped_NLH = ref_metrics["max_logit_NLH"] > QK_CLIP_TAU
+    assert 0 < clipped_NLH.sum() < clipped_NLH.size, "QK_CLIP_TAU no longer splits the heads: choose it again"
+    for key in ("loss", "grad_norm", "seq_aux_loss", "mtp_loss", "max_logit", "max_logit_NLH"):
         np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=RTOL, err_msg=key)
     np.testing.assert_array_equal(metrics["stats_N"]["tokens_per_expert"], ref_metrics["stats_N"]["tokens_per_expert"])
     bias, ref_bias = metrics["router_bias_NLE"], ref_metrics["router_bias_NLE"]

@@ -296,6 +296,7 @@ def test_run_writes_contract_files_and_samples(tmp_path, data_cache):
     train_rows = [r for r in rows if "loss" in r]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "aux_loss", "dropped_frac", "expert_load"):
         assert key in train_rows[-1], key
+    assert all(r["max_logit"] > 0 and len(r["max_logit_layer"]) == 8 for r in train_rows)  # every row; tiny: 8 blocks of 1 layer
     assert [r["step"] for r in rows if "val_loss" in r] == [15, 30]
     assert sorted(os.listdir(run / "checkpoints")) == ["30"]
     assert (run / "samples.txt").read_text().count("--- step 30") == 1

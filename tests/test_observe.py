@@ -48,6 +48,7 @@ def check_drawn_equals_file(drawn, rows, tokens_per_step):
     col = lambda key: [r[key] for r in train]  # noqa: E731
     assert drawn["loss.png"]["train"] == ([s * tokens_per_step for s in steps], col("loss"))
     assert drawn["loss.png"]["val"] == ([r["step"] * tokens_per_step for r in val], [r["val_loss"] for r in val])
+    assert drawn["loss.png"]["max_logit"] == ([s * tokens_per_step for s in steps], col("max_logit"))
     assert drawn["load_balance.png"]["aux_loss"] == (steps, col("aux_loss"))
     assert drawn["load_balance.png"]["dropped_percent"][0] == steps
     np.testing.assert_allclose(drawn["load_balance.png"]["dropped_percent"][1], 100 * np.array(col("dropped_frac")), rtol=1e-12)
@@ -78,7 +79,7 @@ def write_run(run_dir, steps, n_blocks=3, dense_blocks=(1,), n_experts=4, val_ev
         log.write(dict(step=s, loss=5 - s / 100 + rng.normal(0, 0.05), lr=1e-3, grad_norm=float(rng.uniform(0.5, 2)),
                        tokens_per_sec=float(rng.uniform(9e3, 1.1e4)), mfu=float(rng.uniform(0.2, 0.3)),
                        aux_loss=float(1 + rng.uniform(0, 0.5)), dropped_frac=float(rng.uniform(0, 0.1)),
-                       expert_load=load_NE.round(4)))
+                       expert_load=load_NE.round(4), max_logit=float(rng.uniform(5, 8))))
         if s % val_every == 0:
             log.write(dict(step=s, val_loss=5 - s / 100))
     return cfg.train.batch_size * cfg.model.seq_len
