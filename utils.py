@@ -350,12 +350,17 @@ def context_parallel_checks(cfg):
              f"(a chunk's mask offset by its rank is not one it is made with)")]
 
 
-def splash_checks(m):
-    """--model.attention splash: the kernel's blocks (each a one-line error)."""
+def splash_checks(cfg):
+    """--model.attention splash: the kernel's blocks and the executor (each a one-line error)."""
+    m = cfg.model
     if m.attention != "splash":
         return []
     block = min(m.attention_block, m.seq_len)
-    return [(block > 0 and m.seq_len % block == 0,
+    # (the compiler cannot partition a Pallas kernel: under auto it would run every head
+    # of every row on each device; under manual each device calls it on its own share)
+    return [(cfg.mesh.sharding == "manual", "--model.attention splash needs --mesh.sharding manual (the compiler does not "
+                                            "partition the kernel)"),
+            (block > 0 and m.seq_len % block == 0,
              f"--model.attention_block ({m.attention_block}) must divide --model.seq_len ({m.seq_len})"),
             (block % SPLASH_LANES == 0,
              f"--model.attention splash needs blocks of a multiple of {SPLASH_LANES} tokens (the kernel's lanes): "
@@ -373,7 +378,7 @@ def validate_model(cfg):
         (m.grad_reduce_dtype in ("float32", "bfloat16"), f"--model.grad_reduce_dtype must be float32 or bfloat16, got {m.grad_reduce_dtype!r}"),
         (m.attention in ("matmul", "dot_product_attention", "blockwise", "splash"),
          f"--model.attention must be matmul, dot_product_attention, blockwise or splash, got {m.attention!r}"),
-        *splash_checks(m),
+        *splash_checks(cfg),
         (m.attention != "blockwise" or m.attention_block > 0 and m.seq_len % min(m.attention_block, m.seq_len) == 0,
          f"--model.attention_block ({m.attention_block}) must divide --model.seq_len ({m.seq_len})"),
         (cfg.export.dtype in ("float32", "bfloat16"), f"--export.dtype must be float32 or bfloat16, got {cfg.export.dtype!r}"),

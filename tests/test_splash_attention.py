@@ -20,6 +20,7 @@ from utils import ConfigError, parse_args
 T = 256  # two blocks of 128 (the kernel's smallest): one skipped above the diagonal
 
 
+@pytest.mark.slow
 def test_splash_equals_matmul_attention_forward_max_logits_and_gradients():
     cfg = small_attention_config(attention="matmul", seq_len=T)
     graphdef, params = nnx.split(MLAttention(cfg, nnx.Rngs(0)))
@@ -65,6 +66,8 @@ def test_two_splash_train_steps_equal_matmul(matmul_steps, mesh_shape):
      r"splash needs blocks of a multiple of 128 tokens .* gives 64"),
     (["--model.attention", "splash", "--model.seq_len", "256", "--model.routing_group", "64", "--mesh.cp", "2"],
      r"--mesh.cp 2 needs --model.attention matmul or blockwise: splash's causal mask assumes whole sequences"),
+    (["--model.attention", "splash", "--model.seq_len", "128", "--mesh.sharding", "auto"],
+     r"--model.attention splash needs --mesh.sharding manual"),
 ])
 def test_bad_splash_flags_are_one_line_errors(argv, message):
     with pytest.raises(ConfigError, match=message) as error:
