@@ -12,6 +12,7 @@ from flax import nnx
 from blockwise_attention import blockwise_attention_and_max_logits, max_logits
 from context_parallel import SequenceChunks
 from layers import ACC_DTYPE, RMSNorm, init_normal, project, psum_if, residual_scale
+from splash_attention import splash_attention
 
 # ----------------------------------------------------------------------------
 # Rotary position embeddings
@@ -176,9 +177,12 @@ class MLAttention(nnx.Module):
         if self.implementation == "blockwise":
             out_BTHK, max_logit_H = blockwise_attention_and_max_logits(
                 q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, self.softmax_scale, self.block)
-        elif self.implementation == "dot_product_attention":
-            out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK)
-            # The fused kernel keeps its scores to itself: they are taken again, a block of
+        elif self.implementation in ("dot_product_attention", "splash"):
+            if self.implementation == "splash":
+                out_BTHK = splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, self.softmax_scale, self.block)
+            else:
+                out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK)
+            # The fused kernels keep their scores to themselves: they are taken again, a block of
             # queries at a time (the forward's score FLOPs once more, no [T, S] buffer).
             max_logit_H = max_logits(*jax.lax.stop_gradient((q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR)),
                                      q_pos_T, k_pos_S, self.softmax_scale, self.block)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from errors import ConfigError  # noqa: F401  (raised by every module as utils.ConfigError; errors.py says why it lives there)
 from model import REMAT_POLICIES, ModelConfig, option
 from moe import MOE_KERNELS
+from splash_attention import SPLASH_LANES
 
 # ----------------------------------------------------------------------------
 # Config sections
@@ -349,8 +350,26 @@ def context_parallel_checks(cfg):
              f"two cp ranks' chunks; set --model.routing_group to a divisor of {L}"),
             (m.attention != "blockwise" or m.seq_len % (2 * cp) or L % min(m.attention_block, L) == 0,
              f"--model.attention_block ({m.attention_block}) must divide --model.seq_len / (2 x --mesh.cp) = {L} (blocks within a chunk)"),
-            (m.attention != "dot_product_attention",
-             f"--mesh.cp {cp} needs --model.attention matmul or blockwise: dot_product_attention's causal mask assumes whole sequences")]
+            (m.attention not in ("dot_product_attention", "splash"),
+             f"--mesh.cp {cp} needs --model.attention matmul or blockwise: {m.attention}'s causal mask assumes whole sequences "
+             f"(a chunk's mask offset by its rank is not one it is made with)")]
+
+
+def splash_checks(cfg):
+    """--model.attention splash: the kernel's blocks and the executor (each a one-line error)."""
+    m = cfg.model
+    if m.attention != "splash":
+        return []
+    block = min(m.attention_block, m.seq_len)
+    # (the compiler cannot partition a Pallas kernel: under auto it would run every head
+    # of every row on each device; under manual each device calls it on its own share)
+    return [(cfg.mesh.sharding == "manual", "--model.attention splash needs --mesh.sharding manual (the compiler does not "
+                                            "partition the kernel)"),
+            (block > 0 and m.seq_len % block == 0,
+             f"--model.attention_block ({m.attention_block}) must divide --model.seq_len ({m.seq_len})"),
+            (block % SPLASH_LANES == 0,
+             f"--model.attention splash needs blocks of a multiple of {SPLASH_LANES} tokens (the kernel's lanes): "
+             f"--model.attention_block {m.attention_block} at --model.seq_len {m.seq_len} gives {block}")]
 
 
 def validate_model(cfg):
@@ -362,8 +381,9 @@ def validate_model(cfg):
         (m.router_score in ("softmax", "sigmoid"), f"--model.router_score must be softmax or sigmoid, got {m.router_score!r}"),
         (m.dtype in ("float32", "bfloat16", "auto"), f"--model.dtype must be float32, bfloat16 or auto, got {m.dtype!r}"),
         (m.grad_reduce_dtype in ("float32", "bfloat16"), f"--model.grad_reduce_dtype must be float32 or bfloat16, got {m.grad_reduce_dtype!r}"),
-        (m.attention in ("matmul", "dot_product_attention", "blockwise"),
-         f"--model.attention must be matmul, dot_product_attention or blockwise, got {m.attention!r}"),
+        (m.attention in ("matmul", "dot_product_attention", "blockwise", "splash"),
+         f"--model.attention must be matmul, dot_product_attention, blockwise or splash, got {m.attention!r}"),
+        *splash_checks(cfg),
         (m.attention != "blockwise" or m.attention_block > 0 and m.seq_len % min(m.attention_block, m.seq_len) == 0,
          f"--model.attention_block ({m.attention_block}) must divide --model.seq_len ({m.seq_len})"),
         (cfg.export.dtype in ("float32", "bfloat16"), f"--export.dtype must be float32 or bfloat16, got {cfg.export.dtype!r}"),
