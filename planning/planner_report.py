@@ -145,7 +145,7 @@ def print_pod_table(argv):
     args = dict(zip(argv[::2], argv[1::2]))
     presets = args.get("--presets", ",".join(TABLE_MESHES)).split(",")
     pods = args.get("--pods", "v4-8,v4-64,v5p-64,v5litepod-16,v6e-16").split(",")
-    print("| preset | pod | dp x pp x tp, microbatches | TPU compiler MiB/device (live) | planner MiB/device | planner / TPU (live) "
+    print("| preset | pod | dp x cp x pp x tp, microbatches | TPU compiler MiB/device (live) | planner MiB/device | planner / TPU (live) "
           "| fits | train step compile s |")
     print("|---|---|---|---|---|---|---|---|")
     for preset in presets:
@@ -156,7 +156,8 @@ def print_pod_table(argv):
             if r["log"]:  # the total with the live temporaries, the planner's model of them
                 live_mib = tpu_compile.live_total(r["tpu"], r["log"]) / 2**20
                 tpu_col, ratio_col = f"{tpu_mib:.1f} ({live_mib:.1f})", f"{ratio_col} ({planner_mib / live_mib:.2f})"
-            print(f"| {preset} | {pod_name} | {r['mesh'].replace('x', ' x ')}, {r['microbatches']} | {tpu_col} | {planner_mib:.1f} | "
+            dp, pp, tp = r["mesh"].split("x")  # the table's meshes split no sequence: cp 1
+            print(f"| {preset} | {pod_name} | {dp} x 1 x {pp} x {tp}, {r['microbatches']} | {tpu_col} | {planner_mib:.1f} | "
                   f"{ratio_col} | {'yes' if r['fits'] else 'no'} | {r['compile_s']:.0f} |", flush=True)
             if "--json" in args:
                 with open(args["--json"], "a") as f:
