@@ -51,7 +51,9 @@ def test_blockwise_equals_matmul_attention_forward_and_gradients():
     np.testing.assert_allclose(d_x, ref_d_x, rtol=1e-5, atol=1e-5)
     for (path, g), (_, ref_g) in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves_with_path(ref_grads)):
         assert np.abs(ref_g).max() > 0, path
-        np.testing.assert_allclose(g, ref_g, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+        # atol 2e-5: wo's gradient sums B x T = 2048 products per element in another order
+        # (one element of 1024 differs by 1.8e-5 on a 2-core AMD EPYC, at 5e1a73d already)
+        np.testing.assert_allclose(g, ref_g, rtol=1e-5, atol=2e-5, err_msg=jax.tree_util.keystr(path))
 
 
 def temporaries(T, blockwise, B=1, H=2, K=16, R=8):

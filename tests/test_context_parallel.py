@@ -66,12 +66,19 @@ def trained_leaves(tree):
     return {key: np.sqrt(leaf) if ".nu" in key else leaf for key, leaf in flat if "router_bias" not in key}
 
 
+# AdamW's moments of the small norm scales (ffn_norm, kv_norm, the shared rotary key) are
+# sums over every token, reassociated by cp's chunk order: on a 2-core AMD EPYC they
+# differ from one device's by up to 1.8e-5 (relative, float32), at 5e1a73d already.
+# The weights, losses and grad norm stay within RTOL.
+MOMENT_RTOL = 2.5e-5
+
+
 def assert_equals_one_device(result, reference):
     """test_parallel.assert_same_steps' comparison (the gradients through AdamW's
-    moments, after each step), plus every loss part and the router biases."""
+    moments, after each step, within MOMENT_RTOL), plus every loss part and the router biases."""
     (metrics, opt_states, params), (ref_metrics, ref_opt_states, ref_params) = result, reference
     for s, (o, ref_o) in enumerate(zip(opt_states, ref_opt_states)):
-        assert_tree_close(trained_leaves(o), trained_leaves(ref_o), what=f"optimizer state after step {s}: ")
+        assert_tree_close(trained_leaves(o), trained_leaves(ref_o), rtol=MOMENT_RTOL, what=f"optimizer state after step {s}: ")
     assert_tree_close(params, ref_params, what="params: ")
     for s, (m, ref_m) in enumerate(zip(metrics, ref_metrics)):
         np.testing.assert_array_equal(m["stats_N"]["tokens_per_expert"], ref_m["stats_N"]["tokens_per_expert"])

@@ -347,6 +347,8 @@ def test_wandb_offline_logs_history_config_samples_and_resumes_the_same_run(resu
                                for e, x in enumerate(load_E)})
             elif key == "goodput":  # seconds per phase, on checkpoint, restart and end rows
                 merged.update({f"goodput/{phase}": x for phase, x in value.items()})
+            elif isinstance(value, list):  # max_logit_layer: one value per layer
+                merged.update({f"{key}/" + "/".join(map(str, i)): x for i, x in np.ndenumerate(np.asarray(value))})
             elif key not in ("step", "time") and not isinstance(value, str):  # (event, reason: words; time: wandb's own)
                 merged[key] = value
     for step, merged in expected.items():
