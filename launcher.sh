@@ -571,22 +571,37 @@ describe_state() {
   esac
 }
 
+# scan_states: from host_states, `failure` (every process that ended other than by
+# finishing, in words) and `running` (1 while any still runs); returns 1 after --stop.
+scan_states() {
+  local i state
+  failure="" running=0
+  for i in "${!ssh_targets[@]}"; do
+    state=${host_states[i]:-}
+    case $state in
+      "exit 0") ;;
+      running) running=1 ;;
+      stopped) say "run $name was stopped (--stop): not restarting it"; return 1 ;;
+      *) failure+="${failure:+; }process $i (${ssh_targets[i]}): $(describe_state "$state")" ;;
+    esac
+  done
+  return 0
+}
+
 watch_run() {
   local restarts=0 i state failure running
   say "watching run $name: polling every ${poll_s}s, up to $max_restarts restart(s) (--max-restarts)"
   while true; do
     sleep "$poll_s"
     poll_states
-    failure="" running=0
-    for i in "${!ssh_targets[@]}"; do
-      state=${host_states[i]:-}
-      case $state in
-        "exit 0") ;;
-        running) running=1 ;;
-        stopped) say "run $name was stopped (--stop): not restarting it"; return 1 ;;
-        *) failure+="${failure:+; }process $i (${ssh_targets[i]}): $(describe_state "$state")" ;;
-      esac
-    done
+    scan_states || return 1
+    if [[ -n $failure ]]; then
+      # One more look before acting: a process often ends moments after another (the
+      # others lose their coordinator or peer), and the message names every end together.
+      sleep "$poll_s"
+      poll_states
+      scan_states || return 1
+    fi
     if [[ -z $failure ]]; then
       ((running)) && continue
       say "run $name finished on every host (exit 0) after $restarts restart(s)"
