@@ -589,7 +589,7 @@ scan_states() {
 }
 
 watch_run() {
-  local restarts=0 i state failure running
+  local restarts=0 failure running
   say "watching run $name: polling every ${poll_s}s, up to $max_restarts restart(s) (--max-restarts)"
   while true; do
     sleep "$poll_s"

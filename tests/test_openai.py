@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -74,7 +75,6 @@ def server(hf_chat_model, tmp_path_factory):
         deadline = time.time() + 600
         while True:
             try:
-                import urllib.request
                 with urllib.request.urlopen(url + "/health", timeout=5) as r:
                     assert json.load(r)["chat"] is True
                 break
