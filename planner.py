@@ -23,9 +23,11 @@ main.py flag, plus:
                       sets on a TPU (devices.TPU_OVERLAP_FLAGS). Needs libtpu
                       (requirements-test.txt). Sets --hardware and --devices. Last line:
                       tpu_bytes_per_device=<int> planner_bytes_per_device=<int> fits=<true|false>
-                      collective_bytes=<int> exposed_bytes=<int> (one line; the train step's
-                      collectives and those left exposed, bytes per device per step, loops
-                      by their trips, a conditional at its costliest branch)
+                      collective_bytes=<int> exposed_bytes=<int> dot_flops_per_device=<int>
+                      planner_dot_flops_per_device=<int> (one line; the train step's
+                      collectives and those left exposed, bytes per device per step, and its
+                      dot FLOPs per device per step, compiled and planned; loops by their
+                      trips, a conditional at its costliest branch)
 
     --search          rank every layout of the model and batch on these devices (mesh,
                       expert parallelism, schedule, microbatches, remat; planner_search.py)

@@ -351,9 +351,11 @@ def test_planner_tpu_prints_the_compiler_beside_the_planner(preset):
                 r"all-to-all +f32 +dp\+tp ", r"collectives of the eval step"):
         assert re.search(row, text), row
     last = re.fullmatch(r"tpu_bytes_per_device=(\d+) planner_bytes_per_device=(\d+) fits=true "
-                        r"collective_bytes=(\d+) exposed_bytes=(\d+)", text.splitlines()[-1])
+                        r"collective_bytes=(\d+) exposed_bytes=(\d+) "
+                        r"dot_flops_per_device=(\d+) planner_dot_flops_per_device=(\d+)", text.splitlines()[-1])
     assert last and int(last.group(1)) > 0 and int(last.group(2)) > 0, text.splitlines()[-1]
     assert 0 < int(last.group(4)) <= int(last.group(3)), text.splitlines()[-1]
+    assert int(last.group(5)) > 0 and int(last.group(6)) > 0, text.splitlines()[-1]
     assert "the compiled train step's schedule (per step, per device)" in text
 
 
