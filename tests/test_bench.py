@@ -21,7 +21,7 @@ def bench_py(tmp_path, *args):
         return result.stdout, json.load(f)
 
 
-@pytest.mark.parametrize("mesh", [(1, 1, 1), (2, 2, 2)], ids=["1x1x1", "2x2x2"])
+@pytest.mark.parametrize("mesh", [(1, 1, 1), pytest.param((2, 2, 2), marks=pytest.mark.slow)], ids=["1x1x1", "2x2x2"])
 def test_figures_are_consistent_and_the_last_line_is_machine_readable(tmp_path, mesh):
     dp, pp, tp = mesh
     stdout, figures = bench_py(tmp_path, "--run.cpu_devices", str(dp * pp * tp), "--mesh.dp", str(dp), "--mesh.pp", str(pp),
@@ -55,6 +55,7 @@ def test_figures_are_consistent_and_the_last_line_is_machine_readable(tmp_path, 
         assert re.search(rf"{re.escape(name)}:\s+{c['count']}x", stdout), name
 
 
+@pytest.mark.slow
 def test_profile_prints_device_time_by_op_kind(tmp_path):
     stdout, _ = bench_py(tmp_path, "--profile", str(tmp_path / "trace"))
     table = stdout[stdout.index("device time per step by XLA op kind"):].splitlines()[1:]

@@ -143,6 +143,7 @@ def compiled_hlo(cfg):
     return step.lower(params, opt_state, batch, jnp.asarray(0)).compile().as_text()
 
 
+@pytest.mark.slow
 def test_collectives_over_cp_move_the_latent_not_keys_and_values():
     """On dp2 x cp2 x tp2 the weights' FSDP collectives run over dp+cp (or dp+cp+tp),
     so those over cp alone are attention's and the sequence-wise loss's statistics. Per

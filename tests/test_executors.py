@@ -30,7 +30,7 @@ import parallel as par
 from step import train_steps
 from utils import PRESETS, Config, apply_overrides
 
-CASES = [((2, 2, 2), "manual", "1f1b"), ((1, 1, 1), "manual", "gpipe"),
+CASES = [pytest.param(((2, 2, 2), "manual", "1f1b"), marks=pytest.mark.slow), ((1, 1, 1), "manual", "gpipe"),
          pytest.param(((2, 2, 2), "manual", "interleaved"), marks=pytest.mark.slow),
          pytest.param(((4, 1, 2), "auto", "gpipe"), marks=pytest.mark.slow),
          pytest.param(((4, 1, 2), "manual", "gpipe", "false"), marks=pytest.mark.slow),

@@ -133,6 +133,7 @@ def assert_goodput_phases_match_the_run(stdout, run_dir):
     assert min(phases[p] for p in ("data", "eval", "checkpoint", "train")) > 0, phases
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_repeats_and_skips_no_step(tmp_path, data_cache):
     """Kill -9 mid-run, start again: per-step losses equal an uninterrupted run's, bit
     for bit, and every step appears exactly once in metrics.jsonl."""

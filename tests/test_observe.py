@@ -130,6 +130,7 @@ def test_long_run_is_smoothed_and_binned(tmp_path):
     assert steps[0] == np.mean([r["step"] for r in rows[:per_column]])
 
 
+@pytest.mark.slow
 def test_plot_command_line(tmp_path):
     write_run(tmp_path / "r", range(1, 11))
     ok = subprocess.run([sys.executable, "utils.py", "plot", str(tmp_path / "r")], cwd=REPO, capture_output=True,

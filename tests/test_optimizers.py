@@ -48,6 +48,7 @@ def test_muon_with_expert_parallelism_equals_one_device(reference, mesh_shape):
     assert_same_steps(train_steps(muon_config(mesh_shape, expert_parallel=True)), reference["moe"])
 
 
+@pytest.mark.slow
 def test_muon_under_automatic_sharding_equals_one_device():
     """--mesh.sharding auto: the update runs on global arrays (nothing to gather by hand)."""
     cfg = apply_overrides(muon_config((2, 1, 4)), {"mesh": dict(sharding="auto")})

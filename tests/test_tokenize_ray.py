@@ -351,6 +351,7 @@ def gcs_files(prefix: str) -> dict[str, bytes]:
     return {blob.name.removeprefix(f"{prefix}/"): blob.download_as_bytes() for blob in blobs}
 
 
+@pytest.mark.slow
 def test_ray_shards_from_parquet_to_gcs_equal_the_process_pool(cluster, corpus, pool_out, emulator, tmp_path):
     url = f"gs://{BUCKET}/parquet"
     run_tokenize(corpus, url, "--ray", cluster.address, source="parquet")
