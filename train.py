@@ -202,6 +202,7 @@ def train_loop(cfg, mesh, data, rows, compiled, eval_step, params, opt_state, fi
             reporter.log.write(clock.row(done, "preempted" if stop else "checkpoint"))
             reporter.restart_clock()
         if stop:
+            clock.watch.close()
             return params, opt_state, done
     reporter.flush()
     clock.watch.close()
