@@ -17,18 +17,28 @@ split into phases, each second counted in exactly one:
   other       the rest (samples and plots at the end)
 
 Phases are switched (PhaseClock.phase), not summed from separate timers, so at any
-moment the phases of an attempt add up to its elapsed time exactly. metrics.jsonl
+moment the phases of an attempt add up to its elapsed time exactly.
+
+Across the train steps, DeviceWatch says how long the host held the devices: the time
+between a step's end on the devices and the dispatch of the next one (the devices had
+nothing to do: the host was reading data, metrics, logging or dispatching), against the
+time the steps kept them busy. Its totals ride on the same rows (`host_held_s`,
+`device_busy_s`) and are carried across restarts the same way. metrics.jsonl
 carries the running totals in a `goodput` row after every checkpoint and at the end
 (and a `restart` row per resume); the next attempt starts from the totals of the
 checkpoint it resumed from and adds what was lost in between (restart_row).
 """
 
 import os
+import queue
+import threading
 import time
 from contextlib import contextmanager
 
 PHASES = ("startup", "compile", "train", "eval", "checkpoint", "data", "redone", "down", "other")
 LOST = ("redone", "down")  # lost to restarts
+OUTSIDE_STEPS = ("eval", "checkpoint")  # between two steps, these phases own the gap, not the host
+DEVICE_TOTALS = ("host_held_s", "device_busy_s")  # DeviceWatch's, on the rows beside `goodput`
 
 
 def process_start_time():
@@ -54,6 +64,8 @@ class PhaseClock:
         self.carried = dict.fromkeys(PHASES, 0.0)  # earlier attempts' totals and the time lost between
         self.spent = dict.fromkeys(PHASES, 0.0)
         self.current, self.since = "startup", self.start
+        self.watch = DeviceWatch()
+        self.carried_devices = dict.fromkeys(DEVICE_TOTALS, 0.0)
 
     def switch(self, phase):
         """Charge the time since the last switch to the current phase; `phase` from now on."""
@@ -64,6 +76,8 @@ class PhaseClock:
 
     @contextmanager
     def phase(self, name):
+        if name in OUTSIDE_STEPS:
+            self.watch.pause()
         previous = self.current
         self.switch(name)
         try:
@@ -81,7 +95,13 @@ class PhaseClock:
         next attempt continue them."""
         totals = self.totals()
         return dict(step=step, event=event, time=round(time.time(), 3), run_start=round(self.run_start, 3),
-                    goodput={p: round(s, 3) for p, s in totals.items()})
+                    goodput={p: round(s, 3) for p, s in totals.items()},
+                    **{k: round(s, 3) for k, s in self.device_totals().items()})
+
+    def device_totals(self):
+        """{"host_held_s", "device_busy_s"} of the whole run so far (DeviceWatch)."""
+        return dict(host_held_s=self.carried_devices["host_held_s"] + self.watch.held,
+                    device_busy_s=self.carried_devices["device_busy_s"] + self.watch.busy)
 
     def resume(self, rows, step, reason):
         """Continue the totals of the run whose metrics.jsonl rows (before the cut back to
@@ -99,18 +119,77 @@ class PhaseClock:
         self.carried = {p: base["goodput"].get(p, 0.0) for p in PHASES}
         self.carried["redone"] += redone
         self.carried["down"] += down
+        self.carried_devices = {k: base.get(k, 0.0) for k in DEVICE_TOTALS}  # (rows from before DeviceWatch: 0)
         n = sum(1 for r in rows if r.get("event") == "restart" and r["step"] <= step) + 1
         return dict(step=step, event="restart", restart=n, reason=reason, steps_redone=last_step - step,
                     redone_s=round(redone, 3), down_s=round(down, 3), stopped_at=round(alive, 3),
                     started_at=round(self.start, 3), time=round(time.time(), 3))
 
 
-def summary(totals, restarts=0):
-    """One line: the wall time and each phase's fraction of it (they add up to 1)."""
+def summary(totals, restarts=0, devices=None):
+    """One line: the wall time and each phase's fraction of it (they add up to 1), then,
+    given `devices` (PhaseClock.device_totals), the share of the wall the host held the
+    devices, and the share of the train steps' device time that is."""
     wall = sum(totals.values())
     lost = sum(totals[p] for p in LOST)
     parts = [f"{p} {totals[p] / wall:.1%}" for p in PHASES if p not in LOST and totals[p] > 0]
     if restarts or lost:
         parts.append(f"lost to {restarts} restart(s) {lost / wall:.1%} (steps redone {totals['redone']:.1f}s, "
                      f"down {totals['down']:.1f}s)")
-    return f"goodput: {wall:.1f}s of wall time = " + " + ".join(parts)
+    line = f"goodput: {wall:.1f}s of wall time = " + " + ".join(parts)
+    if devices:
+        held, busy = devices["host_held_s"], devices["device_busy_s"]
+        line += (f"; the host held the devices {held / wall:.1%} of the wall ({held:.1f}s between steps, "
+                 f"{held / max(held + busy, 1e-9):.1%} of the steps' time; the steps kept them busy {busy:.1f}s)")
+    return line
+
+
+class DeviceWatch:
+    """When each train step ends on the devices, seen from the host: a thread waits on
+    every dispatched step (its loss) and notes the time it is ready. Between two steps the
+    devices sit idle for max(0, dispatch of the next - end of the previous): the host held
+    them. `held` sums those gaps and `busy` the steps' own time on the devices, end - max(
+    dispatch, previous end). A pause (an evaluation, a checkpoint) leaves the next gap
+    out: its phase owns that time. The ends are seen as soon as the thread gets the GIL
+    (Python switches threads every 5 ms at most), so each gap can be that much short."""
+
+    def __init__(self):
+        self.held = self.busy = 0.0
+        self.steps = 0  # steps timed
+        self._queue, self._thread = queue.SimpleQueue(), None
+
+    def dispatched(self, array):
+        """A step was just dispatched; `array` (one of its outputs) is ready when it ends."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._wait_for_steps, name="goodput-device-watch", daemon=True)
+            self._thread.start()
+        self._queue.put((time.perf_counter(), array))
+
+    def pause(self):
+        self._queue.put("pause")
+
+    def close(self):
+        """Wait until every dispatched step is timed (the totals are final then)."""
+        if self._thread is not None:
+            self._queue.put("stop")
+            self._thread.join()
+            self._thread = None
+
+    def _wait_for_steps(self):
+        previous_end = None  # the last step's end, None after a pause
+        while (item := self._queue.get()) != "stop":
+            if item == "pause":
+                previous_end = None
+                continue
+            dispatched_at, array = item
+            try:
+                array.block_until_ready()
+            except Exception:  # the step failed: the loop reports it; stop timing
+                return
+            end = time.perf_counter()
+            started = dispatched_at if previous_end is None else max(dispatched_at, previous_end)
+            if previous_end is not None:
+                self.held += max(dispatched_at - previous_end, 0.0)
+            self.busy += end - started
+            self.steps += 1
+            previous_end = end

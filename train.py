@@ -72,7 +72,7 @@ def train(cfg):
     log.close()
     if cfg.log.plots and is_main_process():
         plot_run(run_dir)
-    say(goodput.summary(clock.totals(), restarts=log.restarts))
+    say(goodput.summary(clock.totals(), restarts=log.restarts, devices=clock.device_totals()))
     return run_dir
 
 
@@ -166,17 +166,19 @@ def train_loop(cfg, mesh, data, rows, compiled, eval_step, params, opt_state, fi
     opt_state, the step it stopped at on a preemption notice or None).
 
     Metrics of step s are read after step s+1 is dispatched, so the host never makes
-    the devices wait. Before an eval or a checkpoint the pending step is read first: a
-    checkpoint is only written for a step whose loss was finite. Every phase is charged
-    to `clock` (goodput.py)."""
+    the devices wait; of a step that is not logged, only the loss comes back. Before an
+    eval or a checkpoint the pending step is read first: a checkpoint is only written for
+    a step whose loss was finite. Every phase is charged to `clock` (goodput.py), and
+    clock.watch times the gaps the host leaves between steps."""
     clock.switch("train")
     for step in range(start_step, cfg.train.steps):
         with clock.phase("data"):
             batch = first_batch if step == start_step else train_batch(cfg, mesh, data, rows, step)
         params, opt_state, metrics = compiled(params, opt_state, batch, jnp.asarray(step))
+        clock.watch.dispatched(metrics["loss"])
         reporter.flush()  # the previous step's metrics
         done = step + 1  # steps completed; what metrics.jsonl and checkpoints call "step"
-        reporter.pending = (done, metrics)
+        reporter.expect(done, metrics)
         # Every process asks at every step (JAX's sync point needs it); the last step saves anyway.
         stop = preemption.should_stop(done) and done < cfg.train.steps
         if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
@@ -200,8 +202,10 @@ def train_loop(cfg, mesh, data, rows, compiled, eval_step, params, opt_state, fi
             reporter.log.write(clock.row(done, "preempted" if stop else "checkpoint"))
             reporter.restart_clock()
         if stop:
+            clock.watch.close()
             return params, opt_state, done
     reporter.flush()
+    clock.watch.close()
     with clock.phase("checkpoint"):
         manager.wait_until_finished()
     return params, opt_state, None
@@ -241,8 +245,15 @@ class Reporter:
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
         self.flops_per_step = flops.flops_per_token(cfg.model) * self.tokens_per_step
         self.peak_flops = flops.measure_peak_flops(jnp.dtype(cfg.model.dtype)) * mesh.devices.size
-        self.pending = None  # (step, device metrics) not yet read
+        self.pending = None  # (step, device metrics, its lr on the device or None) not yet read
         self.restart_clock()
+
+    def expect(self, step, metrics):
+        """Step `step` was dispatched; flush() reads `metrics` later. A logged step's lr
+        is dispatched now, behind that step: evaluated when the row is written, the
+        schedule's ops would queue behind the next step and the host would wait for it."""
+        logged = step % self.cfg.log.every == 0 or step == self.cfg.train.steps
+        self.pending = (step, metrics, self.schedule(step - 1) if logged else None)
 
     def restart_clock(self):
         """Time spent outside training steps (eval, compile) is not charged to a step."""
@@ -251,9 +262,10 @@ class Reporter:
     def flush(self):
         if self.pending is None:
             return
-        step, metrics = self.pending
+        step, metrics, lr = self.pending
         self.pending = None
-        metrics = jax.device_get(metrics)
+        if lr is not None:  # a logged step: every metric; else the loss alone
+            metrics, lr = jax.device_get((metrics, lr))
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
             self.manager.wait_until_finished()
@@ -267,11 +279,11 @@ class Reporter:
         mfu = self.flops_per_step / elapsed / self.peak_flops
         self.progress.update(1)
         self.progress.set_postfix(loss=f"{loss:.3f}", tok_s=flops.human(tokens_per_sec), mfu=f"{mfu:.1%}", refresh=False)
-        if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:
+        if lr is not None:
             stats = metrics["stats_N"]
             load_NE = stats["tokens_per_expert"] / np.maximum(stats["tokens_per_expert"].sum(-1, keepdims=True), 1)
             assigned = max(int(np.sum(stats["tokens_per_expert"])), 1)
-            row = dict(step=step, loss=loss, lr=float(self.schedule(step - 1)), grad_norm=float(metrics["grad_norm"]),
+            row = dict(step=step, loss=loss, lr=float(lr), grad_norm=float(metrics["grad_norm"]),
                        tokens_per_sec=tokens_per_sec, mfu=mfu, aux_loss=float(metrics["aux_loss"]),
                        dropped_frac=float(np.sum(stats["dropped"])) / assigned, expert_load=load_NE.round(4),
                        max_logit=float(metrics["max_logit"]),  # the attention's largest logit (step_core.loss_and_metrics)

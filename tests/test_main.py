@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 
+import optimizers
 from preemption import PREEMPTED_EXIT_CODE
-from utils import ConfigError, parse_args
+from utils import ConfigError, config_from_dict, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["--log.progress", "false", "--log.plots", "false", "--sample.num_samples", "0", "--log.every", "1"]
@@ -298,6 +299,10 @@ def test_run_writes_contract_files_and_samples(tmp_path, data_cache):
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "aux_loss", "dropped_frac", "expert_load"):
         assert key in train_rows[-1], key
     assert all(r["max_logit"] > 0 and len(r["max_logit_layer"]) == 8 for r in train_rows)  # every row; tiny: 8 blocks of 1 layer
+    schedule = optimizers.lr_schedule(config_from_dict(config).train)  # the lr each row's step trained with
+    assert [r["lr"] for r in train_rows] == [float(schedule(r["step"] - 1)) for r in train_rows]
+    (end,) = [r for r in rows if r.get("event") == "end"]  # how long the host held the devices between steps
+    assert end["device_busy_s"] > 0 and 0 <= end["host_held_s"] <= end["goodput"]["train"] + end["goodput"]["data"], end
     assert [r["step"] for r in rows if "val_loss" in r] == [15, 30]
     assert sorted(os.listdir(run / "checkpoints")) == ["30"]
     assert (run / "samples.txt").read_text().count("--- step 30") == 1
