@@ -84,8 +84,8 @@ class ModelConfig:
     d_expert: int = option(128, "hidden units per expert")
     capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
     moe_kernel: str = option("auto", "grouped matmul of the dropless routed experts (--model.capacity_factor 0): ragged_dot "
-                                     "(jax.lax.ragged_dot) | gmm (Pallas megablox, interpret mode off TPU; one device for now) | "
-                                     "auto = gmm on a one-device TPU, ragged_dot elsewhere")
+                                     "(jax.lax.ragged_dot) | gmm (Pallas megablox, interpret mode off TPU) | "
+                                     "auto = gmm on TPU, ragged_dot elsewhere")
     router_score: str = option("softmax", "router scores: softmax | sigmoid")
     routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
