@@ -112,7 +112,7 @@ class ModelConfig:
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "
                                       "dot_product_attention (jax.nn's, cuDNN flash attention on GPU) | blockwise (online softmax over "
                                       "key blocks: memory linear in seq_len; blockwise_attention.py) | splash (the Pallas TPU kernel, causal "
-                                      "blocks skipped; interpret mode off the TPU, slow; no --mesh.cp; splash_attention.py)")
+                                      "blocks skipped; interpret mode off the TPU, slow; splash_attention.py)")
     attention_block: int = option(512, "blockwise and splash attention: queries and keys per block (must divide seq_len, or "
                                        "exceed it; splash: a multiple of 128 once cut to seq_len)")
     remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
