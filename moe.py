@@ -10,10 +10,9 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
 
-from blockwise_attention import varying_like
+from blockwise_attention import unchecked, varying_like
 from layers import ACC_DTYPE, DenseFFN, init_normal, is_auto_axis, live_axes, residual_scale
 
 MOE_KERNELS = ("auto", "ragged_dot", "gmm")
@@ -195,19 +194,6 @@ def gmm_tiling(m_padded, k, n):
     with the same tiles, so tk and tn each divide both k and n."""
     lane = GMM_LANE_TILE if k % GMM_LANE_TILE == 0 and n % GMM_LANE_TILE == 0 else math.gcd(k, n)
     return min(GMM_ROW_TILE, m_padded), lane, lane
-
-
-def unchecked(kernel, *arrays):
-    """kernel(*arrays) inside a nested shard_map that takes no mesh axes and checks no
-    varying axes: megablox's Pallas call declares its output without the axes it varies
-    over, which the step's check_vma refuses (outside a shard_map: the call itself).
-    The kernel is vmapped over a batch of one: Pallas' interpret mode (off TPU) otherwise
-    loops over blocks typed as not varying while its operands are, and refuses."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.manual_axes:
-        return kernel(*arrays)
-    batch_of_one = lambda *arrays: jax.vmap(kernel)(*(a[None] for a in arrays))[0]  # noqa: E731
-    return jax.shard_map(batch_of_one, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=frozenset(), check_vma=False)(*arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -30,11 +30,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as jax_config
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-from blockwise_attention import varying_like
+from blockwise_attention import unchecked, varying_like
 from context_parallel import chunk_positions, gathered_positions
 
 # The kernel's lane width: its key blocks must be multiples of it (utils.validate_model).
@@ -58,7 +57,8 @@ def causal_attention(T, H, block, interpret, cp=1, rank=0):
     same on every device, which shard_map's type check (check_vma, step/train_steps.py)
     refuses inside the step, and a pcast to "varying" after it would transpose to a psum
     of the cotangents. So the kernel's own forward and backward (its custom_vjp's two
-    halves, private to the pinned JAX) run with the check off, and this function's
+    halves, private to the pinned JAX) run with the check off (blockwise_attention.
+    unchecked: a nested shard_map with check_vma=False), and this function's
     custom_vjp types the outputs as varying like its inputs, as they are.
     """
     sizes = splash_kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
@@ -91,14 +91,12 @@ def causal_attention(T, H, block, interpret, cp=1, rank=0):
         return attention_forward(q_BHTW, k_BHTW, v_BHTK)[0]
 
     def attention_forward(q_BHTW, k_BHTW, v_BHTK):
-        with jax_config._check_vma(False):
-            out_BHTK, lse_BHT = jax.vmap(forward_row)(q_BHTW, k_BHTW, v_BHTK)
+        out_BHTK, lse_BHT = unchecked(jax.vmap(forward_row), q_BHTW, k_BHTW, v_BHTK)
         out_BHTK = varying_like(out_BHTK, q_BHTW, k_BHTW, v_BHTK)
         return out_BHTK, (q_BHTW, k_BHTW, v_BHTK, out_BHTK, lse_BHT)
 
     def attention_backward(residuals, d_out_BHTK):
-        with jax_config._check_vma(False):
-            grads = jax.vmap(backward_row)(*residuals, d_out_BHTK)
+        grads = unchecked(jax.vmap(backward_row), *residuals, d_out_BHTK)
         return tuple(varying_like(g, x) for g, x in zip(grads, residuals[:3]))
 
     attention.defvjp(attention_forward, attention_backward)
