@@ -568,24 +568,45 @@ def operand_names(args):
 def matmul_flops(line, result, args, dims_of):
     """FLOPs of one dot, or of a convolution (XLA:TPU writes matmuls as convolutions:
     dim_labels=bf_io->bf), from its result and operand shapes: 2 x result elements x
-    contracted size. A convolution contracts its kernel's input features and its window
-    taps; a batched matmul is written as a window over the batch dim with the input
-    dilated by the window's size (window={size=8 stride=7 lhs_dilate=8}), whose taps
-    all but one land on holes: a window dim counts ceil(size / lhs_dilate) taps."""
+    contracted size. A convolution contracts its kernel's input features and the window
+    taps that land on its input (real_taps)."""
     out = math.prod(int(d) for d in ARRAY.search(result).group(2).split(",") if d)
     lhs, rhs = operand_names(args)[:2]
     if " dot(" in line:
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
         return 2 * out * math.prod(dims_of[lhs][int(d)] for d in contracting.split(",") if d)
-    kernel_labels = re.search(r"dim_labels=[^_]+_([^-]+)->", line).group(1)
+    lhs_labels, kernel_labels, out_labels = re.search(r"dim_labels=([^_]+)_([^-]+)->(\w+)", line).groups()
     in_features = dims_of[rhs][kernel_labels.index("i")]
-    window = re.search(r"window=\{size=([\dx]+)(?:[^}]*lhs_dilate=([\dx]+))?", line)
-    taps = 1
-    if window:
-        sizes = [int(n) for n in window.group(1).split("x")]
-        dilations = [int(n) for n in window.group(2).split("x")] if window.group(2) else [1] * len(sizes)
-        taps = math.prod(-(-size // dilate) for size, dilate in zip(sizes, dilations))
-    return 2 * out * in_features * taps
+    window = re.search(r"window=\{([^}]*)\}", line)
+    if not window:
+        return 2 * out * in_features
+    out_dims = [int(d) for d in ARRAY.search(result).group(2).split(",") if d]
+    taps = 1.0
+    for d, (size, stride, (low, _), dilate) in enumerate(window_dims(window.group(1))):
+        n, m = dims_of[lhs][lhs_labels.index(str(d))], out_dims[out_labels.index(str(d))]
+        taps *= real_taps(n, m, size, stride, low, dilate) / m
+    return round(2 * out * in_features * taps)
+
+
+def window_dims(window):
+    """[(size, stride, (pad low, pad high), lhs_dilate)] per spatial dim of an HLO window."""
+    fields = dict(field.split("=") for field in window.split())
+    sizes = [int(n) for n in fields["size"].split("x")]
+
+    def per_dim(name, parse, default):
+        return [parse(v) for v in fields[name].split("x")] if name in fields else [default] * len(sizes)
+    return list(zip(sizes, per_dim("stride", int, 1), per_dim("pad", lambda v: tuple(int(p) for p in v.split("_")), (0, 0)),
+                    per_dim("lhs_dilate", int, 1)))
+
+
+def real_taps(n, m, size, stride, low, dilate):
+    """Window taps over one spatial dim, all m outputs together, that land on one of the
+    n input elements rather than on padding or a dilation's hole: XLA:TPU writes batched
+    matmuls and outer products as windows mostly over such (window={size=8 stride=7
+    lhs_dilate=8}, or size=4 pad=3_3 over a dim of 1), which multiply nothing."""
+    index_M = np.arange(m) * stride - low
+    return sum(int(np.sum((index_M + tap >= 0) & (index_M + tap <= (n - 1) * dilate) & ((index_M + tap) % dilate == 0)))
+               for tap in range(size))
 
 
 def dot_flops(hlo, name_part=""):

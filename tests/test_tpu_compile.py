@@ -493,6 +493,23 @@ ENTRY %main (x: f32[1024], a: bf16[64,128], b: bf16[128,256]) -> (s32[], f32[102
 FUSED_MATMUL = "%fusion = bf16[64,256]{1,0} fusion(%a, %b), kind=kOutput, calls=%matmul"
 
 
+@pytest.mark.parametrize("convolution, operand_dims, flops", [
+    # tiny's float32 step on v4-8 2x1x2: a weight's gradient over 128 tokens as a window of 4 over a dim of 1,
+    # padded 3 each side: one tap of each output lands on the input (counted as 4, the step read 1.5x bf16's)
+    ("f32[16,4,8]{2,0,1} convolution(%a, %b), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=fb0_0oi->b0f",
+     dict(a=[128, 16, 1], b=[4, 8, 128]), 2 * 16 * 4 * 8 * 128),
+    # a batched matmul over 8 as a window on the dilated input: one tap of 8
+    ("f32[8,64,256]{2,1,0} convolution(%a, %b), window={size=8 stride=7 lhs_dilate=8}, dim_labels=0bf_0io->0bf",
+     dict(a=[8, 64, 128], b=[8, 128, 256]), 2 * 8 * 64 * 256 * 128),
+    ("f32[2,3,8]{2,1,0} convolution(%a, %b), window={size=3}, dim_labels=b0f_0io->b0f",  # a real convolution: 3 taps
+     dict(a=[2, 5, 16], b=[3, 16, 8]), 2 * 2 * 3 * 8 * 16 * 3),
+], ids=["padded-window", "dilated-window", "convolution"])
+def test_dot_flops_count_the_window_taps_that_land_on_the_input(convolution, operand_dims, flops):
+    line = f"  %c = {convolution}"
+    m = tpu_compile.INSTRUCTION.match(line)
+    assert tpu_compile.matmul_flops(line, m.group(1), m.group(3), operand_dims) == flops
+
+
 @pytest.mark.parametrize("matmul_between", [True, False])
 def test_overlap_parser_on_a_scheduled_loop(matmul_between):
     """Bytes per step: the loop's send 3 x 4 KiB, overlapped only when the matmul sits
