@@ -111,6 +111,14 @@ def varying_like(tree, *refs):
     return jax.tree.map(vary, tree)
 
 
+def interpret_kernels():
+    """Do Pallas kernels run in interpret mode in the program being traced? Off a TPU they
+    must. The platform is the mesh's devices' where there is one: tpu_compile compiles for
+    a TPU slice's devices from a CPU host, where the default backend says cpu."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return (device.platform if device is not None else jax.default_backend()) != "tpu"
+
+
 def unchecked(kernel, *arrays):
     """kernel(*arrays) inside a nested shard_map that takes no mesh axes and checks no
     varying axes: a Pallas call (splash attention, megablox) declares its outputs without

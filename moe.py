@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
 
-from blockwise_attention import unchecked, varying_like
+from blockwise_attention import interpret_kernels, unchecked, varying_like
 from layers import ACC_DTYPE, DenseFFN, init_normal, is_auto_axis, live_axes, residual_scale
 
 MOE_KERNELS = ("auto", "ragged_dot", "gmm")
@@ -246,7 +246,7 @@ def grouped_matmul(kernel, x_NI, w_EIO, tokens_per_expert_E):
     # One varying type for both (the casts' transposes sum the gradients of whatever is replicated).
     x_PI, w_EIO = varying_like(x_PI, w_EIO), varying_like(w_EIO, x_PI)
     tiling = gmm_tiling(N + padded, n_in, w_EIO.shape[2])
-    y_PO = typed_gmm(x_PI, w_EIO, tokens_per_expert_E.astype(jnp.int32), tiling, jax.default_backend() != "tpu")
+    y_PO = typed_gmm(x_PI, w_EIO, tokens_per_expert_E.astype(jnp.int32), tiling, interpret_kernels())
     return jnp.where(written_P1, y_PO, 0)[:N]
 
 

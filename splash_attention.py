@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-from blockwise_attention import unchecked, varying_like
+from blockwise_attention import interpret_kernels, unchecked, varying_like
 from context_parallel import chunk_positions, gathered_positions
 
 # The kernel's lane width: its key blocks must be multiples of it (utils.validate_model).
@@ -116,7 +116,7 @@ def splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, 
     k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_rope_BSR.shape[:2] + (H, R)).astype(k_nope_BSHK.dtype)
     k_BHSW = jnp.concatenate([k_nope_BSHK, k_rope_BSHR], axis=-1).transpose(0, 2, 1, 3)
     v_BHSK = v_BSHK.transpose(0, 2, 1, 3)
-    interpret = jax.default_backend() != "tpu"
+    interpret = interpret_kernels()
     if cp_axis is None:
         out_BHTK = causal_attention(S, H, splash_block(block, S), interpret)(q_BHTW, k_BHSW, v_BHSK)
     else:
