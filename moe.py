@@ -190,10 +190,12 @@ def resolve_moe_kernel(kernel):
 
 
 def gmm_tiling(m_padded, k, n):
-    """(tm, tk, tn) for megablox.gmm: its backward multiplies by the transposed weights
-    with the same tiles, so tk and tn each divide both k and n."""
-    lane = GMM_LANE_TILE if k % GMM_LANE_TILE == 0 and n % GMM_LANE_TILE == 0 else math.gcd(k, n)
-    return min(GMM_ROW_TILE, m_padded), lane, lane
+    """(tm, tk, tn) for megablox.gmm of [m, k] rows by [E, k, n] weights: a TPU block is a
+    multiple of 128 lanes or a whole dim, so k and n are tiled by 128 where they divide
+    by it and whole otherwise."""
+    def lanes(d):
+        return GMM_LANE_TILE if d % GMM_LANE_TILE == 0 else d
+    return min(GMM_ROW_TILE, m_padded), lanes(k), lanes(n)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -217,8 +219,9 @@ def typed_gmm_fwd(x_PI, w_EIO, sizes_E, tiling, interpret):
 def typed_gmm_bwd(tiling, interpret, residuals, dy_PO):
     x_PI, w_EIO, sizes_E = residuals
     kernels = megablox_ops.backend
-    dx_kernel = functools.partial(kernels.gmm, preferred_element_type=x_PI.dtype, tiling=tiling, transpose_rhs=True,
-                                  interpret=interpret)
+    tm, tk, tn = tiling
+    dx_kernel = functools.partial(kernels.gmm, preferred_element_type=x_PI.dtype, tiling=(tm, tn, tk), transpose_rhs=True,
+                                  interpret=interpret)  # (dy [P, O] by the weights transposed: O is its contracted dim)
     dw_kernel = functools.partial(kernels.tgmm, preferred_element_type=w_EIO.dtype, tiling=tiling,
                                   num_actual_groups=w_EIO.shape[0], interpret=interpret)
     dx_PI = unchecked(dx_kernel, dy_PO, w_EIO, sizes_E)

@@ -609,6 +609,29 @@ def real_taps(n, m, size, stride, low, dilate):
                for tap in range(size))
 
 
+GROUPED_MATMUL = re.compile(r"^\s*(?:ROOT )?%\S*?(t?gmm)\S* = ")
+
+
+def grouped_matmul_flops(line):
+    """FLOPs of a megablox gmm or tgmm kernel (a tpu_custom_call, moe.grouped_matmul; 0
+    for any other custom call) as its grid runs them: every row tile it may visit, the
+    tiles of the m rows plus one per group boundary inside a tile (its group_ids
+    operand holds one entry per such tile), each tm x k x n. Operands: group_offsets
+    [E + 1], group_ids, m_tile_ids, group_offset, lhs, rhs."""
+    kind = GROUPED_MATMUL.match(line)
+    if not kind or 'custom_call_target="tpu_custom_call"' not in line:
+        return 0
+    operands = line.split("operand_layout_constraints=", 1)[1].split("frontend_attributes=", 1)[0]
+    shapes = [[int(d) for d in dims.split(",") if d] for _, dims in ARRAY.findall(operands)]
+    (groups_plus_one,), (visited_tiles,), _, _, lhs, rhs = shapes[-6:]  # (vmapped: the batch index first)
+    if kind.group(1) == "gmm":  # [m, k] rows by [E, k, n] (or [E, n, k], transposed) weights into [m, n]
+        (m, k), n = lhs, int(ARRAY.search(line.split(" custom-call(", 1)[0]).group(2).split(",")[-1])
+    else:  # tgmm: [k, m] by [m, n] into [E, k, n]
+        (k, m), (_, n) = lhs, rhs
+    row_tiles = visited_tiles - (groups_plus_one - 1) + 1
+    return 2 * visited_tiles * (m // row_tiles) * k * n
+
+
 def dot_flops(hlo, name_part=""):
     """FLOPs per step on one device of the dots and convolutions of an optimized HLO
     module whose metadata contains name_part (e.g. a jax.named_scope), loops counted by
@@ -634,6 +657,8 @@ def dot_flops(hlo, name_part=""):
             op = m.group(2)
             if op in ("dot", "convolution") and name_part in line:
                 total += matmul_flops(line, m.group(1), m.group(3), dims_of)
+            if op == "custom-call" and name_part in line:
+                total += grouped_matmul_flops(line)
             loop = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
             if loop:
                 total += trip_count(line, comps.get(loop.group(1), [])) * flops(loop.group(2))
