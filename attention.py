@@ -179,7 +179,8 @@ class MLAttention(nnx.Module):
                 q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, self.softmax_scale, self.block)
         elif self.implementation in ("dot_product_attention", "splash"):
             if self.implementation == "splash":
-                out_BTHK = splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, self.softmax_scale, self.block)
+                out_BTHK = splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, self.softmax_scale, self.block,
+                                            None if chunks is None else chunks.axis)
             else:
                 out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK)
             # The fused kernels keep their scores to themselves: they are taken again, a block of

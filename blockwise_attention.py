@@ -26,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from layers import ACC_DTYPE
 
@@ -108,6 +109,30 @@ def varying_like(tree, *refs):
         missing = tuple(axes - set(jax.typeof(x).manual_axis_type.varying))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
     return jax.tree.map(vary, tree)
+
+
+def interpret_kernels():
+    """Do Pallas kernels run in interpret mode in the program being traced? Off a TPU they
+    must. The platform is the mesh's devices' where there is one: tpu_compile compiles for
+    a TPU slice's devices from a CPU host, where the default backend says cpu."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return (device.platform if device is not None else jax.default_backend()) != "tpu"
+
+
+def unchecked(kernel, *arrays):
+    """kernel(*arrays) inside a nested shard_map that takes no mesh axes and checks no
+    varying axes: a Pallas call (splash attention, megablox) declares its outputs without
+    the axes they vary over, which the step's check_vma refuses (outside a shard_map: the
+    call itself); the caller types the outputs (varying_like). The kernel is vmapped over
+    a batch of one: Pallas' interpret mode (off TPU) otherwise loops over blocks typed as
+    not varying while its operands are, and refuses."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.manual_axes:
+        return kernel(*arrays)
+
+    def batch_of_one(*arrays):
+        return jax.tree.map(lambda y: y[0], jax.vmap(kernel)(*(a[None] for a in arrays)))
+    return jax.shard_map(batch_of_one, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=frozenset(), check_vma=False)(*arrays)
 
 
 def any_visible(q_pos_t, k_pos_s):

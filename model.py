@@ -84,8 +84,8 @@ class ModelConfig:
     d_expert: int = option(128, "hidden units per expert")
     capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
     moe_kernel: str = option("auto", "grouped matmul of the dropless routed experts (--model.capacity_factor 0): ragged_dot "
-                                     "(jax.lax.ragged_dot) | gmm (Pallas megablox, interpret mode off TPU; one device for now) | "
-                                     "auto = gmm on a one-device TPU, ragged_dot elsewhere")
+                                     "(jax.lax.ragged_dot) | gmm (Pallas megablox, interpret mode off TPU) | "
+                                     "auto = gmm on TPU, ragged_dot elsewhere")
     router_score: str = option("softmax", "router scores: softmax | sigmoid")
     routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
@@ -112,7 +112,7 @@ class ModelConfig:
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "
                                       "dot_product_attention (jax.nn's, cuDNN flash attention on GPU) | blockwise (online softmax over "
                                       "key blocks: memory linear in seq_len; blockwise_attention.py) | splash (the Pallas TPU kernel, causal "
-                                      "blocks skipped; interpret mode off the TPU, slow; no --mesh.cp; splash_attention.py)")
+                                      "blocks skipped; interpret mode off the TPU, slow; splash_attention.py)")
     attention_block: int = option(512, "blockwise and splash attention: queries and keys per block (must divide seq_len, or "
                                        "exceed it; splash: a multiple of 128 once cut to seq_len)")
     remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "

@@ -10,10 +10,9 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax._src import config as jax_config
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
 
-from blockwise_attention import varying_like
+from blockwise_attention import interpret_kernels, unchecked, varying_like
 from layers import ACC_DTYPE, DenseFFN, init_normal, is_auto_axis, live_axes, residual_scale
 
 MOE_KERNELS = ("auto", "ragged_dot", "gmm")
@@ -183,26 +182,20 @@ def sequence_balance_loss(probs_BTE, experts_BTX, n_experts, seq_axis=None):
 
 
 def resolve_moe_kernel(kernel):
-    """The grouped matmul `--model.moe_kernel` names: auto is gmm on a one-device TPU
-    (megablox skips the tiles of other experts; on a mesh it does not run yet, see
-    parallel.check_config_fits_mesh), ragged_dot elsewhere (CPU and GPU keep XLA's op)."""
+    """The grouped matmul `--model.moe_kernel` names: auto is gmm on a TPU (megablox
+    skips the tiles of other experts), ragged_dot elsewhere (CPU and GPU keep XLA's op)."""
     if kernel == "auto":
-        return "gmm" if jax.default_backend() == "tpu" and jax.device_count() == 1 else "ragged_dot"
+        return "gmm" if jax.default_backend() == "tpu" else "ragged_dot"
     return kernel
 
 
 def gmm_tiling(m_padded, k, n):
-    """(tm, tk, tn) for megablox.gmm: its backward multiplies by the transposed weights
-    with the same tiles, so tk and tn each divide both k and n."""
-    lane = GMM_LANE_TILE if k % GMM_LANE_TILE == 0 and n % GMM_LANE_TILE == 0 else math.gcd(k, n)
-    return min(GMM_ROW_TILE, m_padded), lane, lane
-
-
-def untyped_kernel(kernel, *args):
-    """A megablox kernel traced with shard_map's varying-axes check off: its Pallas call
-    declares its output without the axes it varies over, which check_vma refuses."""
-    with jax_config._check_vma(False):
-        return kernel(*args)
+    """(tm, tk, tn) for megablox.gmm of [m, k] rows by [E, k, n] weights: a TPU block is a
+    multiple of 128 lanes or a whole dim, so k and n are tiled by 128 where they divide
+    by it and whole otherwise."""
+    def lanes(d):
+        return GMM_LANE_TILE if d % GMM_LANE_TILE == 0 else d
+    return min(GMM_ROW_TILE, m_padded), lanes(k), lanes(n)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -211,21 +204,28 @@ def typed_gmm(x_PI, w_EIO, sizes_E, tiling, interpret):
     weights', as megablox.ops does), each result typed as varying over what x_PI and
     w_EIO vary over. Inside a shard_map both arrive with the same varying axes
     (`grouped_matmul` casts them first), so no cotangent needs a psum here."""
-    y_PO = untyped_kernel(megablox_ops.backend.gmm, x_PI, w_EIO, sizes_E, x_PI.dtype, tiling, None, None, False, interpret)
-    return varying_like(y_PO, x_PI, w_EIO)
+    return gmm_forward(x_PI, w_EIO, sizes_E, tiling, interpret)
+
+
+def gmm_forward(x_PI, w_EIO, sizes_E, tiling, interpret):
+    kernel = functools.partial(megablox_ops.backend.gmm, preferred_element_type=x_PI.dtype, tiling=tiling, interpret=interpret)
+    return varying_like(unchecked(kernel, x_PI, w_EIO, sizes_E), x_PI, w_EIO)
 
 
 def typed_gmm_fwd(x_PI, w_EIO, sizes_E, tiling, interpret):
-    return typed_gmm(x_PI, w_EIO, sizes_E, tiling, interpret), (x_PI, w_EIO, sizes_E)
+    return gmm_forward(x_PI, w_EIO, sizes_E, tiling, interpret), (x_PI, w_EIO, sizes_E)
 
 
 def typed_gmm_bwd(tiling, interpret, residuals, dy_PO):
     x_PI, w_EIO, sizes_E = residuals
     kernels = megablox_ops.backend
-    dx_PI = untyped_kernel(functools.partial(kernels.gmm, transpose_rhs=True, interpret=interpret), dy_PO, w_EIO, sizes_E,
-                           x_PI.dtype, tiling)
-    dw_EIO = untyped_kernel(functools.partial(kernels.tgmm, interpret=interpret), x_PI.swapaxes(0, 1), dy_PO, sizes_E,
-                            w_EIO.dtype, tiling, None, w_EIO.shape[0])
+    tm, tk, tn = tiling
+    dx_kernel = functools.partial(kernels.gmm, preferred_element_type=x_PI.dtype, tiling=(tm, tn, tk), transpose_rhs=True,
+                                  interpret=interpret)  # (dy [P, O] by the weights transposed: O is its contracted dim)
+    dw_kernel = functools.partial(kernels.tgmm, preferred_element_type=w_EIO.dtype, tiling=tiling,
+                                  num_actual_groups=w_EIO.shape[0], interpret=interpret)
+    dx_PI = unchecked(dx_kernel, dy_PO, w_EIO, sizes_E)
+    dw_EIO = unchecked(dw_kernel, x_PI.swapaxes(0, 1), dy_PO, sizes_E)
     return varying_like(dx_PI, x_PI), varying_like(dw_EIO, w_EIO), None
 
 
@@ -249,7 +249,7 @@ def grouped_matmul(kernel, x_NI, w_EIO, tokens_per_expert_E):
     # One varying type for both (the casts' transposes sum the gradients of whatever is replicated).
     x_PI, w_EIO = varying_like(x_PI, w_EIO), varying_like(w_EIO, x_PI)
     tiling = gmm_tiling(N + padded, n_in, w_EIO.shape[2])
-    y_PO = typed_gmm(x_PI, w_EIO, tokens_per_expert_E.astype(jnp.int32), tiling, jax.default_backend() != "tpu")
+    y_PO = typed_gmm(x_PI, w_EIO, tokens_per_expert_E.astype(jnp.int32), tiling, interpret_kernels())
     return jnp.where(written_P1, y_PO, 0)[:N]
 
 
@@ -337,7 +337,7 @@ class MoE(nnx.Module):
         dropped = jnp.sum(~kept_GSX)
         return y_GSD, tokens_per_expert_GE, dropped
 
-    def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis=None):
+    def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis=None, kernel=None):
         """No capacity: sort all (token, choice) pairs by expert and run a grouped
         matmul (`grouped_matmul`: ragged_dot or megablox gmm) over the contiguous runs
         of each expert.
@@ -345,7 +345,8 @@ class MoE(nnx.Module):
         With expert parallelism (this device holds E/ep experts) every device gathers the
         ep devices' groups, runs the pairs of its own experts (the others' sort after them
         and come out 0), and a psum_scatter hands each device its groups' sums: no fixed
-        buffers and nothing dropped, for an all-gather of ep x the tokens."""
+        buffers and nothing dropped, for an all-gather of ep x the tokens. kernel: the
+        grouped matmul's (default: the layer's --model.moe_kernel)."""
         tokens_per_expert_GE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_GSX)
         expert_parallel = ep_axis is not None and not is_auto_axis(ep_axis) and bool(live_axes(ep_axis))
         if expert_parallel:
@@ -358,7 +359,7 @@ class MoE(nnx.Module):
         token_of_pair = jnp.arange(G * S * X) // X
         x_ND = x_GSD.reshape(G * S, D)[token_of_pair[order]]
         tokens_per_expert_E = jnp.zeros((n_local + 1,), jnp.int32).at[local_N].add(1)[:n_local]
-        matmul = functools.partial(grouped_matmul, self.moe_kernel, tokens_per_expert_E=tokens_per_expert_E)
+        matmul = functools.partial(grouped_matmul, kernel or self.moe_kernel, tokens_per_expert_E=tokens_per_expert_E)
         gate, up = matmul(x_ND, self.w_gate_EDF[...]), matmul(x_ND, self.w_up_EDF[...])
         y_ND = matmul(jax.nn.silu(gate) * up, self.w_down_EFD[...])
         y_pairs = jnp.zeros_like(y_ND).at[order].set(y_ND).reshape(G, S, X, D)
@@ -398,6 +399,7 @@ class MoE(nnx.Module):
         B, T, D = x_BTD.shape
         x_GSD = x_BTD.reshape(B * T, 1, D)
         gates_GSX, experts_GSX, _ = self.route(x_GSD)
-        y_GSD, _, _ = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, self.router_DE[...].shape[1])
+        # (ragged_dot: decoding runs outside the step's shard_map, where a Pallas kernel is not partitioned)
+        y_GSD, _, _ = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, self.router_DE[...].shape[1], kernel="ragged_dot")
         y_BTD = y_GSD.reshape(B, T, D)
         return y_BTD + self.shared(x_BTD) if self.shared is not None else y_BTD

@@ -220,9 +220,10 @@ def check_config_fits_mesh(cfg, mesh):
         if m.capacity_factor == 0 and cfg.mesh.sharding == "auto":
             raise ConfigError("--mesh.expert_parallel with dropless experts (--model.capacity_factor 0) needs --mesh.sharding "
                               "manual: the automatic executor places fixed-size expert buffers only")
-    if "M" in m.block_pattern and m.capacity_factor == 0 and resolve_moe_kernel(m.moe_kernel) == "gmm" and mesh.size > 1:
-        raise ConfigError(f"--model.moe_kernel gmm runs on one device for now, not on {mesh.size}: megablox's Pallas call does not "
-                          "type its output for shard_map (check_vma); use --model.moe_kernel ragged_dot")
+    if "M" in m.block_pattern and m.capacity_factor == 0 and resolve_moe_kernel(m.moe_kernel) == "gmm" and \
+            cfg.mesh.sharding == "auto" and mesh.size > 1:
+        raise ConfigError(f"--model.moe_kernel gmm on {mesh.size} devices needs --mesh.sharding manual (the compiler does not "
+                          "partition the kernel); use --model.moe_kernel ragged_dot")
     if "M" in m.block_pattern and m.d_expert % tp:
         raise ConfigError(f"--model.d_expert ({m.d_expert}) must be divisible by --mesh.tp ({tp})")
 

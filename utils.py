@@ -348,10 +348,10 @@ def context_parallel_checks(cfg):
             (m.seq_len % (2 * cp) or L % group == 0,
              f"--model.routing_group ({group}) must divide --model.seq_len / (2 x --mesh.cp) = {L}: a routing group must not straddle "
              f"two cp ranks' chunks; set --model.routing_group to a divisor of {L}"),
-            (m.attention != "blockwise" or m.seq_len % (2 * cp) or L % min(m.attention_block, L) == 0,
+            (m.attention not in ("blockwise", "splash") or m.seq_len % (2 * cp) or L % min(m.attention_block, L) == 0,
              f"--model.attention_block ({m.attention_block}) must divide --model.seq_len / (2 x --mesh.cp) = {L} (blocks within a chunk)"),
-            (m.attention not in ("dot_product_attention", "splash"),
-             f"--mesh.cp {cp} needs --model.attention matmul or blockwise: {m.attention}'s causal mask assumes whole sequences "
+            (m.attention != "dot_product_attention",
+             f"--mesh.cp {cp} needs --model.attention matmul, blockwise or splash: {m.attention}'s causal mask assumes whole sequences "
              f"(a chunk's mask offset by its rank is not one it is made with)")]
 
 
@@ -360,7 +360,12 @@ def splash_checks(cfg):
     m = cfg.model
     if m.attention != "splash":
         return []
-    block = min(m.attention_block, m.seq_len)
+    # Under cp the blocks are cut to a chunk (context_parallel_checks: they divide it), so
+    # that the blocks a chunk cannot see are whole blocks, skipped.
+    cp = cfg.mesh.cp
+    span, name = (m.seq_len // (2 * cp), f"--model.seq_len / (2 x --mesh.cp) = {m.seq_len // (2 * cp)}") if cp > 1 else \
+        (m.seq_len, f"--model.seq_len {m.seq_len}")
+    block = min(m.attention_block, span)
     # (the compiler cannot partition a Pallas kernel: under auto it would run every head
     # of every row on each device; under manual each device calls it on its own share)
     return [(cfg.mesh.sharding == "manual", "--model.attention splash needs --mesh.sharding manual (the compiler does not "
@@ -369,7 +374,7 @@ def splash_checks(cfg):
              f"--model.attention_block ({m.attention_block}) must divide --model.seq_len ({m.seq_len})"),
             (block % SPLASH_LANES == 0,
              f"--model.attention splash needs blocks of a multiple of {SPLASH_LANES} tokens (the kernel's lanes): "
-             f"--model.attention_block {m.attention_block} at --model.seq_len {m.seq_len} gives {block}")]
+             f"--model.attention_block {m.attention_block} at {name} gives {block}")]
 
 
 def validate_model(cfg):

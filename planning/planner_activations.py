@@ -59,6 +59,7 @@ class Local:
     V: int  # vocabulary rows on this device
     c: int  # compute dtype bytes
     block: int = 0  # blockwise attention's block (0: matmul attention, all scores at once)
+    splash: bool = False  # splash attention (splash_attention.py): its scores stay inside the kernel
 
 
 def norm_bytes(width):
@@ -76,12 +77,22 @@ def attention_bytes(s):
     # matmul: scores_BHTS (float32), probs (compute dtype), softmax max/sum; blockwise keeps
     # only the log-sum-exp (float32) of each query and head: its blocks live inside its loops
     scores = s.H * s.Tk * (F32 + s.c) + 2 * s.H * F32 if not s.block else s.H * F32
+    if s.splash:
+        scores = splash_residual_bytes(s)
     return (norm_bytes(s.D) + 3 * s.D * s.c  # attn_norm; its output, kept by each of the 3 down-projections
             + latent_q
             + norm_bytes(s.A) + s.A * s.c * kv  # kv latent: kv_norm internals, kv_BSA (under cp: gathered)
             + s.H * s.K * s.c + s.H * s.K * s.c * kv + s.H * s.R * s.c + s.R * s.c * kv  # q_nope, k_nope, q_rope, k_rope
             + scores
             + s.H * s.K * s.c * kv + s.H * s.K * s.c)  # v_BSHK, out_BTHK
+
+
+def splash_residual_bytes(s):
+    """What splash attention keeps per token of this device beyond attention_bytes' own:
+    no [T, S] scores, the log-sum-exp of each query and head (float32) and the kernel's
+    [nope | rope] queries and keys (the shared RoPE key copied to every head; under cp
+    the keys of the whole sequence)."""
+    return s.H * F32 + s.H * (s.K + s.R) * s.c * (1 + s.Tk // s.T)
 
 
 def swiglu_bytes(s, F):
@@ -117,7 +128,7 @@ def matmul_output_bytes(s, kind, m, itemsize=F32):
     float32 (layers.project accumulates in float32 and casts after; on TPU the cast is
     fused into the matmul: itemsize = the compute dtype's)."""
     kv = s.Tk // s.T  # under cp: keys and values up-projected from the whole sequence's latent
-    scores = 2 * s.H * s.Tk if not s.block else 0  # blockwise: one block of them at a time, inside its loops
+    scores = 2 * s.H * s.Tk if not (s.block or s.splash) else 0  # blockwise: one block of them at a time, inside its loops
     attention = (s.Q + s.H * s.K + s.H * s.R + s.A + s.R + 2 * s.H * s.K * kv  # down, up and RoPE projections
                  + scores + s.H * s.K + s.D)  # two score products, probs x values, output projection
     if kind == "M":
@@ -138,7 +149,7 @@ def local_sizes(cfg, mesh_shape, compute_bytes=None):
                  Fs=m.n_shared * m.d_expert // tp, E=m.n_experts, X=m.top_k, S=S, C=C,
                  V=padded_vocab(m.vocab_size, m.vocab_multiple) // tp,
                  c=compute_bytes or (2 if m.dtype == "bfloat16" else 4),
-                 block=min(m.attention_block, T) if m.attention == "blockwise" else 0)
+                 block=min(m.attention_block, T) if m.attention == "blockwise" else 0, splash=m.attention == "splash")
 
 
 def accumulates(cfg, pp):

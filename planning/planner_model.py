@@ -30,6 +30,7 @@ import parallel as par
 import weights
 from flops import count_params, flops_per_token, measure_peak_flops, part_flops_per_token, stage_flops
 from model import abstract_params
+from moe import GMM_ROW_TILE
 from step import rules
 from planning.planner_activations import (F32, BACKWARD_TICK_COST, accumulates, activation_bytes, local_sizes, pipeline_loops, schedule_of,
                                  scheduled_bubble_factor)
@@ -252,6 +253,18 @@ def attention_layers(m):
     return (m.n_blocks + m.mtp_depth) * len(m.block_pattern) + m.first_dense
 
 
+def gmm_tile_factor(m, s):
+    """Executed over routed FLOPs of the dropless experts: 1 under ragged_dot; under
+    --model.moe_kernel gmm, megablox's grid runs whole row tiles of GMM_ROW_TILE, and a
+    tile holding the boundary of two experts' runs once for each: per call about
+    (rows / tile + experts - 1) tiles for rows / tile of work (tpu_compile's
+    grouped_matmul_flops reads the same bound off the compiled program)."""
+    if m.moe_kernel != "gmm":
+        return 1.0
+    row_tiles = math.ceil(s.b * s.T * s.X / GMM_ROW_TILE)
+    return (row_tiles + s.E - 1) / row_tiles
+
+
 def executed_flops(cfg, s, tp, cp=1):
     """(model FLOPs, executed FLOPs) per step, all devices together. What the devices
     execute beyond the model FLOPs: the remat forward again (+1/3), empty expert slots
@@ -262,7 +275,7 @@ def executed_flops(cfg, s, tp, cp=1):
     model_flops = model_flops_per_token(shape_keys(cfg)[0]) * tokens_per_step
     routed_per_layer = 3 * m.d_model * m.d_expert * m.top_k
     n_moe = m.n_blocks * m.block_pattern.count("M")
-    slot_factor = (s.E * s.C / s.S) / m.top_k if m.capacity_factor > 0 else 1.0
+    slot_factor = (s.E * s.C / s.S) / m.top_k if m.capacity_factor > 0 else gmm_tile_factor(m, s)
     executed = model_flops + 6 * routed_per_layer * n_moe * tokens_per_step * (slot_factor - 1)
     # MLA's down-projections (to the q and kv latents, and the shared RoPE key) and the
     # router are whole on every tp rank, so each of the tp ranks runs them (found against
@@ -273,9 +286,22 @@ def executed_flops(cfg, s, tp, cp=1):
     # Under cp every rank up-projects the keys and values of the whole sequence from the
     # gathered latent (context_parallel.py): cp - 1 more times than the model does.
     executed += (cp - 1) * 3 * 2 * 2 * m.kv_latent * m.n_heads * m.head_dim * attention_layers(m) * tokens_per_step
+    executed -= splash_skipped_flops(m, tokens_per_step)
     if m.remat in RECOMPUTE_FORWARD or t.pipeline != "gpipe":  # (the hand-written backward always recomputes)
         executed *= 4 / 3
     return model_flops, executed
+
+
+def splash_skipped_flops(m, tokens_per_step):
+    """The attention FLOPs (forward and backward, of the model's T x T per layer) that
+    splash attention does not run: of n x n key blocks per sequence (n = T / block) its
+    causal mask leaves n (n + 1) / 2 (context parallelism moves them between ranks, it
+    does not change their number). 0 for the other kernels."""
+    if m.attention != "splash":
+        return 0.0
+    n = m.seq_len // min(m.attention_block, m.seq_len)
+    attention = 3 * 2 * m.seq_len * m.n_heads * (2 * m.head_dim + m.rope_dim) * attention_layers(m) * tokens_per_step
+    return attention * (1 - (n + 1) / (2 * n))
 
 
 def step_time(cfg, mesh_shape, hw, peak, efficiency, store, once=False):

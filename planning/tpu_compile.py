@@ -568,24 +568,68 @@ def operand_names(args):
 def matmul_flops(line, result, args, dims_of):
     """FLOPs of one dot, or of a convolution (XLA:TPU writes matmuls as convolutions:
     dim_labels=bf_io->bf), from its result and operand shapes: 2 x result elements x
-    contracted size. A convolution contracts its kernel's input features and its window
-    taps; a batched matmul is written as a window over the batch dim with the input
-    dilated by the window's size (window={size=8 stride=7 lhs_dilate=8}), whose taps
-    all but one land on holes: a window dim counts ceil(size / lhs_dilate) taps."""
+    contracted size. A convolution contracts its kernel's input features and the window
+    taps that land on its input (real_taps)."""
     out = math.prod(int(d) for d in ARRAY.search(result).group(2).split(",") if d)
     lhs, rhs = operand_names(args)[:2]
     if " dot(" in line:
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
         return 2 * out * math.prod(dims_of[lhs][int(d)] for d in contracting.split(",") if d)
-    kernel_labels = re.search(r"dim_labels=[^_]+_([^-]+)->", line).group(1)
+    lhs_labels, kernel_labels, out_labels = re.search(r"dim_labels=([^_]+)_([^-]+)->(\w+)", line).groups()
     in_features = dims_of[rhs][kernel_labels.index("i")]
-    window = re.search(r"window=\{size=([\dx]+)(?:[^}]*lhs_dilate=([\dx]+))?", line)
-    taps = 1
-    if window:
-        sizes = [int(n) for n in window.group(1).split("x")]
-        dilations = [int(n) for n in window.group(2).split("x")] if window.group(2) else [1] * len(sizes)
-        taps = math.prod(-(-size // dilate) for size, dilate in zip(sizes, dilations))
-    return 2 * out * in_features * taps
+    window = re.search(r"window=\{([^}]*)\}", line)
+    if not window:
+        return 2 * out * in_features
+    out_dims = [int(d) for d in ARRAY.search(result).group(2).split(",") if d]
+    taps = 1.0
+    for d, (size, stride, (low, _), dilate) in enumerate(window_dims(window.group(1))):
+        n, m = dims_of[lhs][lhs_labels.index(str(d))], out_dims[out_labels.index(str(d))]
+        taps *= real_taps(n, m, size, stride, low, dilate) / m
+    return round(2 * out * in_features * taps)
+
+
+def window_dims(window):
+    """[(size, stride, (pad low, pad high), lhs_dilate)] per spatial dim of an HLO window."""
+    fields = dict(field.split("=") for field in window.split())
+    sizes = [int(n) for n in fields["size"].split("x")]
+
+    def per_dim(name, parse, default):
+        return [parse(v) for v in fields[name].split("x")] if name in fields else [default] * len(sizes)
+    return list(zip(sizes, per_dim("stride", int, 1), per_dim("pad", lambda v: tuple(int(p) for p in v.split("_")), (0, 0)),
+                    per_dim("lhs_dilate", int, 1)))
+
+
+def real_taps(n, m, size, stride, low, dilate):
+    """Window taps over one spatial dim, all m outputs together, that land on one of the
+    n input elements rather than on padding or a dilation's hole: XLA:TPU writes batched
+    matmuls and outer products as windows mostly over such (window={size=8 stride=7
+    lhs_dilate=8}, or size=4 pad=3_3 over a dim of 1), which multiply nothing."""
+    index_M = np.arange(m) * stride - low
+    return sum(int(np.sum((index_M + tap >= 0) & (index_M + tap <= (n - 1) * dilate) & ((index_M + tap) % dilate == 0)))
+               for tap in range(size))
+
+
+GROUPED_MATMUL = re.compile(r"^\s*(?:ROOT )?%\S*?(t?gmm)\S* = ")
+
+
+def grouped_matmul_flops(line):
+    """FLOPs of a megablox gmm or tgmm kernel (a tpu_custom_call, moe.grouped_matmul; 0
+    for any other custom call) as its grid runs them: every row tile it may visit, the
+    tiles of the m rows plus one per group boundary inside a tile (its group_ids
+    operand holds one entry per such tile), each tm x k x n. Operands: group_offsets
+    [E + 1], group_ids, m_tile_ids, group_offset, lhs, rhs."""
+    kind = GROUPED_MATMUL.match(line)
+    if not kind or 'custom_call_target="tpu_custom_call"' not in line:
+        return 0
+    operands = line.split("operand_layout_constraints=", 1)[1].split("frontend_attributes=", 1)[0]
+    shapes = [[int(d) for d in dims.split(",") if d] for _, dims in ARRAY.findall(operands)]
+    (groups_plus_one,), (visited_tiles,), _, _, lhs, rhs = shapes[-6:]  # (vmapped: the batch index first)
+    if kind.group(1) == "gmm":  # [m, k] rows by [E, k, n] (or [E, n, k], transposed) weights into [m, n]
+        (m, k), n = lhs, int(ARRAY.search(line.split(" custom-call(", 1)[0]).group(2).split(",")[-1])
+    else:  # tgmm: [k, m] by [m, n] into [E, k, n]
+        (k, m), (_, n) = lhs, rhs
+    row_tiles = visited_tiles - (groups_plus_one - 1) + 1
+    return 2 * visited_tiles * (m // row_tiles) * k * n
 
 
 def dot_flops(hlo, name_part=""):
@@ -613,6 +657,8 @@ def dot_flops(hlo, name_part=""):
             op = m.group(2)
             if op in ("dot", "convolution") and name_part in line:
                 total += matmul_flops(line, m.group(1), m.group(3), dims_of)
+            if op == "custom-call" and name_part in line:
+                total += grouped_matmul_flops(line)
             loop = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
             if loop:
                 total += trip_count(line, comps.get(loop.group(1), [])) * flops(loop.group(2))

@@ -187,7 +187,7 @@ def test_the_compiler_gathers_the_latent_under_auto():
      r"--model.seq_len \(250\) must be divisible by 2 x --mesh.cp \(4\)"),
     (["--mesh.cp", "4"], r"--model.routing_group \(128\) must divide --model.seq_len / \(2 x --mesh.cp\) = 16"),
     (["--mesh.cp", "2", "--model.routing_group", "32", "--model.attention", "dot_product_attention"],
-     "--mesh.cp 2 needs --model.attention matmul or blockwise"),
+     "--mesh.cp 2 needs --model.attention matmul, blockwise or splash"),
 ])
 def test_bad_context_parallel_flags_are_one_line_errors(argv, message):
     with pytest.raises(ConfigError, match=message) as error:

@@ -38,12 +38,22 @@ def test_gmm_equals_ragged_dot_with_gradients(rows, tokens_per_expert):
     assert np.all(np.asarray(dx[rest:]) == 0) and np.all(np.isfinite(dx))
 
 
+@pytest.fixture(scope="module")
+def ragged_dot_steps():
+    return train_steps(tiny_config(capacity_factor=0.0, moe_kernel="ragged_dot"))
+
+
 @pytest.mark.slow
-def test_two_gmm_steps_equal_ragged_dot():
+@pytest.mark.parametrize("mesh_shape, expert_parallel", [((1, 1, 1), False), ((2, 1, 2), False), ((2, 1, 2), True)],
+                         ids=["1x1x1", "dp2xtp2", "dp2xtp2-ep"])
+def test_two_gmm_steps_equal_ragged_dot(ragged_dot_steps, mesh_shape, expert_parallel):
     """Loss, aux loss, grad norm, expert counts, every gradient (Adam's moments) and the
-    params after 2 dropless train steps of the tiny model on one device."""
-    gmm, ragged = (train_steps(tiny_config(capacity_factor=0.0, moe_kernel=kernel)) for kernel in ("gmm", "ragged_dot"))
-    assert_same_steps(gmm, ragged)
+    params after 2 dropless train steps of the tiny model, against ragged_dot on one
+    device: gmm on one device, on dp2 x tp2 (each device's kernel over its rows and its
+    half of d_expert), and with the experts over dp (4 per device, each device's kernel
+    over the pairs of its own experts)."""
+    gmm = train_steps(tiny_config(mesh_shape, expert_parallel, capacity_factor=0.0, moe_kernel="gmm"))
+    assert_same_steps(gmm, ragged_dot_steps)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -67,9 +77,10 @@ def test_dropless_expert_parallel_equals_one_device():
 
 
 @pytest.mark.parametrize("mesh_shape, expert_parallel, sharding, message", [
-    ((2, 1, 1), False, "manual", "--model.moe_kernel gmm runs on one device for now, not on 2"),
+    ((2, 1, 1), False, "auto", "--model.moe_kernel gmm on 2 devices needs --mesh.sharding manual (the compiler does not partition "
+                               "the kernel); use --model.moe_kernel ragged_dot"),
     ((2, 1, 1), True, "auto", "--mesh.expert_parallel with dropless experts (--model.capacity_factor 0) needs --mesh.sharding manual"),
-], ids=["gmm-on-a-mesh", "dropless-expert-parallel-auto"])
+], ids=["gmm-auto-sharding", "dropless-expert-parallel-auto"])
 def test_mesh_refusals_get_one_line(mesh_shape, expert_parallel, sharding, message):
     cfg = tiny_config(mesh_shape, expert_parallel, capacity_factor=0.0, moe_kernel="gmm" if "gmm" in message else "ragged_dot")
     cfg = apply_overrides(cfg, {"mesh": dict(sharding=sharding)})

@@ -15,7 +15,7 @@ from test_blockwise_attention import small_attention_config
 from test_parallel import assert_same_steps, tiny_config, train_steps
 
 from attention import MLAttention, rope_angles
-from utils import ConfigError, parse_args
+from utils import ConfigError, apply_overrides, parse_args
 
 T = 256  # two blocks of 128 (the kernel's smallest): one skipped above the diagonal
 
@@ -59,13 +59,31 @@ def test_two_splash_train_steps_equal_matmul(matmul_steps, mesh_shape):
     assert_same_steps(train_steps(tiny_config(mesh_shape, seq_len=128, n_blocks=2, attention="splash")), matmul_steps)
 
 
+@pytest.fixture(scope="module")
+def long_matmul_steps():
+    return train_steps(tiny_config(seq_len=512, routing_group=128, n_blocks=2, attention="matmul"))
+
+
+@pytest.mark.slow
+def test_two_splash_train_steps_on_cp2_x_tp2_equal_matmul(long_matmul_steps):
+    """T = 512 on cp 2 (chunks of 128: each rank's kernel skips the key blocks its two
+    chunks cannot see, a different set per rank) x tp 2, against matmul on one device."""
+    cfg = apply_overrides(tiny_config((1, 1, 2), seq_len=512, routing_group=128, n_blocks=2, attention="splash"),
+                          {"mesh": dict(cp=2)})
+    assert_same_steps(train_steps(cfg), long_matmul_steps)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model.attention", "splash", "--model.seq_len", "384", "--model.attention_block", "256"],
      r"--model.attention_block \(256\) must divide --model.seq_len \(384\)"),
     (["--model.attention", "splash", "--model.seq_len", "256", "--model.attention_block", "64"],
      r"splash needs blocks of a multiple of 128 tokens .* gives 64"),
     (["--model.attention", "splash", "--model.seq_len", "256", "--model.routing_group", "64", "--mesh.cp", "2"],
-     r"--mesh.cp 2 needs --model.attention matmul or blockwise: splash's causal mask assumes whole sequences"),
+     r"splash needs blocks of a multiple of 128 tokens .*: --model.attention_block 512 at --model.seq_len / \(2 x --mesh.cp\) "
+     r"= 64 gives 64"),
+    (["--model.attention", "splash", "--model.seq_len", "768", "--model.routing_group", "64", "--mesh.cp", "2",
+      "--model.attention_block", "128"],
+     r"--model.attention_block \(128\) must divide --model.seq_len / \(2 x --mesh.cp\) = 192 \(blocks within a chunk\)"),
     (["--model.attention", "splash", "--model.seq_len", "128", "--mesh.sharding", "auto"],
      r"--model.attention splash needs --mesh.sharding manual"),
 ])

@@ -6,6 +6,7 @@ topologies: real chip coordinates and process indices); nothing runs on them.
 """
 
 import math
+import re
 import os
 
 import jax
@@ -166,7 +167,7 @@ def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True
     if expert_parallel:  # each rank's experts' gradients come back by the all-to-all: nothing to reduce over dp
         gathered = jax.tree_util.tree_map_with_path(lambda path, w: None if WEIGHTS[par.weight_name(path)].routed else w, gathered)
     hlo = compiled["train"].as_text()
-    return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]), log=compiled["log"]["train"],
+    return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]), log=compiled["log"]["train"], hlo=hlo,
                 collectives=tpu_compile.collectives(hlo, shape), dot_flops=tpu_compile.dot_flops(hlo),
                 busiest_bytes=tpu_compile.busiest_collective_bytes(hlo, shape),
                 eval_collectives=tpu_compile.collectives(compiled["eval"].as_text(), shape) if eval_step else None,
@@ -494,6 +495,23 @@ ENTRY %main (x: f32[1024], a: bf16[64,128], b: bf16[128,256]) -> (s32[], f32[102
 FUSED_MATMUL = "%fusion = bf16[64,256]{1,0} fusion(%a, %b), kind=kOutput, calls=%matmul"
 
 
+@pytest.mark.parametrize("convolution, operand_dims, flops", [
+    # tiny's float32 step on v4-8 2x1x2: a weight's gradient over 128 tokens as a window of 4 over a dim of 1,
+    # padded 3 each side: one tap of each output lands on the input (counted as 4, the step read 1.5x bf16's)
+    ("f32[16,4,8]{2,0,1} convolution(%a, %b), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=fb0_0oi->b0f",
+     dict(a=[128, 16, 1], b=[4, 8, 128]), 2 * 16 * 4 * 8 * 128),
+    # a batched matmul over 8 as a window on the dilated input: one tap of 8
+    ("f32[8,64,256]{2,1,0} convolution(%a, %b), window={size=8 stride=7 lhs_dilate=8}, dim_labels=0bf_0io->0bf",
+     dict(a=[8, 64, 128], b=[8, 128, 256]), 2 * 8 * 64 * 256 * 128),
+    ("f32[2,3,8]{2,1,0} convolution(%a, %b), window={size=3}, dim_labels=b0f_0io->b0f",  # a real convolution: 3 taps
+     dict(a=[2, 5, 16], b=[3, 16, 8]), 2 * 2 * 3 * 8 * 16 * 3),
+], ids=["padded-window", "dilated-window", "convolution"])
+def test_dot_flops_count_the_window_taps_that_land_on_the_input(convolution, operand_dims, flops):
+    line = f"  %c = {convolution}"
+    m = tpu_compile.INSTRUCTION.match(line)
+    assert tpu_compile.matmul_flops(line, m.group(1), m.group(3), operand_dims) == flops
+
+
 @pytest.mark.parametrize("matmul_between", [True, False])
 def test_overlap_parser_on_a_scheduled_loop(matmul_between):
     """Bytes per step: the loop's send 3 x 4 KiB, overlapped only when the matmul sits
@@ -638,3 +656,30 @@ def test_cp8_at_32k_tokens_gathers_the_latent_over_cp_fits_and_the_planner_is_wi
     planned = plan["times"]["collective_bytes"]
     assert table[("all-gather", "bf16", "cp")]["bytes"] == planned["all-gather over cp"]
     assert table[("reduce-scatter", "bf16", "cp")]["bytes"] == planned["reduce-scatter over cp"]
+
+
+# ----------------------------------------------------------------------------
+# The Pallas kernels in the TPU compiler's program: compiled for a TPU slice from this
+# CPU host they are Mosaic custom calls, not interpret mode's loops.
+
+
+@pytest.mark.slow
+def test_dropless_gmm_compiles_to_megablox_kernels_whose_tiles_the_planner_counts(devices_of):
+    """tiny dropless on v4-8 2x1x2 with --model.moe_kernel gmm: the step holds megablox's
+    gmm and tgmm kernels, and the compiled dot FLOPs (the kernels' row tiles included:
+    256 rows of 8 experts run 2 + 7 tiles of 128) are the planner's within 10%."""
+    case = compile_case(devices_of, "tiny", "v4-8", (2, 1, 2), False, eval_step=False, capacity_factor=0.0, moe_kernel="gmm")
+    hlo = case["hlo"]
+    kernels = re.findall(r"%\S*?(t?gmm)\S* = .*custom_call_target=\"tpu_custom_call\"", hlo)
+    assert set(kernels) == {"gmm", "tgmm"}
+    assert case["plan"]["times"]["device_flops"] == pytest.approx(case["dot_flops"], rel=TIME_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_splash_attention_compiles_to_the_splash_kernels(devices_of):
+    """tiny at T = 256 with --model.attention splash on v4-8 2x1x2: the forward, dq and
+    dkv kernels are custom calls in the step (no [T, T] scores left to the compiler)."""
+    case = compile_case(devices_of, "tiny", "v4-8", (2, 1, 2), False, eval_step=False, seq_len=256, attention="splash",
+                        attention_block=128)
+    kernels = set(re.findall(r"%(splash_mha_\w+?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"", case["hlo"]))
+    assert kernels == {"splash_mha_fwd_residuals", "splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals"}
