@@ -24,7 +24,7 @@ import runs
 from serving import serve
 import train
 from devices import setup_devices, stop_now
-from utils import ConfigError, parse_args
+from utils import ConfigError, apply_overrides, parse_args
 
 RUN_MODE = {  # what each --mode runs
     "train": train.train,
@@ -36,6 +36,15 @@ RUN_MODE = {  # what each --mode runs
 }
 
 
+def experts_kernel_for_sharding(cfg):
+    """cfg with --model.moe_kernel auto read as ragged_dot under --mesh.sharding auto: the
+    compiler's partitioner cannot split megablox's kernel, which auto picks on a TPU
+    (moe.resolve_moe_kernel). Manual sharding keeps auto."""
+    if cfg.model.moe_kernel == "auto" and cfg.mesh.sharding == "auto":
+        return apply_overrides(cfg, {"model": {"moe_kernel": "ragged_dot"}})
+    return cfg
+
+
 def main(argv):
     try:
         cfg = parse_args(argv)
@@ -44,6 +53,7 @@ def main(argv):
     several_processes = setup_devices(cfg)
     try:
         cfg = dtype_probe.resolve_dtype(cfg)  # --model.dtype auto: decided once, here; the run's config.json keeps it
+        cfg = experts_kernel_for_sharding(cfg)
         RUN_MODE[cfg.mode](cfg)
     except (ConfigError, FileNotFoundError) as e:  # a missing data directory or shard names itself and what to give
         sys.exit(f"error: {e}")

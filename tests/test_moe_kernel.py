@@ -87,3 +87,14 @@ def test_mesh_refusals_get_one_line(mesh_shape, expert_parallel, sharding, messa
     with pytest.raises(ConfigError, match=re.escape(message)) as error:
         par.check_config_fits_mesh(cfg, mesh_for(cfg))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("sharding, kernel, expected", [("auto", "auto", "ragged_dot"), ("manual", "auto", "auto"),
+                                                        ("auto", "gmm", "gmm")])
+def test_auto_kernel_under_automatic_sharding_is_ragged_dot(sharding, kernel, expected):
+    """--model.moe_kernel auto would pick megablox on a TPU, which --mesh.sharding auto's
+    partitioner cannot split: main.py reads it as ragged_dot there (an explicit gmm is
+    left to the mesh check's one-line refusal above)."""
+    from main import experts_kernel_for_sharding
+    cfg = parse_args(["--mesh.sharding", sharding, "--model.moe_kernel", kernel, "--model.capacity_factor", "0"])
+    assert experts_kernel_for_sharding(cfg).model.moe_kernel == expected
