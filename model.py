@@ -85,7 +85,7 @@ class ModelConfig:
     capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
     moe_kernel: str = option("auto", "grouped matmul of the dropless routed experts (--model.capacity_factor 0): ragged_dot "
                                      "(jax.lax.ragged_dot) | gmm (Pallas megablox, interpret mode off TPU) | "
-                                     "auto = gmm on TPU, ragged_dot elsewhere")
+                                     "auto = gmm on TPU (ragged_dot under --mesh.sharding auto), ragged_dot elsewhere")
     router_score: str = option("softmax", "router scores: softmax | sigmoid")
     routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
