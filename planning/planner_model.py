@@ -666,6 +666,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     pipelined = times["compute"] + times["bubble"] + times["head"] + times["prefix_imbalance"]
     serial = pipelined + sum(comm.values())
     overlapped = max(pipelined, sum(comm.values()))
+    exposed, predicted = exposed_communication(cfg, comm, pipelined, once)
     return dict(
         preset=cfg.preset, hardware=hw.name, devices=n_devices, mesh={a: n for a, n in mesh_shape.items() if a != par.CP or n > 1},
         dtype=cfg.model.dtype,
@@ -678,8 +679,33 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
         pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, mesh_shape["pp"]).bubble(), gather_once=once,
         stage_flops_per_token=stage_flops(model_part_flops(model_key), mesh_shape["pp"]),
-        step_s_serial=serial, step_s_overlapped=overlapped,
+        step_s_serial=serial, step_s_overlapped=overlapped, comm_exposed=exposed, step_s_predicted=predicted,
         tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
+
+
+def exposed_communication(cfg, comm, pipelined, once):
+    """({name: seconds left exposed}, seconds of the step): the planner's model of what the
+    compiled step (devices.TPU_OVERLAP_FLAGS) hides behind what, from the serial
+    figures `comm` ({name: seconds}, step_time's) and the `pipelined` compute.
+
+      FSDP per block (per microbatch, per tick): the next block's all-gather and this
+        block's reduce-scatter run under the matmuls of the blocks around them; the
+        first block's gather waits, and the rest only where it outlasts the compute.
+      FSDP once per step (`once`): every gather before the first microbatch, every
+        reduce-scatter after the last; nothing to hide behind (executor_accumulate).
+      Muon's all-to-alls: under the Newton-Schulz matmuls of the other matrices.
+      tp's activation all-reduces, pp's ppermutes, EP's dispatch all-to-alls, cp's
+        latent gathers, the slices' all-reduce: between two matmuls that need them, or
+        with no work beside them; exposed."""
+    n_blocks = max(1, cfg.model.n_blocks)
+    fsdp = sum(v for k, v in comm.items() if k.startswith("fsdp"))
+    muon = sum(v for k, v in comm.items() if k.startswith("muon"))
+    exposed = {k: v for k, v in comm.items() if not k.startswith(("fsdp", "muon"))}
+    if fsdp:
+        exposed["fsdp, not hidden"] = fsdp if once else max(fsdp / n_blocks, fsdp - pipelined)
+    if muon:
+        exposed["muon, not hidden"] = max(0.0, muon - pipelined)
+    return exposed, pipelined + sum(exposed.values())
 
 
 def plan_across_slices(cfg, devices, hw_name, efficiency, peak):
@@ -702,5 +728,5 @@ def plan_across_slices(cfg, devices, hw_name, efficiency, peak):
     serial = p["step_s_serial"] + dcn_s
     return dict(p, preset=cfg.preset, devices=p["devices"] * S, mesh=dict(slice=S, **p["mesh"]), comm=comm,
                 slice_gradient_bytes=gradient_bytes, step_s_serial=serial,
-                step_s_overlapped=max(p["step_s_overlapped"], sum(comm.values())),
+                step_s_overlapped=max(p["step_s_overlapped"], sum(comm.values())), step_s_predicted=p["step_s_predicted"] + dcn_s,
                 tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)

@@ -55,6 +55,8 @@ def report(p):
     rows += [("  " + name, seconds(value)) for name, value in p["comm"].items()]
     rows.append(("  step, communication not overlapped", seconds(p["step_s_serial"]) + f"   ({p['tokens_per_sec']:,.0f} tokens/s)"))
     rows.append(("  step, communication fully overlapped", seconds(p["step_s_overlapped"])))
+    rows.append(("  step predicted, what the schedule leaves exposed (planner_model.exposed_communication)",
+                 seconds(p["step_s_predicted"]) + f"   ({exposed_share(p):.0%} of the communication exposed)"))
     width = max(len(label) for label, value in rows if value) + 2
     lines = head + [""] + [f"{label:<{width}}{value}".rstrip() for label, value in rows] + [""]
     need, have = p["total_bytes"] / GiB, p["available_bytes"] / GiB
@@ -67,6 +69,12 @@ def report(p):
         lines.append("note: JAX preallocates 75% of GPU memory; XLA_PYTHON_CLIENT_MEM_FRACTION=.95 lets it use more")
     return lines
 
+
+
+def exposed_share(p):
+    """The share of the plan's communication time its model of the schedule leaves exposed."""
+    total = sum(p["comm"].values())
+    return sum(p["comm_exposed"].values()) / total if total else 0.0
 
 
 def tpu_check(cfg, tpu_name, p):
@@ -86,7 +94,11 @@ def tpu_check(cfg, tpu_name, p):
             lines.append("  the planner's MLA latent over cp: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(over_cp.items())))
         lines.append("")
     ov = tpu_compile.overlap(compiled["train"].as_text(), tuple(mesh.shape.values()))
-    lines += overlap_report(ov) + [""]
+    lines += overlap_report(ov)
+    compiled_share = ov["exposed"] / max(1, ov["overlapped"] + ov["exposed"])
+    lines += [f"exposed: the compiler's schedule {compiled_share:.1%} of the collective bytes; the planner's model "
+              f"{exposed_share(p):.1%} of the communication time (predicted step {p['step_s_predicted'] * 1e3:.4g} ms, "
+              f"serial {p['step_s_serial'] * 1e3:.4g} ms)", ""]
     fits = tpu_compile.fits(tpu, compiled["log"]["train"], hbm)
     lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()} "
                  f"collective_bytes={ov['overlapped'] + ov['exposed']} exposed_bytes={ov['exposed']} "

@@ -168,7 +168,8 @@ def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True
         gathered = jax.tree_util.tree_map_with_path(lambda path, w: None if WEIGHTS[par.weight_name(path)].routed else w, gathered)
     hlo = compiled["train"].as_text()
     return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]), log=compiled["log"]["train"], hlo=hlo,
-                collectives=tpu_compile.collectives(hlo, shape), dot_flops=tpu_compile.dot_flops(hlo),
+                collectives=tpu_compile.collectives(hlo, shape), ops=tpu_compile.collective_ops(hlo, shape),
+                dot_flops=tpu_compile.dot_flops(hlo),
                 busiest_bytes=tpu_compile.busiest_collective_bytes(hlo, shape),
                 eval_collectives=tpu_compile.collectives(compiled["eval"].as_text(), shape) if eval_step else None,
                 fsdp_gradient_bytes=planner.gathered_bytes(gathered, expert_parallel, dict(zip((par.DP, par.PP, weights.TP), shape), cp=1), 4, False),
@@ -199,11 +200,12 @@ def kinds_over(collectives):
 
 def gradient_reduction_bytes(collectives):
     """{dtype: bytes} of reductions spanning dp: the FSDP reduce-scatters of the
-    gradients (which XLA turns into all-reduces where that is cheaper) and the loss
-    and norm psums."""
+    gradients (which XLA turns into all-reduces where that is cheaper; gathered once
+    per step, float32 all-to-alls: parallel.scatter_by_all_to_all) and the loss and
+    norm psums. (The float32 all-to-alls include Muon's, if any: a lower bound stays one.)"""
     out = {}
     for (kind, dtype, over), row in collectives.items():
-        if kind in ("reduce-scatter", "all-reduce") and "dp" in over:
+        if (kind in ("reduce-scatter", "all-reduce") or (kind, dtype) == ("all-to-all", "f32")) and "dp" in over:
             out[dtype] = out.get(dtype, 0) + row["bytes"]
     return out
 
@@ -275,6 +277,28 @@ def test_step_compiles_fits_and_emits_the_intended_collectives(compiled_cases, n
     assert tpu_compile.fits(case["tpu"], case["log"], case["hbm"])
     check_collectives(case, shape, expert_parallel)
     assert "reduce-scatter" not in kinds_over(case["eval_collectives"])  # no gradients in eval
+
+
+@pytest.mark.slow
+def test_gather_once_reduce_scatters_the_gradients_over_dp(devices_of):
+    """dp 32 on a v4-64 (a 2x4x4 group of chips), the blocks gathered once per step: the
+    float32 gradients leave the step reduce-scattered over dp, each device receiving
+    only its shard (parallel.scatter_by_all_to_all: an all-to-all and a local sum). The
+    float32 all-reduces over dp left are the losses' sums and the replicated norm
+    scales' gradients (n_blocks x d_model each at most), never a whole FSDP gradient:
+    libtpu lowers a psum_scatter over this group to an all-reduce of all of it (at
+    94f5ce4 20 of them, the embedding's f32[8192, 256] the largest). ~2-3 min here."""
+    case = compile_case(devices_of, "moe1b-small", "v4-64", (32, 1, 1), False, eval_step=False,
+                        overrides=dict(train=dict(gather_once="true", microbatches=2), model=dict(remat="none")))
+    assert case["plan"]["gather_once"]
+    m = SMALL_MOE1B
+    all_reduced = [(dtype, nbytes) for op in case["ops"] if op.kind == "all-reduce" and op.over == "dp"
+                   for dtype, nbytes in op.arrays if dtype == "f32"]
+    assert all_reduced and max(nbytes for _, nbytes in all_reduced) <= m["n_blocks"] * m["d_model"] * 4, all_reduced
+    assert sum(nbytes for _, nbytes in all_reduced) < 0.01 * case["fsdp_gradient_bytes"], all_reduced
+    scattered = case["collectives"].get(("all-to-all", "f32", "dp"), {}).get("bytes", 0)
+    assert scattered >= case["fsdp_gradient_bytes"], (scattered, case["fsdp_gradient_bytes"])
+    assert tpu_compile.fits(case["tpu"], case["log"], case["hbm"])
 
 
 def test_bfloat16_gradient_reduction_is_what_the_flag_says(devices_of):
