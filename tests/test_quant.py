@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 import quant
-from test_parallel import assert_same_steps, tiny_config, train_steps
+from jax.sharding import PartitionSpec as P
+
+from layers import project
+from test_parallel import RTOL, assert_tree_close, tiny_config, train_steps
 from utils import Config, ConfigError, apply_overrides, validate_model
 
 
@@ -80,7 +83,54 @@ def test_bad_quant_raises_one_line(model, message):
 
 
 # ----------------------------------------------------------------------------
-# A quantized step on a mesh equals the quantized step on one device
+# Mesh invariance: one quantized product, then whole steps
+
+
+def sharded_project(mesh_axis, split):
+    """(y, dx, dw) of sum(g * project(x, w)) with int8 under shard_map over a 2-device
+    `mesh_axis`: rows split (dp), or w's output / input split over tp as the model's
+    column- and row-parallel projections are (the row-parallel output psum'ed)."""
+    mesh = jax.make_mesh((2,), (mesh_axis,), axis_types=(jax.sharding.AxisType.Auto,))
+    axes = dict(out_axis=mesh_axis) if split == "out" else dict(in_axis=mesh_axis) if split == "in" else {}
+    specs = {"rows": (P(mesh_axis), P(), P(mesh_axis)), "out": (P(), P(None, mesh_axis), P(None, None, mesh_axis)),
+             "in": (P(None, None, mesh_axis), P(mesh_axis), P())}[split]
+
+    def local(x_BTI, w_IO, g_BTO):
+        def loss(x_BTI, w_IO):
+            y_BTO = project(x_BTI, w_IO, 1, "int8", **axes)
+            return jnp.sum((jax.lax.psum(y_BTO, mesh_axis) if split == "in" else y_BTO) * g_BTO), y_BTO
+        (_, y_BTO), (dx_BTI, dw_IO) = jax.value_and_grad(loss, (0, 1), has_aux=True)(x_BTI, w_IO)
+        return (jax.lax.psum(y_BTO, mesh_axis) if split == "in" else y_BTO), dx_BTI, dw_IO
+    y_spec = {"rows": P(mesh_axis), "out": P(None, None, mesh_axis), "in": P()}[split]
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(y_spec, specs[0], specs[1]))
+
+
+@pytest.mark.parametrize("mesh_axis, split", [pytest.param("dp", "rows", marks=pytest.mark.slow), ("tp", "out"), ("tp", "in")])
+def test_a_quantized_projection_on_a_mesh_equals_one_device(mesh_axis, split):
+    """The scales over a split dim are the one-device scales (pmax over tp; dw's row tiles
+    one sequence each), so the same int8 values meet: equal to float32 rounding."""
+    x_BTI, w_IO, g_BTO = random((4, 8, 32), 9), random((32, 24), 10), random((4, 8, 24), 11)
+    one_device = jax.value_and_grad(lambda x, w: jnp.sum(project(x, w, 1, "int8") * g_BTO), (0, 1))
+    y_BTO, (dx_BTI, dw_IO) = project(x_BTI, w_IO, 1, "int8"), one_device(x_BTI, w_IO)[1]
+    for got, want in zip(sharded_project(mesh_axis, split)(x_BTI, w_IO, g_BTO), (y_BTO, dx_BTI, dw_IO)):
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-6
+
+
+# A whole quantized step is not the one-device step to float32 rounding: a rounding
+# difference of one ulp upstream (a psum's order, a matmul's blocking on another shape) moves
+# a value across an int8 rounding boundary now and then, and the flipped value perturbs
+# everything after it by a quantization step, which flips more (measured at 2 steps on
+# dp2xtp2: loss 1.8e-7 at step 0, 3.9e-4 at step 1; params 5e-3). So: the first step's
+# forward (loss) to test_parallel's bound, its expert counts exactly, the gradient norm within
+# 5e-3, the params after two steps within 2e-2 (quant on vs off: LOSS_ON_OFF below).
+MESH_CASES = [  # (dp, pp, tp), expert parallelism, model overrides
+    pytest.param((2, 1, 2), False, dict(quant="int8"), id="int8-dp2xtp2", marks=pytest.mark.slow),
+    pytest.param((1, 2, 1), False, dict(quant="int8"), id="int8-pp2", marks=pytest.mark.slow),
+    pytest.param((4, 1, 1), True, dict(quant="int8"), id="int8-ep4", marks=pytest.mark.slow),
+    pytest.param((2, 1, 2), True, dict(quant="int8", capacity_factor=0.0), id="int8-dropless-ep2xtp2", marks=pytest.mark.slow),
+    pytest.param((2, 1, 2), False, dict(quant="fp8", block_pattern="D", ffn_activation="gelu"), id="fp8-dense-dp2xtp2",
+                 marks=pytest.mark.slow),
+]
 
 
 @pytest.fixture(scope="module")
@@ -95,24 +145,20 @@ def reference_for(cache, **model):
     return cache[key]
 
 
-MESH_CASES = [  # (dp, pp, tp), expert parallelism, model overrides
-    pytest.param((2, 1, 2), False, dict(quant="int8"), id="int8-dp2xtp2"),
-    pytest.param((1, 2, 1), False, dict(quant="int8"), id="int8-pp2", marks=pytest.mark.slow),
-    pytest.param((4, 1, 1), True, dict(quant="int8"), id="int8-ep4", marks=pytest.mark.slow),
-    pytest.param((2, 1, 2), True, dict(quant="int8", capacity_factor=0.0), id="int8-dropless-ep2xtp2", marks=pytest.mark.slow),
-    pytest.param((2, 1, 2), False, dict(quant="fp8", block_pattern="D", ffn_activation="gelu"), id="fp8-dense-dp2xtp2",
-                 marks=pytest.mark.slow),
-]
-
-
 @pytest.mark.parametrize("mesh_shape, expert_parallel, model", MESH_CASES)
-def test_quantized_steps_equal_one_quantized_device(quantized_reference, mesh_shape, expert_parallel, model):
-    reference = reference_for(quantized_reference, **model)
-    assert_same_steps(train_steps(tiny_config(mesh_shape, expert_parallel, **model)), reference)
+def test_quantized_steps_stay_at_one_quantized_device(quantized_reference, mesh_shape, expert_parallel, model):
+    (metrics, _, params), (ref_metrics, _, ref_params) = (train_steps(tiny_config(mesh_shape, expert_parallel, **model)),
+                                                          reference_for(quantized_reference, **model))
+    np.testing.assert_allclose(metrics[0]["loss"], ref_metrics[0]["loss"], rtol=RTOL)
+    np.testing.assert_array_equal(metrics[0]["stats_N"]["tokens_per_expert"], ref_metrics[0]["stats_N"]["tokens_per_expert"])
+    np.testing.assert_allclose(metrics[0]["grad_norm"], ref_metrics[0]["grad_norm"], rtol=5e-3)
+    assert_tree_close(params, ref_params, rtol=2e-2, what="params: ")
 
 
+@pytest.mark.slow
 def test_quantization_changes_the_step(quantized_reference):
-    """The quantized one-device step is not the unquantized one (the quantized path runs)."""
+    """The quantized one-device step is not the unquantized one (the quantized path runs),
+    and stays near it."""
     quantized, plain = reference_for(quantized_reference, quant="int8"), train_steps(tiny_config())
     loss, plain_loss = quantized[0][0]["loss"], plain[0][0]["loss"]
-    assert loss != plain_loss and abs(loss - plain_loss) < 1e-2 * abs(plain_loss)
+    assert 1e-5 < abs(loss / plain_loss - 1) < 1e-2
