@@ -31,10 +31,27 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from errors import ConfigError
+
 QUANT_MODES = ("none", "int8", "fp8")
+
+# TPU generations without fp8 matmul units: v4, v5e, v5p, v6e (Cloud TPU's published peaks list
+# bf16 and int8 only; fp8 arrives with v7 Ironwood, 4614 fp8 TFLOP/s). device_kind prefixes.
+TPUS_WITHOUT_FP8 = ("TPU v2", "TPU v3", "TPU v4", "TPU v5", "TPU v6")
 
 # mode -> (dtype of activations and weights, dtype of gradients)
 FORMATS = {"int8": (jnp.int8, jnp.int8), "fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2)}
+
+
+def check_chip(quant_mode, device):
+    """ConfigError for fp8 on a TPU without fp8 units; the one-line note to print when the
+    chip runs 8-bit products without 8-bit units (a CPU: correct, slower than float32), else None."""
+    if quant_mode == "fp8" and device.platform == "tpu" and device.device_kind.startswith(TPUS_WITHOUT_FP8):
+        raise ConfigError(f"--model.quant fp8: a {device.device_kind} has no fp8 matmul units (v7 has); use --model.quant int8")
+    if quant_mode != "none" and device.platform == "cpu":
+        return (f"note: --model.quant {quant_mode} on CPU quantizes as on a chip (same numbers) but runs slower than "
+                f"float32: XLA:CPU has no 8-bit matmul units")
+    return None
 
 
 def largest(dtype):

@@ -2,6 +2,8 @@
 products they claim to be, forward and backward, and a quantized step on a mesh equals
 the quantized step on one device (float32, test_parallel's bound)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,20 @@ def test_bad_quant_raises_one_line(model, message):
         validate_model(apply_overrides(Config(), {"model": model}))
 
 
+@pytest.mark.parametrize("kind", ["TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite"])
+def test_fp8_on_a_tpu_without_fp8_units_raises_one_line(kind):
+    chip = types.SimpleNamespace(platform="tpu", device_kind=kind)  # (no TPU here: what jax.Device reports on one)
+    with pytest.raises(ConfigError, match=f"--model.quant fp8: a {kind} has no fp8 matmul units"):
+        quant.check_chip("fp8", chip)
+    assert quant.check_chip("int8", chip) is None
+
+
+def test_quant_on_cpu_runs_and_says_so():
+    cpu = jax.devices()[0]
+    assert quant.check_chip("none", cpu) is None
+    assert quant.check_chip("int8", cpu).startswith("note: --model.quant int8 on CPU")
+
+
 # ----------------------------------------------------------------------------
 # Mesh invariance: one quantized product, then whole steps
 
@@ -122,7 +138,7 @@ def test_a_quantized_projection_on_a_mesh_equals_one_device(mesh_axis, split):
 # everything after it by a quantization step, which flips more (measured at 2 steps on
 # dp2xtp2: loss 1.8e-7 at step 0, 3.9e-4 at step 1; params 5e-3). So: the first step's
 # forward (loss) to test_parallel's bound, its expert counts exactly, the gradient norm within
-# 5e-3, the params after two steps within 2e-2 (quant on vs off: LOSS_ON_OFF below).
+# 1e-2 (fp8 on dp2xtp2: 5.4e-3), the params after two steps within 2e-2 (quant on vs off: LOSS_ON_OFF below).
 MESH_CASES = [  # (dp, pp, tp), expert parallelism, model overrides
     pytest.param((2, 1, 2), False, dict(quant="int8"), id="int8-dp2xtp2", marks=pytest.mark.slow),
     pytest.param((1, 2, 1), False, dict(quant="int8"), id="int8-pp2", marks=pytest.mark.slow),
@@ -151,7 +167,7 @@ def test_quantized_steps_stay_at_one_quantized_device(quantized_reference, mesh_
                                                           reference_for(quantized_reference, **model))
     np.testing.assert_allclose(metrics[0]["loss"], ref_metrics[0]["loss"], rtol=RTOL)
     np.testing.assert_array_equal(metrics[0]["stats_N"]["tokens_per_expert"], ref_metrics[0]["stats_N"]["tokens_per_expert"])
-    np.testing.assert_allclose(metrics[0]["grad_norm"], ref_metrics[0]["grad_norm"], rtol=5e-3)
+    np.testing.assert_allclose(metrics[0]["grad_norm"], ref_metrics[0]["grad_norm"], rtol=1e-2)
     assert_tree_close(params, ref_params, rtol=2e-2, what="params: ")
 
 
