@@ -13,6 +13,7 @@ import quant
 from jax.sharding import PartitionSpec as P
 
 from layers import project
+from planning import tpu_compile
 from test_parallel import RTOL, assert_tree_close, tiny_config, train_steps
 from utils import Config, ConfigError, apply_overrides, validate_model
 
@@ -138,7 +139,7 @@ def test_a_quantized_projection_on_a_mesh_equals_one_device(mesh_axis, split):
 # everything after it by a quantization step, which flips more (measured at 2 steps on
 # dp2xtp2: loss 1.8e-7 at step 0, 3.9e-4 at step 1; params 5e-3). So: the first step's
 # forward (loss) to test_parallel's bound, its expert counts exactly, the gradient norm within
-# 1e-2 (fp8 on dp2xtp2: 5.4e-3), the params after two steps within 2e-2 (quant on vs off: LOSS_ON_OFF below).
+# 1e-2 (fp8 on dp2xtp2: 5.4e-3), the params after two steps within 2e-2.
 MESH_CASES = [  # (dp, pp, tp), expert parallelism, model overrides
     pytest.param((2, 1, 2), False, dict(quant="int8"), id="int8-dp2xtp2", marks=pytest.mark.slow),
     pytest.param((1, 2, 1), False, dict(quant="int8"), id="int8-pp2", marks=pytest.mark.slow),
@@ -178,3 +179,13 @@ def test_quantization_changes_the_step(quantized_reference):
     quantized, plain = reference_for(quantized_reference, quant="int8"), train_steps(tiny_config())
     loss, plain_loss = quantized[0][0]["loss"], plain[0][0]["loss"]
     assert 1e-5 < abs(loss / plain_loss - 1) < 1e-2
+
+
+def test_low_precision_dot_flops_counts_the_8_bit_dots_alone():
+    """Of a compiled forward with one int8 dot (2 x 16 x 32 x 8 FLOPs) beside a float32 one
+    of the same shape, low_precision_dot_flops counts the int8 one."""
+    x_NI, w_IO = random((16, 32), 12), random((32, 8), 13)
+    forward = jax.jit(lambda x, w: quant.quantized_dot(x, w, "int8", (), (), 16) + x @ w)
+    hlo = forward.lower(x_NI, w_IO).compile().as_text()
+    assert tpu_compile.dot_flops(hlo) == 2 * 2 * 16 * 32 * 8
+    assert tpu_compile.low_precision_dot_flops(hlo) == 2 * 16 * 32 * 8
