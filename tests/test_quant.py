@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from layers import project
 from planning import tpu_compile
 from test_parallel import RTOL, assert_tree_close, tiny_config, train_steps
-from utils import Config, ConfigError, apply_overrides, validate_model
+from utils import PRESETS, Config, ConfigError, apply_overrides, validate_model
 
 
 def random(shape, seed):
@@ -189,3 +189,15 @@ def test_low_precision_dot_flops_counts_the_8_bit_dots_alone():
     hlo = forward.lower(x_NI, w_IO).compile().as_text()
     assert tpu_compile.dot_flops(hlo) == 2 * 2 * 16 * 32 * 8
     assert tpu_compile.low_precision_dot_flops(hlo) == 2 * 16 * 32 * 8
+
+
+def test_the_planner_runs_the_quantized_share_at_the_chip_s_int8_peak():
+    """moe1b's quantized matmuls are most of its FLOPs (not the router, the output layer,
+    attention's scores); the step's peak is their int8 peak blended with bf16's for the rest."""
+    from planning import planner_model
+    cfg = apply_overrides(apply_overrides(Config(), PRESETS["moe1b"]), {"model": dict(quant="int8")})
+    share = planner_model.quantized_share(planner_model.shape_keys(cfg)[0])
+    assert 0.5 < share < 1
+    assert planner_model.quantized_peak(cfg, "tpu-v5p", 459e12) == pytest.approx(1 / (share / 918e12 + (1 - share) / 459e12))
+    assert 459e12 < planner_model.quantized_peak(cfg, "tpu-v5p", 459e12) < 918e12
+    assert planner_model.quantized_peak(apply_overrides(cfg, {"model": dict(quant="none")}), "tpu-v5p", 459e12) == 459e12
