@@ -136,19 +136,27 @@ class MLAttention(nnx.Module):
         self.softmax_scale = attention_softmax_scale(cfg)
         self.rope_scale = yarn_attention_factor(cfg)
         self.implementation, self.block = cfg.attention, cfg.attention_block
+        self.quant_mode = cfg.quant
 
-    def queries(self, x_BTD, angles):
+    def project(self, x, w, n_in=1, in_axis=None, out_axis=None):
+        """layers.project under --model.quant; in_axis / out_axis: the tp axis when heads
+        (split over tp) are w's input (wo) or output (the up-projections)."""
+        return project(x, w, n_in, self.quant_mode, in_axis, out_axis)
+
+    def queries(self, x_BTD, angles, tp_axis=None):
         if self.full_rank_queries:
-            q_nope_BTHK, q_rope_BTHR = project(x_BTD, self.wq_DHK[...]), project(x_BTD, self.wq_rope_DHR[...])
+            q_nope_BTHK = self.project(x_BTD, self.wq_DHK[...], out_axis=tp_axis)
+            q_rope_BTHR = self.project(x_BTD, self.wq_rope_DHR[...], out_axis=tp_axis)
         else:
-            q_BTQ = self.q_norm(project(x_BTD, self.wq_down_DQ[...]))
-            q_nope_BTHK, q_rope_BTHR = project(q_BTQ, self.wq_up_QHK[...]), project(q_BTQ, self.wq_rope_QHR[...])
+            q_BTQ = self.q_norm(self.project(x_BTD, self.wq_down_DQ[...]))
+            q_nope_BTHK = self.project(q_BTQ, self.wq_up_QHK[...], out_axis=tp_axis)
+            q_rope_BTHR = self.project(q_BTQ, self.wq_rope_QHR[...], out_axis=tp_axis)
         return q_nope_BTHK, apply_rope(q_rope_BTHR, angles, self.rope_scale)
 
     def latents(self, x_BTD, angles):
         """What the cache stores: the normalised KV latent and the shared RoPE key."""
-        kv_BTA = self.kv_norm(project(x_BTD, self.wkv_down_DA[...]))
-        k_rope_BTR = apply_rope(project(x_BTD, self.wk_rope_DR[...]), angles, self.rope_scale)
+        kv_BTA = self.kv_norm(self.project(x_BTD, self.wkv_down_DA[...]))
+        k_rope_BTR = apply_rope(self.project(x_BTD, self.wk_rope_DR[...]), angles, self.rope_scale)
         return kv_BTA, k_rope_BTR
 
     def __call__(self, x_BTD, angles, tp_axis=None):
@@ -167,13 +175,13 @@ class MLAttention(nnx.Module):
         """
         B, T, _ = x_BTD.shape
         chunks, angles = (angles, angles.angles) if isinstance(angles, SequenceChunks) else (None, angles)
-        q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles)
+        q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles, tp_axis)
         kv_BSA, k_rope_BSR = self.latents(x_BTD, angles)
         q_pos_T = k_pos_S = jnp.arange(T)
         if chunks is not None:  # the latent crosses cp, not keys and values: they are made here
             (kv_BSA, k_rope_BSR), q_pos_T, k_pos_S = chunks.gather(kv_BSA, k_rope_BSR), chunks.q_pos_T, chunks.k_pos_S
-        k_nope_BSHK = project(kv_BSA, self.wk_up_AHK[...])
-        v_BSHK = project(kv_BSA, self.wv_up_AHK[...])
+        k_nope_BSHK = self.project(kv_BSA, self.wk_up_AHK[...], out_axis=tp_axis)
+        v_BSHK = self.project(kv_BSA, self.wv_up_AHK[...], out_axis=tp_axis)
         if self.implementation == "blockwise":
             out_BTHK, max_logit_H = blockwise_attention_and_max_logits(
                 q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, self.softmax_scale, self.block)
@@ -202,7 +210,7 @@ class MLAttention(nnx.Module):
             out_BTHK = jnp.matmul(probs_BHTS, v_BHSK, preferred_element_type=ACC_DTYPE).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
         # Tensor parallel: each device holds H/tp heads, so this is a partial sum over
         # heads; the psum (an all-reduce over `tp`) completes it (Megatron, row-parallel).
-        return psum_if(project(out_BTHK, self.wo_HKD[...], n_in=2), tp_axis), max_logit_H.astype(jnp.float32)
+        return psum_if(self.project(out_BTHK, self.wo_HKD[...], 2, in_axis=tp_axis), tp_axis), max_logit_H.astype(jnp.float32)
 
     def fused_attention(self, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK):
         """jax.nn.dot_product_attention (cuDNN flash attention on GPUs that have it).
@@ -243,7 +251,7 @@ class MLAttention(nnx.Module):
         probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
         context_BTHA = jnp.einsum("bhts,bsa->btha", probs_BHTS, kv_cache_BSA)
         out_BTHK = jnp.einsum("btha,ahk->bthk", context_BTHA, self.wv_up_AHK[...])  # per head: not a plain projection
-        y_BTD = project(out_BTHK, self.wo_HKD[...], n_in=2)
+        y_BTD = self.project(out_BTHK, self.wo_HKD[...], 2)
         return y_BTD, (kv_cache_BSA, rope_cache_BSR)
 
 

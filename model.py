@@ -107,6 +107,10 @@ class ModelConfig:
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("auto", "compute dtype: float32 | bfloat16 | auto (the faster here: bfloat16 on TPU/GPU, on CPU a "
                                 "timed probe of the model's matmuls, dtype_probe.py); weights, Adam and softmax/norms stay float32")
+    quant: str = option("none", "quantized training of the weight matmuls (attention projections, experts, dense FFN; "
+                                "forward and backward, quant.py): none | int8 (TPU v5e/v5p/v6e: 2x bf16's peak) | fp8 (e4m3/e5m2; "
+                                "H100/H200, TPU v7). The router (a tie decides where tokens go), embedding, output layer (the "
+                                "logits' precision is the loss's) and norms stay in --model.dtype / float32")
     grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
                                                "weights): float32 | bfloat16 (halves their bytes, loses precision)")
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "
@@ -150,7 +154,8 @@ class Layer(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = MLAttention(cfg, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = MoE(cfg, rngs) if kind == "M" else DenseFFN(cfg.d_model, cfg.d_ff, cfg.ffn_activation, rngs, residual_scale(cfg))
+        self.ffn = MoE(cfg, rngs) if kind == "M" else DenseFFN(cfg.d_model, cfg.d_ff, cfg.ffn_activation, rngs, residual_scale(cfg),
+                                                                         cfg.quant)
         self.dropout = cfg.dropout
 
     def drop(self, x_BTD, keys_B, positions_T):
@@ -175,7 +180,7 @@ class Layer(nnx.Module):
         if self.kind == "M":
             y_BTD, stats = self.ffn(h_BTD, tp_axis, ep_axis, sequence_axis(angles))
         else:
-            y_BTD, stats = self.ffn(h_BTD), None
+            y_BTD, stats = self.ffn(h_BTD, tp_axis), None
         return x_BTD + self.drop(psum_if(y_BTD, tp_axis), rngs[1], positions_T), stats, max_logit_H
 
     def decode(self, x_BTD, angles, cache, start):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
 
+import quant
 from blockwise_attention import interpret_kernels, unchecked, varying_like
 from layers import ACC_DTYPE, DenseFFN, init_normal, is_auto_axis, live_axes, residual_scale
 
@@ -253,6 +254,22 @@ def grouped_matmul(kernel, x_NI, w_EIO, tokens_per_expert_E):
     return jnp.where(written_P1, y_PO, 0)[:N]
 
 
+def quantized_expert_matmuls(x_ENI, w_EIO, quant_mode, row_tile, tp_axis, tp_splits):
+    """A batch (over E) of quant.quantized_dot, each expert with its own scales; dw's row
+    tiles are one routing group's slots. tp_splits: "out" (gate, up) or "in" (down)."""
+    axes = dict(in_axis=live_axes(tp_axis) if tp_splits == "in" else (), out_axis=live_axes(tp_axis) if tp_splits == "out" else ())
+    x_ENI, w_EIO = quant.same_varying(x_ENI, w_EIO.astype(x_ENI.dtype))
+    dot = lambda x_NI, w_IO: quant.quantized_dot(x_NI, w_IO, quant_mode, axes["in_axis"], axes["out_axis"], row_tile)  # noqa: E731
+    return jax.vmap(dot)(x_ENI, w_EIO)
+
+
+def quantized_grouped_matmul(x_NI, w_EIO, tokens_per_expert_E, quant_mode, tp_axis, tp_splits):
+    """grouped_matmul's ragged_dot through quant.quantized_ragged_dot."""
+    in_axis, out_axis = (live_axes(tp_axis), ()) if tp_splits == "in" else ((), live_axes(tp_axis))
+    x_NI, w_EIO = quant.same_varying(x_NI, w_EIO.astype(x_NI.dtype))
+    return quant.quantized_ragged_dot(x_NI, w_EIO, tokens_per_expert_E, quant_mode, in_axis, out_axis)
+
+
 class MoE(nnx.Module):
     """Shared experts (see every token) + top-k routed experts (DeepSeekMoE).
 
@@ -267,6 +284,7 @@ class MoE(nnx.Module):
         self.top_k, self.score = cfg.top_k, cfg.router_score
         self.capacity_factor = cfg.capacity_factor
         self.moe_kernel = resolve_moe_kernel(cfg.moe_kernel)
+        self.quant_mode = cfg.quant  # (quantized dropless experts run ragged_dot: utils refuses gmm with quant)
         self.group_size = cfg.routing_group or cfg.seq_len
         self.router_DE = init_normal(rngs, (D, E), D)
         self.router_bias_E = RouterBias(jnp.zeros((E,), jnp.float32)) if has_router_bias(cfg) else None
@@ -276,7 +294,7 @@ class MoE(nnx.Module):
         self.w_gate_EDF = init_normal(rngs, (E, D, F), D)
         self.w_up_EDF = init_normal(rngs, (E, D, F), D)
         self.w_down_EFD = init_normal(rngs, (E, F, D), F, residual_scale(cfg))
-        self.shared = DenseFFN(D, cfg.n_shared * F, "swiglu", rngs, residual_scale(cfg)) if cfg.n_shared else None
+        self.shared = DenseFFN(D, cfg.n_shared * F, "swiglu", rngs, residual_scale(cfg), cfg.quant) if cfg.n_shared else None
 
     def route(self, x_GSD):
         """top_k_routing of each group: (gates_GSX, experts_GSX, probs_GSE)."""
@@ -285,7 +303,7 @@ class MoE(nnx.Module):
                                   topk_groups=self.topk_groups, routed_scale=self.routed_scale, norm_topk=self.norm_topk)
         return jax.vmap(route, (0, None))(x_GSD, self.router_DE[...])
 
-    def expert_ffn(self, x_GECD):
+    def expert_ffn(self, x_GECD, tp_axis=None):
         """SwiGLU of each local expert on its buffer of tokens.
 
         Each expert's slots of all groups become one row dim N = G x C, so every matmul is
@@ -293,14 +311,16 @@ class MoE(nnx.Module):
         G, E, C, D = x_GECD.shape
         x_END = x_GECD.transpose(1, 0, 2, 3).reshape(E, G * C, D)
 
-        def expert_matmul(x_ENI, w_EIO):
+        def expert_matmul(x_ENI, w_EIO, tp_splits):
+            if self.quant_mode != "none":
+                return quantized_expert_matmuls(x_ENI, w_EIO, self.quant_mode, C, tp_axis, tp_splits)
             return jnp.einsum("eni,eio->eno", x_ENI, w_EIO.astype(x_ENI.dtype), preferred_element_type=ACC_DTYPE).astype(x_ENI.dtype)
 
-        hidden_ENF = jax.nn.silu(expert_matmul(x_END, self.w_gate_EDF[...])) * expert_matmul(x_END, self.w_up_EDF[...])
-        y_END = expert_matmul(hidden_ENF, self.w_down_EFD[...])
+        hidden_ENF = jax.nn.silu(expert_matmul(x_END, self.w_gate_EDF[...], "out")) * expert_matmul(x_END, self.w_up_EDF[...], "out")
+        y_END = expert_matmul(hidden_ENF, self.w_down_EFD[...], "in")
         return y_END.reshape(E, G, C, D).transpose(1, 0, 2, 3)
 
-    def routed_with_capacity(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis):
+    def routed_with_capacity(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis, tp_axis=None):
         G, S, D = x_GSD.shape
         capacity = expert_capacity(S, self.top_k, n_experts, self.capacity_factor)
         slot_GSX, kept_GSX, tokens_per_expert_GE = jax.vmap(assign_slots, (0, None, None))(experts_GSX, n_experts, capacity)
@@ -312,20 +332,20 @@ class MoE(nnx.Module):
 
         x_GECD = jax.vmap(fill_slots)(x_GSD, slot_GSX).reshape(G, n_experts, capacity, D)
         if ep_axis is None or not (is_auto_axis(ep_axis) or live_axes(ep_axis)):  # one expert group: nothing to send
-            y_GECD = self.expert_ffn(x_GECD)
+            y_GECD = self.expert_ffn(x_GECD, tp_axis)
         elif is_auto_axis(ep_axis):
             # Automatic sharding (executor_auto.py): only say that each expert's slots
             # should sit where the expert lives (experts over ep_axis, every group);
             # the compiler inserts the dispatch there and back.
             by_expert = jax.sharding.PartitionSpec(None, ep_axis)
             x_GECD = jax.lax.with_sharding_constraint(x_GECD, by_expert)
-            y_GECD = jax.lax.with_sharding_constraint(self.expert_ffn(x_GECD), by_expert)
+            y_GECD = jax.lax.with_sharding_constraint(self.expert_ffn(x_GECD, tp_axis), by_expert)
         else:
             # Expert parallelism: this device holds E/dp experts. all_to_all sends each
             # expert's slots to the device that owns it (split E, stack groups), the
             # experts run, and the inverse all_to_all brings the results home.
             x_GECD = jax.lax.all_to_all(x_GECD, ep_axis, split_axis=1, concat_axis=0, tiled=True)
-            y_GECD = self.expert_ffn(x_GECD)
+            y_GECD = self.expert_ffn(x_GECD, tp_axis)
             y_GECD = jax.lax.all_to_all(y_GECD, ep_axis, split_axis=0, concat_axis=1, tiled=True)
 
         def combine(y_ECD, slot_SX, gates_SX, kept_SX):  # each token sums its k expert outputs
@@ -337,7 +357,7 @@ class MoE(nnx.Module):
         dropped = jnp.sum(~kept_GSX)
         return y_GSD, tokens_per_expert_GE, dropped
 
-    def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis=None, kernel=None):
+    def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis=None, tp_axis=None, kernel=None):
         """No capacity: sort all (token, choice) pairs by expert and run a grouped
         matmul (`grouped_matmul`: ragged_dot or megablox gmm) over the contiguous runs
         of each expert.
@@ -359,9 +379,13 @@ class MoE(nnx.Module):
         token_of_pair = jnp.arange(G * S * X) // X
         x_ND = x_GSD.reshape(G * S, D)[token_of_pair[order]]
         tokens_per_expert_E = jnp.zeros((n_local + 1,), jnp.int32).at[local_N].add(1)[:n_local]
-        matmul = functools.partial(grouped_matmul, kernel or self.moe_kernel, tokens_per_expert_E=tokens_per_expert_E)
-        gate, up = matmul(x_ND, self.w_gate_EDF[...]), matmul(x_ND, self.w_up_EDF[...])
-        y_ND = matmul(jax.nn.silu(gate) * up, self.w_down_EFD[...])
+        def matmul(x_NI, w_EIO, tp_splits):
+            if self.quant_mode != "none":
+                return quantized_grouped_matmul(x_NI, w_EIO, tokens_per_expert_E, self.quant_mode, tp_axis, tp_splits)
+            return grouped_matmul(kernel or self.moe_kernel, x_NI, w_EIO, tokens_per_expert_E=tokens_per_expert_E)
+
+        gate, up = matmul(x_ND, self.w_gate_EDF[...], tp_splits="out"), matmul(x_ND, self.w_up_EDF[...], tp_splits="out")
+        y_ND = matmul(jax.nn.silu(gate) * up, self.w_down_EFD[...], tp_splits="in")
         y_pairs = jnp.zeros_like(y_ND).at[order].set(y_ND).reshape(G, S, X, D)
         y_GSD = jnp.einsum("gsxd,gsx->gsd", y_pairs, gates_GSX.astype(y_pairs.dtype))
         if expert_parallel:
@@ -380,12 +404,12 @@ class MoE(nnx.Module):
         x_GSD = x_BTD.reshape(B * T // group, group, D)
         gates_GSX, experts_GSX, probs_GSE = self.route(x_GSD)
         if self.capacity_factor > 0:
-            y_GSD, tokens_per_expert_GE, dropped = self.routed_with_capacity(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis)
+            y_GSD, tokens_per_expert_GE, dropped = self.routed_with_capacity(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis, tp_axis)
         else:
-            y_GSD, tokens_per_expert_GE, dropped = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis)
+            y_GSD, tokens_per_expert_GE, dropped = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, n_experts, ep_axis, tp_axis)
         y_BTD = y_GSD.reshape(B, T, D)
         if self.shared is not None:
-            y_BTD = y_BTD + self.shared(x_BTD)
+            y_BTD = y_BTD + self.shared(x_BTD, tp_axis)
         aux_G = jax.vmap(load_balance_loss, (0, 0, None))(probs_GSE, tokens_per_expert_GE, self.top_k)
         stats = dict(aux_loss_sum=jnp.sum(aux_G), tokens_per_expert=jnp.sum(tokens_per_expert_GE, 0),
                      dropped=dropped, groups=jnp.asarray(x_GSD.shape[0], jnp.int32))

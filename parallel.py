@@ -40,6 +40,7 @@ from layers import live_axes
 from moe import resolve_moe_kernel
 from model import Transformer
 from pipeline import formula_bubble
+import quant
 from utils import ConfigError
 from weights import AXES, BATCH_AXES, CP, DP, EXPERT, FSDP, MESH_AXES, PP, SHAPE_LETTER_FLAGS, SLICE, is_stacked, is_trained, row, weight_name
 
@@ -224,6 +225,8 @@ def check_config_fits_mesh(cfg, mesh):
             cfg.mesh.sharding == "auto" and mesh.size > 1:
         raise ConfigError(f"--model.moe_kernel gmm on {mesh.size} devices needs --mesh.sharding manual (the compiler does not "
                           "partition the kernel); use --model.moe_kernel ragged_dot")
+    if isinstance(mesh, Mesh):  # (an abstract mesh, the planner's, has no chip to ask)
+        quant.check_chip(m.quant, mesh.devices.flat[0])
     if "M" in m.block_pattern and m.d_expert % tp:
         raise ConfigError(f"--model.d_expert ({m.d_expert}) must be divisible by --mesh.tp ({tp})")
 

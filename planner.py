@@ -24,10 +24,12 @@ main.py flag, plus:
                       (requirements-test.txt). Sets --hardware and --devices. Last line:
                       tpu_bytes_per_device=<int> planner_bytes_per_device=<int> fits=<true|false>
                       collective_bytes=<int> exposed_bytes=<int> dot_flops_per_device=<int>
-                      planner_dot_flops_per_device=<int> (one line; the train step's
-                      collectives and those left exposed, bytes per device per step, and its
-                      dot FLOPs per device per step, compiled and planned; loops by their
-                      trips, a conditional at its costliest branch)
+                      planner_dot_flops_per_device=<int> low_precision_dot_flops_per_device=<int>
+                      (one line; the train step's collectives and those left exposed, bytes
+                      per device per step, and its dot FLOPs per device per step, compiled
+                      and planned, and the compiled ones whose operands are int8 / fp8
+                      (--model.quant); loops by their trips, a conditional at its costliest
+                      branch)
 
     --search          rank every layout of the model and batch on these devices (mesh,
                       expert parallelism, schedule, microbatches, remat; planner_search.py)

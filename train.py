@@ -21,6 +21,7 @@ import goodput
 from hf import hf_interop
 import optimizers
 import parallel as par
+import quant
 import progress
 from step import train_steps
 from dataset import open_data
@@ -47,6 +48,8 @@ def train(cfg):
         data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
         cfg = resolve_vocab(cfg, data)
         par.check_config_fits_mesh(cfg, mesh)
+        if note := quant.check_chip(cfg.model.quant, mesh.devices.flat[0]):
+            print(note, flush=True)
         describe_model(cfg, mesh)
         graphdef, params, optimizer, opt_state, manager, start_step, wandb_id = init_or_resume(cfg, mesh, run_dir, hf_source)
         log = start_log(cfg, run_dir, start_step, wandb_id, clock)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from errors import ConfigError  # noqa: F401  (raised by every module as utils.ConfigError; errors.py says why it lives there)
 from model import REMAT_POLICIES, ModelConfig, option
 from moe import MOE_KERNELS
+from quant import QUANT_MODES
 from splash_attention import SPLASH_LANES
 
 # ----------------------------------------------------------------------------
@@ -407,6 +408,9 @@ def validate_model(cfg):
         (m.moe_kernel in MOE_KERNELS, f"--model.moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {m.moe_kernel!r}"),
         (m.moe_kernel != "gmm" or m.capacity_factor == 0, f"--model.moe_kernel gmm computes dropless experts: set "
                                                           f"--model.capacity_factor 0 (got {m.capacity_factor}) or the kernel auto"),
+        (m.quant in QUANT_MODES, f"--model.quant must be one of {', '.join(QUANT_MODES)}, got {m.quant!r}"),
+        (m.quant == "none" or m.moe_kernel != "gmm", f"--model.quant {m.quant} runs the dropless experts through ragged_dot: "
+                                                     "set --model.moe_kernel auto or ragged_dot (gmm has no quantized kernel here)"),
         (m.router_bias_rate >= 0 and m.seq_aux_loss_weight >= 0, "--model.router_bias_rate and --model.seq_aux_loss_weight must be >= 0"),
         (m.routed_scale > 0, f"--model.routed_scale must be > 0, got {m.routed_scale}"),
         (m.first_dense >= 0, f"--model.first_dense ({m.first_dense}) must be >= 0 (dense layers before the blocks; 0 = none)"),

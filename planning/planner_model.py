@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import jax
+from flax import nnx
 from jax.sharding import AbstractMesh
 
 import dtype_probe
@@ -29,7 +30,7 @@ import optimizers
 import parallel as par
 import weights
 from flops import count_params, flops_per_token, measure_peak_flops, part_flops_per_token, stage_flops
-from model import abstract_params
+from model import Transformer, abstract_params
 from moe import GMM_ROW_TILE
 from step import rules
 from planning.planner_activations import (F32, BACKWARD_TICK_COST, accumulates, activation_bytes, local_sizes, pipeline_loops, schedule_of,
@@ -77,6 +78,19 @@ HARDWARE = {
     "h200": Hardware("H200 SXM", 989e12, 141 * GiB, ring_bw=450 * GB, p2p_bw=450 * GB, node_size=8, cross_node_bw=50 * GB),
     "cpu": Hardware("CPU (this machine, 2 cores)", 0.0, 24 * GiB, ring_bw=10 * GB, p2p_bw=10 * GB),
 }
+# Low-precision matmul peaks per device (dense, op/s; --model.quant), published beside the bf16
+# ones above: Cloud TPU's system-architecture pages give int8 at 275 (v4: no faster than its
+# bf16), 394 (v5e), 918 (v5p) and 1836 (v6e) TOPS and no fp8 for them (Ironwood, v7, is the
+# first with fp8: 4614 TFLOP/s); NVIDIA's H100 / H200 SXM datasheets give 1979 TFLOP/s fp8 and
+# 1979 TOPS int8 without sparsity (2x their 989 bf16).
+LOW_PRECISION_PEAKS = {
+    "tpu-v4": {"int8": 275e12}, "tpu-v5e": {"int8": 394e12}, "tpu-v5p": {"int8": 918e12}, "tpu-v6e": {"int8": 1836e12},
+    "h100": {"int8": 1979e12, "fp8": 1979e12}, "h200": {"int8": 1979e12, "fp8": 1979e12},
+}
+# The weights whose matmuls --model.quant runs in 8 bits (quant.py; the router, the output
+# layer and MTP's projections stay in --model.dtype)
+QUANTIZED_WEIGHTS = ("wq_down_DQ", "wq_up_QHK", "wq_rope_QHR", "wq_DHK", "wq_rope_DHR", "wkv_down_DA", "wk_rope_DR", "wk_up_AHK",
+                     "wv_up_AHK", "wo_HKD", "w_gate_DF", "w_up_DF", "w_down_FD", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
 DEFAULT_EFFICIENCY = 0.5  # large dense transformer training commonly reaches 40-60% MFU
 
 
@@ -614,6 +628,30 @@ def memory_bytes(cfg, mesh_shape, store, hw_name, once=False):
     return memory, activations, phases
 
 
+@lru_cache(maxsize=8)
+def quantized_share(model_cfg):
+    """The share of flops_per_token that --model.quant runs in 8 bits: the forward and
+    backward matmuls of QUANTIZED_WEIGHTS (routed experts at top_k / n_experts)."""
+    state = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))), nnx.Param)
+    quantized = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = weights.weight_name(path)
+        if name in QUANTIZED_WEIGHTS:
+            quantized += math.prod(leaf.shape) * (model_cfg.top_k / model_cfg.n_experts if name.endswith(("EDF", "EFD")) else 1)
+    return 3 * 2 * quantized / model_flops_per_token(model_cfg)
+
+
+def quantized_peak(cfg, hw_name, peak):
+    """The peak a step runs at under --model.quant: its quantized share of the FLOPs at the
+    chip's LOW_PRECISION_PEAKS, the rest at `peak` (a harmonic mean: time adds up). Without
+    quant, or on a chip without a figure (cpu), `peak`."""
+    low = LOW_PRECISION_PEAKS.get(hw_name, {}).get(cfg.model.quant)
+    if low is None:
+        return peak
+    share = quantized_share(shape_keys(cfg)[0])
+    return 1 / (share / low + (1 - share) / peak)
+
+
 def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     """Everything the planner prints, as a dict (bytes, seconds)."""
     if hw_name not in HARDWARE:
@@ -650,7 +688,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         peak = peak or cpu_peak_flops() / n_devices  # fake devices share the cores the matmul used
         available = hw.memory_bytes / n_devices  # fake devices share the machine's RAM
     else:
-        peak = peak or hw.peak_flops
+        peak = peak or quantized_peak(cfg, hw_name, hw.peak_flops)
         available = hw.memory_bytes
     times, comm = step_time(cfg, mesh_shape, hw, peak, efficiency, store, once)
     if muon:  # Newton-Schulz in float32 (assumed at the same efficiency), and its all-to-alls

@@ -103,7 +103,8 @@ def tpu_check(cfg, tpu_name, p):
     lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()} "
                  f"collective_bytes={ov['overlapped'] + ov['exposed']} exposed_bytes={ov['exposed']} "
                  f"dot_flops_per_device={tpu_compile.dot_flops(compiled['train'].as_text())} "
-                 f"planner_dot_flops_per_device={round(p['times']['device_flops'])}")
+                 f"planner_dot_flops_per_device={round(p['times']['device_flops'])} "
+                 f"low_precision_dot_flops_per_device={tpu_compile.low_precision_dot_flops(compiled['train'].as_text())}")
     return lines
 
 

@@ -632,10 +632,20 @@ def grouped_matmul_flops(line):
     return 2 * visited_tiles * (m // row_tiles) * k * n
 
 
-def dot_flops(hlo, name_part=""):
+# 8-bit operand types of HLO (--model.quant int8 / fp8's matmuls)
+LOW_PRECISION_TYPES = ("s8", "u8", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz")
+
+
+def low_precision_dot_flops(hlo):
+    """dot_flops of the dots and convolutions whose two operands are int8 or fp8."""
+    return dot_flops(hlo, low_precision=True)
+
+
+def dot_flops(hlo, name_part="", low_precision=False):
     """FLOPs per step on one device of the dots and convolutions of an optimized HLO
     module whose metadata contains name_part (e.g. a jax.named_scope), loops counted by
-    their trips. A conditional counts its costliest branch (each device runs one)."""
+    their trips. A conditional counts its costliest branch (each device runs one).
+    low_precision: only those whose two operands are 8-bit (LOW_PRECISION_TYPES)."""
     comps, entry = split_computations(hlo)
     memo = {}
 
@@ -644,18 +654,19 @@ def dot_flops(hlo, name_part=""):
             return memo[name]
         memo[name] = 0  # (no recursion in HLO; guards a malformed module)
         lines = comps.get(name, [])
-        dims_of = {}
+        dims_of, types_of = {}, {}
         for line in lines:
-            m = re.match(r"^\s*(?:ROOT )?%(\S+) = \w+\[([0-9,]*)\]", line)
+            m = re.match(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([0-9,]*)\]", line)
             if m:
-                dims_of[m.group(1)] = [int(d) for d in m.group(2).split(",") if d]
+                dims_of[m.group(1)], types_of[m.group(1)] = [int(d) for d in m.group(3).split(",") if d], m.group(2)
         total = 0
         for line in lines:
             m = INSTRUCTION.match(line)
             if not m:
                 continue
             op = m.group(2)
-            if op in ("dot", "convolution") and name_part in line:
+            if op in ("dot", "convolution") and name_part in line and (
+                    not low_precision or all(types_of.get(a) in LOW_PRECISION_TYPES for a in operand_names(m.group(3))[:2])):
                 total += matmul_flops(line, m.group(1), m.group(3), dims_of)
             if op == "custom-call" and name_part in line:
                 total += grouped_matmul_flops(line)

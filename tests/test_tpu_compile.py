@@ -378,7 +378,8 @@ def test_planner_tpu_prints_the_compiler_beside_the_planner(preset):
         assert re.search(row, text), row
     last = re.fullmatch(r"tpu_bytes_per_device=(\d+) planner_bytes_per_device=(\d+) fits=true "
                         r"collective_bytes=(\d+) exposed_bytes=(\d+) "
-                        r"dot_flops_per_device=(\d+) planner_dot_flops_per_device=(\d+)", text.splitlines()[-1])
+                        r"dot_flops_per_device=(\d+) planner_dot_flops_per_device=(\d+) "
+                        r"low_precision_dot_flops_per_device=0", text.splitlines()[-1])
     assert last and int(last.group(1)) > 0 and int(last.group(2)) > 0, text.splitlines()[-1]
     assert 0 < int(last.group(4)) <= int(last.group(3)), text.splitlines()[-1]
     assert int(last.group(5)) > 0 and int(last.group(6)) > 0, text.splitlines()[-1]
