@@ -93,7 +93,8 @@ def tpu_check(cfg, tpu_name, p):
         if name == "train" and over_cp:  # context parallelism's latent, as planner_model.latent_gathers counts it
             lines.append("  the planner's MLA latent over cp: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(over_cp.items())))
         lines.append("")
-    ov = tpu_compile.overlap(compiled["train"].as_text(), tuple(mesh.shape.values()))
+    train_hlo = compiled["train"].as_text()
+    ov = tpu_compile.overlap(train_hlo, tuple(mesh.shape.values()))
     lines += overlap_report(ov)
     compiled_share = ov["exposed"] / max(1, ov["overlapped"] + ov["exposed"])
     lines += [f"exposed: the compiler's schedule {compiled_share:.1%} of the collective bytes; the planner's model "
@@ -102,9 +103,9 @@ def tpu_check(cfg, tpu_name, p):
     fits = tpu_compile.fits(tpu, compiled["log"]["train"], hbm)
     lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()} "
                  f"collective_bytes={ov['overlapped'] + ov['exposed']} exposed_bytes={ov['exposed']} "
-                 f"dot_flops_per_device={tpu_compile.dot_flops(compiled['train'].as_text())} "
+                 f"dot_flops_per_device={tpu_compile.dot_flops(train_hlo)} "
                  f"planner_dot_flops_per_device={round(p['times']['device_flops'])} "
-                 f"low_precision_dot_flops_per_device={tpu_compile.low_precision_dot_flops(compiled['train'].as_text())}")
+                 f"low_precision_dot_flops_per_device={tpu_compile.low_precision_dot_flops(train_hlo)}")
     return lines
 
 
