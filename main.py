@@ -24,7 +24,7 @@ import runs
 from serving import serve
 import train
 from devices import setup_devices, stop_now
-from utils import ConfigError, apply_overrides, parse_args
+from utils import ConfigError, experts_kernel_for_sharding, parse_args
 
 RUN_MODE = {  # what each --mode runs
     "train": train.train,
@@ -34,15 +34,6 @@ RUN_MODE = {  # what each --mode runs
     "export_hf": runs.export_hf_run,
     "serve": serve.serve_run,
 }
-
-
-def experts_kernel_for_sharding(cfg):
-    """cfg with --model.moe_kernel auto read as ragged_dot under --mesh.sharding auto: the
-    compiler's partitioner cannot split megablox's kernel, which auto picks on a TPU
-    (moe.resolve_moe_kernel). Manual sharding keeps auto."""
-    if cfg.model.moe_kernel == "auto" and cfg.mesh.sharding == "auto":
-        return apply_overrides(cfg, {"model": {"moe_kernel": "ragged_dot"}})
-    return cfg
 
 
 def main(argv):

@@ -240,6 +240,15 @@ PRESETS = {
 }
 
 
+def experts_kernel_for_sharding(cfg):
+    """cfg with --model.moe_kernel auto read as ragged_dot under --mesh.sharding auto: the
+    compiler's partitioner cannot split megablox's kernel, which auto picks on a TPU
+    (moe.resolve_moe_kernel). Manual sharding keeps auto."""
+    if cfg.model.moe_kernel == "auto" and cfg.mesh.sharding == "auto":
+        return apply_overrides(cfg, {"model": {"moe_kernel": "ragged_dot"}})
+    return cfg
+
+
 def apply_overrides(cfg, overrides):
     """Return cfg with {section: {field: value}} applied."""
     sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in overrides.items()}

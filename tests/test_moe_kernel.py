@@ -95,6 +95,6 @@ def test_auto_kernel_under_automatic_sharding_is_ragged_dot(sharding, kernel, ex
     """--model.moe_kernel auto would pick megablox on a TPU, which --mesh.sharding auto's
     partitioner cannot split: main.py reads it as ragged_dot there (an explicit gmm is
     left to the mesh check's one-line refusal above)."""
-    from main import experts_kernel_for_sharding
+    from utils import experts_kernel_for_sharding
     cfg = parse_args(["--mesh.sharding", sharding, "--model.moe_kernel", kernel, "--model.capacity_factor", "0"])
     assert experts_kernel_for_sharding(cfg).model.moe_kernel == expected

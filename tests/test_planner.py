@@ -504,7 +504,7 @@ def test_cp_latent_gradient_is_reduced_as_the_tpu_compiler_does():
 @pytest.mark.parametrize("overrides, message", [
     ({"model": {"seq_len": 200}}, r"--model.seq_len \(200\) must be divisible by 2 x --mesh.cp \(16\)"),
     ({"model": {"routing_group": 32}}, r"--model.routing_group \(32\) must divide --model.seq_len / \(2 x --mesh.cp\) = 16"),
-    ({"model": {"attention": "dot_product_attention"}}, "--mesh.cp 8 needs --model.attention matmul or blockwise"),
+    ({"model": {"attention": "dot_product_attention"}}, "--mesh.cp 8 needs --model.attention matmul, blockwise or splash"),
 ])
 def test_cp_layouts_cp_cannot_run_are_utils_one_line_errors(overrides, message):
     """The planner refuses what main.py refuses (utils.context_parallel_checks), also on
