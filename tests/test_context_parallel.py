@@ -71,17 +71,20 @@ def trained_leaves(tree):
 # by up to 1.8e-5 (relative, float32) on a 2-core AMD EPYC and 2.56e-5 on CI's machine
 # (dp2xcp2xtp2-auto), at 5e1a73d already. A lost or doubled chunk moves them by ~1/cp
 # (0.5 at cp 2), so 1e-4 still fails every real fault. The weights, losses and grad norm
-# stay within RTOL.
+# stay within RTOL, but for the weights under --mesh.sharding auto (the partitioner's own
+# reduction order): AdamW's first step moves each weight by +-lr whatever its gradient's
+# size, so an element whose gradient is ~0 can flip sign there (1.75e-5 measured on
+# dp2xcp2xtp2-auto's prefix w_down_FD); those are held to MOMENT_RTOL too.
 MOMENT_RTOL = 1e-4
 
 
-def assert_equals_one_device(result, reference):
+def assert_equals_one_device(result, reference, params_rtol=RTOL):
     """test_parallel.assert_same_steps' comparison (the gradients through AdamW's
     moments, after each step, within MOMENT_RTOL), plus every loss part and the router biases."""
     (metrics, opt_states, params), (ref_metrics, ref_opt_states, ref_params) = result, reference
     for s, (o, ref_o) in enumerate(zip(opt_states, ref_opt_states)):
         assert_tree_close(trained_leaves(o), trained_leaves(ref_o), rtol=MOMENT_RTOL, what=f"optimizer state after step {s}: ")
-    assert_tree_close(params, ref_params, what="params: ")
+    assert_tree_close(params, ref_params, rtol=params_rtol, what="params: ")
     for s, (m, ref_m) in enumerate(zip(metrics, ref_metrics)):
         np.testing.assert_array_equal(m["stats_N"]["tokens_per_expert"], ref_m["stats_N"]["tokens_per_expert"])
         for key in ("loss", "aux_loss", "grad_norm", "seq_aux_loss", "mtp_loss", "max_logit"):
@@ -107,7 +110,8 @@ CASES = [pytest.param(dict(dp=2, cp=2, tp=2), id="dp2xcp2xtp2"),
 
 @pytest.mark.parametrize("mesh", CASES)
 def test_context_parallel_equals_one_device(reference, mesh):
-    assert_equals_one_device(train_steps(v3_config(**mesh)), reference["matmul"])
+    assert_equals_one_device(train_steps(v3_config(**mesh)), reference["matmul"],
+                             params_rtol=MOMENT_RTOL if mesh.get("sharding") == "auto" else RTOL)
 
 
 @pytest.mark.slow
