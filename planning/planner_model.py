@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import jax
-from flax import nnx
 from jax.sharding import AbstractMesh
 
 import dtype_probe
@@ -30,7 +29,7 @@ import optimizers
 import parallel as par
 import weights
 from flops import count_params, flops_per_token, measure_peak_flops, part_flops_per_token, stage_flops
-from model import Transformer, abstract_params
+from model import abstract_params
 from moe import GMM_ROW_TILE
 from step import rules
 from planning.planner_activations import (F32, BACKWARD_TICK_COST, accumulates, activation_bytes, local_sizes, pipeline_loops, schedule_of,
@@ -632,9 +631,8 @@ def memory_bytes(cfg, mesh_shape, store, hw_name, once=False):
 def quantized_share(model_cfg):
     """The share of flops_per_token that --model.quant runs in 8 bits: the forward and
     backward matmuls of QUANTIZED_WEIGHTS (routed experts at top_k / n_experts)."""
-    state = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))), nnx.Param)
     quantized = 0.0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(model_cfg))[0]:
         name = weights.weight_name(path)
         if name in QUANTIZED_WEIGHTS:
             quantized += math.prod(leaf.shape) * (model_cfg.top_k / model_cfg.n_experts if name.endswith(("EDF", "EFD")) else 1)
