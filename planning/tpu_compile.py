@@ -341,7 +341,9 @@ COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
 
 
 def split_computations(hlo):
-    """{name: [instruction lines]} and the entry computation's name."""
+    """{name: [instruction lines]} and the entry computation's name. An instruction is
+    one line: a backend config that spans lines (a Pallas kernel's metadata, whose lines
+    may start with "}") is joined onto its instruction's line."""
     comps, entry, name = {}, None, None
     for line in hlo.splitlines():
         head = COMPUTATION.match(line)
@@ -350,8 +352,10 @@ def split_computations(hlo):
             comps[name] = []
             if line.startswith("ENTRY"):
                 entry = name
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":
             name = None
+        elif name is not None and comps[name] and not line.startswith("  "):
+            comps[name][-1] += " " + line
         elif name is not None:
             comps[name].append(line)
     return comps, entry

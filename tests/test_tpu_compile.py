@@ -537,6 +537,29 @@ def test_dot_flops_count_the_window_taps_that_land_on_the_input(convolution, ope
     assert tpu_compile.matmul_flops(line, m.group(1), m.group(3), operand_dims) == flops
 
 
+# A Pallas kernel's custom call carries its metadata over several lines, one of them
+# starting with "}}" (splash attention's, as libtpu prints it)
+KERNEL_THEN_MATMUL = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: bf16[64,128], b: bf16[128,256]) -> bf16[64,256] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %b = bf16[128,256]{1,0} parameter(1)
+  %kernel = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 128}"
+}}, metadata={op_name="splash_mha_fwd/pallas_call"}
+  ROOT %d = bf16[64,256]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_an_instruction_over_several_lines_does_not_end_its_computation():
+    """The lines after a kernel's metadata still count: before, its "}}" line closed the
+    computation, and the full moe1b step with splash at T = 8192 read 1/10 of its dot FLOPs."""
+    comps, entry = tpu_compile.split_computations(KERNEL_THEN_MATMUL)
+    assert [line.split(" = ")[0].strip() for line in comps[entry]] == ["%a", "%b", "%kernel", "ROOT %d"]
+    assert tpu_compile.dot_flops(KERNEL_THEN_MATMUL) == 2 * 64 * 128 * 256
+
+
 @pytest.mark.parametrize("matmul_between", [True, False])
 def test_overlap_parser_on_a_scheduled_loop(matmul_between):
     """Bytes per step: the loop's send 3 x 4 KiB, overlapped only when the matmul sits
