@@ -721,6 +721,7 @@ def test_dropless_gmm_compiles_to_megablox_kernels_whose_tiles_the_planner_count
     kernels = re.findall(r"%\S*?(t?gmm)\S* = .*custom_call_target=\"tpu_custom_call\"", hlo)
     assert set(kernels) == {"gmm", "tgmm"}
     assert case["plan"]["times"]["device_flops"] == pytest.approx(case["dot_flops"], rel=TIME_TOLERANCE)
+    assert tpu_compile.low_precision_dot_flops(hlo) == 0  # bfloat16 kernels (they were counted as 8-bit once)
 
 
 @pytest.mark.slow
