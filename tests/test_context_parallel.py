@@ -95,7 +95,8 @@ def assert_equals_one_device(result, reference, params_rtol=RTOL):
         np.testing.assert_allclose(m["router_bias_NLE"], ref_m["router_bias_NLE"], atol=1e-7, err_msg=f"step {s}: router biases")
 
 
-CASES = [pytest.param(dict(dp=2, cp=2, tp=2), id="dp2xcp2xtp2"),
+# (all slow: the fast selection keeps cp's attention on chunks, the chunks' balance and the bad flags)
+CASES = [pytest.param(dict(dp=2, cp=2, tp=2), id="dp2xcp2xtp2", marks=pytest.mark.slow),
          pytest.param(dict(cp=2), id="cp2", marks=pytest.mark.slow),
          pytest.param(dict(cp=4, remat="block_dots"), id="cp4-remat-block_dots", marks=pytest.mark.slow),
          pytest.param(dict(cp=8, remat="block"), id="cp8-remat-block", marks=pytest.mark.slow),
@@ -259,6 +260,7 @@ def test_blockwise_attention_on_cp_chunks_equals_one_device():
     np.testing.assert_allclose(sharded(weights, x_bTD[:, order_T]), whole_bTD[:, order_T], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_latent_crosses_cp_57x_smaller_than_keys_and_values():
     """The byte comparison of docs/parallelism.md, from the compiled programs: at V3's
     widths one attention layer's collectives over cp move kv_latent + rope_dim = 576

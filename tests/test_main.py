@@ -122,16 +122,16 @@ def test_main_py_is_a_script_nothing_imports():
     assert importers == [], importers
 
 
-def assert_goodput_phases_match_the_run(stdout, run_dir):
-    """The end row's goodput phases against the run's own figures: compile is the
-    compile time the run printed (plus the memory summary after it), and the data
-    reads, the eval at the end, the checkpoints and the steps each took some time."""
+def assert_goodput_phases_match_the_run(stdout, run_dir, event="end", timed=("data", "eval", "checkpoint", "train")):
+    """The goodput phases of the run's last `event` row against the run's own figures:
+    compile is the compile time the run printed (plus the memory summary after it), and
+    each phase in `timed` took some time."""
     compiled_s = float(re.search(r"^compiled train step in ([\d.]+)s", stdout, re.M).group(1))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        (end,) = [row for row in map(json.loads, f) if row.get("event") == "end"]
-    phases = end["goodput"]
+        *_, last = [row for row in map(json.loads, f) if row.get("event") == event]
+    phases = last["goodput"]
     assert compiled_s - 0.06 <= phases["compile"] <= compiled_s + max(1.0, 0.1 * compiled_s), (compiled_s, phases)
-    assert min(phases[p] for p in ("data", "eval", "checkpoint", "train")) > 0, phases
+    assert min(phases[p] for p in timed) > 0, phases
 
 
 @pytest.mark.slow
@@ -168,7 +168,7 @@ def test_resume_after_sigkill_repeats_and_skips_no_step(tmp_path, data_cache):
 def test_sigterm_saves_the_step_it_reached_where_no_checkpoint_was_due(tmp_path, data_cache):
     """SIGTERM mid-run, with checkpoints, evals and the end 100000 steps away: the stop
     alone saves the step the run reached (a checkpoint, a `preempted` row, one line)
-    and the run exits with 75."""
+    and the run exits with 75. The row's goodput charges compile the time the run printed."""
     cmd = [sys.executable, "main.py", "--preset", "tiny", "--run.out_dir", str(tmp_path), "--data.cache_dir", data_cache,
            *QUIET, "--train.steps", "100000", "--train.checkpoint_every", "100000", "--train.eval_every", "100000",
            "--run.name", "stopped"]
@@ -195,7 +195,10 @@ def test_sigterm_saves_the_step_it_reached_where_no_checkpoint_was_due(tmp_path,
     losses, order = train_losses(tmp_path / "stopped")
     assert order == list(range(1, stopped + 1))
     last = json.loads(metrics.read_text().splitlines()[-1])
-    assert (last["step"], last["event"]) == (stopped, "preempted") and last["goodput"]["checkpoint"] > 0, last
+    assert (last["step"], last["event"]) == (stopped, "preempted"), last
+    # no eval ran: the one checkpoint is the stop's
+    assert_goodput_phases_match_the_run((tmp_path / "out.txt").read_text(), tmp_path / "stopped", "preempted",
+                                        ("data", "checkpoint", "train"))
 
 
 @pytest.mark.slow

@@ -110,7 +110,7 @@ def reference():
     return one_step(tiny_config())
 
 
-FAST_CASES = [((2, 2, 2), "1f1b", 4), ((1, 4, 2), "interleaved", 4), ((1, 4, 2), "gpipe", 8)]
+FAST_CASES = [((1, 4, 2), "interleaved", 4), ((1, 4, 2), "gpipe", 8)]  # (1F1B: test_hand_written_gradient_equals_autodiff_of_one_device)
 
 
 @pytest.mark.parametrize("mesh_shape, kind, M", FAST_CASES, ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
@@ -123,7 +123,7 @@ def test_schedule_step_equals_one_device(reference, mesh_shape, kind, M):
 
 # A deep pipeline (pp 8) and pp beside dp and tp, each schedule, the fewest and more
 # microbatches than stages (M = pp and 2 pp)
-SLOW_CASES = [((1, 8, 1), "1f1b", 8), ((2, 4, 1), "1f1b", 8), ((2, 4, 1), "interleaved", 8),
+SLOW_CASES = [((2, 2, 2), "1f1b", 4), ((1, 8, 1), "1f1b", 8), ((2, 4, 1), "1f1b", 8), ((2, 4, 1), "interleaved", 8),
               ((2, 2, 2), "interleaved", 2), ((2, 4, 1), "gpipe", 4)]
 
 
@@ -134,7 +134,7 @@ def test_schedule_step_equals_one_device_everywhere(reference, mesh_shape, kind,
     assert_same_step(metrics, params, *reference)
 
 
-@pytest.mark.parametrize("remat", ["none", *(pytest.param(p, marks=pytest.mark.slow) for p in ("block_dots", "stage", "layer"))])
+@pytest.mark.parametrize("remat", [pytest.param(p, marks=pytest.mark.slow) for p in ("none", "block_dots", "stage", "layer")])
 def test_hand_written_backward_under_remat_policies(reference, remat):
     """Each policy is what the stash keeps (none: every residual of every block, so the
     backward tick runs no forward again); each policy under gpipe: test_parallel."""

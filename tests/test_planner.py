@@ -430,7 +430,7 @@ def bytes_over_cp(hlo, mesh):
     return out
 
 
-CP_CASES = [pytest.param(dict(dp=2, cp=2, tp=2), True, id="dp2xcp2xtp2"),
+CP_CASES = [pytest.param(dict(dp=2, cp=2, tp=2), True, id="dp2xcp2xtp2", marks=pytest.mark.slow),
             pytest.param(dict(dp=2, cp=4, attention="blockwise"), True, id="dp2xcp4-blockwise", marks=pytest.mark.slow),
             pytest.param(dict(dp=2, cp=4, remat="block"), False, id="dp2xcp4-remat-block", marks=pytest.mark.slow),
             pytest.param(dict(dp=2, cp=2, pp=2, batch_size=8), True, id="dp2xcp2xpp2", marks=pytest.mark.slow)]

@@ -64,7 +64,8 @@ def test_prefix_under_accumulation_equals_one_device(reference):
     assert_same_steps(train_steps(cfg), reference)
 
 
-@pytest.mark.parametrize("pipeline, executor", [pytest.param("gpipe", executor_gpipe, marks=pytest.mark.slow), ("1f1b", executor_1f1b)])
+@pytest.mark.parametrize("pipeline, executor", [pytest.param("gpipe", executor_gpipe, marks=pytest.mark.slow),
+                                                pytest.param("1f1b", executor_1f1b, marks=pytest.mark.slow)])
 def test_pipelined_prefix_equals_plain_forward(pipeline, executor):
     """Loss and every gradient leaf of the pipelined, sharded step against autodiff of
     model.__call__ (the plain single-device reference) on dp2 x pp2 x tp2."""

@@ -305,6 +305,7 @@ def test_shard_plans_cut_where_the_pool_cuts_whatever_the_batching(tmp_path, exa
 # -----------------------------------------------------------------------------
 # On the cluster
 
+@pytest.mark.slow  # (the cluster takes ~25 s to start: the fast selection keeps the one-line errors)
 def test_the_cluster_is_two_nodes_listening_on_loopback_only(cluster):
     listening = subprocess.run(["ss", "-Htuln"], capture_output=True, text=True, check=True).stdout.splitlines()
     addresses = {line.split()[4].rsplit(":", 1)[0] for line in listening}
@@ -322,6 +323,7 @@ def ray_out(cluster, corpus, tmp_path_factory):
     return out, run_tokenize(corpus, out, "--ray", cluster.address)
 
 
+@pytest.mark.slow  # (~20 s; the fast selection keeps the cluster's own test and the one-line errors)
 def test_ray_shards_from_files_equal_the_process_pool(cluster, corpus, pool_out, ray_out):
     out, done = ray_out
     assert_same_files(files_of(out), files_of(pool_out / "jsonl"))  # shards, manifest.json, progress.json
