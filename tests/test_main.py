@@ -123,13 +123,13 @@ def test_main_py_is_a_script_nothing_imports():
 
 
 def assert_goodput_phases_match_the_run(stdout, run_dir, event="end", timed=("data", "eval", "checkpoint", "train")):
-    """The goodput phases of the run's last `event` row against the run's own figures:
+    """The goodput phases of the run's one `event` row against the run's own figures:
     compile is the compile time the run printed (plus the memory summary after it), and
     each phase in `timed` took some time."""
     compiled_s = float(re.search(r"^compiled train step in ([\d.]+)s", stdout, re.M).group(1))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        *_, last = [row for row in map(json.loads, f) if row.get("event") == event]
-    phases = last["goodput"]
+        (row,) = [row for row in map(json.loads, f) if row.get("event") == event]
+    phases = row["goodput"]
     assert compiled_s - 0.06 <= phases["compile"] <= compiled_s + max(1.0, 0.1 * compiled_s), (compiled_s, phases)
     assert min(phases[p] for p in timed) > 0, phases
 
