@@ -391,8 +391,12 @@ def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick, once=Fals
     buffers = {}
 
     def add_buffer(kind, axes, nbytes):
-        key = f"{kind} over {'+'.join(axes)}"
+        key = f"{kind} over {'+'.join(a for a in axes if mesh_shape[a] > 1)}"  # (as the compiler's groups span them)
         buffers[key] = buffers.get(key, 0) + nbytes
+
+    # Gathered once per step, the gradients are reduce-scattered as an all-to-all and a
+    # local sum (parallel.scatter_by_all_to_all): the same bytes, another op.
+    gradient_reduction = "all-to-all" if once else "reduce-scatter"
 
     # The gradients are reduced in --model.grad_reduce_dtype (float32 by default): twice
     # the gathered bytes in bfloat16.
@@ -405,13 +409,13 @@ def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick, once=Fals
         comm[key] = comm.get(key, 0) + seconds
         whole = nbytes * math.prod(mesh_shape[a] for a in axes) / (math.prod(mesh_shape[a] for a in axes) - 1)
         add_buffer("all-gather", axes, per_pass * n_passes * blocks_per_tick * whole)
-        add_buffer("reduce-scatter", axes, reduced * n_passes * blocks_per_tick * whole)
+        add_buffer(gradient_reduction, axes, reduced * n_passes * blocks_per_tick * whole)
     for axes, nbytes in store["top_traffic"].items():
         key = "fsdp all-gather/reduce-scatter over " + "+".join(axes)
         comm[key] = comm.get(key, 0) + (1 + reduced) * nbytes / collective_bw(hw, mesh_shape, axes)
         whole = nbytes * math.prod(mesh_shape[a] for a in axes) / (math.prod(mesh_shape[a] for a in axes) - 1)
         add_buffer("all-gather", axes, whole)
-        add_buffer("reduce-scatter", axes, reduced * whole)
+        add_buffer(gradient_reduction, axes, reduced * whole)
     x_bytes = s.b * s.T * s.D * c
     layers_here = blocks_per_tick * len(m.block_pattern)
     if tp > 1:

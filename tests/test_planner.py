@@ -282,9 +282,15 @@ def test_gathering_once_per_step_moves_a_microbatch_count_fewer_bytes_and_holds_
     per_microbatch, once = plans["false"], plans["true"]
     assert (per_microbatch["gather_once"], once["gather_once"], plans["auto"]["gather_once"]) == (False, True, True)
     assert plans["auto"]["total_bytes"] == once["total_bytes"]
-    gathered = {k: v for k, v in per_microbatch["times"]["collective_bytes"].items() if k.endswith("over dp")}
-    assert {k: once["times"]["collective_bytes"][k] * {"all-gather over dp": 4 * 2, "reduce-scatter over dp": 4}[k]
-            for k in gathered} == pytest.approx(gathered)  # (remat block gathers again in the backward pass: 2 per microbatch)
+    # Over dp: the blocks' bytes M x f times per microbatch (f = 2 gathers under remat block, which gathers again
+    # in the backward pass; 1 reduce-scatter), once once; the embedding's and norms' once per step either way.
+    # Once, the gradient's reduce-scatter is an all-to-all and a local sum (parallel.scatter_by_all_to_all).
+    per_8 = planner.plan(parse_args(base + ["--train.gather_once", "false", "--train.microbatches", "8"]), 0, "tpu-v4")
+    for kind, f, once_kind in (("all-gather over dp", 2, "all-gather over dp"), ("reduce-scatter over dp", 1, "all-to-all over dp")):
+        per_4_bytes, per_8_bytes = (p["times"]["collective_bytes"][kind] for p in (per_microbatch, per_8))
+        blocks = (per_8_bytes - per_4_bytes) / (4 * f)
+        top = once["times"]["collective_bytes"][once_kind] - blocks
+        assert blocks > 0 and 0 <= top < blocks / 10 and per_4_bytes == pytest.approx(4 * f * blocks + top), kind
     n = parse_args(base).model.n_blocks
     held = once["memory"]["gathered weights"] - per_microbatch["memory"]["gathered weights"]  # n - 1 blocks more (remat
     blocks_f32 = once["memory"]["gradient of the gathered blocks (float32, summed over microbatches)"]  # block: one)
