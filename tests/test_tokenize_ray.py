@@ -323,7 +323,7 @@ def ray_out(cluster, corpus, tmp_path_factory):
     return out, run_tokenize(corpus, out, "--ray", cluster.address)
 
 
-@pytest.mark.slow  # (~20 s; the fast selection keeps the cluster's own test and the one-line errors)
+@pytest.mark.slow  # (~20 s; the fast selection keeps the one-line errors)
 def test_ray_shards_from_files_equal_the_process_pool(cluster, corpus, pool_out, ray_out):
     out, done = ray_out
     assert_same_files(files_of(out), files_of(pool_out / "jsonl"))  # shards, manifest.json, progress.json
