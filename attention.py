@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import quant
 from blockwise_attention import blockwise_attention_and_max_logits, max_logits
 from context_parallel import SequenceChunks
 from layers import ACC_DTYPE, RMSNorm, init_normal, project, psum_if, residual_scale
@@ -143,6 +144,13 @@ class MLAttention(nnx.Module):
         (split over tp) are w's input (wo) or output (the up-projections)."""
         return project(x, w, n_in, self.quant_mode, in_axis, out_axis)
 
+    def core_matmul(self, a, b):
+        """a @ b of attention's own (scores, values) in float32: 8-bit operands under
+        --model.quant (quant.quantized_matmul)."""
+        if self.quant_mode != "none":
+            return quant.quantized_matmul(*quant.same_varying(a, b), self.quant_mode)
+        return jnp.matmul(a, b, preferred_element_type=ACC_DTYPE)
+
     def queries(self, x_BTD, angles, tp_axis=None):
         if self.full_rank_queries:
             q_nope_BTHK = self.project(x_BTD, self.wq_DHK[...], out_axis=tp_axis)
@@ -199,15 +207,15 @@ class MLAttention(nnx.Module):
             # Heads-major layout, so each product is a batch of plain 2-D matmuls (on
             # this CPU the forward runs 2x faster than with einsums over [B, T, H, K]).
             q_nope_BHTK, v_BHSK = q_nope_BTHK.transpose(0, 2, 1, 3), v_BSHK.transpose(0, 2, 1, 3)
-            scores_BHTS = jnp.matmul(q_nope_BHTK, k_nope_BSHK.transpose(0, 2, 3, 1), preferred_element_type=ACC_DTYPE)
+            scores_BHTS = self.core_matmul(q_nope_BHTK, k_nope_BSHK.transpose(0, 2, 3, 1))
             # The RoPE key is shared by every head: rows (h, t) of one sequence meet the same keys.
             q_rope_BNR = q_rope_BTHR.transpose(0, 2, 1, 3).reshape(B, -1, q_rope_BTHR.shape[-1])
-            scores_BHTS += jnp.matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1), preferred_element_type=ACC_DTYPE).reshape(scores_BHTS.shape)
+            scores_BHTS += self.core_matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1)).reshape(scores_BHTS.shape)
             causal_TS = jnp.tril(jnp.ones((T, T), bool)) if chunks is None else k_pos_S[None, :] <= q_pos_T[:, None]
             scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
             max_logit_H = jnp.max(jax.lax.stop_gradient(scores_BHTS), axis=(0, 2, 3))
             probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
-            out_BTHK = jnp.matmul(probs_BHTS, v_BHSK, preferred_element_type=ACC_DTYPE).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
+            out_BTHK = self.core_matmul(probs_BHTS, v_BHSK).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
         # Tensor parallel: each device holds H/tp heads, so this is a partial sum over
         # heads; the psum (an all-reduce over `tp`) completes it (Megatron, row-parallel).
         return psum_if(self.project(out_BTHK, self.wo_HKD[...], 2, in_axis=tp_axis), tp_axis), max_logit_H.astype(jnp.float32)

@@ -107,9 +107,10 @@ class ModelConfig:
     dropout: float = option(0.0, "dropout on residual branches")
     dtype: str = option("auto", "compute dtype: float32 | bfloat16 | auto (the faster here: bfloat16 on TPU/GPU, on CPU a "
                                 "timed probe of the model's matmuls, dtype_probe.py); weights, Adam and softmax/norms stay float32")
-    quant: str = option("none", "quantized training of the weight matmuls (attention projections, experts, dense FFN; "
-                                "forward and backward, quant.py): none | int8 (TPU v5e/v5p/v6e: 2x bf16's peak) | fp8 (e4m3/e5m2; "
-                                "H100/H200, TPU v7). The router (a tie decides where tokens go), embedding, output layer (the "
+    quant: str = option("none", "quantized training of the weight matmuls (attention projections, experts, dense FFN) "
+                                "and of --model.attention matmul's scores and values (forward and backward, quant.py): "
+                                "none | int8 (TPU v5e/v5p/v6e: 2x bf16's peak) | fp8 (e4m3/e5m2; H100/H200, TPU v7). The router "
+                                "(a tie decides where tokens go), embedding, output layer (the "
                                 "logits' precision is the loss's) and norms stay in --model.dtype / float32")
     grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
                                                "weights): float32 | bfloat16 (halves their bytes, loses precision)")

@@ -22,6 +22,13 @@ rows that no split cuts (one sequence: dp and microbatches split the batch, neve
 sequence). Context parallelism cuts sequences: under cp > 1 dw's tiles are the local chunks,
 and a quantized step is not the one-device step.
 
+Attention's own products under --model.attention matmul (the scores q.k, the probabilities
+times the values) run in 8 bits too (quantized_matmul): a batch of products over the heads
+whose contraction is a head dim or the keys, each scale per row or column along it. No mesh
+splits those (tp splits heads, a batch dim; cp gathers the keys whole); the backward's sums
+over the queries are cut by cp as dw's rows are. blockwise, splash and dot_product_attention
+keep theirs in --model.dtype (fused kernels: no 8-bit path inside them).
+
 fp8 uses e4m3 for activations and weights and e5m2 (more range) for gradients, as
 Micikevicius et al. 2022 (arXiv:2209.05433) and DeepSeek-V3 do.
 """
@@ -132,6 +139,48 @@ def same_varying(x, w):
         missing = tuple(axes - set(jax.typeof(a).manual_axis_type.varying))
         return jax.lax.pcast(a, missing, to="varying") if missing else a
     return vary(x), vary(w)
+
+
+# ----------------------------------------------------------------------------
+# Attention's products: activations on both sides
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def quantized_matmul(a_xMK, b_xKN, mode):
+    """a @ b over their shared leading (batch) dims with 8-bit operands, in float32: a per
+    row, b per column, both over K. The backward as quantized_dot's, every scale along its
+    product's contraction: dA = dY @ B^T (dY per row, B per row, over N), dB = A^T @ dY
+    (A per column, dY per column, over M). Neither operand is a weight: no row tiles."""
+    fmt, _ = FORMATS[mode]
+    sa_x1 = scale_of(a_xMK, -1, (), fmt)
+    sb_x1 = scale_of(b_xKN, -2, (), fmt)
+    return scaled_dot(quantize(a_xMK, sa_x1, fmt), quantize(b_xKN, sb_x1, fmt), contracting(a_xMK.ndim, -1, -2), sa_x1 * sb_x1)
+
+
+def contracting(ndim, a_dim, b_dim):
+    """dot_general's dims for operands of `ndim` dims: the leading ndim - 2 batched, a's
+    `a_dim` against b's `b_dim` (each -1 or -2)."""
+    batch = tuple(range(ndim - 2))
+    return ((ndim + a_dim,), (ndim + b_dim,)), (batch, batch)
+
+
+def quantized_matmul_fwd(a_xMK, b_xKN, mode):
+    return quantized_matmul(a_xMK, b_xKN, mode), (a_xMK, b_xKN)
+
+
+def quantized_matmul_bwd(mode, residuals, dy_xMN):
+    a_xMK, b_xKN = residuals
+    fmt, grad_fmt = FORMATS[mode]
+    sdy_xM1, sb_xK1 = scale_of(dy_xMN, -1, (), grad_fmt), scale_of(b_xKN, -1, (), fmt)
+    da_xMK = scaled_dot(quantize(dy_xMN, sdy_xM1, grad_fmt), quantize(b_xKN, sb_xK1, fmt), contracting(a_xMK.ndim, -1, -1),
+                        sdy_xM1 * sb_xK1.swapaxes(-1, -2))
+    sa_x1K, sdy_x1N = scale_of(a_xMK, -2, (), fmt), scale_of(dy_xMN, -2, (), grad_fmt)
+    db_xKN = scaled_dot(quantize(a_xMK, sa_x1K, fmt), quantize(dy_xMN, sdy_x1N, grad_fmt), contracting(a_xMK.ndim, -2, -2),
+                        sa_x1K.swapaxes(-1, -2) * sdy_x1N)
+    return da_xMK.astype(a_xMK.dtype), db_xKN.astype(b_xKN.dtype)
+
+
+quantized_matmul.defvjp(quantized_matmul_fwd, quantized_matmul_bwd)
 
 
 # ----------------------------------------------------------------------------

@@ -87,7 +87,8 @@ LOW_PRECISION_PEAKS = {
     "h100": {"int8": 1979e12, "fp8": 1979e12}, "h200": {"int8": 1979e12, "fp8": 1979e12},
 }
 # The weights whose matmuls --model.quant runs in 8 bits (quant.py; the router, the output
-# layer and MTP's projections stay in --model.dtype)
+# layer and MTP's projections stay in --model.dtype), and beside them the scores and values
+# of --model.attention matmul (quantized_share)
 QUANTIZED_WEIGHTS = ("wq_down_DQ", "wq_up_QHK", "wq_rope_QHR", "wq_DHK", "wq_rope_DHR", "wkv_down_DA", "wk_rope_DR", "wk_up_AHK",
                      "wv_up_AHK", "wo_HKD", "w_gate_DF", "w_up_DF", "w_down_FD", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
 DEFAULT_EFFICIENCY = 0.5  # large dense transformer training commonly reaches 40-60% MFU
@@ -634,13 +635,18 @@ def memory_bytes(cfg, mesh_shape, store, hw_name, once=False):
 @lru_cache(maxsize=8)
 def quantized_share(model_cfg):
     """The share of flops_per_token that --model.quant runs in 8 bits: the forward and
-    backward matmuls of QUANTIZED_WEIGHTS (routed experts at top_k / n_experts)."""
+    backward matmuls of QUANTIZED_WEIGHTS (routed experts at top_k / n_experts), and under
+    --model.attention matmul attention's scores and values (counted as flops_per_token does)."""
+    m = model_cfg
     quantized = 0.0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(model_cfg))[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(m))[0]:
         name = weights.weight_name(path)
         if name in QUANTIZED_WEIGHTS:
-            quantized += math.prod(leaf.shape) * (model_cfg.top_k / model_cfg.n_experts if name.endswith(("EDF", "EFD")) else 1)
-    return 3 * 2 * quantized / model_flops_per_token(model_cfg)
+            quantized += 2 * math.prod(leaf.shape) * (m.top_k / m.n_experts if name.endswith(("EDF", "EFD")) else 1)
+    if m.attention == "matmul":
+        n_layers = m.n_blocks * len(m.block_pattern) + m.first_dense
+        quantized += n_layers * 2 * m.seq_len * m.n_heads * (2 * m.head_dim + m.rope_dim)
+    return 3 * quantized / model_flops_per_token(m)
 
 
 def quantized_peak(cfg, hw_name, peak):

@@ -94,6 +94,9 @@ def tpu_check(cfg, tpu_name, p):
             lines.append("  the planner's MLA latent over cp: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(over_cp.items())))
         lines.append("")
     train_hlo = compiled["train"].as_text()
+    found = tpu_compile.kernels(train_hlo)
+    lines += ["Pallas kernels of the train step (tpu_custom_calls in its HLO): "
+              + (", ".join(f"{name} x{n}" for name, n in sorted(found.items())) or "none, every op is the compiler's"), ""]
     ov = tpu_compile.overlap(train_hlo, tuple(mesh.shape.values()))
     lines += overlap_report(ov)
     compiled_share = ov["exposed"] / max(1, ov["overlapped"] + ov["exposed"])

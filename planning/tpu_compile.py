@@ -636,6 +636,21 @@ def grouped_matmul_flops(line):
     return 2 * visited_tiles * (m // row_tiles) * k * n
 
 
+KERNEL_CALL = re.compile(r'^\s*(?:ROOT )?%([\w-]+?)(?:\.\d+)? = .*custom_call_target="tpu_custom_call"')
+
+
+def kernels(hlo):
+    """The Pallas kernels of an optimized TPU module, {name: how many calls its text holds}
+    (the instruction's name less its ".N" suffix: splash_mha_fwd_residuals, gmm, ...; a
+    call in a loop counts once)."""
+    found = defaultdict(int)
+    for lines in split_computations(hlo)[0].values():
+        for line in lines:
+            if m := KERNEL_CALL.match(line):
+                found[m.group(1)] += 1
+    return dict(found)
+
+
 # 8-bit operand types of HLO (--model.quant int8 / fp8's matmuls)
 LOW_PRECISION_TYPES = ("s8", "u8", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz")
 

@@ -6,7 +6,6 @@ topologies: real chip coordinates and process indices); nothing runs on them.
 """
 
 import math
-import re
 import os
 
 import jax
@@ -561,6 +560,17 @@ def test_an_instruction_over_several_lines_does_not_end_its_computation():
     assert tpu_compile.dot_flops(KERNEL_THEN_MATMUL) == 2 * 64 * 128 * 256
 
 
+def test_kernels_names_each_pallas_call_and_nothing_else():
+    """Two calls of one kernel (one over several lines), another kernel, and a custom call
+    that is not a Pallas kernel: {name: calls}, the ".N" suffix dropped."""
+    hlo = KERNEL_THEN_MATMUL.replace("%kernel = ", "%splash_mha_fwd_residuals.2 = ").replace(
+        "  ROOT %d", '  %splash_mha_fwd_residuals.7 = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call"\n'
+        '  %gmm = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call"\n'
+        '  %sharding = bf16[64,128]{1,0} custom-call(%a), custom_call_target="Sharding"\n  ROOT %d')
+    assert tpu_compile.kernels(hlo) == {"splash_mha_fwd_residuals": 2, "gmm": 1}
+    assert tpu_compile.kernels(KERNEL_THEN_MATMUL.replace(' custom_call_target="tpu_custom_call",', "")) == {}
+
+
 @pytest.mark.parametrize("matmul_between", [True, False])
 def test_overlap_parser_on_a_scheduled_loop(matmul_between):
     """Bytes per step: the loop's send 3 x 4 KiB, overlapped only when the matmul sits
@@ -723,8 +733,7 @@ def test_dropless_gmm_compiles_to_megablox_kernels_whose_tiles_the_planner_count
     256 rows of 8 experts run 2 + 7 tiles of 128) are the planner's within 10%."""
     case = compile_case(devices_of, "tiny", "v4-8", (2, 1, 2), False, eval_step=False, capacity_factor=0.0, moe_kernel="gmm")
     hlo = case["hlo"]
-    kernels = re.findall(r"%\S*?(t?gmm)\S* = .*custom_call_target=\"tpu_custom_call\"", hlo)
-    assert set(kernels) == {"gmm", "tgmm"}
+    assert set(tpu_compile.kernels(hlo)) == {"gmm", "tgmm"}
     assert case["plan"]["times"]["device_flops"] == pytest.approx(case["dot_flops"], rel=TIME_TOLERANCE)
     assert tpu_compile.low_precision_dot_flops(hlo) == 0  # bfloat16 kernels (they were counted as 8-bit once)
 
@@ -735,5 +744,5 @@ def test_splash_attention_compiles_to_the_splash_kernels(devices_of):
     dkv kernels are custom calls in the step (no [T, T] scores left to the compiler)."""
     case = compile_case(devices_of, "tiny", "v4-8", (2, 1, 2), False, eval_step=False, seq_len=256, attention="splash",
                         attention_block=128)
-    kernels = set(re.findall(r"%(splash_mha_\w+?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"", case["hlo"]))
-    assert kernels == {"splash_mha_fwd_residuals", "splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals"}
+    assert set(tpu_compile.kernels(case["hlo"])) == {"splash_mha_fwd_residuals", "splash_mha_dq_no_residuals",
+                                                      "splash_mha_dkv_no_residuals"}
