@@ -416,6 +416,7 @@ def test_every_parameter_gets_a_gradient():
     assert len(names) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss():
     """200 AdamW steps on the tiny preset (here with a dense and an MoE layer per block,
     capacity 1.5) over a repeating 12-token cycle cut the training loss (about ln 256

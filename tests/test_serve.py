@@ -172,6 +172,7 @@ def test_greedy_and_seeded_completions_equal_mode_sample(loaded, server):
     assert sampled != complete(server, prompt="KING", max_tokens=40, temperature=0.8, top_k=40, seed=4)["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_penalties_in_mode_sample_equal_the_server_s(run, server):
     """`--mode sample --sample.frequency_penalty F --sample.presence_penalty P` prints the
     completion the server gives with those penalties (greedy), which differs from the

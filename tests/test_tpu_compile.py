@@ -301,6 +301,7 @@ def test_gather_once_reduce_scatters_the_gradients_over_dp(devices_of):
     assert tpu_compile.fits(case["tpu"], case["log"], case["hbm"])
 
 
+@pytest.mark.slow
 def test_bfloat16_gradient_reduction_is_what_the_flag_says(devices_of):
     """--model.grad_reduce_dtype bfloat16 (half the bytes) reduces the gradients in
     bfloat16; the float32 default reduces none in bfloat16 (check_collectives)."""
