@@ -158,9 +158,11 @@ def test_a_quantized_projection_on_a_mesh_equals_one_device(mesh_axis, split):
 # dp2xtp2: loss 1.8e-7 at step 0, 3.9e-4 at step 1; params 5e-3). How far one ulp moves the
 # first loss on one device (tiny, int8, half the weights nudged by one ulp, 4 draws):
 # 1.4e-5 - 5.2e-5 with attention's products quantized, 3.1e-5 - 2.7e-4 with the weights'
-# alone; quantizing attention's products moved dp2xtp2's first loss from 1.8e-7 to 1.6e-5.
-# So: the first step's forward (loss) within QUANT_LOSS_RTOL, its expert counts exactly, the
-# gradient norm within 1e-2 (fp8 on dp2xtp2: 5.4e-3), the params after two steps within
+# alone; quantizing attention's products moved dp2xtp2's first loss from 1.8e-7 to 1.6e-5
+# and one token of its last block to another expert (the other cases' counts stay exact).
+# So: the first step's forward (loss) within QUANT_LOSS_RTOL, its expert counts to one
+# rerouted (token, choice) per block (a router that differed with the mesh would move
+# many), the gradient norm within 1e-2 (fp8 on dp2xtp2: 5.4e-3), the params after two steps within
 # 2e-2. A scale taken over a shard instead of the mesh is caught exactly, per product, above.
 QUANT_LOSS_RTOL = 5e-5
 MESH_CASES = [  # (dp, pp, tp), expert parallelism, model overrides
@@ -190,7 +192,8 @@ def test_quantized_steps_stay_at_one_quantized_device(quantized_reference, mesh_
     (metrics, _, params), (ref_metrics, _, ref_params) = (train_steps(tiny_config(mesh_shape, expert_parallel, **model)),
                                                           reference_for(quantized_reference, **model))
     np.testing.assert_allclose(metrics[0]["loss"], ref_metrics[0]["loss"], rtol=QUANT_LOSS_RTOL)
-    np.testing.assert_array_equal(metrics[0]["stats_N"]["tokens_per_expert"], ref_metrics[0]["stats_N"]["tokens_per_expert"])
+    moved_NE = np.abs(metrics[0]["stats_N"]["tokens_per_expert"] - ref_metrics[0]["stats_N"]["tokens_per_expert"])
+    assert np.all(moved_NE.sum(axis=1) <= 2), moved_NE  # one slot leaves an expert and joins another: 2
     np.testing.assert_allclose(metrics[0]["grad_norm"], ref_metrics[0]["grad_norm"], rtol=1e-2)
     assert_tree_close(params, ref_params, rtol=2e-2, what="params: ")
 

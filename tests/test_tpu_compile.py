@@ -734,7 +734,7 @@ def test_dropless_gmm_compiles_to_megablox_kernels_whose_tiles_the_planner_count
     256 rows of 8 experts run 2 + 7 tiles of 128) are the planner's within 10%."""
     case = compile_case(devices_of, "tiny", "v4-8", (2, 1, 2), False, eval_step=False, capacity_factor=0.0, moe_kernel="gmm")
     hlo = case["hlo"]
-    assert set(tpu_compile.kernels(hlo)) == {"gmm", "tgmm"}
+    assert {name.split("_jit_")[-1].strip("_") for name in tpu_compile.kernels(hlo)} == {"gmm", "tgmm"}  # vmap_jit_gmm__
     assert case["plan"]["times"]["device_flops"] == pytest.approx(case["dot_flops"], rel=TIME_TOLERANCE)
     assert tpu_compile.low_precision_dot_flops(hlo) == 0  # bfloat16 kernels (they were counted as 8-bit once)
 
