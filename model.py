@@ -110,8 +110,8 @@ class ModelConfig:
     quant: str = option("none", "quantized training of the weight matmuls (attention projections, experts, dense FFN) "
                                 "and of --model.attention matmul's scores and values (forward and backward, quant.py): "
                                 "none | int8 (TPU v5e/v5p/v6e: 2x bf16's peak) | fp8 (e4m3/e5m2; H100/H200, TPU v7). The router "
-                                "(a tie decides where tokens go), embedding, output layer (the "
-                                "logits' precision is the loss's) and norms stay in --model.dtype / float32")
+                                "(a tie decides where tokens go), embedding, output layer (the logits' precision is the loss's), "
+                                "norms and the fused attention kernels stay in --model.dtype / float32")
     grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
                                                "weights): float32 | bfloat16 (halves their bytes, loses precision)")
     attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "

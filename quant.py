@@ -152,9 +152,8 @@ def quantized_matmul(a_xMK, b_xKN, mode):
     product's contraction: dA = dY @ B^T (dY per row, B per row, over N), dB = A^T @ dY
     (A per column, dY per column, over M). Neither operand is a weight: no row tiles."""
     fmt, _ = FORMATS[mode]
-    sa_x1 = scale_of(a_xMK, -1, (), fmt)
-    sb_x1 = scale_of(b_xKN, -2, (), fmt)
-    return scaled_dot(quantize(a_xMK, sa_x1, fmt), quantize(b_xKN, sb_x1, fmt), contracting(a_xMK.ndim, -1, -2), sa_x1 * sb_x1)
+    sa_xM1, sb_x1N = scale_of(a_xMK, -1, (), fmt), scale_of(b_xKN, -2, (), fmt)
+    return scaled_dot(quantize(a_xMK, sa_xM1, fmt), quantize(b_xKN, sb_x1N, fmt), contracting(a_xMK.ndim, -1, -2), sa_xM1 * sb_x1N)
 
 
 def contracting(ndim, a_dim, b_dim):
