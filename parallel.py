@@ -273,12 +273,12 @@ def param_bytes_on_device(tree, device):
 # Inside shard_map: the FSDP gather
 
 
-def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype=jnp.float32, whole_stack=False,
-                   by_all_to_all=False):
+def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype=jnp.float32, whole_stack=False):
     """FSDP: cast local weights to the compute dtype and all-gather their storage-only
     split (the FSDP dim). Casting first halves the bytes sent in bfloat16. In the
-    backward pass each all_gather becomes a reduce-scatter (psum_scatter): every device
-    gets its shard of the gradient summed over all devices that used the weight.
+    backward pass each all_gather becomes a reduce-scatter, written as an all-to-all and
+    a local sum (scatter_by_all_to_all): every device gets its shard of the gradient
+    summed over all devices that used the weight.
 
     Gradients are reduced in `reduce_dtype` (--model.grad_reduce_dtype, float32 by
     default): summing dp x tp bfloat16 partial gradients loses precision, and TPU and
@@ -292,10 +292,7 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype
     one_block: the weights of one block, sliced out of the stack (no N dim).
     whole_stack: the blocks' stacked weights [N, ...] all at once (executor_accumulate's
     gather once per step); they come out in reduce_dtype too, so that their gradient,
-    summed over the microbatches, reaches the reduce-scatter unrounded.
-
-    by_all_to_all: the gradient's reduce-scatter is an all-to-all and a local sum
-    (scatter_by_all_to_all; executor_accumulate's gather once per step), else psum_scatter."""
+    summed over the microbatches, reaches the reduce-scatter unrounded."""
     out_dtype = jnp.dtype(dtype) if one_block else jnp.promote_types(dtype, reduce_dtype)
 
     def gather(path, w):
@@ -311,26 +308,23 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype
         if not fsdp_axes:
             return w.astype(dtype).astype(out_dtype)
         # inside a block the stacked N dim is already sliced away
-        return gather_weight(w, fsdp_axes, fsdp_dim - one_block, jnp.dtype(dtype), jnp.dtype(reduce_dtype), out_dtype,
-                             by_all_to_all)
+        return gather_weight(w, fsdp_axes, fsdp_dim - one_block, jnp.dtype(dtype), jnp.dtype(reduce_dtype), out_dtype)
     return jax.tree_util.tree_map_with_path(gather, params)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
-def gather_weight(w, axes, dim, dtype, reduce_dtype, out_dtype, by_all_to_all=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def gather_weight(w, axes, dim, dtype, reduce_dtype, out_dtype):
     """all_gather of w's shards over `axes` in the compute dtype (then out_dtype); its
-    transpose, the reduce-scatter of the gradient, in reduce_dtype (by_all_to_all:
-    scatter_by_all_to_all, else psum_scatter)."""
+    transpose, the reduce-scatter of the gradient (scatter_by_all_to_all), in reduce_dtype."""
     return jax.lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True).astype(out_dtype)
 
 
-def _gather_weight_fwd(w, axes, dim, dtype, reduce_dtype, out_dtype, by_all_to_all):
-    return gather_weight(w, axes, dim, dtype, reduce_dtype, out_dtype, by_all_to_all), jnp.zeros((0,), w.dtype)
+def _gather_weight_fwd(w, axes, dim, dtype, reduce_dtype, out_dtype):
+    return gather_weight(w, axes, dim, dtype, reduce_dtype, out_dtype), jnp.zeros((0,), w.dtype)
 
 
-def _gather_weight_bwd(axes, dim, dtype, reduce_dtype, out_dtype, by_all_to_all, like, g):
-    scatter = scatter_by_all_to_all if by_all_to_all else functools.partial(jax.lax.psum_scatter, tiled=True)
-    g = scatter(g.astype(reduce_dtype), axes, scatter_dimension=dim)
+def _gather_weight_bwd(axes, dim, dtype, reduce_dtype, out_dtype, like, g):
+    g = scatter_by_all_to_all(g.astype(reduce_dtype), axes, scatter_dimension=dim)
     return (g.astype(like.dtype),)
 
 
@@ -340,7 +334,8 @@ def scatter_by_all_to_all(g, axes, scatter_dimension):
     here. Same bytes on the wire as a ring reduce-scatter, (n - 1) / n of g; but libtpu
     lowers a reduce-scatter over a 3-D group of chips (dp 32 on a v4-64's 2x4x4, v4-32's
     2x2x4, v5p-128's 4x4x4) to an all-reduce and a slice, twice the bytes, and keeps an
-    all-to-all as it is."""
+    all-to-all as it is; and its schedule runs an all-to-all beside the backward's other
+    matmuls, a reduce-scatter never (docs/parallelism.md, "what hides behind what")."""
     n, dim = jax.lax.axis_size(axes), scatter_dimension
     g_n = g.reshape(g.shape[:dim] + (n, g.shape[dim] // n) + g.shape[dim + 1:])
     return jnp.sum(jax.lax.all_to_all(g_n, axes, dim, dim, tiled=True), axis=dim)

@@ -395,9 +395,9 @@ def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick, once=Fals
         key = f"{kind} over {'+'.join(a for a in axes if mesh_shape[a] > 1)}"  # (as the compiler's groups span them)
         buffers[key] = buffers.get(key, 0) + nbytes
 
-    # Gathered once per step, the gradients are reduce-scattered as an all-to-all and a
-    # local sum (parallel.scatter_by_all_to_all): the same bytes, another op.
-    gradient_reduction = "all-to-all" if once else "reduce-scatter"
+    # The gradients are reduce-scattered as an all-to-all and a local sum
+    # (parallel.scatter_by_all_to_all): the same bytes, another op.
+    gradient_reduction = "all-to-all"
 
     # The gradients are reduced in --model.grad_reduce_dtype (float32 by default): twice
     # the gathered bytes in bfloat16.

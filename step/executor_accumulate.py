@@ -14,10 +14,8 @@ model at remat none, batch 32, the step's temporaries grew from 365 MB at M = 1 
 FSDP (the block weights split over dp), --train.gather_once:
   true   all blocks' weights are all-gathered once per step, before the loop; their
          gradient is summed whole (float32) over the microbatches and reduce-scattered
-         once after it, as an all-to-all and a local sum (parallel.scatter_by_all_to_all:
-         libtpu turns a reduce-scatter over dp 32 on a v4-64 into an all-reduce, twice
-         the bytes; the embedding's, the prefix's and MTP's too). Holds the gathered weights (compute dtype) and their float32
-         gradient for the whole step.
+         once after it (parallel.scatter_by_all_to_all, as every FSDP gradient). Holds
+         the gathered weights (compute dtype) and their float32 gradient for the whole step.
   false  each microbatch gathers each block just before use and reduce-scatters that
          block's gradient (M gathers and M reduce-scatters per step, as GPipe), holding
          one block's gathered weights at a time (with remat none, its backward keeps
@@ -60,7 +58,7 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
 
     top_local = {k: v for k, v in params.items() if k != "blocks"}
     once = gathers_once(cfg, params["blocks"])
-    top, top_vjp = jax.vjp(lambda t: core.gather_top(t, cfg, by_all_to_all=once), top_local)
+    top, top_vjp = jax.vjp(lambda t: core.gather_top(t, cfg), top_local)
     if once:  # gathered in reduce_dtype (the gradient's way back), used in the compute dtype
         blocks_wide, blocks_vjp = jax.vjp(lambda b: gather_stack(b, cfg), params["blocks"])
         blocks, prepare = to_compute_dtype(blocks_wide, dtype), None
@@ -148,7 +146,7 @@ def gather_stack(blocks_local, cfg):
     """Every block's weights, gathered (parallel.gather_for_use, whole_stack)."""
     m = cfg.model
     return gather_for_use(blocks_local, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), whole_stack=True,
-                          reduce_dtype=jnp.dtype(m.grad_reduce_dtype), by_all_to_all=True)
+                          reduce_dtype=jnp.dtype(m.grad_reduce_dtype))
 
 
 def to_compute_dtype(tree, dtype):

@@ -206,18 +206,16 @@ def dropout_rows(rng, first_row, n_rows):
 # FSDP for the shard_map executors: the weights as they are used
 
 
-def gather_top(params, cfg, by_all_to_all=False):
+def gather_top(params, cfg):
     """The weights outside the stacked blocks (embedding, dense prefix, final norm, MTP), gathered
     once per step (parallel.gather_for_use; they come out in the reduce dtype so their
     gradient accumulates over the microbatches in it). Only some stages use them
     (inside a cond): typed as varying over pp, their gradient is summed over the stages
     by this pcast's transpose, outside the cond, where every stage takes part (a psum
-    inside a branch that only one stage takes never returns). by_all_to_all: as
-    gather_for_use's (the gradient reduce-scattered by an all-to-all)."""
+    inside a branch that only one stage takes never returns)."""
     m = cfg.model
     top = {k: v for k, v in params.items() if k != "blocks"}
-    top = gather_for_use(top, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), reduce_dtype=jnp.dtype(m.grad_reduce_dtype),
-                         by_all_to_all=by_all_to_all)
+    top = gather_for_use(top, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), reduce_dtype=jnp.dtype(m.grad_reduce_dtype))
     return jax.tree.map(lambda w: vary(w, (PP,)), top)
 
 

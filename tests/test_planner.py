@@ -284,12 +284,12 @@ def test_gathering_once_per_step_moves_a_microbatch_count_fewer_bytes_and_holds_
     assert plans["auto"]["total_bytes"] == once["total_bytes"]
     # Over dp: the blocks' bytes M x f times per microbatch (f = 2 gathers under remat block, which gathers again
     # in the backward pass; 1 reduce-scatter), once once; the embedding's and norms' once per step either way.
-    # Once, the gradient's reduce-scatter is an all-to-all and a local sum (parallel.scatter_by_all_to_all).
+    # The gradient's reduce-scatter is an all-to-all and a local sum (parallel.scatter_by_all_to_all).
     per_8 = planner.plan(parse_args(base + ["--train.gather_once", "false", "--train.microbatches", "8"]), 0, "tpu-v4")
-    for kind, f, once_kind in (("all-gather over dp", 2, "all-gather over dp"), ("reduce-scatter over dp", 1, "all-to-all over dp")):
+    for kind, f in (("all-gather over dp", 2), ("all-to-all over dp", 1)):
         per_4_bytes, per_8_bytes = (p["times"]["collective_bytes"][kind] for p in (per_microbatch, per_8))
         blocks = (per_8_bytes - per_4_bytes) / (4 * f)
-        top = once["times"]["collective_bytes"][once_kind] - blocks
+        top = once["times"]["collective_bytes"][kind] - blocks
         assert blocks > 0 and 0 <= top < blocks / 10 and per_4_bytes == pytest.approx(4 * f * blocks + top), kind
     n = parse_args(base).model.n_blocks
     held = once["memory"]["gathered weights"] - per_microbatch["memory"]["gathered weights"]  # n - 1 blocks more (remat

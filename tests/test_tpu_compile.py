@@ -198,14 +198,15 @@ def kinds_over(collectives):
     return out
 
 
-def gradient_reduction_bytes(collectives):
+def gradient_reduction_bytes(collectives, expert_parallel=False):
     """{dtype: bytes} of reductions spanning dp: the FSDP reduce-scatters of the
-    gradients (which XLA turns into all-reduces where that is cheaper; gathered once
-    per step, float32 all-to-alls: parallel.scatter_by_all_to_all) and the loss and
-    norm psums. (The float32 all-to-alls include Muon's, if any: a lower bound stays one.)"""
+    gradients (all-to-alls: parallel.scatter_by_all_to_all) and the loss and norm psums.
+    The all-to-alls include Muon's float32 ones, if any (a lower bound stays one); under
+    expert parallelism only the float32 ones count (the dispatch's are activations)."""
     out = {}
     for (kind, dtype, over), row in collectives.items():
-        if (kind in ("reduce-scatter", "all-reduce") or (kind, dtype) == ("all-to-all", "f32")) and "dp" in over:
+        gradient_all_to_all = kind == "all-to-all" and (dtype == "f32" or not expert_parallel)
+        if (kind == "all-reduce" or gradient_all_to_all) and "dp" in over:
             out[dtype] = out.get(dtype, 0) + row["bytes"]
     return out
 
@@ -218,7 +219,7 @@ def check_collectives(case, shape, expert_parallel):
     dp, pp, tp = shape
     kinds = kinds_over(case["collectives"])
     assert any("dp" in over for over in kinds["all-gather"])
-    reduced = gradient_reduction_bytes(case["collectives"])
+    reduced = gradient_reduction_bytes(case["collectives"], expert_parallel)
     assert reduced.get("f32", 0) >= case["fsdp_gradient_bytes"] and "bf16" not in reduced, reduced
     assert ("tp" in kinds.get("all-reduce", set())) == (tp > 1)
     assert ("collective-permute" in kinds) == (pp > 1)
@@ -276,7 +277,8 @@ def test_step_compiles_fits_and_emits_the_intended_collectives(compiled_cases, n
     case = compiled_cases(name)
     assert tpu_compile.fits(case["tpu"], case["log"], case["hbm"])
     check_collectives(case, shape, expert_parallel)
-    assert "reduce-scatter" not in kinds_over(case["eval_collectives"])  # no gradients in eval
+    eval_reductions = {(kind, dtype) for (kind, dtype, over) in case["eval_collectives"] if "dp" in over}
+    assert not eval_reductions & {("all-to-all", "f32"), ("reduce-scatter", "f32")}, eval_reductions  # no gradients in eval
 
 
 @pytest.mark.slow
@@ -474,6 +476,46 @@ def test_overlap_of_fsdp_gathers_in_a_compiled_scan(prefetch):
     hidden = (SCAN_LAYERS - 1) * LAYER_BYTES if prefetch else 0
     assert (found["overlapped"], found["exposed"]) == (hidden, SCAN_LAYERS * LAYER_BYTES - hidden)
     assert ("AsyncCollectiveStart" in hlo and "calls=%async_collective_fusion" in hlo) == prefetch
+
+
+def compile_fsdp_scan_gradient(reduce_scatter):
+    """The HLO of the gradient of the same 4-layer scan (no prefetch), each layer's
+    weights gathered by the model's FSDP gather (parallel.gather_weight, bf16): its
+    transpose reduces each layer's gradient by an all-to-all and a local sum; or, with
+    reduce_scatter, that transpose put back to jax.lax.psum_scatter."""
+    from jax import shard_map
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = Mesh(np.array(tpu_compile.pod_devices("v4-8")).reshape(4), ("dp",))
+    bf16 = jax.numpy.bfloat16
+
+    def gather(w_shard):
+        if reduce_scatter:
+            return jax.lax.all_gather(w_shard, "dp", axis=0, tiled=True)  # transpose: psum_scatter
+        return par.gather_weight(w_shard, ("dp",), 0, bf16, bf16, bf16)
+
+    def loss(w_LDD, x_BD):
+        h, _ = jax.lax.scan(lambda h, w_shard: (jax.numpy.tanh(h @ gather(w_shard)), None), x_BD, w_LDD)
+        return jax.lax.psum(h.astype(jax.numpy.float32).sum(), "dp")
+    step = jax.jit(shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(None, "dp"), P("dp")), out_specs=P(None, "dp"),
+                             check_vma=False))
+    args = [jax.ShapeDtypeStruct((SCAN_LAYERS, SCAN_WIDTH, SCAN_WIDTH), bf16, sharding=NamedSharding(mesh, P(None, "dp"))),
+            jax.ShapeDtypeStruct((256, SCAN_WIDTH), bf16, sharding=NamedSharding(mesh, P("dp")))]
+    with tpu_compile.captured_stderr():
+        return step.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("reduce_scatter", [False, True])
+def test_fsdp_gradient_all_to_alls_overlap_the_backward_matmuls(reduce_scatter):
+    """Why every FSDP gradient is an all-to-all (parallel.scatter_by_all_to_all): each
+    layer's gradient all-to-all runs beside the same layer's other backward matmul (the
+    input's gradient), all 4 layers' bytes overlapped; as a reduce-scatter, the compiler
+    runs none of it beside a matmul."""
+    found = tpu_compile.overlap(compile_fsdp_scan_gradient(reduce_scatter), (4,))
+    reduced = {kind: sides for (kind, _), sides in found["by kind"].items() if kind in ("all-to-all", "reduce-scatter")}
+    kind = "reduce-scatter" if reduce_scatter else "all-to-all"
+    hidden = 0 if reduce_scatter else SCAN_LAYERS * LAYER_BYTES
+    assert reduced == {kind: {"overlapped": hidden, "exposed": SCAN_LAYERS * LAYER_BYTES - hidden}}, reduced
 
 
 # A scheduled module by hand: a loop of 3 trips whose body sends 4 KiB while a fused
