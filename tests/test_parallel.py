@@ -189,7 +189,7 @@ def test_dropout_under_the_hand_written_schedules_equals_one_device(reference, k
     assert_same_steps(train_steps(cfg), reference["dropout"])
 
 
-ACCUMULATION_CASES = [("moe", (1, 1, 1), 4, "false"), ("moe", (4, 1, 2), 2, "true"),
+ACCUMULATION_CASES = [("moe", (1, 1, 1), 4, "false"), ("moe", (4, 1, 2), 4, "true"),
                       *(pytest.param(*case, marks=pytest.mark.slow) for case in [
                           ("moe", (4, 1, 2), 2, "false"), ("dropout", (2, 1, 4), 2, "auto"), ("moe-ep", (8, 1, 1), 2, "true"),
                           ("moe-ep", (2, 1, 4), 4, "false")])]

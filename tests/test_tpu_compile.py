@@ -225,11 +225,14 @@ def check_collectives(case, shape, expert_parallel):
     assert ("collective-permute" in kinds) == (pp > 1)
     if pp > 1:
         assert kinds["collective-permute"] == {"pp"}
-    # all-to-alls: expert parallelism's dispatch over dp, and Muon's (moe1b's optimizer)
-    # momentum shards to each matrix's owner and back, over the axes that split the
-    # matrix (optimizers.owner_orthogonal); nothing else moves data all-to-all
+    # all-to-alls: the FSDP gradients' reduce-scatters over the axes their weights are
+    # gathered over (parallel.scatter_by_all_to_all), expert parallelism's dispatch over
+    # dp, and Muon's (moe1b's optimizer) momentum shards to each matrix's owner and back,
+    # over the axes that split the matrix (optimizers.owner_orthogonal); nothing else
+    # moves data all-to-all
     all_to_all = kinds.get("all-to-all", set())
-    allowed = ({"dp"} if expert_parallel else set()) | ({"dp", "tp", "dp+tp"} if case["muon"] else set())
+    allowed = (kinds["all-gather"] | ({"dp"} if expert_parallel else set())
+               | ({"dp", "tp", "dp+tp"} if case["muon"] else set()))
     if case["muon"] and case.get("prefix"):  # the dense prefix's weights: not stacked, so split over pp too
         allowed |= {"pp", "dp+pp", "pp+tp", "dp+pp+tp"}
     assert all_to_all <= allowed and ("dp" in all_to_all) >= expert_parallel and bool(all_to_all) >= case["muon"], all_to_all
