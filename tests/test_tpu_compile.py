@@ -438,34 +438,41 @@ SCAN_LAYERS, SCAN_WIDTH = 4, 1024
 LAYER_BYTES = SCAN_WIDTH * SCAN_WIDTH * 2
 
 
+def compile_on_v4_8(fn, out_spec):
+    """The optimized HLO of fn(w_LDD, x_BD) under shard_map over a v4-8's 4 chips ("dp"),
+    4 layers of [1024, 1024] bf16 weights split over dp on their rows, x's rows over dp."""
+    from jax import shard_map
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = Mesh(np.array(tpu_compile.pod_devices("v4-8")).reshape(4), ("dp",))
+    step = jax.jit(shard_map(fn, mesh=mesh, in_specs=(P(None, "dp"), P("dp")), out_specs=out_spec, check_vma=False))
+    bf16 = jax.numpy.bfloat16
+    args = [jax.ShapeDtypeStruct((SCAN_LAYERS, SCAN_WIDTH, SCAN_WIDTH), bf16, sharding=NamedSharding(mesh, P(None, "dp"))),
+            jax.ShapeDtypeStruct((256, SCAN_WIDTH), bf16, sharding=NamedSharding(mesh, P("dp")))]
+    with tpu_compile.captured_stderr():
+        return step.lower(*args).compile().as_text()
+
+
+def plain_gather(w_shard):
+    return jax.lax.all_gather(w_shard, "dp", axis=0, tiled=True)  # (its transpose: psum_scatter)
+
+
 def compile_fsdp_scan(prefetch):
     """The HLO of a scan over 4 layers, h = tanh(h @ W_l), W_l gathered from its
     shards: with prefetch, layer l+1's gather is issued beside layer l's matmul (the
     first one before the loop); without, each layer's matmul needs the gather just
     issued, and nothing else runs beside it."""
-    from jax import shard_map
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-    mesh = Mesh(np.array(tpu_compile.pod_devices("v4-8")).reshape(4), ("dp",))
-
-    def gather(w_shard):
-        return jax.lax.all_gather(w_shard, "dp", axis=0, tiled=True)
-
     def f(w_LDD, x_BD):
         if prefetch:
             def layer(carry, w_next):
                 h, w = carry
-                return (jax.numpy.tanh(h @ w), gather(w_next)), None
-            (h, w), _ = jax.lax.scan(layer, (x_BD, gather(w_LDD[0])), w_LDD[1:])
+                return (jax.numpy.tanh(h @ w), plain_gather(w_next)), None
+            (h, w), _ = jax.lax.scan(layer, (x_BD, plain_gather(w_LDD[0])), w_LDD[1:])
             h = jax.numpy.tanh(h @ w)
         else:
-            h, _ = jax.lax.scan(lambda h, w_shard: (jax.numpy.tanh(h @ gather(w_shard)), None), x_BD, w_LDD)
+            h, _ = jax.lax.scan(lambda h, w_shard: (jax.numpy.tanh(h @ plain_gather(w_shard)), None), x_BD, w_LDD)
         return h.sum()
-    step = jax.jit(shard_map(f, mesh=mesh, in_specs=(P(None, "dp"), P("dp")), out_specs=P(), check_vma=False))
-    args = [jax.ShapeDtypeStruct((SCAN_LAYERS, SCAN_WIDTH, SCAN_WIDTH), jax.numpy.bfloat16, sharding=NamedSharding(mesh, P(None, "dp"))),
-            jax.ShapeDtypeStruct((256, SCAN_WIDTH), jax.numpy.bfloat16, sharding=NamedSharding(mesh, P("dp")))]
-    with tpu_compile.captured_stderr():
-        return step.lower(*args).compile().as_text()
+    return compile_on_v4_8(f, jax.sharding.PartitionSpec())
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -486,26 +493,15 @@ def compile_fsdp_scan_gradient(reduce_scatter):
     weights gathered by the model's FSDP gather (parallel.gather_weight, bf16): its
     transpose reduces each layer's gradient by an all-to-all and a local sum; or, with
     reduce_scatter, that transpose put back to jax.lax.psum_scatter."""
-    from jax import shard_map
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-    mesh = Mesh(np.array(tpu_compile.pod_devices("v4-8")).reshape(4), ("dp",))
     bf16 = jax.numpy.bfloat16
 
     def gather(w_shard):
-        if reduce_scatter:
-            return jax.lax.all_gather(w_shard, "dp", axis=0, tiled=True)  # transpose: psum_scatter
-        return par.gather_weight(w_shard, ("dp",), 0, bf16, bf16, bf16)
+        return plain_gather(w_shard) if reduce_scatter else par.gather_weight(w_shard, ("dp",), 0, bf16, bf16, bf16)
 
     def loss(w_LDD, x_BD):
         h, _ = jax.lax.scan(lambda h, w_shard: (jax.numpy.tanh(h @ gather(w_shard)), None), x_BD, w_LDD)
         return jax.lax.psum(h.astype(jax.numpy.float32).sum(), "dp")
-    step = jax.jit(shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(None, "dp"), P("dp")), out_specs=P(None, "dp"),
-                             check_vma=False))
-    args = [jax.ShapeDtypeStruct((SCAN_LAYERS, SCAN_WIDTH, SCAN_WIDTH), bf16, sharding=NamedSharding(mesh, P(None, "dp"))),
-            jax.ShapeDtypeStruct((256, SCAN_WIDTH), bf16, sharding=NamedSharding(mesh, P("dp")))]
-    with tpu_compile.captured_stderr():
-        return step.lower(*args).compile().as_text()
+    return compile_on_v4_8(jax.grad(loss), jax.sharding.PartitionSpec(None, "dp"))
 
 
 @pytest.mark.parametrize("reduce_scatter", [False, True])
