@@ -50,7 +50,7 @@ from step import train_steps
 from devices import setup_devices
 from flops import count_params, flops_per_token, measure_peak_flops
 from runs import build_state
-from planning.tpu_compile import collective_table
+from planning.hlo_reader import collective_table
 from utils import ConfigError, apply_overrides, parse_args
 
 

@@ -271,7 +271,7 @@ def gmm_tile_factor(m, s):
     """Executed over routed FLOPs of the dropless experts: 1 under ragged_dot; under
     --model.moe_kernel gmm, megablox's grid runs whole row tiles of GMM_ROW_TILE, and a
     tile holding the boundary of two experts' runs once for each: per call about
-    (rows / tile + experts - 1) tiles for rows / tile of work (tpu_compile's
+    (rows / tile + experts - 1) tiles for rows / tile of work (hlo_reader's
     grouped_matmul_flops reads the same bound off the compiled program)."""
     if m.moe_kernel != "gmm":
         return 1.0
@@ -360,7 +360,7 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store, once=False):
     # costliest stage).
     device_flops = (compute + bubble + head_s) * peak * efficiency
     if t.pipeline != "gpipe":
-        # The compiled program's count (tpu_compile.dot_flops, a cond at its costliest
+        # The compiled program's count (hlo_reader.dot_flops, a cond at its costliest
         # branch): a tick is a cond for the forward and one for the backward, so every
         # tick counts a forward of a chunk, a backward (recompute + vjp: 3 forwards) and,
         # in the forward's, the head and its gradient (3 forwards of the output layer).
@@ -387,7 +387,7 @@ def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick, once=Fals
     passes = 2 if m.remat in KEEP_GATHERED and t.pipeline == "gpipe" else 3
     comm = {}
     # The same collectives' buffers as the TPU compiler's optimized HLO counts them
-    # (tpu_compile.collectives): an all-gather's output, the rest their output; per
+    # (hlo_reader.collectives): an all-gather's output, the rest their output; per
     # device per step, by "kind over axes". tests/test_tpu_compile.py compares the two.
     buffers = {}
 

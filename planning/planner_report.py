@@ -5,6 +5,7 @@
 import json
 
 import parallel as par
+from planning import hlo_reader
 from planning import tpu_compile
 from flops import human
 from planning.planner_model import GiB, HARDWARE, plan, plan_config
@@ -87,17 +88,17 @@ def tpu_check(cfg, tpu_name, p):
     hbm = HARDWARE[pod.hardware].memory_bytes
     lines = [""] + tpu_compile.memory_report(p, tpu, hbm, pod, compiled["seconds"], compiled["log"]["train"]) + [""]
     for name in ("train", "eval"):
-        lines += tpu_compile.collectives_report(tpu_compile.collectives(compiled[name].as_text(), tuple(mesh.shape.values())),
+        lines += tpu_compile.collectives_report(hlo_reader.collectives(compiled[name].as_text(), tuple(mesh.shape.values())),
                                                 f"{name} step")
         over_cp = {k: v for k, v in p["times"]["collective_bytes"].items() if k.endswith(" over cp")}
         if name == "train" and over_cp:  # context parallelism's latent, as planner_model.latent_gathers counts it
             lines.append("  the planner's MLA latent over cp: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(over_cp.items())))
         lines.append("")
     train_hlo = compiled["train"].as_text()
-    found = tpu_compile.kernels(train_hlo)
+    found = hlo_reader.kernels(train_hlo)
     lines += ["Pallas kernels of the train step (tpu_custom_calls in its HLO): "
               + (", ".join(f"{name} x{n}" for name, n in sorted(found.items())) or "none, every op is the compiler's"), ""]
-    ov = tpu_compile.overlap(train_hlo, tuple(mesh.shape.values()))
+    ov = hlo_reader.overlap(train_hlo, tuple(mesh.shape.values()))
     lines += overlap_report(ov)
     compiled_share = ov["exposed"] / max(1, ov["overlapped"] + ov["exposed"])
     lines += [f"exposed: the compiler's schedule {compiled_share:.1%} of the collective bytes; the planner's model "
@@ -106,21 +107,21 @@ def tpu_check(cfg, tpu_name, p):
     fits = tpu_compile.fits(tpu, compiled["log"]["train"], hbm)
     lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()} "
                  f"collective_bytes={ov['overlapped'] + ov['exposed']} exposed_bytes={ov['exposed']} "
-                 f"dot_flops_per_device={tpu_compile.dot_flops(train_hlo)} "
+                 f"dot_flops_per_device={hlo_reader.dot_flops(train_hlo)} "
                  f"planner_dot_flops_per_device={round(p['times']['device_flops'])} "
-                 f"low_precision_dot_flops_per_device={tpu_compile.low_precision_dot_flops(train_hlo)}")
+                 f"low_precision_dot_flops_per_device={hlo_reader.low_precision_dot_flops(train_hlo)}")
     return lines
 
 
 def overlap_report(ov):
     """Lines: what of the train step's communication the compiled schedule runs beside
-    matmul work (tpu_compile.overlap), in all and by kind."""
+    matmul work (hlo_reader.overlap), in all and by kind."""
     total = ov["overlapped"] + ov["exposed"]
     lines = [f"the compiled train step's schedule (per step, per device): of {total / 2**20:.1f} MiB of collectives it "
              f"overlaps {ov['overlapped'] / 2**20:.1f} MiB with matmul work and leaves {ov['exposed'] / 2**20:.1f} MiB "
              f"exposed ({ov['exposed'] / max(total, 1):.0%})",
              f"  {'kind':<20}{'over':<16}{'overlapped':>14}{'exposed':>14}"]
-    for (kind, over), row in sorted(ov["by kind"].items(), key=lambda kv: (tpu_compile.COLLECTIVE_KINDS.index(kv[0][0]), kv[0][1])):
+    for (kind, over), row in sorted(ov["by kind"].items(), key=lambda kv: (hlo_reader.COLLECTIVE_KINDS.index(kv[0][0]), kv[0][1])):
         lines.append(f"  {kind:<20}{over:<16}{row['overlapped'] / 2**20:>10.1f} MiB{row['exposed'] / 2**20:>10.1f} MiB")
     return lines
 
@@ -228,11 +229,11 @@ def compiled_layout(cfg, tpu_name):
     hlo, shape = compiled["train"].as_text(), tuple(mesh.shape.values())
     tpu, logged = tpu_compile.memory_bytes(compiled["train"]), compiled["log"]["train"]
     by_kind = {}
-    for (kind, _, over), row in tpu_compile.collectives(hlo, shape).items():
+    for (kind, _, over), row in hlo_reader.collectives(hlo, shape).items():
         by_kind[f"{kind} over {over}"] = by_kind.get(f"{kind} over {over}", 0) + row["bytes"]
     return dict(tpu=tpu, log=logged, fits=tpu_compile.fits(tpu, logged, HARDWARE[pod.hardware].memory_bytes),
-                hbm=HARDWARE[pod.hardware].memory_bytes, dot_flops=tpu_compile.dot_flops(hlo), collective_bytes=by_kind,
-                overlap=tpu_compile.overlap(hlo, shape), seconds=compiled["seconds"]["train"])
+                hbm=HARDWARE[pod.hardware].memory_bytes, dot_flops=hlo_reader.dot_flops(hlo), collective_bytes=by_kind,
+                overlap=hlo_reader.overlap(hlo, shape), seconds=compiled["seconds"]["train"])
 
 
 def compiled_report(rank, r, c):

@@ -313,7 +313,7 @@ class ScheduledStep:
         act_dtype = jnp.dtype(self.cfg.model.dtype)
         res = carry["res"].at[recv_x_slot].set(carry["x_recv"])  # what the previous stage sent last tick
         grads = carry["grads"].at[recv_grad_slot].set(carry["g_recv"])  # what the next stage sent
-        # (named_ops: tpu_compile.dot_flops(hlo, "forward_op") counts one op's matmuls)
+        # (named_ops: hlo_reader.dot_flops(hlo, "forward_op") counts one op's matmuls)
         y, x_in, stash_L, stats_L, (ce, mtp), gy, g_top_f = core.when(op == FORWARD, named_op(self.forward_op), res[res_slot], m, v, c)
         stash_slot = jnp.minimum(res_slot, sched.res_slots - 1)  # (the stash ring has no trash slot)
         gx, g_chunk, g_top_b = core.when(op == BACKWARD, named_op(self.backward_op), res[res_slot],

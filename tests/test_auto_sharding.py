@@ -22,7 +22,7 @@ from test_parallel import VARIANTS, assert_params_close, assert_same_step, initi
 import checkpoint
 import optimizers
 import parallel as par
-from planning import tpu_compile
+from planning import hlo_reader
 from step.train_steps import make_train_step
 from utils import ConfigError, apply_overrides, config_to_dict, parse_args
 
@@ -76,7 +76,7 @@ def reference():
 
 
 def collectives(cfg):
-    return tpu_compile.collective_table(compiled_step(cfg).as_text(), mesh_for(cfg))
+    return hlo_reader.collective_table(compiled_step(cfg).as_text(), mesh_for(cfg))
 
 
 # ----------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def test_collective_table_counts_loops_axes_and_bytes():
 
     fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P(("dp", "tp"))))
     x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("dp", "tp")))
-    table = tpu_compile.collective_table(fn.lower(x).compile().as_text(), mesh)
+    table = hlo_reader.collective_table(fn.lower(x).compile().as_text(), mesh)
     assert table[("all-reduce", "tp")] == (5, 5 * 4 * 2 * 4)
     assert table[("all-gather", "dp")] == (1, 8 * 8 * 4)
     assert table[("collective-permute", "dp")] == (1, 8 * 8 * 4)

@@ -44,7 +44,7 @@ def test_figures_are_consistent_and_the_last_line_is_machine_readable(tmp_path, 
     for key in ("params_bytes", "opt_bytes", "temp_bytes"):
         assert figures[key] > 0, key
     assert figures["opt_bytes"] == pytest.approx(2 * figures["params_bytes"], rel=1e-3)  # AdamW: two float32 moments per weight
-    # The collectives of the compiled step (tpu_compile.collective_table), printed too
+    # The collectives of the compiled step (hlo_reader.collective_table), printed too
     collectives = figures["collectives"]
     assert figures["sharding"] == "manual"
     if mesh == (2, 2, 2):  # FSDP gathers over dp, the pipeline's ppermute along pp, Megatron's psums over tp

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from test_parallel import MESH_IDS, placed_step, tiny_config
 
-from planning import tpu_compile
+from planning import hlo_reader
 from utils import apply_overrides
 
 # (mesh, expert parallelism, optimizer): one device, dp alone (experts over dp: the
@@ -24,7 +24,7 @@ def test_no_collective_over_an_axis_of_size_1(mesh_shape, expert_parallel, optim
     cfg = apply_overrides(tiny_config(mesh_shape, expert_parallel), {"train": dict(optimizer=optimizer)})
     step, args = placed_step(cfg)
     hlo = step.lower(*args, jnp.asarray(0)).compile().as_text()
-    ops = tpu_compile.collective_ops(hlo, mesh_shape)
+    ops = hlo_reader.collective_ops(hlo, mesh_shape)
     idle = [op for op in ops if op.group_size < 2 or op.over in ("-", "?")]
     assert not idle, idle
     if mesh_shape == (1, 1, 1):

@@ -20,7 +20,7 @@ from test_executors import REAL_CHECKPOINT_OPTIONS
 from test_parallel import RTOL, assert_tree_close, placed_step, train_steps
 
 import parallel as par
-from planning import tpu_compile
+from planning import hlo_reader
 from attention import MLAttention, rope_angles
 from blockwise_attention import blockwise_attention
 from context_parallel import SequenceChunks, chunk_positions, gathered_positions
@@ -157,7 +157,7 @@ def test_collectives_over_cp_move_the_latent_not_keys_and_values():
     nothing else over cp is bigger than [b, E]: keys and values [b, T, H, K] never cross."""
     cfg = v3_config(dp=2, cp=2, tp=2)
     m = cfg.model
-    ops = [op for op in tpu_compile.collective_ops(compiled_hlo(cfg), par.make_mesh(cfg.mesh, jax.devices()[:8]).devices.shape)
+    ops = [op for op in hlo_reader.collective_ops(compiled_hlo(cfg), par.make_mesh(cfg.mesh, jax.devices()[:8]).devices.shape)
            if op.over == "cp"]
     b, latent = cfg.train.batch_size // 2, m.kv_latent + m.rope_dim
     n_attention = m.first_dense + m.n_blocks * len(m.block_pattern) + m.mtp_depth * len(m.block_pattern)
@@ -178,7 +178,7 @@ def test_the_compiler_gathers_the_latent_under_auto():
     instead, 37 times, and none of the latent: the sequence was not split.)"""
     cfg = v3_config(dp=2, cp=2, tp=2, sharding="auto")
     m = cfg.model
-    ops = [op for op in tpu_compile.collective_ops(compiled_hlo(cfg), par.make_mesh(cfg.mesh, jax.devices()[:8]).devices.shape)
+    ops = [op for op in hlo_reader.collective_ops(compiled_hlo(cfg), par.make_mesh(cfg.mesh, jax.devices()[:8]).devices.shape)
            if op.over == "cp" and op.kind == "all-gather"]
     latent_bytes = cfg.train.batch_size // 2 * SEQ_LEN * (m.kv_latent + m.rope_dim) * 4
     n_attention = m.first_dense + m.n_blocks * len(m.block_pattern) + m.mtp_depth * len(m.block_pattern)
@@ -270,7 +270,7 @@ def test_the_latent_crosses_cp_57x_smaller_than_keys_and_values():
     for keys_values in (False, True):
         fn, args, mesh = attention_with_gather(keys_values)
         results.append(fn(*args))
-        ops = tpu_compile.collective_ops(fn.lower(*args).compile().as_text(), mesh.devices.shape)
+        ops = hlo_reader.collective_ops(fn.lower(*args).compile().as_text(), mesh.devices.shape)
         moved.append({kind: sum(nbytes * op.runs for op in ops if op.kind == kind for _, nbytes in op.arrays)
                       for kind in ("all-gather", "reduce-scatter")})
     (latent_value, latent_grads), (kv_value, kv_grads) = results

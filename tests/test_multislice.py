@@ -16,6 +16,7 @@ import pytest
 
 import parallel as par
 import planner
+from planning import hlo_reader
 from planning import tpu_compile
 import weights
 from test_launch import hosts_file, launcher, needs_ssh_and_tmux, repo, sshd, wait_for_states  # noqa: F401  (fixtures)
@@ -96,15 +97,15 @@ def test_only_the_gradient_crosses_slices_once_per_step(two_slice_run):
     load) are small metric reductions."""
     cfg, hlo, _ = two_slice_run
     mesh = par.make_mesh(cfg.mesh, jax.devices()[:8])
-    ops = tpu_compile.collective_ops(hlo, mesh.devices.shape)
-    crossing = [op for op in ops if tpu_compile.crosses_slices(op.over)]
+    ops = hlo_reader.collective_ops(hlo, mesh.devices.shape)
+    crossing = [op for op in ops if hlo_reader.crosses_slices(op.over)]
     assert crossing and all(op.runs == 1 for op in crossing), [op for op in crossing if op.runs > 1]
     assert {op.kind for op in crossing} == {"all-reduce"}
     gradient = sum(b for op in crossing if op.over == "slice" for _, b in op.arrays)
     assert gradient == gradient_shard_bytes(cfg)
     metrics = sum(b for op in crossing if op.over != "slice" for _, b in op.arrays)
     assert 0 < metrics < gradient / 20, (metrics, gradient)
-    within = [op for op in ops if not tpu_compile.crosses_slices(op.over) and op.runs > 1]
+    within = [op for op in ops if not hlo_reader.crosses_slices(op.over) and op.runs > 1]
     assert within, "no collective inside a loop: the layer loop's FSDP gathers should be there"
 
 
@@ -160,14 +161,14 @@ def test_two_tpu_slices_compile_and_only_the_gradient_crosses(pod):
     assert dict(mesh.shape) == {"slice": 2, "dp": 8, "cp": 1, "pp": 2, "tp": 2}
     assert all(d.slice_index == s for s in range(2) for d in mesh.devices[s].flat)
     hlo = tpu_compile.compile_steps(cfg, mesh, eval_step=False)["train"].as_text()
-    ops = tpu_compile.collective_ops(hlo, mesh.devices.shape)
-    crossing = [op for op in ops if tpu_compile.crosses_slices(op.over)]
+    ops = hlo_reader.collective_ops(hlo, mesh.devices.shape)
+    crossing = [op for op in ops if hlo_reader.crosses_slices(op.over)]
     assert crossing and all(op.runs == 1 and op.kind == "all-reduce" for op in crossing), crossing
     sent = sum(b for op in crossing for dtype, b in op.arrays if dtype == "f32")
     shards = gradient_shard_bytes(cfg)
     tile = 8 * 128 * 4
     assert shards <= sent <= shards + tile * len(crossing) + tile, (sent, shards)
-    report = tpu_compile.collectives_report(tpu_compile.collectives(hlo, mesh.devices.shape), "train step")
+    report = tpu_compile.collectives_report(hlo_reader.collectives(hlo, mesh.devices.shape), "train step")
     assert any("DCN (crosses slices)" in line and " slice " in line for line in report)
     assert report[-1].startswith("  across slices:") and f"{sum(op.runs for op in crossing)} collectives" in report[-1]
     assert math.prod(mesh.devices.shape) == 64

@@ -78,12 +78,12 @@ def test_newton_schulz_flops_per_device_fall_by_the_group_size():
     device's Newton-Schulz dots, read off the optimized HLO, are exactly 1/8 of one
     device's. (Gathering every matrix to every device of its group, the former update,
     gives 1/1: 72.8 MFLOP on both; now 9.10 on dp4 x tp2.)"""
-    from planning import tpu_compile
+    from planning import hlo_reader
 
     flops = {}
     for mesh_shape in [(1, 1, 1), (4, 1, 2)]:
         step, args = placed_step(muon_config(mesh_shape))
-        flops[mesh_shape] = tpu_compile.dot_flops(step.lower(*args, jnp.asarray(0)).compile().as_text(), "newton_schulz")
+        flops[mesh_shape] = hlo_reader.dot_flops(step.lower(*args, jnp.asarray(0)).compile().as_text(), "newton_schulz")
     assert flops[(1, 1, 1)] > 0
     assert flops[(4, 1, 2)] * 8 == flops[(1, 1, 1)], flops
 

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 import optimizers
 import parallel as par
 import planner
+from planning import hlo_reader
 from planning import tpu_compile
 from flops import count_params, flops_per_token
 from step import rules
@@ -429,7 +430,7 @@ def bytes_over_cp(hlo, mesh):
     """{"kind over cp": bytes} per device per step of the compiled collectives over cp
     alone, as planner_model counts them (a reduce-scatter by its input)."""
     out = {}
-    for op in tpu_compile.collective_ops(hlo, mesh.devices.shape):
+    for op in hlo_reader.collective_ops(hlo, mesh.devices.shape):
         if op.over == "cp" and op.kind in ("all-gather", "reduce-scatter"):
             scale = op.group_size if op.kind == "reduce-scatter" else 1
             out[f"{op.kind} over cp"] = out.get(f"{op.kind} over cp", 0) + op.runs * scale * sum(b for _, b in op.arrays)

@@ -13,7 +13,7 @@ import quant
 from jax.sharding import PartitionSpec as P
 
 from layers import project
-from planning import tpu_compile
+from planning import hlo_reader
 from test_parallel import assert_tree_close, tiny_config, train_steps
 from utils import PRESETS, Config, ConfigError, apply_overrides, validate_model
 
@@ -213,8 +213,8 @@ def test_low_precision_dot_flops_counts_the_8_bit_dots_alone():
     x_NI, w_IO = random((16, 32), 12), random((32, 8), 13)
     forward = jax.jit(lambda x, w: quant.quantized_dot(x, w, "int8", (), (), 16) + x @ w)
     hlo = forward.lower(x_NI, w_IO).compile().as_text()
-    assert tpu_compile.dot_flops(hlo) == 2 * 2 * 16 * 32 * 8
-    assert tpu_compile.low_precision_dot_flops(hlo) == 2 * 16 * 32 * 8
+    assert hlo_reader.dot_flops(hlo) == 2 * 2 * 16 * 32 * 8
+    assert hlo_reader.low_precision_dot_flops(hlo) == 2 * 16 * 32 * 8
 
 
 def test_the_planner_runs_the_quantized_share_at_the_chip_s_int8_peak():

@@ -14,6 +14,7 @@ import pytest
 
 import parallel as par
 import planner
+from planning import hlo_reader
 from planning import tpu_compile
 import weights
 from step.train_steps import make_train_step
@@ -168,10 +169,10 @@ def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True
         gathered = jax.tree_util.tree_map_with_path(lambda path, w: None if WEIGHTS[par.weight_name(path)].routed else w, gathered)
     hlo = compiled["train"].as_text()
     return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]), log=compiled["log"]["train"], hlo=hlo,
-                collectives=tpu_compile.collectives(hlo, shape), ops=tpu_compile.collective_ops(hlo, shape),
-                dot_flops=tpu_compile.dot_flops(hlo),
-                busiest_bytes=tpu_compile.busiest_collective_bytes(hlo, shape),
-                eval_collectives=tpu_compile.collectives(compiled["eval"].as_text(), shape) if eval_step else None,
+                collectives=hlo_reader.collectives(hlo, shape), ops=hlo_reader.collective_ops(hlo, shape),
+                dot_flops=hlo_reader.dot_flops(hlo),
+                busiest_bytes=hlo_reader.busiest_collective_bytes(hlo, shape),
+                eval_collectives=hlo_reader.collectives(compiled["eval"].as_text(), shape) if eval_step else None,
                 fsdp_gradient_bytes=planner.gathered_bytes(gathered, expert_parallel, dict(zip((par.DP, par.PP, weights.TP), shape), cp=1), 4, False),
                 hbm=planner.HARDWARE[hardware].memory_bytes, seconds=compiled["seconds"], muon=cfg.train.optimizer == "muon",
                 prefix=cfg.model.first_dense > 0)
@@ -393,7 +394,7 @@ def test_planner_tpu_prints_the_compiler_beside_the_planner(preset):
 
 
 # ----------------------------------------------------------------------------
-# What the compiled schedule overlaps (tpu_compile.overlap) and the dot FLOPs it runs
+# What the compiled schedule overlaps (hlo_reader.overlap) and the dot FLOPs it runs
 
 
 def compile_ppermute_beside_a_matmul(independent):
@@ -425,10 +426,10 @@ def test_overlap_of_a_compiled_send_beside_a_matmul(independent):
     """The matmul that does not need the sent shard is scheduled between the send's
     start and done (overlapped); the one that needs it runs after (exposed)."""
     hlo = compile_ppermute_beside_a_matmul(independent)
-    found = tpu_compile.overlap(hlo, (4,))
+    found = hlo_reader.overlap(hlo, (4,))
     hidden = SENT_BYTES if independent else 0
     assert (found["overlapped"], found["exposed"]) == (hidden, SENT_BYTES - hidden)
-    assert tpu_compile.dot_flops(hlo) == MATMUL_FLOPS  # XLA:TPU writes the matmul as a convolution
+    assert hlo_reader.dot_flops(hlo) == MATMUL_FLOPS  # XLA:TPU writes the matmul as a convolution
 
 
 # FSDP's gathers in a scan of matmuls, compiled for a v4-8 with the overlap flags
@@ -482,7 +483,7 @@ def test_overlap_of_fsdp_gathers_in_a_compiled_scan(prefetch):
     gather (before the loop, nothing to hide behind) exposed. Not prefetched, all 4
     exposed. Either way every gather counts once: 4 layers' bytes."""
     hlo = compile_fsdp_scan(prefetch)
-    found = tpu_compile.overlap(hlo, (4,))
+    found = hlo_reader.overlap(hlo, (4,))
     hidden = (SCAN_LAYERS - 1) * LAYER_BYTES if prefetch else 0
     assert (found["overlapped"], found["exposed"]) == (hidden, SCAN_LAYERS * LAYER_BYTES - hidden)
     assert ("AsyncCollectiveStart" in hlo and "calls=%async_collective_fusion" in hlo) == prefetch
@@ -510,7 +511,7 @@ def test_fsdp_gradient_all_to_alls_overlap_the_backward_matmuls(reduce_scatter):
     layer's gradient all-to-all runs beside the same layer's other backward matmul (the
     input's gradient), all 4 layers' bytes overlapped; as a reduce-scatter, the compiler
     runs none of it beside a matmul."""
-    found = tpu_compile.overlap(compile_fsdp_scan_gradient(reduce_scatter), (4,))
+    found = hlo_reader.overlap(compile_fsdp_scan_gradient(reduce_scatter), (4,))
     reduced = {kind: sides for (kind, _), sides in found["by kind"].items() if kind in ("all-to-all", "reduce-scatter")}
     kind = "reduce-scatter" if reduce_scatter else "all-to-all"
     hidden = 0 if reduce_scatter else SCAN_LAYERS * LAYER_BYTES
@@ -575,8 +576,8 @@ FUSED_MATMUL = "%fusion = bf16[64,256]{1,0} fusion(%a, %b), kind=kOutput, calls=
 ], ids=["padded-window", "dilated-window", "convolution"])
 def test_dot_flops_count_the_window_taps_that_land_on_the_input(convolution, operand_dims, flops):
     line = f"  %c = {convolution}"
-    m = tpu_compile.INSTRUCTION.match(line)
-    assert tpu_compile.matmul_flops(line, m.group(1), m.group(3), operand_dims) == flops
+    m = hlo_reader.INSTRUCTION.match(line)
+    assert hlo_reader.matmul_flops(line, m.group(1), m.group(3), operand_dims) == flops
 
 
 # A Pallas kernel's custom call carries its metadata over several lines, one of them
@@ -597,9 +598,9 @@ ENTRY %main (a: bf16[64,128], b: bf16[128,256]) -> bf16[64,256] {
 def test_an_instruction_over_several_lines_does_not_end_its_computation():
     """The lines after a kernel's metadata still count: before, its "}}" line closed the
     computation, and the full moe1b step with splash at T = 8192 read 1/10 of its dot FLOPs."""
-    comps, entry = tpu_compile.split_computations(KERNEL_THEN_MATMUL)
+    comps, entry = hlo_reader.split_computations(KERNEL_THEN_MATMUL)
     assert [line.split(" = ")[0].strip() for line in comps[entry]] == ["%a", "%b", "%kernel", "ROOT %d"]
-    assert tpu_compile.dot_flops(KERNEL_THEN_MATMUL) == 2 * 64 * 128 * 256
+    assert hlo_reader.dot_flops(KERNEL_THEN_MATMUL) == 2 * 64 * 128 * 256
 
 
 def test_kernels_names_each_pallas_call_and_nothing_else():
@@ -609,8 +610,8 @@ def test_kernels_names_each_pallas_call_and_nothing_else():
         "  ROOT %d", '  %splash_mha_fwd_residuals.7 = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call"\n'
         '  %gmm = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call"\n'
         '  %sharding = bf16[64,128]{1,0} custom-call(%a), custom_call_target="Sharding"\n  ROOT %d')
-    assert tpu_compile.kernels(hlo) == {"splash_mha_fwd_residuals": 2, "gmm": 1}
-    assert tpu_compile.kernels(KERNEL_THEN_MATMUL.replace(' custom_call_target="tpu_custom_call",', "")) == {}
+    assert hlo_reader.kernels(hlo) == {"splash_mha_fwd_residuals": 2, "gmm": 1}
+    assert hlo_reader.kernels(KERNEL_THEN_MATMUL.replace(' custom_call_target="tpu_custom_call",', "")) == {}
 
 
 @pytest.mark.parametrize("matmul_between", [True, False])
@@ -618,16 +619,16 @@ def test_overlap_parser_on_a_scheduled_loop(matmul_between):
     """Bytes per step: the loop's send 3 x 4 KiB, overlapped only when the matmul sits
     between its start and done; the all-gather (8 KiB, not async) always exposed."""
     hlo = LOOP_HLO.replace("FIRST" if matmul_between else "SECOND", FUSED_MATMUL).replace("FIRST", "").replace("SECOND", "")
-    found = tpu_compile.overlap(hlo, (2,))
+    found = hlo_reader.overlap(hlo, (2,))
     sent = 3 * 4096
     assert found["overlapped"] == (sent if matmul_between else 0)
     assert found["exposed"] == 8192 + (0 if matmul_between else sent)
-    assert tpu_compile.dot_flops(hlo) == 3 * 2 * 64 * 256 * 128
+    assert hlo_reader.dot_flops(hlo) == 3 * 2 * 64 * 256 * 128
 
 
 # ----------------------------------------------------------------------------
 # The planner's time model against the compiled step: the dot FLOPs each device runs
-# (tpu_compile.dot_flops: loops by their trips, a cond at its costliest branch) and the
+# (hlo_reader.dot_flops: loops by their trips, a cond at its costliest branch) and the
 # bytes of its collectives (busiest_collective_bytes), per step.
 #
 # Found against these and fixed in the planner: the gradients are reduced in float32
@@ -754,10 +755,10 @@ def test_cp8_at_32k_tokens_gathers_the_latent_over_cp_fits_and_the_planner_is_wi
     assert -PLANNER_TOLERANCE <= plan["total_bytes"] / live_total - 1 <= OVERLAP_OVERESTIMATE, (plan["total_bytes"], live_total)
     m, b = cfg.model, cfg.train.batch_size // cfg.mesh.dp
     latent = b * m.seq_len * (m.kv_latent + m.rope_dim) * 2
-    over_cp = [op for op in tpu_compile.collective_ops(compiled["train"].as_text(), tuple(mesh.shape.values())) if op.over == "cp"]
+    over_cp = [op for op in hlo_reader.collective_ops(compiled["train"].as_text(), tuple(mesh.shape.values())) if op.over == "cp"]
     gathers = [op for op in over_cp if op.kind == "all-gather"]
     assert gathers and all(op.arrays == (("bf16", latent),) for op in gathers), gathers
-    table = tpu_compile.collectives(compiled["train"].as_text(), tuple(mesh.shape.values()))
+    table = hlo_reader.collectives(compiled["train"].as_text(), tuple(mesh.shape.values()))
     planned = plan["times"]["collective_bytes"]
     assert table[("all-gather", "bf16", "cp")]["bytes"] == planned["all-gather over cp"]
     assert table[("reduce-scatter", "bf16", "cp")]["bytes"] == planned["reduce-scatter over cp"]
@@ -775,9 +776,9 @@ def test_dropless_gmm_compiles_to_megablox_kernels_whose_tiles_the_planner_count
     256 rows of 8 experts run 2 + 7 tiles of 128) are the planner's within 10%."""
     case = compile_case(devices_of, "tiny", "v4-8", (2, 1, 2), False, eval_step=False, capacity_factor=0.0, moe_kernel="gmm")
     hlo = case["hlo"]
-    assert {name.split("_jit_")[-1].strip("_") for name in tpu_compile.kernels(hlo)} == {"gmm", "tgmm"}  # vmap_jit_gmm__
+    assert {name.split("_jit_")[-1].strip("_") for name in hlo_reader.kernels(hlo)} == {"gmm", "tgmm"}  # vmap_jit_gmm__
     assert case["plan"]["times"]["device_flops"] == pytest.approx(case["dot_flops"], rel=TIME_TOLERANCE)
-    assert tpu_compile.low_precision_dot_flops(hlo) == 0  # bfloat16 kernels (they were counted as 8-bit once)
+    assert hlo_reader.low_precision_dot_flops(hlo) == 0  # bfloat16 kernels (they were counted as 8-bit once)
 
 
 @pytest.mark.slow
@@ -786,5 +787,5 @@ def test_splash_attention_compiles_to_the_splash_kernels(devices_of):
     dkv kernels are custom calls in the step (no [T, T] scores left to the compiler)."""
     case = compile_case(devices_of, "tiny", "v4-8", (2, 1, 2), False, eval_step=False, seq_len=256, attention="splash",
                         attention_block=128)
-    assert set(tpu_compile.kernels(case["hlo"])) == {"splash_mha_fwd_residuals", "splash_mha_dq_no_residuals",
+    assert set(hlo_reader.kernels(case["hlo"])) == {"splash_mha_fwd_residuals", "splash_mha_dq_no_residuals",
                                                       "splash_mha_dkv_no_residuals"}
