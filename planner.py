@@ -96,7 +96,7 @@ def search_main(cfg, own, devices, efficiency):
     if own["tpu"]:
         lines += planner_report.compile_ranked(ranked, own["tpu"], int(own["compile"]))
     best = next((r for r in ranked if r.compiled_fits is not False), ranked[0])
-    lines.append(f'best_step_ms={best.step_s * 1e3:.6g} preset_step_ms={preset["step_s_serial"] * 1e3:.6g} best_flags="{best.flags}"')
+    lines.append(f'best_step_ms={best.step_s * 1e3:.6g} preset_step_ms={preset["step_s_predicted"] * 1e3:.6g} best_flags="{best.flags}"')
     return lines
 
 
@@ -128,7 +128,7 @@ def main(argv):
         if fitting:
             print("try (on the same devices, these fit):")
             for flags, q in fitting[:5]:
-                print(f"  {flags:<64} {q['total_bytes'] / GiB:7.2f} GiB per device, step ~{q['step_s_serial']:.3g} s")
+                print(f"  {flags:<64} {q['total_bytes'] / GiB:7.2f} GiB per device, step ~{q['step_s_predicted']:.3g} s")
         else:
             print("try: more devices (--devices / --mesh.dp), a smaller --train.batch_size or a smaller model")
     if own["json"]:

@@ -191,27 +191,28 @@ def print_pod_table(argv):
 
 def search_row(rank, r):
     p = r.plan
-    return (f"{rank:>4} {p['step_s_serial'] * 1e3:9.4g} {p['step_s_overlapped'] * 1e3:9.4g} {p['tokens_per_sec']:>13,.0f} "
+    return (f"{rank:>4} {r.step_s * 1e3:9.4g} {p['step_s_serial'] * 1e3:9.4g} {r.tokens_per_sec:>13,.0f} "
             f"{r.mfu:6.1%} {p['total_bytes'] / GiB:7.3g}   {r.flags}")
 
 
 def search_report(ranked, preset, preset_flags, tried, too_big, top):
-    """Lines: the top layouts by predicted step (communication not overlapped), the
+    """Lines: the top layouts by predicted step (what the schedule leaves exposed), the
     preset's own layout below them, and how many were tried."""
     from planning.planner_search import Ranked  # (a dataclass; planner_search does not import this module)
     p = ranked[0].plan
     lines = [f"{preset['preset']} on {p['devices']} x {p['hardware']}, batch {p['tokens_per_sec'] * p['step_s_serial']:,.0f} "
              f"tokens per step: {tried} layouts divide the model and the batch, {len(ranked)} fit, {too_big} do not",
-             f"(compute at an assumed {p['efficiency']:.0%} of peak; step = compute + bubble + communication, not overlapped; "
+             f"(compute at an assumed {p['efficiency']:.0%} of peak; step = compute + bubble + the communication the schedule "
+             "leaves exposed (planner_model.exposed_communication); serial = with none of it overlapped; "
              "MFU = model FLOPs / (step x peak))", "",
-             f"{'rank':>4} {'step ms':>9} {'overlap':>9} {'tokens/s':>13} {'MFU':>6} {'GiB/dev':>7}   flags"]
+             f"{'rank':>4} {'step ms':>9} {'serial':>9} {'tokens/s':>13} {'MFU':>6} {'GiB/dev':>7}   flags"]
     lines += [search_row(i + 1, r) for i, r in enumerate(ranked[:top])]
     own = Ranked(preset_flags, preset)
     rank = next((i + 1 for i, r in enumerate(ranked) if r.flags == preset_flags), None)
     lines += ["", "the preset's own layout" + (f" (rank {rank}):" if rank else
                                               " (does not fit):" if not preset["fits"] else ":"),
               search_row(rank or 0, own).replace("   0 ", "   - ", 1),
-              f"best / preset: {preset['step_s_serial'] / ranked[0].step_s:.2f}x the tokens/s"]
+              f"best / preset: {own.step_s / ranked[0].step_s:.2f}x the tokens/s"]
     return lines
 
 

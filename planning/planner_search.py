@@ -12,8 +12,9 @@ that do not divide the model or the batch raise ConfigError and drop out (so do 
 layouts that utils.context_parallel_checks refuses: a sequence not in 2 cp chunks, a
 routing group or attention block straddling chunks, dot_product_attention), and those
 whose bytes exceed the device's memory are kept aside. The rest are ranked by the
-predicted step with communication not overlapped (the planner's conservative figure,
-the one it prints for every layout).
+predicted step: compute + bubble + the communication the compiled schedule leaves
+exposed (planner_model.exposed_communication; the serial step, nothing overlapped, is
+printed beside it).
 
 Not searched:
   cp's model flags --model.routing_group (must divide seq_len / 2cp), --model.attention
@@ -100,11 +101,18 @@ class Ranked:
 
     @property
     def step_s(self):
-        return self.plan["step_s_serial"]
+        """The predicted step (what the schedule leaves exposed), the search's ranking."""
+        return self.plan["step_s_predicted"]
+
+    @property
+    def tokens_per_sec(self):
+        """The batch's tokens over the predicted step."""
+        p = self.plan
+        return p["tokens_per_sec"] * p["step_s_serial"] / self.step_s
 
     @property
     def mfu(self):
-        """Model FLOPs over the devices' peak for the predicted step (not overlapped)."""
+        """Model FLOPs over the devices' peak for the predicted step."""
         p = self.plan
         return p["times"]["model_flops"] / (self.step_s * p["devices"] * p["peak_flops"])
 
