@@ -410,7 +410,7 @@ class Transformer(nnx.Module):
 
 
 def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, remat="none", prepare=None, unroll=False,
-                 first_block=0):
+                 first_block=0, prefetch=None):
     """Run stacked blocks in order with lax.scan (one compiled body whatever N is).
 
     rng: dropout keys, one per row of x [B] (None = no dropout); each block folds in its
@@ -419,6 +419,12 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
 
     `blocks` is a Block whose weights carry a leading axis N. `prepare` maps one
     block's weights just before use (cast to the compute dtype; under FSDP, all-gather).
+    prefetch (remat "none", "layer" or "stage"): prepare in two parts, weights ->
+    (fetched arrays, unpack), as parallel.fetch_for_use: block i + 1 is fetched beside
+    block i's work and unpacked in the next step, so that its FSDP all-gather runs
+    under block i's matmuls, and in the backward pass each block's gradient reduction
+    under the next one's (apply_prefetching; the executors give it where the gathers
+    cross devices and this runs once per microbatch: step_core.prefetches_gathers).
     `remat` (--model.remat) says what the backward pass keeps and what it recomputes;
     "stage" is applied around all of a stage's blocks by the executors, so
     here it keeps everything, like "none".
@@ -426,9 +432,9 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
     """
     block_def, block_state = nnx.split(blocks)
 
-    def body(x_BTD, state_and_index):
+    def run(x_BTD, state_and_index, prepared=False):
         state, index = state_and_index
-        if prepare is not None:
+        if prepare is not None and not prepared:
             if remat in ("block", "block_dots"):
                 # Tie the weights to this block's input, so that the gather stays in
                 # the loop and the backward pass regathers each block. Without the tie,
@@ -441,6 +447,10 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
         block_rng = None if rng is None else fold_in_rows(rng, first_block + index)
         return nnx.merge(block_def, state)(x_BTD, angles, tp_axis, ep_axis, block_rng, remat_layers=remat == "layer")
 
+    if prefetch is not None:
+        assert remat in ("none", "layer", "stage"), remat  # (remat block would keep every carried block for its backward)
+        return apply_prefetching(block_state, x_BTD, prefetch, lambda x, ready, i: run(x, (ready, i), prepared=True), unroll)
+    body = run
     if remat == "block":  # keep only each block's input; recompute its insides in the backward pass
         body = jax.checkpoint(body)
     elif remat == "block_dots":  # keep every matmul output; recompute norms, activations, softmax
@@ -450,6 +460,31 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
     # loop ran 2x slower, and a plain Python loop over blocks 10% slower than this);
     # rolled, the compile time does not grow with depth.
     return jax.lax.scan(body, x_BTD, (block_state, jnp.arange(n_blocks)), unroll=n_blocks if unroll else 1)
+
+
+def apply_prefetching(block_state, x_BTD, fetch, run, unroll):
+    """apply_blocks with block i + 1's weights fetched beside block i: a scan over
+    blocks 0..N-2 whose carry holds the next block's fetched arrays, unpacked where
+    they are used, then the last block outside it (no block fetched twice).
+    run(x, weights, index) runs one block. Returns (x, statistics stacked on N)."""
+    n_blocks = jax.tree.leaves(block_state)[0].shape[0]
+    fetched, unpack = fetch(jax.tree.map(lambda w: w[0], block_state))
+
+    def body(carry, next_state_and_index):
+        x_BTD, fetched = carry
+        next_state, index = next_state_and_index
+        # Tied to this block's input: else the compiler splits the loop in two, the
+        # fetches alone in the first (nothing to run beside) and the blocks in the second.
+        next_state = jax.lax.optimization_barrier((next_state, x_BTD))[0]
+        next_fetched, _ = fetch(next_state)
+        x_BTD, stats = run(x_BTD, unpack(fetched), index)
+        return (x_BTD, next_fetched), stats
+
+    rest = jax.tree.map(lambda w: w[1:], block_state)
+    (x_BTD, fetched), stats_N = jax.lax.scan(body, (x_BTD, fetched), (rest, jnp.arange(n_blocks - 1)),
+                                             unroll=max(1, n_blocks - 1) if unroll else 1)
+    x_BTD, last = run(x_BTD, unpack(fetched), n_blocks - 1)
+    return x_BTD, jax.tree.map(lambda s, s1: jnp.concatenate([s, s1[None]]), stats_N, last)
 
 
 # ----------------------------------------------------------------------------

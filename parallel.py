@@ -293,11 +293,30 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype
     whole_stack: the blocks' stacked weights [N, ...] all at once (executor_accumulate's
     gather once per step); they come out in reduce_dtype too, so that their gradient,
     summed over the microbatches, reaches the reduce-scatter unrounded."""
-    out_dtype = jnp.dtype(dtype) if one_block else jnp.promote_types(dtype, reduce_dtype)
+    fetched, unpack = fetch_for_use(params, expert_parallel, dtype, one_block, reduce_dtype, whole_stack)
+    return unpack(fetched)
 
-    def gather(path, w):
+
+def fetch_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype=jnp.float32, whole_stack=False,
+                  pack=False):
+    """gather_for_use in two parts: (fetched, unpack), where `fetched` (arrays) holds what
+    the collectives bring and unpack(fetched) is the local work after them, so that a
+    loop can fetch the next block in one step and unpack it in the next
+    (model.apply_blocks's prefetch): the gathers' results then have no user in the
+    step that issues them. unpack serves every block of the same shapes.
+
+    pack (one_block): the block's weights that gather over the same axes go as one
+    buffer (gather_packed; its transpose reduces their gradients in one all-to-all).
+    The compiled TPU schedule runs one collective of a loop's step beside its matmuls
+    and the rest of them exposed (4 weights a layer, 1 of 4 hidden; packed, all:
+    docs/parallelism.md, "what hides behind what")."""
+    out_dtype = jnp.dtype(dtype) if one_block else jnp.promote_types(dtype, reduce_dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out, packs = [None] * len(leaves), {}
+    for i, (path, w) in enumerate(leaves):
         if not is_trained(weight_name(path)):  # replicated, float32, no gradient: nothing to gather
-            return w
+            out[i] = w
+            continue
         _, fsdp_axes, fsdp_dim = weight_layout(weight_name(path), one_block or whole_stack, expert_parallel)
         replicated = live_axes(tuple(a for a in AXES if a not in jax.typeof(w).manual_axis_type.varying))
         if replicated:  # (in the wider of the two: the forward values must not change)
@@ -306,10 +325,53 @@ def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype
         # through) an all_gather over them: 3 ms of a 200 ms one-device step (shakespeare).
         fsdp_axes = tuple(a for a in fsdp_axes if jax.lax.axis_size(a) > 1)
         if not fsdp_axes:
-            return w.astype(dtype).astype(out_dtype)
-        # inside a block the stacked N dim is already sliced away
-        return gather_weight(w, fsdp_axes, fsdp_dim - one_block, jnp.dtype(dtype), jnp.dtype(reduce_dtype), out_dtype)
-    return jax.tree_util.tree_map_with_path(gather, params)
+            out[i] = w.astype(dtype).astype(out_dtype)
+        elif pack and one_block:  # (the stacked N dim is already sliced away)
+            packs.setdefault(fsdp_axes, []).append((i, w, fsdp_dim - 1))
+        else:  # (inside a block the stacked N dim is already sliced away)
+            out[i] = gather_weight(w, fsdp_axes, fsdp_dim - one_block, jnp.dtype(dtype), jnp.dtype(reduce_dtype), out_dtype)
+    layouts = [(axes, [(i, w.shape, dim) for i, w, dim in pack]) for axes, pack in packs.items()]
+    packed = [gather_packed([w for _, w, _ in pack], axes, jnp.dtype(dtype), jnp.dtype(reduce_dtype))
+              for axes, pack in packs.items()]
+
+    def unpack(fetched):
+        out, packed = list(fetched[0]), fetched[1]
+        for (axes, items), buffer in zip(layouts, packed):
+            wholes = unpack_packed(buffer, jax.lax.axis_size(axes), [(shape, dim) for _, shape, dim in items])
+            for i, whole in zip((i for i, _, _ in items), wholes):
+                out[i] = whole.astype(out_dtype)
+        return jax.tree_util.tree_unflatten(treedef, out)
+    return (out, packed), unpack
+
+
+PACK_WIDTH = 1024  # gather_packed's rows: 2-D in the TPU's own tiling, so that no relayout copy follows the gather
+
+
+def gather_packed(shards, axes, dtype, reduce_dtype):
+    """One all-gather of several weights' shards over `axes`: each device's shards
+    flattened into one buffer (in the wider of their dtypes and reduce_dtype, so that
+    the gradient reaches them unrounded), padded to rows of PACK_WIDTH, gathered in
+    `dtype`: [n R, PACK_WIDTH], device j's buffer in rows j R .. (j + 1) R - 1
+    (unpack_packed cuts the weights out). Its transpose reduces every weight's
+    gradient in one all-to-all (gather_weight's, in reduce_dtype)."""
+    wide = functools.reduce(jnp.promote_types, [w.dtype for w in shards], jnp.dtype(reduce_dtype))
+    flat = jnp.concatenate([w.astype(wide).reshape(-1) for w in shards])
+    flat = jnp.pad(flat, (0, -flat.size % PACK_WIDTH))
+    return gather_weight(flat.reshape(-1, PACK_WIDTH), axes, 0, dtype, reduce_dtype, dtype)
+
+
+def unpack_packed(packed, n, shapes_and_dims):
+    """The weights of gather_packed's buffer over n devices, each (shard shape, FSDP dim)
+    cut out of every device's part and laid along its dim in device order, as a tiled
+    all_gather of that weight lays it."""
+    parts_nF, out, start = packed.reshape(n, -1), [], 0
+    for shape, dim in shapes_and_dims:
+        size = math.prod(shape)
+        part = parts_nF[:, start:start + size].reshape((n,) + shape)
+        start += size
+        whole = jnp.moveaxis(part, 0, dim)  # [..., n, shard dim, ...]: device-major along dim
+        out.append(whole.reshape(shape[:dim] + (n * shape[dim],) + shape[dim + 1:]))
+    return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))

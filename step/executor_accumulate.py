@@ -69,6 +69,7 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
         # microbatch; and the tie to each microbatch's tokens below changes no type.
         blocks, blocks_vjp = jax.vjp(lambda b: jax.tree.map(lambda w: core.vary(w, AXES), b), params["blocks"])
         prepare = lambda w: core.gather_block(w, cfg)  # noqa: E731
+    prefetch = (lambda w: core.fetch_block(w, cfg)) if not once and core.prefetches_gathers(cfg, passes=1) else None  # noqa: E731
 
     def microbatch_sums(top, blocks, tokens_bT1, keys_b):
         """((cross-entropy, MTP, balance losses per block), MoE statistics) of one microbatch."""
@@ -78,7 +79,7 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
 
         def run_blocks(x_bTD):
             return apply_blocks(model.blocks, x_bTD, mb.angles, TP, ep_axis, keys_b, remat=m_cfg.remat,
-                                prepare=prepare, unroll=m_cfg.unroll_blocks)
+                                prepare=prepare, unroll=m_cfg.unroll_blocks, prefetch=prefetch)
 
         if m_cfg.remat == "stage":  # all blocks are the one stage: keep only the microbatch's input
             run_blocks = jax.checkpoint(run_blocks)

@@ -66,10 +66,12 @@ def pipeline_sums(model, prepare_block, mb, cfg):
 
     blocks_def, blocks_state = nnx.split(model.blocks)
     first_block = stage * jax.tree.leaves(blocks_state)[0].shape[0]
+    ticks = jnp.arange(M + n_stages - 1)
+    prefetch = (lambda w: core.fetch_block(w, cfg)) if core.prefetches_gathers(cfg, passes=len(ticks)) else None  # noqa: E731
 
     def run_stage(blocks_state, x_bTD, keys_b):
-        return apply_blocks(nnx.merge(blocks_def, blocks_state), x_bTD, angles, TP, ep_axis, keys_b,
-                            remat=m_cfg.remat, prepare=prepare_block, unroll=m_cfg.unroll_blocks, first_block=first_block)
+        return apply_blocks(nnx.merge(blocks_def, blocks_state), x_bTD, angles, TP, ep_axis, keys_b, remat=m_cfg.remat,
+                            prepare=prepare_block, unroll=m_cfg.unroll_blocks, first_block=first_block, prefetch=prefetch)
 
     if m_cfg.remat == "stage":  # keep only the stage's input per tick
         run_stage = jax.checkpoint(run_stage)
@@ -85,7 +87,6 @@ def pipeline_sums(model, prepare_block, mb, cfg):
         sent_bTD = jax.lax.ppermute(y_bTD, PP, [(i, i + 1) for i in range(n_stages - 1)]) if n_stages > 1 else y_bTD
         return sent_bTD, (y_bTD, stats_N)
 
-    ticks = jnp.arange(M + n_stages - 1)
     first_received = core.vary(jnp.zeros_like(x0_MbTD[0]), (PP,))  # the carry differs per stage from tick 1 on
     _, (y_tbTD, stats_tN) = jax.lax.scan(tick, first_received, ticks)
     outputs_MbTD = y_tbTD[n_stages - 1:]  # on the last stage, microbatch m finished at tick m + pp - 1

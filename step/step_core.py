@@ -30,7 +30,7 @@ from attention import rope_angles
 from context_parallel import SequenceChunks, chunk_positions, gathered_positions
 from layers import axis_index, live_axes
 from moe import balance_router_biases, router_biases
-from parallel import axes_of, gather_for_use
+from parallel import axes_of, fetch_for_use, gather_for_use
 from weights import BATCH_AXES, CP, DP, PP, SLICE, TP, is_trained, weight_name
 
 # ----------------------------------------------------------------------------
@@ -224,6 +224,25 @@ def gather_block(block_params, cfg):
     m = cfg.model
     return gather_for_use(block_params, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), one_block=True,
                           reduce_dtype=jnp.dtype(m.grad_reduce_dtype))
+
+
+def fetch_block(block_params, cfg):
+    """gather_block in two parts, (fetched, unpack), the block's weights packed into one
+    gather per group of axes (parallel.fetch_for_use): model.apply_blocks's prefetch."""
+    m = cfg.model
+    return fetch_for_use(block_params, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), one_block=True,
+                         reduce_dtype=jnp.dtype(m.grad_reduce_dtype), pack=True)
+
+
+def prefetches_gathers(cfg, passes):
+    """Does model.apply_blocks gather block i + 1 beside block i (its prefetch)? Where a
+    gather crosses devices (a block's weights are split over the axes of dp, cp and tp
+    its compute does not use: one of size > 1), the loop over the blocks runs once per
+    microbatch (`passes`: its runs per step per microbatch; a pipeline's ticks run it
+    M + pp - 1 times, and at remat none JAX hoists their gathers out of them), and
+    remat keeps each gathered block for the backward pass anyway (none, layer, stage)."""
+    return (passes == 1 and cfg.model.remat in ("none", "layer", "stage")
+            and any(jax.lax.axis_size(a) > 1 for a in (DP, CP, TP)))
 
 
 # ----------------------------------------------------------------------------

@@ -208,6 +208,23 @@ def test_gradient_accumulation_equals_one_microbatch(reference, variant, mesh_sh
     assert_same_steps(train_steps(cfg), reference["dropout" if variant == "dropout" else "moe"])
 
 
+PREFETCH_CASES = [("moe", (4, 1, 2), "none", 1), ("moe-ep", (4, 1, 2), "layer", 2)]
+
+
+@pytest.mark.parametrize("variant, mesh_shape, remat, microbatches", PREFETCH_CASES,
+                         ids=lambda x: MESH_IDS(x) if isinstance(x, tuple) else str(x))
+def test_prefetched_packed_gathers_equal_one_device(reference, variant, mesh_shape, remat, microbatches):
+    """Where the blocks run once per microbatch with their FSDP gathers crossing devices
+    (pp = 1; remat none or layer: step_core.prefetches_gathers), model.apply_blocks
+    fetches block i + 1 beside block i, each group of a block's weights (by the axes
+    they gather over: with tp and expert parallelism, several) packed into one
+    all-gather and cut out after it (parallel.fetch_for_use): the same steps, through
+    GPipe's one tick and the accumulation executor gathering per microbatch."""
+    cfg = apply_overrides(tiny_config(mesh_shape, expert_parallel=variant == "moe-ep", remat=remat),
+                          {"train": dict(microbatches=microbatches, gather_once="false")})
+    assert_same_steps(train_steps(cfg), reference["moe"])
+
+
 @pytest.mark.parametrize("remat", [pytest.param(policy, marks=[pytest.mark.slow] if policy in ("layer", "block_dots") else [])
                                    for policy in REMAT_POLICIES if policy != PRESETS["tiny"]["model"]["remat"]])
 def test_remat_policy_does_not_change_the_step(reference, remat):
