@@ -518,6 +518,63 @@ def test_fsdp_gradient_all_to_alls_overlap_the_backward_matmuls(reduce_scatter):
     assert reduced == {kind: {"overlapped": hidden, "exposed": SCAN_LAYERS * LAYER_BYTES - hidden}}, reduced
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_one_collective_per_loop_step_overlaps_so_a_block_gathers_packed(packed):
+    """Why apply_blocks's prefetch packs a block's weights into one all-gather: in a
+    scan over 4 layers of 4 [1024, 1024] bf16 weights each, the next layer's weights
+    gathered beside this layer's matmuls, the compiled schedule hides one all-gather
+    of each loop step: gathered one by one, 1 of the 4 (6 of 32 MiB, 3 steps); packed
+    (parallel.gather_packed, cut out in the next step by unpack_packed), all 3 steps'
+    (24 MiB; the first layer's, before the loop, waits)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    n, k = 4, 4
+    bf16, f32 = jax.numpy.bfloat16, jax.numpy.float32
+    if packed:
+        fetch = lambda w_kDD: par.gather_packed(list(w_kDD), ("dp",), bf16, f32)  # noqa: E731
+        unpack = lambda buf: par.unpack_packed(buf, n, [((SCAN_WIDTH // n, SCAN_WIDTH), 0)] * k)  # noqa: E731
+    else:
+        fetch, unpack = (lambda w_kDD: [plain_gather(w) for w in w_kDD]), (lambda ws: ws)
+
+    def f(w_LkDD, x_BD):
+        def layer(carry, w_next):
+            h, fetched = carry
+            for w in unpack(fetched):
+                h = jax.numpy.tanh(h @ w)
+            return (h, fetch(w_next)), None
+        (h, fetched), _ = jax.lax.scan(layer, (x_BD, fetch(w_LkDD[0])), w_LkDD[1:])
+        for w in unpack(fetched):
+            h = jax.numpy.tanh(h @ w)
+        return h.sum()
+    mesh = Mesh(np.array(tpu_compile.pod_devices("v4-8")).reshape(n), ("dp",))
+    step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, None, "dp"), P("dp")), out_specs=P(), check_vma=False))
+    args = [jax.ShapeDtypeStruct((SCAN_LAYERS, k, SCAN_WIDTH, SCAN_WIDTH), bf16, sharding=NamedSharding(mesh, P(None, None, "dp"))),
+            jax.ShapeDtypeStruct((256, SCAN_WIDTH), bf16, sharding=NamedSharding(mesh, P("dp")))]
+    with tpu_compile.captured_stderr():
+        hlo = step.lower(*args).compile().as_text()
+    (found,) = [sides for (kind, _), sides in hlo_reader.overlap(hlo, (n,))["by kind"].items() if kind == "all-gather"]
+    hidden_layers = (SCAN_LAYERS - 1) * (k if packed else 1)
+    assert found == {"overlapped": hidden_layers * LAYER_BYTES, "exposed": SCAN_LAYERS * k * LAYER_BYTES - hidden_layers * LAYER_BYTES}
+
+
+@pytest.mark.parametrize("prefetch", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_prefetched_block_gathers_overlap_the_blocks_matmuls(devices_of, monkeypatch, prefetch):
+    """The scaled-down moe1b with 4 blocks, dp 4 on a v4-8, one microbatch, remat none:
+    apply_blocks fetches block i + 1's weights, packed into one all-gather
+    (parallel.fetch_for_use), beside block i, and the compiled schedule runs 3 of the 4
+    blocks' gathers under the matmuls (the first block's and the embedding's wait):
+    70% of the gathered bytes. Without the prefetch (each of a block's weights
+    gathered just before its matmul needs it), 0. ~1 min here."""
+    if not prefetch:
+        from step import step_core
+        monkeypatch.setattr(step_core, "prefetches_gathers", lambda cfg, passes: False)
+    case = compile_case(devices_of, "moe1b-small", "v4-8", (4, 1, 1), False, eval_step=False,
+                        overrides=dict(train=dict(microbatches=1), model=dict(remat="none", n_blocks=4)))
+    gathers = hlo_reader.overlap(case["hlo"], (4, 1, 1))["by kind"][("all-gather", "dp")]
+    share = gathers["overlapped"] / (gathers["overlapped"] + gathers["exposed"])
+    assert (share > 0.6) if prefetch else share == 0, gathers
+
+
 # A scheduled module by hand: a loop of 3 trips whose body sends 4 KiB while a fused
 # matmul runs (overlapped) or before it (exposed), and a plain all-gather (exposed).
 LOOP_HLO = """HloModule m, is_scheduled=true
