@@ -19,7 +19,9 @@ FSDP (the block weights split over dp), --train.gather_once:
   false  each microbatch gathers each block just before use and reduce-scatters that
          block's gradient (M gathers and M reduce-scatters per step, as GPipe), holding
          one block's gathered weights at a time (with remat none, its backward keeps
-         them all, as GPipe's does) and only the gradient shards.
+         them all, as GPipe's does) and only the gradient shards; at remat none, layer
+         or stage the next block is fetched beside this one, packed into one gather
+         (model.apply_blocks's prefetch).
   auto   (the default) once when M > 1 and that costs at most rules.GATHER_ONCE_SHARE
          of the device's memory (gather_once_bytes; memory as jax reports it: TPU and
          GPU), else per microbatch (also on CPU, which reports no memory): the rule is
