@@ -237,10 +237,11 @@ def fetch_block(block_params, cfg):
 def prefetches_gathers(cfg, passes):
     """Does model.apply_blocks gather block i + 1 beside block i (its prefetch)? Where a
     gather crosses devices (a block's weights are split over the axes of dp, cp and tp
-    its compute does not use: one of size > 1), the loop over the blocks runs once per
-    microbatch (`passes`: its runs per step per microbatch; a pipeline's ticks run it
-    M + pp - 1 times, and at remat none JAX hoists their gathers out of them), and
-    remat keeps each gathered block for the backward pass anyway (none, layer, stage)."""
+    its compute does not use: one of size > 1), the loop over the blocks runs once for
+    each microbatch (`passes`, the runs of that loop in the executor's loop: 1 for the
+    accumulation executor and a one-tick GPipe; a pipeline's M + pp - 1 ticks, whose
+    gathers JAX hoists out of them at remat none, keep gathering where used), and remat
+    keeps each gathered block for the backward pass anyway (none, layer, stage)."""
     return (passes == 1 and cfg.model.remat in ("none", "layer", "stage")
             and any(jax.lax.axis_size(a) > 1 for a in (DP, CP, TP)))
 
