@@ -557,7 +557,8 @@ def test_one_collective_per_loop_step_overlaps_so_a_block_gathers_packed(packed)
     assert found == {"overlapped": hidden_layers * LAYER_BYTES, "exposed": SCAN_LAYERS * k * LAYER_BYTES - hidden_layers * LAYER_BYTES}
 
 
-@pytest.mark.parametrize("prefetch", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("prefetch", [True, False])
 def test_prefetched_block_gathers_overlap_the_blocks_matmuls(devices_of, monkeypatch, prefetch):
     """The scaled-down moe1b with 4 blocks, dp 4 on a v4-8, one microbatch, remat none:
     apply_blocks fetches block i + 1's weights, packed into one all-gather
@@ -565,7 +566,7 @@ def test_prefetched_block_gathers_overlap_the_blocks_matmuls(devices_of, monkeyp
     fetch in the loop under the matmuls (the first block's, before it, and the
     embedding's wait): over 60% of the gathered bytes (70% with the last block
     peeled, which fetched one block less). Without the prefetch (each of a block's
-    weights gathered just before its matmul needs it), 0. ~1 min here."""
+    weights gathered just before its matmul needs it), 0. ~1-2 min each here."""
     if not prefetch:
         from step import step_core
         monkeypatch.setattr(step_core, "prefetches_gathers", lambda cfg, passes: False)
