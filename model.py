@@ -432,9 +432,17 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
     """
     block_def, block_state = nnx.split(blocks)
 
-    def run(x_BTD, state_and_index, prepared=False):
+    def run_block(x_BTD, state, index):  # (state: the block's weights, ready to use)
+        block_rng = None if rng is None else fold_in_rows(rng, first_block + index)
+        return nnx.merge(block_def, state)(x_BTD, angles, tp_axis, ep_axis, block_rng, remat_layers=remat == "layer")
+
+    if prefetch is not None:
+        assert remat in ("none", "layer", "stage"), remat  # (remat block would keep every carried block for its backward)
+        return apply_prefetching(block_state, x_BTD, prefetch, run_block, unroll)
+
+    def body(x_BTD, state_and_index):
         state, index = state_and_index
-        if prepare is not None and not prepared:
+        if prepare is not None:
             if remat in ("block", "block_dots"):
                 # Tie the weights to this block's input, so that the gather stays in
                 # the loop and the backward pass regathers each block. Without the tie,
@@ -444,13 +452,8 @@ def apply_blocks(blocks, x_BTD, angles, tp_axis=None, ep_axis=None, rng=None, re
                 # Without remat, hoisting is what we want: one gather, not one per tick.
                 state = jax.lax.optimization_barrier((state, x_BTD))[0]
             state = prepare(state)
-        block_rng = None if rng is None else fold_in_rows(rng, first_block + index)
-        return nnx.merge(block_def, state)(x_BTD, angles, tp_axis, ep_axis, block_rng, remat_layers=remat == "layer")
+        return run_block(x_BTD, state, index)
 
-    if prefetch is not None:
-        assert remat in ("none", "layer", "stage"), remat  # (remat block would keep every carried block for its backward)
-        return apply_prefetching(block_state, x_BTD, prefetch, lambda x, ready, i: run(x, (ready, i), prepared=True), unroll)
-    body = run
     if remat == "block":  # keep only each block's input; recompute its insides in the backward pass
         body = jax.checkpoint(body)
     elif remat == "block_dots":  # keep every matmul output; recompute norms, activations, softmax

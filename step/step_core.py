@@ -221,17 +221,16 @@ def gather_top(params, cfg):
 
 def gather_block(block_params, cfg):
     """One block's weights (sliced out of the stack), gathered just before use."""
-    m = cfg.model
-    return gather_for_use(block_params, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), one_block=True,
-                          reduce_dtype=jnp.dtype(m.grad_reduce_dtype))
+    fetched, unpack = fetch_block(block_params, cfg, pack=False)
+    return unpack(fetched)
 
 
-def fetch_block(block_params, cfg):
-    """gather_block in two parts, (fetched, unpack), the block's weights packed into one
-    gather per group of axes (parallel.fetch_for_use): model.apply_blocks's prefetch."""
+def fetch_block(block_params, cfg, pack=True):
+    """gather_block in two parts, (fetched, unpack), by default the block's weights packed
+    into one gather per group of axes (parallel.fetch_for_use): model.apply_blocks's prefetch."""
     m = cfg.model
     return fetch_for_use(block_params, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), one_block=True,
-                         reduce_dtype=jnp.dtype(m.grad_reduce_dtype), pack=True)
+                         reduce_dtype=jnp.dtype(m.grad_reduce_dtype), pack=pack)
 
 
 def prefetches_gathers(cfg, passes):
