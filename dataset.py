@@ -1,24 +1,12 @@
 """The token-shard reader (local directory or gs://bucket/prefix); tokenizers and the
-shard format are in shards.py.
+shard format (manifest.json + uint16/uint32 `.npy` shards, docs/data.md) are in
+data/shards.py. Shards are read as memory maps.
 
-A data directory holds `manifest.json` and `.npy` token shards (see docs/data.md):
-
-    {"format": 1, "tokenizer": "bytes", "vocab_size": 257, "eot_id": 256, "dtype": "uint16",
-     "splits": {"train": [{"file": "train_000000.npy", "tokens": 1000000, "sha256": "..."}, ...],
-                "val":   [{"file": "val_000000.npy", ...}]}}
-
-Shards are uint16 when the vocabulary fits, else uint32, and are read as memory maps.
-
-Batch order. Each shard is cut into non-overlapping windows of seq_len + 1 tokens (a
-shard's last partial window is never used). The global sample index of row r at step s
-is g = s * batch_size + r. Epoch e = g // windows_per_epoch visits the shards in a seeded
-permutation and, inside each shard, the windows in a seeded permutation; the next epoch
-draws fresh permutations. So row r of step s depends only on (seed, step, batch_size,
-seq_len, the data) - never on the mesh or on which process asks - and the state to
-resume is just `step`. Reading is sequential over shards, which lets the gs:// reader
-download the next shard while the current one is read.
-
-The eval set is fixed: windows spread evenly over the val split, in shard order.
+Each shard is cut into windows of seq_len + 1 tokens (a last partial one is unused). Row r
+of step s is global sample s * batch_size + r, placed by seeded permutations per epoch
+(see "Batch order" below): it depends only on (seed, step, batch_size, seq_len, the data),
+never on the mesh or the process, so the state to resume is just `step`. The eval set is
+fixed: windows spread evenly over the val split, in shard order.
 """
 
 import collections
@@ -36,24 +24,34 @@ from typing import Iterator
 import numpy as np
 
 from data import shakespeare  # the only embedded source so far
-# The data-directory format (shards.py) sits below this module and data/; its names are
-# offered here too, so that dataset.py stays the one module to import data things from.
-from data.shards import (BYTE_EOT_ID, CUSTOM_SPLIT_PATTERN, EOT_TEXT, FORMAT_VERSION, MANIFEST, Tokenizer,  # noqa: F401
-                    check_token_range, file_sha256, get_tokenizer, shard_dtype, validate_manifest, write_manifest,
-                    write_shard)
+
+# data/shards.py sits below this module and data/; its names are offered here, the one place to import data things from.
+from data.shards import (  # noqa: F401
+    BYTE_EOT_ID,
+    CUSTOM_SPLIT_PATTERN,
+    EOT_TEXT,
+    FORMAT_VERSION,
+    MANIFEST,
+    Tokenizer,
+    check_token_range,
+    file_sha256,
+    get_tokenizer,
+    shard_dtype,
+    validate_manifest,
+    write_manifest,
+    write_shard,
+)
+from utils import apply_overrides
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_SOURCES = ("shakespeare",)
 
-# Downloads from GCS: retry transient errors this many times, waiting
-# GCS_BACKOFF_S * 2**attempt between tries (0.5 s, 1 s, 2 s, ... about 30 s in all).
+# GCS downloads retry transient errors this many times, waiting GCS_BACKOFF_S * 2**attempt (~30 s in all).
 GCS_RETRIES = 6
 GCS_BACKOFF_S = float(os.environ.get("MESHFORMER_GCS_BACKOFF_S", "0.5"))  # tests shorten it
 
-# Memory maps kept open per TokenData; older ones are closed so that evicted cache files
-# can really leave the disk.
-MAX_OPEN_SHARDS = 8
+MAX_OPEN_SHARDS = 8  # memory maps kept open per TokenData: closing older ones lets evicted cache files leave the disk
 
 
 # -----------------------------------------------------------------------------
@@ -163,14 +161,9 @@ def split_gcs_url(url: str) -> tuple[str, str]:
 
 class GcsShards:
     """Shards in gs://bucket/prefix, copied on first use into a size-bounded local cache.
-
-    Every download runs on one background thread, so the next shard can arrive while the
-    current one is read (prefetch), and the client is only ever used from that thread.
-    Files enter the cache only after their sha256 matches the manifest (temp file +
-    rename, so processes sharing the cache never see half a file); the least recently
-    opened files are evicted once the cache outgrows its bound. Honours
-    STORAGE_EMULATOR_HOST, as google-cloud-storage does.
-    """
+    Downloads run on one background thread (prefetch overlaps reading; the client never
+    leaves it); files enter the cache only once their sha256 matches (temp file + rename,
+    safe to share between processes); the least recently opened are evicted."""
 
     def __init__(self, url: str, cache_dir: str, cache_max_bytes: float):
         from google.api_core.exceptions import NotFound  # imported here: only gs:// needs it
@@ -251,10 +244,8 @@ class GcsShards:
 
 
 def evict_least_recently_used(cache_root: str, max_bytes: float, keep: str) -> None:
-    """Delete the oldest files under cache_root until it fits in max_bytes (never `keep`).
-
-    Files another process has memory-mapped stay readable by it after deletion (POSIX).
-    """
+    """Delete the oldest files under cache_root until it fits in max_bytes (never `keep`);
+    another process's memory maps stay readable after deletion (POSIX)."""
     files = []
     for folder, _, names in os.walk(cache_root):
         for name in names:
@@ -282,14 +273,10 @@ def evict_least_recently_used(cache_root: str, max_bytes: float, keep: str) -> N
 # -----------------------------------------------------------------------------
 # Batch order: pure functions of the seed, the epoch and the windows in each shard
 #
-# An epoch visits every window of the split once. Its shards are shuffled and taken
-# SHARDS_PER_ROUND at a time (a "round"); the windows of a round's shards are pooled and
-# shuffled together. So a batch is a sample of many shards at once (all of them when
-# the split has at most SHARDS_PER_ROUND shards, as the embedded default does), while
-# only one round's shards (plus the next round's, prefetched) need to be on local
-# disk: what keeps a gs:// corpus of thousands of shards streaming through a bounded
-# cache. (Walking one shard at a time instead made the default run's first ~480 steps
-# all come from one 1 MB shard and left 2 of its 5 shards unseen.)
+# An epoch visits every window once: shuffled shards, taken SHARDS_PER_ROUND at a time (a
+# round), whose windows are pooled and shuffled together. A batch mixes many shards, yet
+# only one round's shards (and the next, prefetched) need be on disk: a gs:// corpus
+# streams through a bounded cache (docs/benchmarks.md).
 
 SHARDS_PER_ROUND = MAX_OPEN_SHARDS
 
@@ -444,10 +431,8 @@ def _check_rows(rows: range | None, batch_size: int) -> range:
 def open_data(source: str, cache_dir: str, cache_max_gb: float = 20.0,
               process_index: int = 0) -> TokenData:
     """source: an embedded name ("shakespeare"), a local data directory, or gs://bucket/prefix.
-
-    cache_dir holds prepared embedded data and the gs:// shard cache (at most
-    cache_max_gb); process_index only keeps one-off messages from repeating per process.
-    """
+    cache_dir holds prepared embedded data and the gs:// shard cache (at most cache_max_gb);
+    process_index only keeps one-off messages from repeating."""
     if source in EMBEDDED_SOURCES:
         source = prepare_embedded(source, cache_dir, process_index)
     if source.startswith("gs://"):
@@ -467,11 +452,7 @@ def open_data(source: str, cache_dir: str, cache_max_gb: float = 20.0,
 
 def prepare_embedded(name: str, cache_dir: str, process_index: int = 0) -> str:
     """Prepare an embedded dataset once into <cache_dir>/<name>/ and return that directory.
-
-    Several processes on one machine may call this at once: one of them prepares into a
-    temp directory and renames it into place while holding a lock; the others wait on the
-    lock and then reuse the result.
-    """
+    Safe for concurrent processes: one prepares under a lock (temp dir + rename), the others reuse it."""
     out = os.path.join(cache_dir, name)
     if os.path.isfile(os.path.join(out, MANIFEST)):
         return out
@@ -495,11 +476,8 @@ def prepare_embedded(name: str, cache_dir: str, process_index: int = 0) -> str:
 
 
 def check_tokenizer(data: TokenData, model_vocab_size: int, tokenizer_name: str) -> None:
-    """Raise unless the data was tokenized with `tokenizer_name` and every id fits the model.
-
-    The model's vocabulary may be larger than the data's (padded, e.g. so that it divides
-    evenly over tensor-parallel shards), never smaller.
-    """
+    """Raise ValueError unless the data was tokenized with `tokenizer_name` and the model's
+    vocabulary is at least the data's (larger, padded, is fine)."""
     if data.tokenizer_name != tokenizer_name:
         raise ValueError(
             f"the data was tokenized with {data.tokenizer_name!r} but the model is configured "
@@ -509,3 +487,12 @@ def check_tokenizer(data: TokenData, model_vocab_size: int, tokenizer_name: str)
         raise ValueError(
             f"the data's vocabulary has {data.vocab_size} ids but the model only "
             f"{model_vocab_size}: set the model's vocab size to at least {data.vocab_size}.")
+
+
+def resolve_vocab(cfg, data):
+    """cfg with the model's vocabulary taken from the data's manifest, unless set explicitly
+    (then checked against it)."""
+    check_tokenizer(data, cfg.model.vocab_size or data.vocab_size, cfg.data.tokenizer)
+    if cfg.model.vocab_size == 0:
+        cfg = apply_overrides(cfg, {"model": {"vocab_size": data.vocab_size}})
+    return cfg

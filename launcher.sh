@@ -77,7 +77,7 @@ ssh_options=() connect_timeout=10
 action=start
 watch=0 max_restarts="" poll_s=30 wait_hosts_s=1800 recreate=0 restart_reason=""
 DEFAULT_MAX_RESTARTS=3
-PREEMPTED_EXIT_CODE=75  # main.py's "preempted, resume me" (preemption.py)
+PREEMPTED_EXIT_CODE=75  # main.py's "preempted, resume me" (runtime/preemption.py)
 flags=()
 
 # parse_option "$@": consumes one option; sets `shifted` to how many words it used (0 = not ours).

@@ -1,6 +1,5 @@
-"""Config dataclasses, presets and the command line. (The model's section, ModelConfig,
-lives beside the model in model.py; parameter and FLOP accounting: flops.py; run
-metrics and wandb: metrics.py; plots: plots.py, also as `python utils.py plot RUN_DIR`.)
+"""Every config dataclass, the presets, the command line, and the few helpers everyone
+uses. The ground floor: it imports nothing of the project, and everything may import it.
 
 Every default lives in exactly one place: the dataclasses below. The defaults ARE the
 `shakespeare` preset; other presets override some fields; the command line overrides
@@ -9,15 +8,41 @@ any field as `--section.field=value` (or `--section.field value`).
 
 import dataclasses
 import difflib
+import os
+import runpy
 import sys
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from errors import ConfigError  # noqa: F401  (raised by every module as utils.ConfigError; errors.py says why it lives there)
-from model import REMAT_POLICIES, ModelConfig, option
-from moe import MOE_KERNELS
-from quant import QUANT_MODES
-from splash_attention import SPLASH_LANES
+
+class ConfigError(ValueError):
+    """A config the user can fix; the message says how. main.py prints it as one line."""
+
+
+def option(default, help):
+    """A config field with its one-line explanation (shown by --help)."""
+    return field(default=default, metadata={"help": help})
+
+
+# ----------------------------------------------------------------------------
+# The mesh axes, named once. AXES are those within one TPU slice (ICI), the only ones
+# weights are split over; CP (context parallel) splits every sequence, its ranks holding
+# the same weights (their storage FSDP-sharded over dp x cp, as torchtitan does); SLICE,
+# outermost, is data parallelism across slices over the data-center network (10-100x
+# slower): only the once-per-step gradient all-reduce crosses it.
+DP, CP, PP, TP = "dp", "cp", "pp", "tp"
+SLICE = "slice"
+AXES = (DP, CP, PP, TP)
+MESH_AXES = (SLICE,) + AXES
+BATCH_AXES = (SLICE, DP)  # the batch's rows, slice-major: a global row index stays meaningful
+
+HF_PREFIX = "hf:"  # --train.init_from hf:DIR: a Hugging Face checkpoint directory
+
+# The choices of flags whose code lives in a kernel module (ops/), named here so that a
+# config is checked without importing the kernels.
+MOE_KERNELS = ("auto", "ragged_dot", "gmm")
+QUANT_MODES = ("none", "int8", "fp8")
+SPLASH_LANES = 128  # the splash kernel's lanes (jax's splash_attention_kernel.NUM_LANES): a block is a multiple
 
 # ----------------------------------------------------------------------------
 # Config sections
@@ -32,7 +57,89 @@ class RunConfig:
     compile_cache: str = option("~/.cache/meshformer/jax", "JAX's persistent compilation cache (reruns skip compiling); empty = off")
 
 
-# --train.pipeline values: executor_gpipe.py runs gpipe, executor_1f1b.py the others (step/rules.executor_name).
+# --model.remat values: model.apply_blocks applies layer / block / block_dots,
+# the executors stage (around all of a pipeline stage's blocks).
+REMAT_POLICIES = ("none", "layer", "block", "block_dots", "stage")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = option(0, "vocabulary size; 0 = take it from the data's manifest")
+    vocab_multiple: int = option(128, "pad the vocabulary to a multiple of this (tp splits it)")
+    seq_len: int = option(128, "tokens per training sequence (T)")
+    d_model: int = option(128, "model width (D)")
+    n_heads: int = option(4, "attention heads (H)")
+    head_dim: int = option(32, "per-head dim of queries/keys/values, content part (K)")
+    rope_dim: int = option(16, "per-head dim of the decoupled RoPE query/key part (R)")
+    q_latent: int = option(64, "MLA query latent width (Q); 0 = full-rank queries from x, no latent (HF q_lora_rank null)")
+    kv_latent: int = option(32, "MLA key/value latent width (A); with R, all the KV cache stores")
+    rope_theta: float = option(10000.0, "RoPE base")
+    rope_scaling: str = option("none", "RoPE frequency scaling: none | yarn (DeepSeek-V2/V3's long-context YaRN, model.py)")
+    rope_factor: float = option(1.0, "yarn: context extension factor (HF rope_scaling.factor)")
+    rope_original_len: int = option(4096, "yarn: the context the RoPE was trained on (HF original_max_position_embeddings)")
+    yarn_beta_fast: float = option(32.0, "yarn: pairs turning more often than this over the original context keep their frequency")
+    yarn_beta_slow: float = option(1.0, "yarn: pairs turning less often than this are interpolated (frequency / factor)")
+    yarn_mscale: float = option(1.0, "yarn: mscale (with yarn_mscale_all_dim, the RoPE parts' factor is their mscale ratio)")
+    yarn_mscale_all_dim: float = option(0.0, "yarn: mscale_all_dim; non-zero: the softmax scale x mscale(factor, this)^2")
+    norm_eps: float = option(1e-6, "eps of the RMSNorms of the residual stream (HF rms_norm_eps; the latent norms keep 1e-6)")
+    tie_embeddings: bool = option(True, "the output layer is the input embedding; false = a separate head (HF lm_head)")
+    embed_row_norm: float = option(2.0, "norm of the embedding's (and an untied head's) rows at init (std = this / sqrt(D)); "
+                                        "the untrained output logits are at most this (model.py)")
+    n_blocks: int = option(2, "blocks (N); the pipeline splits blocks over pp")
+    first_dense: int = option(0, "dense layers before the blocks (HF first_k_dense_replace): each a full layer (MLA attention "
+                                 "+ dense FFN of d_ff hidden units), run on the first pipeline stage beside the embedding")
+    block_pattern: str = option("DM", "layers of one block: D = dense FFN, M = MoE FFN")
+    d_ff: int = option(512, "hidden units of dense FFN layers (F)")
+    ffn_activation: str = option("swiglu", "dense FFN activation: swiglu | gelu")
+    n_experts: int = option(8, "routed experts per MoE layer (E)")
+    n_shared: int = option(1, "shared experts per MoE layer (see every token)")
+    top_k: int = option(2, "routed experts per token")
+    d_expert: int = option(128, "hidden units per expert")
+    capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
+    moe_kernel: str = option("auto", "grouped matmul of the dropless routed experts (--model.capacity_factor 0): ragged_dot "
+                                     "(jax.lax.ragged_dot) | gmm (Pallas megablox, interpret mode off TPU) | "
+                                     "auto = gmm on TPU (ragged_dot under --mesh.sharding auto), ragged_dot elsewhere")
+    router_score: str = option("softmax", "router scores: softmax | sigmoid")
+    routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
+    aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
+    router_bias_rate: float = option(0.0, "aux-loss-free balancing (DeepSeek-V3): after every step each expert's selection bias "
+                                          "moves by this towards uniform load; 0 = off (V3 used 0.001)")
+    router_bias: bool = option(False, "a per-expert router selection bias exists even at --model.router_bias_rate 0, where it "
+                                      "stays frozen; --train.init_from hf: sets it for a DeepSeek-V3 checkpoint (e_score_correction_bias)")
+    seq_aux_loss_weight: float = option(0.0, "weight of DeepSeek-V3's sequence-wise balance loss (V3 used 0.0001)")
+    n_groups: int = option(1, "group-limited routing: split the experts into this many groups (HF n_group); 1 = off")
+    topk_groups: int = option(1, "group-limited routing: each token picks experts in its best this-many groups (HF topk_group)")
+    routed_scale: float = option(1.0, "multiply the routed experts' output by this (DeepSeek-V3 routed_scaling_factor)")
+    norm_topk: bool = option(True, "renormalise the routed gates over the top k (HF norm_topk_prob); false = raw scores "
+                                   "(DeepSeek-V2-Lite)")
+    final_norm_folded: bool = option(False, "the final norm's scale holds the logits' 1/sqrt(D) (set by --train.init_from hf:, "
+                                            "which keeps HF's norm weight bit for bit); false = logits of final_norm(x) / sqrt(D)")
+    mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): extra blocks predicting tokens 2..depth+1 ahead, "
+                               "trained with the rest, ignored by sampling and eval; 0 = off")
+    mtp_loss_weight: float = option(0.3, "weight of the MTP loss (mean over depths; V3 used 0.3, later 0.1)")
+    dropout: float = option(0.0, "dropout on residual branches")
+    dtype: str = option("auto", "compute dtype: float32 | bfloat16 | auto (the faster here: bfloat16 on TPU/GPU, on CPU a "
+                                "timed probe of the model's matmuls, runtime/dtype_probe.py); weights, Adam and softmax/norms stay float32")
+    quant: str = option("none", "quantized training of the weight matmuls (attention projections, experts, dense FFN) "
+                                "and of --model.attention matmul's scores and values (forward and backward, ops/quant.py): "
+                                "none | int8 (TPU v5e/v5p/v6e: 2x bf16's peak) | fp8 (e4m3/e5m2; H100/H200, TPU v7). The router "
+                                "(a tie decides where tokens go), embedding, output layer (the logits' precision is the loss's), "
+                                "norms and the fused attention kernels stay in --model.dtype / float32")
+    grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
+                                               "weights): float32 | bfloat16 (halves their bytes, loses precision)")
+    attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "
+                                      "dot_product_attention (jax.nn's, cuDNN flash attention on GPU) | blockwise (online softmax over "
+                                      "key blocks: memory linear in seq_len; ops/blockwise.py) | splash (the Pallas TPU kernel, causal "
+                                      "blocks skipped; interpret mode off the TPU, slow; ops/splash.py)")
+    attention_block: int = option(512, "blockwise and splash attention: queries and keys per block (must divide seq_len, or "
+                                       "exceed it; splash: a multiple of 128 once cut to seq_len)")
+    remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
+                                "block (each block from its input) | block_dots (each block, keeping its matmul outputs) | "
+                                "stage (all of a pipeline stage's blocks, per microbatch, from the stage input)")
+    unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
+
+
+# --train.pipeline values: parallel/gpipe.py runs gpipe, parallel/one_f_one_b.py the others (step/rules.executor_name).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 GATHER_ONCE = ("auto", "true", "false")  # --train.gather_once: step/rules.gathers_once reads it
 SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: step/rules.executor_name dispatches on it
@@ -44,12 +151,12 @@ class MeshConfig:
     pp: int = option(1, "pipeline stages")
     tp: int = option(1, "tensor parallel degree")
     cp: int = option(1, "context parallel degree: every sequence split into 2cp chunks, rank i holding chunks i and 2cp-1-i "
-                        "(balanced causal work); attention all-gathers the MLA latent over cp (context_parallel.py)")
+                        "(balanced causal work); attention all-gathers the MLA latent over cp (ops/context_parallel.py)")
     slices: int = option(1, "TPU slices (multi-slice data parallelism over the data-center network: weights replicated per "
                             "slice, only the gradient all-reduce crosses slices); dp x cp x pp x tp is per slice")
     expert_parallel: bool = option(False, "shard routed experts over dp (all-to-all dispatch)")
-    sharding: str = option("manual", "manual: one shard_map, every collective written out (executor_gpipe.py, executor_1f1b.py) | "
-                                     "auto: jax.jit with the same shardings, the compiler inserts the collectives (executor_auto.py; pp = 1)")
+    sharding: str = option("manual", "manual: one shard_map, every collective written out (parallel/gpipe.py, parallel/one_f_one_b.py) | "
+                                     "auto: jax.jit with the same shardings, the compiler inserts the collectives (parallel/auto.py; pp = 1)")
 
 
 @dataclass(frozen=True)
@@ -69,7 +176,7 @@ class TrainConfig:
     min_lr_ratio: float = option(0.0, "final lr as a fraction of the peak")
     warmup_steps: int = option(50, "linear warmup steps")
     decay_steps: int = option(0, "cosine decay ends here; 0 = train.steps")
-    optimizer: str = option("muon", "muon (Muon on the weight matrices, AdamW on the embedding, norms and routers: optimizers.py) | adamw")
+    optimizer: str = option("muon", "muon (Muon on the weight matrices, AdamW on the embedding, norms and routers: parallel/optimizers.py) | adamw")
     muon_momentum: float = option(0.9, "Muon's Nesterov momentum")
     weight_decay: float = option(0.1, "decoupled weight decay (every weight but the norm scales)")
     beta1: float = option(0.9, "AdamW beta1")
@@ -89,7 +196,7 @@ class TrainConfig:
                                 "DeepseekV3-format directory whose architecture the model takes) with a fresh optimizer")
     pipeline: str = option("gpipe", "pipeline schedule over pp: gpipe (all forwards, then all backwards) | 1f1b (one forward, "
                                     "one backward: at most pp microbatches alive) | interleaved (1f1b over virtual_stages chunks per stage)")
-    gather_once: str = option("auto", "pp = 1 with several microbatches (executor_accumulate.py): all-gather the FSDP-split "
+    gather_once: str = option("auto", "pp = 1 with several microbatches (parallel/accumulate.py): all-gather the FSDP-split "
                                       "block weights once per step (true: holds them whole, and their float32 gradient) or "
                                       "per microbatch (false) | auto: once when that costs at most a quarter of the device's memory")
     virtual_stages: int = option(2, "interleaved: chunks of blocks per stage (V); a microbatch passes every stage V times")
@@ -169,7 +276,7 @@ PRESETS = {
     # for tests. 8 blocks so that pp can be 8; 8 experts so that dp can be 8 with
     # expert parallelism; widths divisible by 8 for tp and FSDP. Sigmoid router and
     # MoE in every layer: a DeepSeek-V3 in every respect, so its Hugging Face export
-    # loads with transformers' AutoModelForCausalLM (hf_interop.py).
+    # loads with transformers' AutoModelForCausalLM (hf/convert.py).
     # Embedding rows of norm 1 (at D = 32 with 8 blocks, norm 2 gives the input token
     # a logit of 1.06 at init), min_lr_ratio 0.1 and AdamW: the tests' calibrated
     # figures (tests/test_optimizers.py proves Muon on the meshes).
@@ -198,7 +305,7 @@ PRESETS = {
                       dtype="bfloat16", unroll_blocks=False, remat="block"),
         "mesh": dict(dp=8, pp=2, tp=2),
         # Muon, as every preset: each matrix is orthogonalized by one owner of the 16 dp x
-        # tp devices that hold it (optimizers.py), so on 8x2x2 (planner.py) Newton-Schulz
+        # tp devices that hold it (parallel/optimizers.py), so on 8x2x2 (planner.py) Newton-Schulz
         # is 0.64 TFLOP per device and step (1.5% of the step's compute; 8.4 before the
         # work was split, 16%), its all-to-alls 0.27 GB (2.7 ms on v4): a step 1.3% longer
         # than AdamW's (556.6 vs 549.2 ms, communication not overlapped), and a device holds
@@ -243,7 +350,7 @@ PRESETS = {
 def experts_kernel_for_sharding(cfg):
     """cfg with --model.moe_kernel auto read as ragged_dot under --mesh.sharding auto: the
     compiler's partitioner cannot split megablox's kernel, which auto picks on a TPU
-    (moe.resolve_moe_kernel). Manual sharding keeps auto."""
+    (model.resolve_moe_kernel). Manual sharding keeps auto."""
     if cfg.model.moe_kernel == "auto" and cfg.mesh.sharding == "auto":
         return apply_overrides(cfg, {"model": {"moe_kernel": "ragged_dot"}})
     return cfg
@@ -388,7 +495,7 @@ def splash_checks(cfg):
 
 
 def validate_model(cfg):
-    """Checks that need no devices; mesh checks are in parallel.py."""
+    """Checks that need no devices; mesh checks are in parallel/mesh.py."""
     m, t = cfg.model, cfg.train
     checks = [
         (set(m.block_pattern) <= {"D", "M"} and m.block_pattern, f"--model.block_pattern must be a string of D and M, got {m.block_pattern!r}"),
@@ -467,7 +574,9 @@ def config_from_dict(d):
     return Config(**sections, preset=d.get("preset", "shakespeare"), mode=d.get("mode", "train"))
 
 
-if __name__ == "__main__":  # the command-line contract `python utils.py plot RUN_DIR`; the plots live in plots.py
-    import plots
+def run_dir_of(cfg):
+    return os.path.join(cfg.run.out_dir, cfg.run.name)
 
-    plots.main(sys.argv[1:])
+
+if __name__ == "__main__":  # `python utils.py plot RUN_DIR`: runtime/plots.py draws them (run, not imported: utils imports nothing)
+    runpy.run_module("runtime.plots", run_name="__main__")

@@ -9,16 +9,21 @@ end-of-text token. A fixed list of plays is held out as the validation split.
     python data/shakespeare.py --out DIR
 """
 
-import argparse
 import os
-import re
 import sys
+
+if __name__ == "__main__" and not __package__:
+    # Run as a file, data/ leads the path and the repo's modules do not import: rerun as a module from the root.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    os.execve(sys.executable, [sys.executable, "-m", "data.shakespeare", *sys.argv[1:]], {**os.environ, "PYTHONPATH": path})
+
+import argparse
+import re
 from pathlib import Path
 
 import numpy as np
 
-if __name__ == "__main__":  # run as a script: import from the repo root rather than data/
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 from data import shards  # noqa: E402
 
 # A Roman play, a romance and a comedy, about 6.5% of the text: held out for validation.

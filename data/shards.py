@@ -1,8 +1,6 @@
-"""What a data directory is made of: the tokenizer its manifest names (bytes, or a
-tiktoken encoding), its `.npy` token shards and manifest.json (docs/data.md has the
-format). The scripts in data/ write with these; dataset.py reads (and prepares the
-embedded Shakespeare through data/shakespeare.py, which writes with these too: so
-this layer sits below both).
+"""A data directory's format: the tokenizer its manifest names (bytes or tiktoken), its
+`.npy` token shards and manifest.json (docs/data.md). The scripts in data/ write with
+these and dataset.py reads with them, so this layer sits below both.
 """
 
 import hashlib
@@ -39,8 +37,7 @@ class Tokenizer:
             self.vocab_size, self.eot_id = encoding.n_vocab, encoding.eot_token
 
     def encode(self, text: str) -> list[int]:
-        # Ordinary encoding: text that happens to spell "<|endoftext|>" stays text. Document
-        # boundaries are marked by the caller appending eot_id.
+        # Ordinary encoding: text spelling "<|endoftext|>" stays text; callers append eot_id.
         if self._encoding is None:
             return list(text.encode("utf-8"))
         return self._encoding.encode_ordinary(text)
@@ -77,9 +74,8 @@ def _decode_bytes(ids: list[int]) -> str:
     return EOT_TEXT.join(pieces)
 
 
-# The split pattern and special tokens of tiktoken's own encodings, so that one can be
-# rebuilt from a local .tiktoken rank file on a machine that cannot download it. Copied
-# from tiktoken_ext/openai_public.py (tiktoken 0.14), which only builds them after a download.
+# tiktoken's own split patterns and special tokens (from tiktoken_ext/openai_public.py,
+# 0.14), to rebuild an encoding from a local .tiktoken rank file without a download.
 CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 _O200K_PATTERN = "|".join([
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
@@ -103,12 +99,9 @@ CUSTOM_SPLIT_PATTERN = CL100K_PATTERN  # for rank files of names tiktoken does n
 
 
 def get_tokenizer(name: str | tiktoken.Encoding, encoding_file: str = "") -> Tokenizer:
-    """"bytes", a tiktoken encoding name, or a tiktoken.Encoding object built by the caller.
-
-    encoding_file: a .tiktoken rank file (base64 token, rank per line) to use instead of
-    downloading. For tiktoken's own names it must be that encoding's file; any other name
-    gets cl100k_base's split pattern and <|endoftext|> = the id after the last rank.
-    """
+    """"bytes", a tiktoken encoding name, or a caller-built tiktoken.Encoding. encoding_file:
+    a .tiktoken rank file used instead of a download (that encoding's own, for tiktoken's
+    names; other names get cl100k_base's split pattern and <|endoftext|> after the last rank)."""
     if isinstance(name, tiktoken.Encoding):
         return Tokenizer(name.name, name)
     if name == "bytes":

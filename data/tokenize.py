@@ -23,6 +23,17 @@ encoding and the writing instead (data/tokenize_ray.py), to the same bytes; --ou
 be gs://bucket/prefix. Start a cluster on a pod with ./launcher.sh ... --ray-start.
 """
 
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:
+    # Run as a file: its folder comes first on the path, where the repo's modules do not
+    # import and this file shadows the standard library's `tokenize`. Run it again as the
+    # module data.tokenize, the repo's root on the path.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    os.execve(sys.executable, [sys.executable, "-m", "data.tokenize", *sys.argv[1:]], {**os.environ, "PYTHONPATH": path})
+
 import argparse
 import collections
 import glob
@@ -30,18 +41,12 @@ import gzip
 import itertools
 import json
 import multiprocessing
-import os
-import sys
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
-if __name__ == "__main__":
-    # Run as a script: import from the repo root instead of data/, where this very file
-    # would shadow the standard library's `tokenize` module.
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 import dataset  # noqa: E402
 
 PROGRESS = "progress.json"

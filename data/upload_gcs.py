@@ -12,18 +12,23 @@ application-default login`, or a VM's service account); STORAGE_EMULATOR_HOST po
 an emulator instead.
 """
 
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:
+    # Run as a file: its folder comes first on the path, where the repo's modules do not
+    # import. Run it again as the module data.upload_gcs, the repo's root on the path.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    os.execve(sys.executable, [sys.executable, "-m", "data.upload_gcs", *sys.argv[1:]], {**os.environ, "PYTHONPATH": path})
+
 import argparse
 import base64
 import hashlib
 import json
-import os
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-if __name__ == "__main__":  # run as a script: import from the repo root rather than data/
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 import dataset  # noqa: E402
 
 

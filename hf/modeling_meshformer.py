@@ -20,7 +20,7 @@ attention, RMSNorm, interleaved RoPE, experts, KV cache, generate):
 - the router scores with `scoring_func` ("softmax" or "sigmoid"), picks the top k of the score
   (+ e_score_correction_bias, which only selects; within the topk_group best of n_group expert
   groups, as DeepseekV3), and with `norm_topk_prob` divides the chosen scores by their sum
-  (meshformer's moe.top_k_routing; with one expert per token the gate is the raw score and
+  (meshformer's model.top_k_routing; with one expert per token the gate is the raw score and
   norm_topk_prob is false), times routed_scaling_factor.
 The model_type is "meshformer", not "deepseek_v3": without trust_remote_code transformers
 refuses the directory instead of computing another model from the same weights.
@@ -63,7 +63,7 @@ class MeshformerConfig(DeepseekV3Config):
 
 
 class MeshformerRouter(DeepseekV3TopkRouter):
-    """Top-k routing as meshformer's moe.top_k_routing: DeepseekV3's (selection bias,
+    """Top-k routing as meshformer's model.top_k_routing: DeepseekV3's (selection bias,
     expert groups ranked by their two best biased scores, norm_topk_prob,
     routed_scaling_factor) with a softmax or a sigmoid score."""
 

@@ -5,7 +5,7 @@ A real checkpoint is one `model.safetensors` or, past a few GB, several files an
 32 GB in bfloat16, DeepSeek-V3 ~700 GB). Like transformers and vLLM, nothing here reads a
 whole file: `safe_open` memory-maps it and `get_slice(name)[box]` copies out only the
 rows and columns asked for, so each process reads only the slices its devices hold
-(hf_interop.HFSource.load asks per shard). Every read is recorded (`reads`,
+(convert.HFSource.load asks per shard). Every read is recorded (`reads`,
 `bytes_read`): the tests check that a process reads only what it owns.
 
 Opening checks every file's header against the index (a file that is missing, truncated
@@ -20,7 +20,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from errors import ConfigError
+from utils import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import parallel as par
+from utils import CP, MESH_AXES, SLICE
 
 # ----------------------------------------------------------------------------
 # Collectives
@@ -133,9 +133,9 @@ def device_groups(line, n_devices):
 def axis_names(mesh_shape):
     """The axes of a mesh shape: (slice, dp, cp, pp, tp), or as older callers give it
     (without cp, which then has size 1), (slice, dp, pp, tp) or (dp, pp, tp)."""
-    if len(mesh_shape) == len(par.MESH_AXES):
-        return par.MESH_AXES
-    return tuple(a for a in par.MESH_AXES if a != par.CP)[-len(mesh_shape):]
+    if len(mesh_shape) == len(MESH_AXES):
+        return MESH_AXES
+    return tuple(a for a in MESH_AXES if a != CP)[-len(mesh_shape):]
 
 
 def axes_spanned(groups, mesh_shape):
@@ -153,7 +153,7 @@ def axes_spanned(groups, mesh_shape):
 
 def crosses_slices(over):
     """Does a collective over these axes (axes_spanned) cross the data-center network?"""
-    return par.SLICE in over.split("+")
+    return SLICE in over.split("+")
 
 
 @dataclass(frozen=True)
@@ -194,8 +194,8 @@ def collective_ops(hlo, mesh_shape):
             megascale = re.search(r'_xla_megascale_transfer_type="(\w+)"', line) if op == "send" else None
             if megascale:  # across slices (TPU multi-slice): a host transfer over the data-center network
                 dtype, dims = ARRAY.search(result).groups()  # (its first element: the data; then a u32 and a token)
-                ops.append(CollectiveOp(megascale.group(1).lower().replace("_", "-"), par.SLICE, runs[name],
-                                        mesh_shape[0] if axis_names(mesh_shape)[0] == par.SLICE else 1,
+                ops.append(CollectiveOp(megascale.group(1).lower().replace("_", "-"), SLICE, runs[name],
+                                        mesh_shape[0] if axis_names(mesh_shape)[0] == SLICE else 1,
                                         ((dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)),)))
                 continue
             kind = op[:-len("-done")] if op.endswith("-done") else op
@@ -315,7 +315,7 @@ GROUPED_MATMUL = re.compile(r"^\s*(?:ROOT )?%\S*?(t?gmm)\S* = ")
 
 
 def grouped_matmul_flops(line):
-    """FLOPs of a megablox gmm or tgmm kernel (a tpu_custom_call, moe.grouped_matmul; 0
+    """FLOPs of a megablox gmm or tgmm kernel (a tpu_custom_call, model.grouped_matmul; 0
     for any other custom call) as its grid runs them: every row tile it may visit, the
     tiles of the m rows plus one per group boundary inside a tile (its group_ids
     operand holds one entry per such tile), each tm x k x n. Operands: group_offsets

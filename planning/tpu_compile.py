@@ -24,14 +24,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import devices
-import dtype_probe
-import optimizers
-import parallel as par
-from planning import planner_model
-from planning.hlo_reader import COLLECTIVE_KINDS, crosses_slices
-from step import train_steps
 from model import abstract_model, abstract_params
+from parallel import optimizers
+from parallel import steps as train_steps
+from parallel.mesh import batch_spec, check_config_fits_mesh
+from parallel.weights import check_divisible, param_specs
+from planning import costs as planner_model
+from planning.hlo_reader import COLLECTIVE_KINDS, crosses_slices
+from runtime import devices, dtype_probe
 from utils import ConfigError, apply_overrides
 
 GiB = 2**30
@@ -174,10 +174,10 @@ LIBTPU_LOG_LINE = re.compile(r"^([IWEF]\d{4} |\s|Output size |Total \w+ usage |P
 
 def abstract_state(cfg, mesh):
     """(optimizer, params, opt_state): params and optimizer state as ShapeDtypeStructs laid
-    out exactly as parallel.init_params / init_opt_state lay out the real ones."""
+    out exactly as weights.init_params / init_opt_state lay out the real ones."""
     shapes = abstract_params(cfg.model)
-    specs = par.param_specs(shapes, cfg.mesh.expert_parallel)
-    par.check_divisible(shapes, specs, mesh)
+    specs = param_specs(shapes, cfg.mesh.expert_parallel)
+    check_divisible(shapes, specs, mesh)
     params = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
                           shapes, specs)
     optimizer = optimizers.make_optimizer(cfg.train)
@@ -190,7 +190,7 @@ def abstract_state(cfg, mesh):
 
 def compile_steps(cfg, mesh, eval_step=True, hardware=None):
     """{"train": compiled, "eval": compiled, "seconds": {name: compile seconds}}: the
-    real train and eval steps (train_steps.make_train_step / make_eval_step).
+    real train and eval steps (steps.make_train_step / make_eval_step).
     `hardware` (the planner's name for the chips, PodType.hardware): --train.gather_once
     auto is decided as on those chips (executor_accumulate asks this process's devices,
     CPUs here, which report no memory and so always gather per microbatch)."""
@@ -198,11 +198,11 @@ def compile_steps(cfg, mesh, eval_step=True, hardware=None):
     if hardware and cfg.train.gather_once == "auto":
         once = planner_model.plan(cfg, mesh.size, hardware)["gather_once"]
         cfg = apply_overrides(cfg, {"train": {"gather_once": "true" if once else "false"}})
-    par.check_config_fits_mesh(cfg, mesh)
+    check_config_fits_mesh(cfg, mesh)
     optimizer, params, opt_state = abstract_state(cfg, mesh)
     graphdef = abstract_model(cfg.model)[0]
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                  sharding=NamedSharding(mesh, par.batch_spec()))
+                                  sharding=NamedSharding(mesh, batch_spec()))
     step = jax.ShapeDtypeStruct((), jnp.int32)
     out, seconds, logged = {}, {}, {}
     t0 = time.perf_counter()

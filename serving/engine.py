@@ -2,7 +2,7 @@
 of one sampling.Decoder, driven by a thread of its own.
 
 Every iteration, one compiled step samples the next token of every busy slot and one
-compiled decode step runs them all through the model (sampling.py). A sequence that
+compiled decode step runs them all through the model (runtime/sampling.py). A sequence that
 finishes frees its slot and a waiting one takes it at the next iteration. Every slot
 decodes exactly as `--mode sample` does (sampling.generate is a one-slot Decoder), so a
 greedy completion here is the text `--mode sample --sample.temperature 0` prints, and a
@@ -18,8 +18,7 @@ import traceback
 import jax
 import numpy as np
 
-from sampling import Decoder
-
+from runtime.sampling import Decoder
 
 # ----------------------------------------------------------------------------
 # Sequences and the engine

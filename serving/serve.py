@@ -60,12 +60,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
 from dataset import get_tokenizer
-from devices import stop_now
-from hf import hf_config
+from hf import config as hf_config
+from runtime.devices import stop_now
+from runtime.sampling import TOP_LOGPROBS, host_params
 from serving.chat import ReplyTokenizer, TemplateRefused, load_chat_template
 from serving.engine import Engine, QueueFull, Sequence
-from runs import host_params, load_run_params
-from sampling import TOP_LOGPROBS
+from serving.modes import load_run_params
 from utils import ConfigError
 
 API_KEY_ENV = "MESHFORMER_API_KEY"

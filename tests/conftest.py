@@ -5,7 +5,7 @@ import os
 
 import jax
 
-from devices import use_fake_cpu_devices
+from runtime.devices import use_fake_cpu_devices
 
 use_fake_cpu_devices(8)
 

@@ -17,7 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from devices import use_fake_cpu_devices  # noqa: E402
+from parallel.mesh import make_mesh, named
+from parallel.weights import param_specs
+from runtime.devices import use_fake_cpu_devices
 
 
 def main():
@@ -37,12 +39,11 @@ def main():
     if args.processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{args.port}", args.processes, args.process_id)
-    from hf import hf_config
-    from hf import hf_interop
-    import parallel as par
-    from model import ModelConfig, abstract_params
+    from hf import config as hf_config
+    from hf import convert as hf_interop
     from hf.safetensors_reader import DTYPES, Checkpoint
-    from utils import MeshConfig
+    from model import abstract_params
+    from utils import MeshConfig, ModelConfig
 
     opened = []
 
@@ -53,9 +54,9 @@ def main():
 
     hf_interop.Checkpoint = Recording
     m = hf_config.from_hf_config(hf_config.read_hf_config(args.ckpt), ModelConfig(seq_len=16))
-    mesh = par.make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))
     shapes = abstract_params(m)
-    shardings = par.named(mesh, par.param_specs(shapes, False))
+    shardings = named(mesh, param_specs(shapes, False))
     target = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes, shardings)
     params = hf_interop.HFSource(args.ckpt).load(target, m)
     tensors = opened[-1]

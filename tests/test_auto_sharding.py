@@ -1,4 +1,4 @@
-"""--mesh.sharding auto (executor_auto.py): the same train step under jax.jit with
+"""--mesh.sharding auto (parallel/auto.py): the same train step under jax.jit with
 shardings, partitioned by the compiler, takes the step one device takes and the step
 the explicit shard_map takes (8 fake CPU devices, fp32); with expert parallelism the
 compiler really dispatches tokens to the experts' devices; checkpoints cross modes;
@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_parallel import VARIANTS, assert_params_close, assert_same_step, initial_params, mesh_for, tiny_config, token_batch
 
-import checkpoint
-import optimizers
-import parallel as par
+from parallel import optimizers
+from parallel.mesh import global_batch, named
+from parallel.steps import make_train_step
+from parallel.weights import param_specs
 from planning import hlo_reader
-from step.train_steps import make_train_step
+from runtime import checkpoint
+from test_parallel import VARIANTS, assert_params_close, assert_same_step, initial_params, mesh_for, tiny_config, token_batch
 from utils import ConfigError, apply_overrides, config_to_dict, parse_args
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 1, 4), (4, 1, 2)]
@@ -52,12 +53,12 @@ def fresh_state(cfg):
     """The shared initial weights placed by weights.WEIGHTS on cfg's mesh, fresh AdamW state."""
     mesh = mesh_for(cfg)
     _, host_params = initial_params(cfg.model)
-    params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, cfg.mesh.expert_parallel)))
+    params = jax.device_put(host_params, named(mesh, param_specs(host_params, cfg.mesh.expert_parallel)))
     return params, optimizers.init_opt_state(optimizers.make_optimizer(cfg.train), params, mesh)
 
 
 def batch_for(cfg, step):
-    return par.global_batch(mesh_for(cfg), token_batch(cfg, seed=step), cfg.train.batch_size)
+    return global_batch(mesh_for(cfg), token_batch(cfg, seed=step), cfg.train.batch_size)
 
 
 def take_step(cfg, params, opt_state, step):
@@ -103,7 +104,7 @@ def test_auto_step_equals_one_device(reference, variant, mesh_shape):
 def test_auto_expert_parallel_equals_one_device_and_dispatches_tokens(reference, mesh_shape):
     """Experts stored and computed split over dp: the compiler chooses the dispatch, and
     it chooses all-to-alls over dp (without the constraint on the expert buffers in
-    moe.MoE it all-gathers the experts' weights instead, i.e. no expert parallelism)."""
+    model.MoE it all-gathers the experts' weights instead, i.e. no expert parallelism)."""
     cfg = config(mesh_shape, "auto", expert_parallel=True)
     assert_same_step(*one_step(cfg), *reference["moe"])
     table = collectives(cfg)

@@ -1,4 +1,4 @@
-"""--model.attention blockwise (blockwise_attention.py): MLA attention over key blocks
+"""--model.attention blockwise (ops/blockwise.py): MLA attention over key blocks
 with an online softmax and a hand-written backward equals the plain attention on a
 causal sequence of 1024 tokens, forward and gradients (float32, one CPU device), and
 its compiled temporaries grow linearly in T where the plain attention's grow as T^2.
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attention import MLAttention, rope_angles
-from blockwise_attention import blockwise_attention
+from model import MLAttention, rope_angles
+from ops.blockwise import blockwise_attention
 from utils import ConfigError, parse_args
 
 T_LONG, BLOCK = 1024, 128

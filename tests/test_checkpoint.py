@@ -21,10 +21,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import checkpoint
-import optimizers
-import parallel as par
 from model import Transformer
+from parallel import optimizers
+from parallel.mesh import make_mesh, named
+from parallel.weights import is_trained, param_specs, weight_name
+from runtime import checkpoint
 from utils import ConfigError, MeshConfig, apply_overrides, config_to_dict, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,14 +106,14 @@ def tiny_config(**mesh):
 
 
 def mesh_of(shape):
-    return par.make_mesh(MeshConfig(dp=shape[0], pp=shape[1], tp=shape[2]), devices=jax.devices()[:int(np.prod(shape))])
+    return make_mesh(MeshConfig(dp=shape[0], pp=shape[1], tp=shape[2]), devices=jax.devices()[:int(np.prod(shape))])
 
 
 def abstract_state(cfg, mesh):
     """Shapes and target shardings of params and AdamW state on `mesh`, without
     computing an init (all that restore needs)."""
     shapes = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[1].to_pure_dict()
-    shardings = par.named(mesh, par.param_specs(shapes, False))
+    shardings = named(mesh, param_specs(shapes, False))
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     with jax.set_mesh(mesh):
         opt_state = jax.eval_shape(optimizers.make_optimizer(cfg.train).init, params)
@@ -252,9 +253,9 @@ def test_slim_export_keeps_untrained_state_in_float32(tmp_path):
     back = host(checkpoint.restore_params(out, params, cfg.model))
     names = set()
     for (path, original), restored in zip(jax.tree_util.tree_flatten_with_path(host(params))[0], jax.tree.leaves(back)):
-        name = par.weight_name(path)
+        name = weight_name(path)
         names.add(name)
-        expected = original if not par.is_trained(name) else original.astype(jax.numpy.bfloat16).astype(np.float32)
+        expected = original if not is_trained(name) else original.astype(jax.numpy.bfloat16).astype(np.float32)
         assert restored.dtype == np.float32 and np.array_equal(restored, expected), jax.tree_util.keystr(path)
     assert "router_bias_E" in names
 

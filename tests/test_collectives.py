@@ -1,13 +1,13 @@
-"""No collective over an axis of size 1 (layers.live_axes, parallel.live_spec): a psum,
+"""No collective over an axis of size 1 (ops/collectives.live_axes, mesh.live_spec): a psum,
 pmax, all-to-all, all-gather or ppermute over an axis that holds everything already
 moves nothing, yet XLA:CPU keeps it (an all-reduce copies its operand: on one device
 the default step ran 32 of them, 19 MB). Read off the optimized HLO of the train step."""
 
 import jax.numpy as jnp
 import pytest
-from test_parallel import MESH_IDS, placed_step, tiny_config
 
 from planning import hlo_reader
+from test_parallel import MESH_IDS, placed_step, tiny_config
 from utils import apply_overrides
 
 # (mesh, expert parallelism, optimizer): one device, dp alone (experts over dp: the

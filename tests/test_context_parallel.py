@@ -1,4 +1,4 @@
-"""--mesh.cp (context_parallel.py): every sequence split over cp, rank i holding chunks
+"""--mesh.cp (ops/context_parallel.py): every sequence split over cp, rank i holding chunks
 i and 2cp-1-i, attention gathering the MLA latent over cp. On 8 fake CPU devices,
 float32, the deepseek_v3 preset (every loss term on, the aux loss weighted) at T = 256:
 two train steps equal one device within 1e-5 (loss and its parts, grad norm, each
@@ -16,17 +16,15 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+
+from model import MLAttention, project, rope_angles
+from ops.blockwise import blockwise_attention
+from ops.context_parallel import SequenceChunks, chunk_positions, gathered_positions
+from parallel.mesh import make_mesh, resolve_mesh_shape
+from planning import hlo_reader
 from test_executors import REAL_CHECKPOINT_OPTIONS
 from test_parallel import RTOL, assert_tree_close, placed_step, train_steps
-
-import parallel as par
-from planning import hlo_reader
-from attention import MLAttention, rope_angles
-from blockwise_attention import blockwise_attention
-from context_parallel import SequenceChunks, chunk_positions, gathered_positions
-from layers import project
-from weights import CP
-from utils import PRESETS, Config, ConfigError, MeshConfig, apply_overrides, config_from_dict, config_to_dict, parse_args
+from utils import CP, PRESETS, Config, ConfigError, MeshConfig, apply_overrides, config_from_dict, config_to_dict, parse_args
 
 SEQ_LEN, ROUTING_GROUP = 256, 16  # a routing group must divide T / (2 cp) = 16 at cp 8
 
@@ -157,7 +155,7 @@ def test_collectives_over_cp_move_the_latent_not_keys_and_values():
     nothing else over cp is bigger than [b, E]: keys and values [b, T, H, K] never cross."""
     cfg = v3_config(dp=2, cp=2, tp=2)
     m = cfg.model
-    ops = [op for op in hlo_reader.collective_ops(compiled_hlo(cfg), par.make_mesh(cfg.mesh, jax.devices()[:8]).devices.shape)
+    ops = [op for op in hlo_reader.collective_ops(compiled_hlo(cfg), make_mesh(cfg.mesh, jax.devices()[:8]).devices.shape)
            if op.over == "cp"]
     b, latent = cfg.train.batch_size // 2, m.kv_latent + m.rope_dim
     n_attention = m.first_dense + m.n_blocks * len(m.block_pattern) + m.mtp_depth * len(m.block_pattern)
@@ -172,13 +170,13 @@ def test_collectives_over_cp_move_the_latent_not_keys_and_values():
 @pytest.mark.slow
 def test_the_compiler_gathers_the_latent_under_auto():
     """Under --mesh.sharding auto the partitioner writes the collectives: with rows [B, T]
-    kept apart in the projections (layers.sequence_split_by_the_compiler) it all-gathers
+    kept apart in the projections (model.sequence_split_by_the_compiler) it all-gathers
     the latent [b, T, kv_latent + rope_dim] over cp in every attention layer's forward,
     as the manual executors do. (Flattening the rows made it gather the residual stream
     instead, 37 times, and none of the latent: the sequence was not split.)"""
     cfg = v3_config(dp=2, cp=2, tp=2, sharding="auto")
     m = cfg.model
-    ops = [op for op in hlo_reader.collective_ops(compiled_hlo(cfg), par.make_mesh(cfg.mesh, jax.devices()[:8]).devices.shape)
+    ops = [op for op in hlo_reader.collective_ops(compiled_hlo(cfg), make_mesh(cfg.mesh, jax.devices()[:8]).devices.shape)
            if op.over == "cp" and op.kind == "all-gather"]
     latent_bytes = cfg.train.batch_size // 2 * SEQ_LEN * (m.kv_latent + m.rope_dim) * 4
     n_attention = m.first_dense + m.n_blocks * len(m.block_pattern) + m.mtp_depth * len(m.block_pattern)
@@ -202,9 +200,9 @@ def test_bad_context_parallel_flags_are_one_line_errors(argv, message):
 
 def test_cp_times_the_other_axes_must_be_the_device_count():
     with pytest.raises(ConfigError, match=r"mesh dp=2 x cp=2 x pp=1 x tp=4 = 16 devices, but there are 8") as error:
-        par.resolve_mesh_shape(MeshConfig(dp=2, cp=2, tp=4), 8)
+        resolve_mesh_shape(MeshConfig(dp=2, cp=2, tp=4), 8)
     assert "\n" not in str(error.value)
-    assert par.resolve_mesh_shape(MeshConfig(cp=2, tp=2), 8) == (2, 2, 1, 2)  # dp -1: the rest
+    assert resolve_mesh_shape(MeshConfig(cp=2, tp=2), 8) == (2, 2, 1, 2)  # dp -1: the rest
 
 
 def attention_with_gather(keys_values):

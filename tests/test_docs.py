@@ -66,7 +66,7 @@ DEFAULT_RUN = os.path.join(REPO, "public", "default_run")
 RUNNABLE_LANGS = ("bash", "sh", "python")
 # Config fields the quick start overrides (or that name where a run lives): not compared.
 # And the compute dtype: the default is --model.dtype auto, which each machine resolves
-# to its faster dtype (dtype_probe.py), and config.json records what it resolved to.
+# to its faster dtype (runtime/dtype_probe.py), and config.json records what it resolved to.
 QUICK_START_FIELDS = {("train", "steps"), ("train", "eval_every"), ("train", "eval_batches"), ("sample", "max_tokens"),
                       ("run", "out_dir"), ("model", "dtype")}
 COMMAND_TIMEOUT_S = 600
@@ -402,8 +402,8 @@ def test_every_command_line_parses():
     """Every main.py, bench.py and planner.py command on every page (run or skipped) gets
     flags its script accepts: the parsing only, no JAX, so a misspelt flag in a block that
     only runs under -m slow, or in one another test covers, fails here within a second."""
-    from bench import split_bench_flags
-    from planner import split_planner_flags
+    from benchmarks.step import split_bench_flags
+    from planning.cli import split_planner_flags
     from utils import ConfigError, parse_args
 
     rest = {"main.py": lambda argv: argv, "bench.py": lambda argv: split_bench_flags(argv)[-1],

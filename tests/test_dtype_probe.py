@@ -1,4 +1,4 @@
-"""--model.dtype auto (dtype_probe.py): the probe timing tiny shapes for real, each
+"""--model.dtype auto (runtime/dtype_probe.py): the probe timing tiny shapes for real, each
 dtype's time taken in that dtype and kept under its name, the cache it writes; the
 decision from measured matmul times, both outcomes forced through the probe's cache (so
 that neither depends on this machine's speed), the choice written into config.json and
@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
-import dtype_probe
-import planner
+from planning import costs
+from runtime import dtype_probe
 from test_main import data_cache, main_py  # noqa: F401  (data_cache: a fixture)
 from utils import parse_args
 
@@ -62,7 +62,7 @@ def test_auto_is_the_laptop_default_and_bfloat16_for_accelerators():
     assert parse_args(["--preset", "moe1b"]).model.dtype == "bfloat16"  # accelerator presets say so themselves
     assert parse_args(["--preset", "tiny"]).model.dtype == "float32"
     # the planner sizes the default for a TPU as bfloat16 (2-byte gathered weights), without a probe
-    assert planner.plan(parse_args(["--mesh.dp", "1"]), 1, "tpu-v4")["dtype"] == "bfloat16"
+    assert costs.plan(parse_args(["--mesh.dp", "1"]), 1, "tpu-v4")["dtype"] == "bfloat16"
 
 
 def force_probe(cache_home, cfg, bfloat16_s, float32_s):

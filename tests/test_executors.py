@@ -21,13 +21,14 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_parallel import RTOL, assert_tree_close, initial_params, mesh_for, token_batch
 
-from step import executor_accumulate
-from step import executor_gpipe
-import optimizers
-import parallel as par
-from step import train_steps
+from parallel import accumulate as executor_accumulate
+from parallel import gpipe as executor_gpipe
+from parallel import optimizers
+from parallel import steps as train_steps
+from parallel.mesh import batch_spec, check_config_fits_mesh, global_batch, named
+from parallel.weights import is_trained, param_specs, weight_name
+from test_parallel import RTOL, assert_tree_close, initial_params, mesh_for, token_batch
 from utils import PRESETS, Config, apply_overrides
 
 CASES = [pytest.param(((2, 2, 2), "manual", "1f1b"), marks=pytest.mark.slow), ((1, 1, 1), "manual", "gpipe"),
@@ -66,10 +67,10 @@ def v3_config(mesh_shape=(1, 1, 1), sharding="manual", pipeline="gpipe", gather_
 
 def placed(cfg):
     mesh = mesh_for(cfg)
-    par.check_config_fits_mesh(cfg, mesh)
+    check_config_fits_mesh(cfg, mesh)
     graphdef, host_params = initial_params(cfg.model)
-    specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
-    return mesh, graphdef, jax.device_put(host_params, par.named(mesh, specs)), specs
+    specs = param_specs(host_params, cfg.mesh.expert_parallel)
+    return mesh, graphdef, jax.device_put(host_params, named(mesh, specs)), specs
 
 
 def executor_gradients(cfg):
@@ -83,8 +84,8 @@ def executor_gradients(cfg):
         return loss, parts, grads
 
     specs_out = (P(), P(), specs)
-    step = jax.jit(train_steps.partition(fn, executor.MANUAL, mesh, (specs, par.batch_spec()), specs_out))
-    return jax.device_get(step(params, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size)))
+    step = jax.jit(train_steps.partition(fn, executor.MANUAL, mesh, (specs, batch_spec()), specs_out))
+    return jax.device_get(step(params, global_batch(mesh, token_batch(cfg), cfg.train.batch_size)))
 
 
 # QK-clip on in the whole step: between the reference's 10th and 11th largest of its 32
@@ -100,7 +101,7 @@ def whole_step(cfg):
     optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     step = train_steps.make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
-    params, _, metrics = step(params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size), jax.numpy.asarray(0))
+    params, _, metrics = step(params, opt_state, global_batch(mesh, token_batch(cfg), cfg.train.batch_size), jax.numpy.asarray(0))
     return jax.device_get(metrics), jax.tree.map(np.asarray, params)
 
 
@@ -114,7 +115,7 @@ def reference():
 def trained_leaves(tree):
     """The gradient leaves of trained weights (a router bias's gradient is 0 by design)."""
     return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if par.is_trained(par.weight_name(path))}
+            if is_trained(weight_name(path))}
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import goodput
+from runtime import goodput
 
 
 @jax.jit

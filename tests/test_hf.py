@@ -1,4 +1,4 @@
-"""Hugging Face interop (hf_interop.py), checked against transformers itself (torch, CPU).
+"""Hugging Face interop (hf/convert.py), checked against transformers itself (torch, CPU).
 
 Exports are compared with our dropless forward: transformers never drops tokens.
 """
@@ -23,15 +23,15 @@ transformers = pytest.importorskip("transformers")
 # tokens of the tiny model took 7.3 s with the default threads here, 0.6 s with one.
 torch.set_num_threads(1)
 
-import checkpoint  # noqa: E402
-from hf import hf_config  # noqa: E402
-from hf import hf_interop  # noqa: E402
-from hf import hf_tokenizer  # noqa: E402
-import parallel as par  # noqa: E402
-import sampling  # noqa: E402
 from dataset import get_tokenizer  # noqa: E402
+from hf import config as hf_config  # noqa: E402
+from hf import convert as hf_interop  # noqa: E402
+from hf import tokenizer as hf_tokenizer  # noqa: E402
 from model import Transformer  # noqa: E402
-from step.train_steps import make_eval_step  # noqa: E402
+from parallel.mesh import check_config_fits_mesh, global_batch, make_mesh  # noqa: E402
+from parallel.steps import make_eval_step  # noqa: E402
+from parallel.weights import init_params  # noqa: E402
+from runtime import checkpoint, sampling  # noqa: E402
 from utils import PRESETS, Config, ConfigError, apply_overrides  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +75,7 @@ def random_model(m, seed=0):
     return nnx.merge(graphdef, jax.tree.map(jnp.asarray, host)), host
 
 
-FAN_IN = {  # weight name suffix -> its input axes (layers.init_normal's fan_in)
+FAN_IN = {  # weight name suffix -> its input axes (model.init_normal's fan_in)
     "DQ": "D", "QHK": "Q", "QHR": "Q", "DA": "D", "DR": "D", "AHK": "A", "HKD": "HK",
     "DF": "D", "FD": "F", "DE": "D", "EDF": "D", "EFD": "F", "VD": "D", "DD": "D", "DHK": "D", "DHR": "D"}
 
@@ -371,12 +371,12 @@ def test_transformers_model_imported_on_a_2x2x2_mesh_gives_transformers_loss(tmp
     source = hf_interop.HFSource(path)
     cfg = source.adopt(cfg)
     assert (cfg.model.n_blocks, cfg.model.block_pattern, cfg.model.vocab_size) == (4, "M", 300)
-    mesh = par.make_mesh(cfg.mesh)
-    par.check_config_fits_mesh(cfg, mesh)
-    graphdef, params = par.init_params(cfg.model, mesh, False, 0)
+    mesh = make_mesh(cfg.mesh)
+    check_config_fits_mesh(cfg, mesh)
+    graphdef, params = init_params(cfg.model, mesh, False, 0)
     params = source.load(params, cfg.model)
     eval_step = make_eval_step(graphdef, cfg, mesh, params)
-    ours = float(eval_step(params, par.global_batch(mesh, tokens_BT, 4)))
+    ours = float(eval_step(params, global_batch(mesh, tokens_BT, 4)))
     assert ours == pytest.approx(hf_loss(hf, tokens_BT), abs=1e-5)
 
 

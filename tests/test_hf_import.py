@@ -1,4 +1,4 @@
-"""Streamed import of sharded Hugging Face checkpoints (hf_interop.HFSource,
+"""Streamed import of sharded Hugging Face checkpoints (convert.HFSource,
 safetensors_reader.py): a checkpoint of several safetensors files and an index is read
 tensor by tensor, each process reading only the slices of the shards its devices hold,
 into params on any mesh; a damaged or mismatched checkpoint is one line naming the file,
@@ -19,11 +19,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf import hf_config  # noqa: E402
-from hf import hf_interop  # noqa: E402
-import parallel as par  # noqa: E402
-from model import abstract_params  # noqa: E402
+from hf import config as hf_config
+from hf import convert as hf_interop
 from hf.safetensors_reader import INDEX, Checkpoint  # noqa: E402
+from model import abstract_params
+from parallel.mesh import make_mesh, named
+from parallel.weights import param_specs
 from test_hf import hf_made_model, model_cfg  # noqa: E402
 from test_multiprocess import free_port  # noqa: E402
 from utils import ConfigError, MeshConfig  # noqa: E402
@@ -44,7 +45,7 @@ def sharded(path, **config):
 def mesh_target(m, mesh):
     """The params' shapes with their shardings on `mesh`: what HFSource.load fills."""
     shapes = abstract_params(m)
-    shardings = par.named(mesh, par.param_specs(shapes, False))
+    shardings = named(mesh, param_specs(shapes, False))
     return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes, shardings)
 
 
@@ -63,7 +64,7 @@ def whole_state(path):
 def test_sharded_checkpoint_streams_into_a_2x2x2_mesh_as_the_whole_state_dict_imports(tmp_path):
     path = sharded(str(tmp_path / "hf"))
     m = hf_config.from_hf_config(hf_config.read_hf_config(path), model_cfg("tiny"))
-    mesh = par.make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))
     params = hf_interop.HFSource(path).load(mesh_target(m, mesh), m)
     expected = dict(jax.tree_util.tree_flatten_with_path(hf_interop.from_hf_state(whole_state(path), m))[0])
     got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
@@ -82,7 +83,7 @@ def test_an_hf_init_from_opens_its_config_index_and_each_file_header_once(tmp_pa
     and again to load, and the params are the whole state dict's."""
     import safetensors
 
-    import runs
+    from serving.modes import load_run_params
     from utils import apply_overrides
 
     path = sharded(str(tmp_path / "hf"))
@@ -99,7 +100,7 @@ def test_an_hf_init_from_opens_its_config_index_and_each_file_header_once(tmp_pa
     monkeypatch.setattr(builtins, "open", counted(real_open))
     monkeypatch.setattr(safetensors, "safe_open", counted(real_safe_open))
     cfg = apply_overrides(default_cfg(), {"train": {"init_from": f"hf:{path}"}, "run": {"out_dir": str(tmp_path / "runs")}})
-    cfg, _, params = runs.load_run_params(cfg)
+    cfg, _, params = load_run_params(cfg)
     monkeypatch.undo()
     files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
     assert opened == collections.Counter(["config.json", INDEX, *files])

@@ -20,14 +20,15 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
-from hf import hf_interop  # noqa: E402
-import optimizers  # noqa: E402
-import parallel as par  # noqa: E402
-from model import Transformer  # noqa: E402
+from hf import convert as hf_interop  # noqa: E402
 from hf.safetensors_reader import INDEX  # noqa: E402
+from model import Transformer  # noqa: E402
+from parallel import optimizers  # noqa: E402
+from parallel.mesh import check_config_fits_mesh, global_batch, named  # noqa: E402
+from parallel.steps import make_train_step  # noqa: E402
+from parallel.weights import param_specs  # noqa: E402
 from test_hf import BYTES, load_hf  # noqa: E402
 from test_parallel import assert_same_steps, mesh_for, token_batch  # noqa: E402
-from step.train_steps import make_train_step  # noqa: E402
 from utils import PRESETS, Config, apply_overrides  # noqa: E402
 
 # config.json as published (huggingface.co: deepseek-ai/DeepSeek-V3, deepseek-ai/DeepSeek-V2-Lite,
@@ -218,14 +219,14 @@ def steps_on_mesh(cfg, host_params, n_steps=3):
     """n_steps train steps of the imported params on cfg's mesh (one batch): host
     copies of (metrics of each step, optimizer state after each, params after the last)."""
     mesh = mesh_for(cfg)
-    par.check_config_fits_mesh(cfg, mesh)
+    check_config_fits_mesh(cfg, mesh)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
-    specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
-    params = jax.device_put(host_params, par.named(mesh, specs))
+    specs = param_specs(host_params, cfg.mesh.expert_parallel)
+    params = jax.device_put(host_params, named(mesh, specs))
     optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
-    batch = par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size)
+    batch = global_batch(mesh, token_batch(cfg), cfg.train.batch_size)
     all_metrics, opt_states = [], []
     for s in range(n_steps):
         params, opt_state, metrics = step(params, opt_state, batch, jnp.asarray(s))

@@ -23,8 +23,20 @@ from pathlib import Path
 
 import pytest
 
-from test_multiprocess import (REPO, ROWS, RUN_TIMEOUT_S, STEPS, TRAIN_FLAGS, assert_same_losses,  # noqa: F401
-                               data_flags, free_port, loaded_rows, reference, shared_dir, train_losses)
+from test_multiprocess import (  # noqa: F401
+    REPO,
+    ROWS,
+    RUN_TIMEOUT_S,
+    STEPS,
+    TRAIN_FLAGS,
+    assert_same_losses,
+    data_flags,
+    free_port,
+    loaded_rows,
+    reference,
+    shared_dir,
+    train_losses,
+)
 
 SCRIPTS = ["launcher.sh", "run.sh", "debug_tpu.sh", "setup_tpu.sh"]
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"

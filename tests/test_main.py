@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-import optimizers
-from preemption import PREEMPTED_EXIT_CODE
+from parallel import optimizers
+from runtime.preemption import PREEMPTED_EXIT_CODE
 from utils import ConfigError, config_from_dict, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +107,7 @@ def test_missing_data_is_one_line_that_says_what_to_give(tmp_path):
 @pytest.mark.slow
 def test_main_py_is_a_script_nothing_imports():
     """Device set-up, runs, training and sampling live in modules of their own
-    (devices.py, runs.py, train.py, sampling.py); main.py only dispatches."""
+    (runtime/devices.py, serving/modes.py, main.py, runtime/sampling.py); main.py only dispatches."""
     importers = []
     for path in glob.glob(os.path.join(REPO, "**", "*.py"), recursive=True):
         if "/." in os.path.relpath(path, REPO):
@@ -241,7 +241,7 @@ def test_fake_devices_get_two_pool_threads_each_unless_the_user_chose(environ, t
     2x2x2 step on 2 cores deadlocked in 7 of 9 runs (devices.use_fake_cpu_devices). The
     variable must be set before the backend starts, and a user's own choice wins."""
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
-    code = ("import os, devices; devices.use_fake_cpu_devices(8); import jax; "
+    code = ("import os; from runtime import devices; devices.use_fake_cpu_devices(8); import jax; "
             "print(os.environ.get('PJRT_NPROC'), len(jax.devices()))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env={**env, **environ})
@@ -258,7 +258,7 @@ def test_overlap_flags_go_to_the_accelerators_compiler_on_train_only(monkeypatch
     in LIBTPU_INIT_ARGS or XLA_FLAGS, merged with the user's (whose own value of a flag
     wins), printed once. On CPU, fake CPU devices or another mode: the environment as it
     was (the default run compiles as before)."""
-    import devices
+    from runtime import devices
     monkeypatch.setenv("JAX_PLATFORMS", platform)
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=false --xla_tpu_user_flag=1")
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_latency_hiding_scheduler=false")
@@ -281,7 +281,7 @@ def test_gpu_overlap_flags_are_flags_xla_knows():
     """XLA aborts at start-up on a flag in XLA_FLAGS it does not know (the list changes
     between versions: --xla_gpu_enable_async_collectives is gone from jaxlib 0.10.2);
     devices.GPU_OVERLAP_FLAGS all parse (here, on CPU; they apply to GPU compiles)."""
-    import devices
+    from runtime import devices
     env = {**os.environ, "XLA_FLAGS": " ".join(devices.GPU_OVERLAP_FLAGS), "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"], cwd=REPO,
                             capture_output=True, text=True, timeout=120, env=env)

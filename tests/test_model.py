@@ -18,9 +18,19 @@ import optax
 import pytest
 from flax import nnx
 
-from attention import MLAttention, apply_rope, rope_angles
-from model import Transformer, apply_blocks, decode_step, init_cache
-from moe import MoE, assign_slots, expert_capacity, load_balance_loss
+from model import (
+    MLAttention,
+    MoE,
+    Transformer,
+    apply_blocks,
+    apply_rope,
+    assign_slots,
+    decode_step,
+    expert_capacity,
+    init_cache,
+    load_balance_loss,
+    rope_angles,
+)
 from utils import PRESETS, Config, apply_overrides
 
 BYTE_VOCAB = 256  # the preset may leave vocab_size to the data (0); these tests use byte tokens
@@ -68,7 +78,7 @@ def angles_for(cfg, batch, length, start=0):
 def train_loss(model, tokens_BT1):
     """The training objective on one device: mean cross-entropy computed by
     model.loss_sum on the final hidden state, plus the weighted mean load-balance loss
-    (as executor_gpipe.loss does over the mesh)."""
+    (as gpipe.loss does over the mesh)."""
     cfg = model.cfg
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     x_BTD = model.embed(inputs_BT)
@@ -517,8 +527,7 @@ def test_dropless_equals_the_capacity_path_where_nothing_is_dropped():
     assert float(jnp.min(jnp.abs(gates_GSX - 1.0))) > 0.05  # premise: weighting by the gates changes the output
     moe.capacity_factor = E / X
     assert expert_capacity(4, X, E, moe.capacity_factor) == 4
-    y_GSD, tokens_per_expert_GE, dropped = jax.jit(moe.routed_with_capacity, static_argnums=(3, 4))(
-        x_GSD, gates_GSX, experts_GSX, E, None)
+    y_GSD, tokens_per_expert_GE, dropped = jax.jit(moe.routed_with_capacity, static_argnums=3)(x_GSD, gates_GSX, experts_GSX, E)
     assert int(dropped) == 0
     dropless_GSD, dropless_per_expert_GE, _ = jax.jit(moe.routed_dropless, static_argnums=3)(x_GSD, gates_GSX, experts_GSX, E)
     np.testing.assert_allclose(dropless_GSD, y_GSD, rtol=1e-5, atol=1e-6)

@@ -17,12 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_model import tiny
 
-from layers import RMSNorm
-from attention import MLAttention, attention_softmax_scale, rope_angles, rope_frequencies, yarn_attention_factor
-from model import Transformer
-from moe import top_k_routing
+from model import MLAttention, RMSNorm, Transformer, attention_softmax_scale, rope_angles, rope_frequencies, top_k_routing, yarn_attention_factor
+from test_model import tiny
 
 torch = pytest.importorskip("torch")
 

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_parallel import assert_same_steps, mesh_for, tiny_config, train_steps
 
-import parallel as par
-from moe import grouped_matmul
+from ops.gmm import grouped_matmul
+from parallel.mesh import check_config_fits_mesh
+from test_parallel import assert_same_steps, mesh_for, tiny_config, train_steps
 from utils import ConfigError, apply_overrides, parse_args
 
 
@@ -26,11 +26,11 @@ def test_gmm_equals_ragged_dot_with_gradients(rows, tokens_per_expert):
     cot_NO = jax.random.normal(cot_key, (rows, 16))
     sizes_E = jnp.asarray(tokens_per_expert, jnp.int32)
 
-    def loss_and_grads(kernel):
-        loss = lambda x_NI, w_EIO: jnp.sum(jnp.sin(grouped_matmul(kernel, x_NI, w_EIO, sizes_E)) * cot_NO)  # noqa: E731
+    def loss_and_grads(matmul):
+        loss = lambda x_NI, w_EIO: jnp.sum(jnp.sin(matmul(x_NI, w_EIO, sizes_E)) * cot_NO)  # noqa: E731
         return jax.value_and_grad(loss, (0, 1))(x_NI, w_EIO)
 
-    (loss, (dx, dw)), (ref_loss, (ref_dx, ref_dw)) = loss_and_grads("gmm"), loss_and_grads("ragged_dot")
+    (loss, (dx, dw)), (ref_loss, (ref_dx, ref_dw)) = loss_and_grads(grouped_matmul), loss_and_grads(jax.lax.ragged_dot)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for got, want in ((dx, ref_dx), (dw, ref_dw)):
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
@@ -85,7 +85,7 @@ def test_mesh_refusals_get_one_line(mesh_shape, expert_parallel, sharding, messa
     cfg = tiny_config(mesh_shape, expert_parallel, capacity_factor=0.0, moe_kernel="gmm" if "gmm" in message else "ragged_dot")
     cfg = apply_overrides(cfg, {"mesh": dict(sharding=sharding)})
     with pytest.raises(ConfigError, match=re.escape(message)) as error:
-        par.check_config_fits_mesh(cfg, mesh_for(cfg))
+        check_config_fits_mesh(cfg, mesh_for(cfg))
     assert "\n" not in str(error.value)
 
 

@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import parallel as par
-import planner
-from planning import hlo_reader
-from planning import tpu_compile
-import weights
+from model import abstract_params
+from parallel.mesh import batch_spec, check_config_fits_mesh, make_mesh
+from parallel.weights import is_trained, weight_name
+from planning import costs, hlo_reader, tpu_compile
 from test_launch import hosts_file, launcher, needs_ssh_and_tmux, repo, sshd, wait_for_states  # noqa: F401  (fixtures)
 from test_parallel import assert_tree_close, placed_step, tiny_config, train_steps
 from utils import ConfigError, MeshConfig, apply_overrides
@@ -83,10 +82,10 @@ def test_two_slices_with_experts_a_schedule_or_auto_equal_one_device(reference, 
 
 def gradient_shard_bytes(cfg, itemsize=4):
     """Bytes of one device's shards of the trained weights' gradients (float32)."""
-    params = planner.abstract_params(cfg.model)
+    params = abstract_params(cfg.model)
     trained = jax.tree_util.tree_map_with_path(
-        lambda path, w: w if weights.is_trained(weights.weight_name(path)) else None, params)
-    return planner.layout_bytes(trained, cfg.mesh.expert_parallel, dict(dp=cfg.mesh.dp, cp=cfg.mesh.cp, pp=cfg.mesh.pp, tp=cfg.mesh.tp),
+        lambda path, w: w if is_trained(weight_name(path)) else None, params)
+    return costs.layout_bytes(trained, cfg.mesh.expert_parallel, dict(dp=cfg.mesh.dp, cp=cfg.mesh.cp, pp=cfg.mesh.pp, tp=cfg.mesh.tp),
                                 itemsize=itemsize)
 
 
@@ -96,7 +95,7 @@ def test_only_the_gradient_crosses_slices_once_per_step(two_slice_run):
     move exactly the gradient shards, and the rest over slice (the loss, the router
     load) are small metric reductions."""
     cfg, hlo, _ = two_slice_run
-    mesh = par.make_mesh(cfg.mesh, jax.devices()[:8])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:8])
     ops = hlo_reader.collective_ops(hlo, mesh.devices.shape)
     crossing = [op for op in ops if hlo_reader.crosses_slices(op.over)]
     assert crossing and all(op.runs == 1 for op in crossing), [op for op in crossing if op.runs > 1]
@@ -116,21 +115,21 @@ def test_only_the_gradient_crosses_slices_once_per_step(two_slice_run):
 ])
 def test_bad_slices_is_a_one_line_error(mesh_cfg, devices, message):
     with pytest.raises(ConfigError, match=None) as e:
-        par.make_mesh(mesh_cfg, jax.devices()[:devices])
+        make_mesh(mesh_cfg, jax.devices()[:devices])
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_batch_must_split_over_slices_and_dp():
     cfg = apply_overrides(two_slices(), {"train": dict(batch_size=6)})
     with pytest.raises(ConfigError, match=r"--mesh.slices x --mesh.dp x --train.microbatches \(2 x 2 x 1 = 4\)"):
-        par.check_config_fits_mesh(cfg, par.make_mesh(cfg.mesh, jax.devices()[:8]))
+        check_config_fits_mesh(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
 
 
 def test_rows_are_slice_major():
     """Global row r sits on slice r // (B / slices): a row index means the same on any
     mesh (dropout keys are per global row)."""
-    mesh = par.make_mesh(MeshConfig(dp=2, tp=2, slices=2), jax.devices()[:8])
-    indices = jax.sharding.NamedSharding(mesh, par.batch_spec()).devices_indices_map((8, 1))
+    mesh = make_mesh(MeshConfig(dp=2, tp=2, slices=2), jax.devices()[:8])
+    indices = jax.sharding.NamedSharding(mesh, batch_spec()).devices_indices_map((8, 1))
     for (s, d, _, _, t), device in np.ndenumerate(mesh.devices):  # (slice, dp, cp, pp, tp)
         assert indices[device][0] == slice(4 * s + 2 * d, 4 * s + 2 * d + 2)
 
@@ -142,7 +141,7 @@ def test_rows_are_slice_major():
 def test_tpu_slices_must_match_the_devices():
     pytest.importorskip("libtpu")
     with pytest.raises(ConfigError, match=r"--mesh.slices 2, but the TPU devices form 1 slice\(s\)"):
-        par.make_mesh(MeshConfig(dp=1, pp=1, tp=2, slices=2), tpu_compile.pod_devices("v4-8"))
+        make_mesh(MeshConfig(dp=1, pp=1, tp=2, slices=2), tpu_compile.pod_devices("v4-8"))
 
 
 @pytest.mark.slow
@@ -157,7 +156,7 @@ def test_two_tpu_slices_compile_and_only_the_gradient_crosses(pod):
     cfg = apply_overrides(cfg, {"mesh": dict(slices=2), "model": dict(dtype="bfloat16"),
                                 "train": dict(batch_size=32, microbatches=2)})
     devices = tpu_compile.pod_devices(pod, slices=2)
-    mesh = par.make_mesh(cfg.mesh, devices)
+    mesh = make_mesh(cfg.mesh, devices)
     assert dict(mesh.shape) == {"slice": 2, "dp": 8, "cp": 1, "pp": 2, "tp": 2}
     assert all(d.slice_index == s for s in range(2) for d in mesh.devices[s].flat)
     hlo = tpu_compile.compile_steps(cfg, mesh, eval_step=False)["train"].as_text()

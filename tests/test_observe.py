@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from metrics import MetricsLog, read_metrics, truncate_metrics, wandb_row, wandb_step
-from plots import HEATMAP_COLUMNS, plot_run, smoothed
+from runtime.metrics import MetricsLog, read_metrics, truncate_metrics, wandb_row, wandb_step
+from runtime.plots import HEATMAP_COLUMNS, plot_run, smoothed
 from utils import config_to_dict, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -211,7 +211,7 @@ def test_wandb_offline_gets_the_rows_and_samples_and_a_resume_continues_the_run(
     """MetricsLog alone (fast): two rows, an eval row, a samples table; then a second
     MetricsLog given the first one's id, as main.py does on resume."""
     code = f"""
-from metrics import MetricsLog
+from runtime.metrics import MetricsLog
 from utils import parse_args
 cfg = parse_args(["--preset", "tiny", "--run.name", "w", "--log.wandb"])
 log = MetricsLog({str(tmp_path)!r}, cfg)
@@ -255,7 +255,7 @@ log.close()
 
 def test_wandb_online_without_a_key_says_how_to_fix(tmp_path):
     (tmp_path / "home").mkdir()
-    code = ("from metrics import MetricsLog\nfrom utils import parse_args\n"
+    code = ("from runtime.metrics import MetricsLog\nfrom utils import parse_args\n"
             f"MetricsLog({str(tmp_path)!r}, parse_args(['--preset', 'tiny', '--log.wandb']))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env=wandb_env(tmp_path, WANDB_MODE=None), stdin=subprocess.DEVNULL)
@@ -369,7 +369,7 @@ def test_wandb_offline_logs_history_config_samples_and_resumes_the_same_run(resu
 
 
 # ----------------------------------------------------------------------------
-# Progress lines (progress.py)
+# Progress lines (runtime/progress.py)
 
 
 def test_progress_is_a_plain_line_every_log_every_steps_when_stderr_is_not_a_terminal(tmp_path):
@@ -380,7 +380,7 @@ def test_progress_is_a_plain_line_every_log_every_steps_when_stderr_is_not_a_ter
 
     from tqdm import tqdm
 
-    import progress
+    from runtime import progress
 
     with open(tmp_path / "stderr.log", "w") as stream:
         bar = progress.make_progress(25, 0, 10, True, stream)
@@ -403,7 +403,7 @@ def test_progress_is_a_plain_line_every_log_every_steps_when_stderr_is_not_a_ter
 @pytest.mark.slow
 def test_a_run_whose_stderr_is_a_file_logs_plain_progress_lines(tmp_path):
     """End to end: main.py with stderr to a pipe (as a launcher's log) prints
-    `train step S/N ...` lines, not tqdm's \\r frames (before progress.py: one line of
+    `train step S/N ...` lines, not tqdm's \\r frames (before runtime/progress.py: one line of
     frames, and this failed)."""
     result = subprocess.run([sys.executable, "main.py", "--preset", "tiny", "--run.out_dir", str(tmp_path), "--run.name", "r",
                              "--data.cache_dir", str(tmp_path / "data_cache"), "--train.steps", "6", "--log.every", "3",

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dataset import get_tokenizer  # noqa: E402
-from hf import hf_tokenizer  # noqa: E402
+from hf import tokenizer as hf_tokenizer  # noqa: E402
 from test_hf import hf_made_model  # noqa: E402
 from test_serve import REPO, free_port  # noqa: E402
 

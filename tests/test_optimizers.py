@@ -1,4 +1,4 @@
-"""Muon (optimizers.py): the orthogonalization does what it claims, Muon trains exactly
+"""Muon (parallel/optimizers.py): the orthogonalization does what it claims, Muon trains exactly
 the weight matrices, and a Muon step is the same on every mesh as on one device
 (each matrix is orthogonalized whole by one owner device of those that hold its
 shards), with the Newton-Schulz work split among them."""
@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_parallel import MESH_IDS, VARIANTS, assert_same_step, assert_same_steps, mesh_for, one_step, placed_step, tiny_config, train_steps
 
-import optimizers
-import parallel as par
 from model import Transformer
+from parallel import optimizers
+from parallel.mesh import specs_of
+from parallel.weights import init_params, is_stacked, weight_name
+from test_parallel import MESH_IDS, VARIANTS, assert_same_step, assert_same_steps, mesh_for, one_step, placed_step, tiny_config, train_steps
 from utils import PRESETS, Config, apply_overrides
 
 
@@ -58,14 +59,14 @@ def test_muon_under_automatic_sharding_equals_one_device():
 
 
 def test_muon_inside_shard_map_needs_the_param_specs():
-    """Without the specs (which train_steps.make_train_step passes) the update would
+    """Without the specs (which steps.make_train_step passes) the update would
     orthogonalize each shard alone: an error, not a wrong step."""
     cfg = muon_config((2, 1, 1))
     mesh = mesh_for(cfg)
-    _, params = par.init_params(cfg.model, mesh, False, cfg.run.seed)
+    _, params = init_params(cfg.model, mesh, False, cfg.run.seed)
     optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
-    specs = (par.specs_of(params), par.specs_of(opt_state))
+    specs = (specs_of(params), specs_of(opt_state))
     update = jax.shard_map(lambda p, s: optimizer.update(p, s, p)[0], mesh=mesh, in_specs=specs, out_specs=specs[0])
     with pytest.raises(ValueError, match="PartitionSpecs"):
         jax.jit(update).lower(params, opt_state)
@@ -132,14 +133,14 @@ def test_muon_update_has_rms_0_2_times_the_learning_rate():
 def test_every_weight_matrix_is_muons(preset):
     """Muon trains every weight with 2+ dims but the embedding, the untied head and the routers (the
     muon flag in weights.WEIGHTS); a new weight matrix without it would silently fall to AdamW."""
-    import planner
+    from model import abstract_params
 
     cfg = apply_overrides(Config(), PRESETS[preset])
     cfg = apply_overrides(cfg, {"model": dict(mtp_depth=1, vocab_size=cfg.model.vocab_size or 256)})
-    shapes = planner.abstract_params(cfg.model)
+    shapes = abstract_params(cfg.model)
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-        name = par.weight_name(path)
-        matrix = leaf.ndim - par.is_stacked(path) >= 2 and name not in ("embed_VD", "head_VD", "router_DE")  # (head: AdamW, weights.py)
+        name = weight_name(path)
+        matrix = leaf.ndim - is_stacked(path) >= 2 and name not in ("embed_VD", "head_VD", "router_DE")  # (head: AdamW, parallel/weights.py)
         assert optimizers.is_matrix(path) == matrix, name
 
 
@@ -158,14 +159,14 @@ def test_each_matrix_update_has_singular_values_near_one_per_block_and_expert():
     for path, shape in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         if not optimizers.is_matrix(path):
             continue
-        name = par.weight_name(path)
+        name = weight_name(path)
         grad = rng.standard_normal(shape.shape).astype(np.float32)
         update = np.asarray(optimizers.orthogonal_updates({"w": (path, jnp.asarray(grad))}, {})["w"])
         # One matrix: what is left after the stacked blocks' N and the routed experts' E
         # (named by the weight's shape letters), its dims grouped into fan-in and fan-out
         # as the table groups them.
         letters = name.split("_")[-1]
-        own_batch = int(par.is_stacked(path)) + (letters[0] == "E")
+        own_batch = int(is_stacked(path)) + (letters[0] == "E")
         _, fan_in_dims, fan_out_dims = optimizers.matrix_dims(path, update.ndim)
         fan_in_dims = [d for d in fan_in_dims if d >= own_batch]
         fan_out_dims = [d for d in fan_out_dims if d >= own_batch]

@@ -15,13 +15,23 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from step import executor_accumulate
-from step import executor_gpipe
-import optimizers
-import parallel as par
-import runs
 from model import Transformer
-from step.train_steps import executor_of, make_eval_step, make_train_step, partition
+from parallel import accumulate as executor_accumulate
+from parallel import gpipe as executor_gpipe
+from parallel import optimizers
+from parallel.mesh import (
+    batch_spec,
+    check_config_fits_mesh,
+    describe_mesh,
+    global_batch,
+    make_mesh,
+    named,
+    param_bytes_on_device,
+    process_rows,
+    specs_of,
+)
+from parallel.steps import executor_of, make_eval_step, make_train_step, partition
+from parallel.weights import check_divisible, init_params, param_specs, weight_name
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, MeshConfig, apply_overrides
 
 RTOL = 1e-5
@@ -37,7 +47,7 @@ def tiny_config(mesh_shape=(1, 1, 1), expert_parallel=False, **model):
 
 def mesh_for(cfg):
     n = cfg.mesh.slices * cfg.mesh.dp * cfg.mesh.cp * cfg.mesh.pp * cfg.mesh.tp
-    return par.make_mesh(cfg.mesh, jax.devices()[:n])
+    return make_mesh(cfg.mesh, jax.devices()[:n])
 
 
 def token_batch(cfg, seed=0):
@@ -50,7 +60,7 @@ def initial_params(model_cfg):
     """Host copy of the initial weights. Init is mesh-invariant (test_init_is_mesh_invariant),
     so the step tests place one host copy on each mesh instead of re-compiling init."""
     cfg = tiny_config()
-    graphdef, params = par.init_params(model_cfg, mesh_for(cfg), False, cfg.run.seed)
+    graphdef, params = init_params(model_cfg, mesh_for(cfg), False, cfg.run.seed)
     return graphdef, jax.device_get(params)
 
 
@@ -58,15 +68,15 @@ def placed_step(cfg):
     """cfg's sharded train step, and its arguments placed on cfg's mesh: the initial
     params, their optimizer state and the test batch."""
     mesh = mesh_for(cfg)
-    par.check_config_fits_mesh(cfg, mesh)
+    check_config_fits_mesh(cfg, mesh)
     graphdef, host_params = initial_params(cfg.model)
-    specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
-    par.check_divisible(host_params, specs, mesh)
-    params = jax.device_put(host_params, par.named(mesh, specs))
+    specs = param_specs(host_params, cfg.mesh.expert_parallel)
+    check_divisible(host_params, specs, mesh)
+    params = jax.device_put(host_params, named(mesh, specs))
     optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
-    return step, (params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size))
+    return step, (params, opt_state, global_batch(mesh, token_batch(cfg), cfg.train.batch_size))
 
 
 def train_steps(cfg, n_steps=2):
@@ -215,10 +225,10 @@ PREFETCH_CASES = [("moe", (4, 1, 2), "none", 1), ("moe-ep", (4, 1, 2), "layer", 
                          ids=lambda x: MESH_IDS(x) if isinstance(x, tuple) else str(x))
 def test_prefetched_packed_gathers_equal_one_device(reference, variant, mesh_shape, remat, microbatches):
     """Where the blocks run once per microbatch with their FSDP gathers crossing devices
-    (pp = 1; remat none or layer: step_core.prefetches_gathers), model.apply_blocks
+    (pp = 1; remat none or layer: fsdp.prefetches_gathers), model.apply_blocks
     fetches block i + 1 beside block i, each group of a block's weights (by the axes
     they gather over: with tp and expert parallelism, several) packed into one
-    all-gather and cut out after it (parallel.fetch_for_use): the same steps, through
+    all-gather and cut out after it (fsdp.fetch_for_use): the same steps, through
     GPipe's one tick and the accumulation executor gathering per microbatch."""
     cfg = apply_overrides(tiny_config(mesh_shape, expert_parallel=variant == "moe-ep", remat=remat),
                           {"train": dict(microbatches=microbatches, gather_once="false")})
@@ -240,7 +250,7 @@ def test_reference_step_changes_params(reference):
     metrics, _, params = reference["moe"]
     metrics = metrics[0]
     cfg = tiny_config()
-    _, init = par.init_params(cfg.model, mesh_for(cfg), False, cfg.run.seed)
+    _, init = init_params(cfg.model, mesh_for(cfg), False, cfg.run.seed)
     for got, before in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(init))):
         assert not np.allclose(got, before)
     assert abs(metrics["loss"] - np.log(256)) < 1.0
@@ -366,9 +376,9 @@ def test_eval_measures_the_dropless_model(mesh_shape, expert_parallel, eval_capa
     cfg = apply_overrides(tiny_config(mesh_shape, expert_parallel), {"train": dict(eval_capacity_factor=eval_capacity_factor)})
     mesh = mesh_for(cfg)
     graphdef, host_params = initial_params(cfg.model)
-    params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, expert_parallel)))
+    params = jax.device_put(host_params, named(mesh, param_specs(host_params, expert_parallel)))
     tokens = token_batch(cfg, seed=5)
-    got = float(make_eval_step(graphdef, cfg, mesh, params)(params, par.global_batch(mesh, tokens, cfg.train.batch_size)))
+    got = float(make_eval_step(graphdef, cfg, mesh, params)(params, global_batch(mesh, tokens, cfg.train.batch_size)))
     dropless, none_dropped = plain_cross_entropy(dataclasses.replace(cfg.model, capacity_factor=0.0), host_params, tokens)
     at_capacity, dropped = plain_cross_entropy(cfg.model, host_params, tokens)
     assert none_dropped == 0 and dropped > 0 and abs(dropless - at_capacity) > 1e-4  # premise: the two differ
@@ -377,12 +387,12 @@ def test_eval_measures_the_dropless_model(mesh_shape, expert_parallel, eval_capa
 
 def test_init_is_mesh_invariant():
     cfg = tiny_config()
-    _, single = par.init_params(cfg.model, mesh_for(cfg), False, 0)
+    _, single = init_params(cfg.model, mesh_for(cfg), False, 0)
     cfg8 = tiny_config((2, 2, 2), expert_parallel=True)
-    _, sharded = par.init_params(cfg8.model, mesh_for(cfg8), True, 0)
+    _, sharded = init_params(cfg8.model, mesh_for(cfg8), True, 0)
     for a, b in zip(jax.tree.leaves(jax.device_get(single)), jax.tree.leaves(jax.device_get(sharded))):
         np.testing.assert_array_equal(a, b)
-    _, other_seed = par.init_params(cfg.model, mesh_for(cfg), False, 1)
+    _, other_seed = init_params(cfg.model, mesh_for(cfg), False, 1)
     assert not np.array_equal(jax.device_get(other_seed)["embed_VD"], jax.device_get(single)["embed_VD"])
 
 
@@ -405,16 +415,16 @@ def plain_loss(model, tokens_BT1, cfg):
 def test_pipeline_equals_sequential_forward_and_gradient(mesh_shape):
     cfg = tiny_config(mesh_shape)
     mesh = mesh_for(cfg)
-    graphdef, params = par.init_params(cfg.model, mesh, False, 0)
+    graphdef, params = init_params(cfg.model, mesh, False, 0)
     tokens = token_batch(cfg, seed=3)
-    specs = par.specs_of(params)
+    specs = specs_of(params)
 
     def sharded(params, tokens_bT1):
         (loss, _), grads = executor_gpipe.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
         return loss, grads
 
-    loss, grads = jax.jit(partition(sharded, True, mesh, (specs, par.batch_spec()), (jax.P(), specs)))(
-        params, par.global_batch(mesh, tokens, cfg.train.batch_size))
+    loss, grads = jax.jit(partition(sharded, True, mesh, (specs, batch_spec()), (jax.P(), specs)))(
+        params, global_batch(mesh, tokens, cfg.train.batch_size))
 
     host = jax.tree.map(np.asarray, jax.device_get(params))
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: plain_loss(nnx.merge(graphdef, p), jnp.asarray(tokens), cfg)))(host)
@@ -431,12 +441,12 @@ def test_pipeline_equals_sequential_forward_and_gradient(mesh_shape):
 def test_state_bytes_per_device_fall_as_one_over_devices():
     cfg = tiny_config((2, 2, 2))
     mesh = mesh_for(cfg)
-    _, params = par.init_params(cfg.model, mesh, False, 0)
+    _, params = init_params(cfg.model, mesh, False, 0)
     opt_state = optimizers.init_opt_state(optimizers.make_optimizer(cfg.train), params, mesh)
     device0 = mesh.devices.flat[0]
-    held = par.param_bytes_on_device(params, device0) + par.param_bytes_on_device(opt_state, device0)
+    held = param_bytes_on_device(params, device0) + param_bytes_on_device(opt_state, device0)
     total = sum(x.nbytes for x in jax.tree.leaves(params) + jax.tree.leaves(opt_state))
-    replicated = sum(x.nbytes for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if par.weight_name(p) == "scale_D") * 3
+    replicated = sum(x.nbytes for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if weight_name(p) == "scale_D") * 3
     assert held <= total / 8 + replicated, (held, total)
     assert held >= total / 8  # and nothing is missing
 
@@ -461,28 +471,28 @@ def test_bad_mesh_config_raises_clear_error(mesh_shape, model, train, expert_par
         cfg = apply_overrides(cfg, {"train": train})
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         devices = jax.devices()[:min(8, np.prod(mesh_shape))] if mesh_shape != (3, 1, 1) else jax.devices()[:8]
-        mesh = par.make_mesh(cfg.mesh, devices)
-        par.check_config_fits_mesh(cfg, mesh)
-        par.init_params(cfg.model, mesh, expert_parallel, 0)
+        mesh = make_mesh(cfg.mesh, devices)
+        check_config_fits_mesh(cfg, mesh)
+        init_params(cfg.model, mesh, expert_parallel, 0)
 
 
 def test_dp_minus_one_takes_the_rest():
     cfg = apply_overrides(Config(), {"mesh": dict(dp=-1, pp=2, tp=2)})
-    assert dict(par.make_mesh(cfg.mesh, jax.devices()[:8]).shape) == {"slice": 1, "dp": 2, "cp": 1, "pp": 2, "tp": 2}
+    assert dict(make_mesh(cfg.mesh, jax.devices()[:8]).shape) == {"slice": 1, "dp": 2, "cp": 1, "pp": 2, "tp": 2}
 
 
 def test_describe_mesh_shows_cp_and_slice_only_when_they_split_something():
-    plain = runs.describe_mesh(par.make_mesh(MeshConfig(dp=2, pp=2, tp=2), jax.devices()[:8])).splitlines()
+    plain = describe_mesh(make_mesh(MeshConfig(dp=2, pp=2, tp=2), jax.devices()[:8])).splitlines()
     assert plain[0] == "mesh {'dp': 2, 'pp': 2, 'tp': 2} over 8 devices, 1 process(es)"
     assert plain[1:3] == ["  device   0 (process 0): dp=0 pp=0 tp=0", "  device   1 (process 0): dp=0 pp=0 tp=1"]
-    cp = runs.describe_mesh(par.make_mesh(MeshConfig(dp=2, cp=2, tp=2), jax.devices()[:8])).splitlines()
+    cp = describe_mesh(make_mesh(MeshConfig(dp=2, cp=2, tp=2), jax.devices()[:8])).splitlines()
     assert cp[0] == "mesh {'dp': 2, 'cp': 2, 'pp': 1, 'tp': 2} over 8 devices, 1 process(es)"
     assert cp[3] == "  device   2 (process 0): dp=0 cp=1 pp=0 tp=0"
-    slices = runs.describe_mesh(par.make_mesh(MeshConfig(dp=2, tp=2, slices=2), jax.devices()[:8])).splitlines()
+    slices = describe_mesh(make_mesh(MeshConfig(dp=2, tp=2, slices=2), jax.devices()[:8])).splitlines()
     assert slices[0] == "mesh {'slice': 2, 'dp': 2, 'pp': 1, 'tp': 2} over 8 devices, 1 process(es)"
     assert slices[5] == "  device   4 (process 0): slice=1 dp=0 pp=0 tp=0"
 
 
 def test_process_rows_cover_the_batch():
     cfg = tiny_config((2, 2, 2))
-    assert par.process_rows(mesh_for(cfg), 16) == range(0, 16)  # one process owns every row
+    assert process_rows(mesh_for(cfg), 16) == range(0, 16)  # one process owns every row

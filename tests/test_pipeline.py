@@ -11,12 +11,14 @@ loss, grad norm, tokens per expert and every updated weight.
 import jax
 import numpy as np
 import pytest
-from test_parallel import RTOL, assert_params_close, assert_same_step, initial_params, mesh_for, one_step, placed_step, tiny_config, token_batch
 
-from step import executor_1f1b
-import parallel as par
-import pipeline as pl
-from step import train_steps
+from parallel import one_f_one_b as executor_1f1b
+from parallel import rules
+from parallel import schedules as pl
+from parallel import steps as train_steps
+from parallel.mesh import batch_spec, check_config_fits_mesh, global_batch, named
+from parallel.weights import param_specs
+from test_parallel import RTOL, assert_params_close, assert_same_step, initial_params, mesh_for, one_step, placed_step, tiny_config, token_batch
 from utils import ConfigError, apply_overrides, parse_args
 
 TABLE_CASES = [(kind, pp, M, V) for kind, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
@@ -44,7 +46,7 @@ def test_schedule_table_is_a_valid_pipeline(kind, pp, M, V):
                 assert tick_of[(pl.FORWARD, m, c - 1)] < f
             if c < C - 1:
                 assert tick_of[(pl.BACKWARD, m, c + 1)] < b
-    assert sched.bubble() == pytest.approx(pl.formula_bubble(kind, pp, M, V))
+    assert sched.bubble() == pytest.approx(rules.formula_bubble(kind, pp, M, V))
     in_flight = {"gpipe": M, "1f1b": pp}.get(kind)
     if in_flight is not None:  # 1f1b's whole point: pp microbatches alive, not M
         assert sched.res_slots == min(in_flight, M)
@@ -153,15 +155,15 @@ def scheduled_grads(cfg, tokens, executor=executor_1f1b):
     """(loss, grads) of the hand-written schedule (or another shard_map executor), gathered to the host."""
     mesh = mesh_for(cfg)
     graphdef, host_params = initial_params(cfg.model)
-    specs = par.param_specs(host_params, cfg.mesh.expert_parallel)
-    params = jax.device_put(host_params, par.named(mesh, specs))
+    specs = param_specs(host_params, cfg.mesh.expert_parallel)
+    params = jax.device_put(host_params, named(mesh, specs))
 
     def sharded(params, tokens_bT1):
         (loss, _), grads = executor.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
         return loss, grads
 
-    fn = jax.jit(train_steps.partition(sharded, True, mesh, (specs, par.batch_spec()), (jax.P(), specs)))
-    return jax.device_get(fn(params, par.global_batch(mesh, tokens, cfg.train.batch_size)))
+    fn = jax.jit(train_steps.partition(sharded, True, mesh, (specs, batch_spec()), (jax.P(), specs)))
+    return jax.device_get(fn(params, global_batch(mesh, tokens, cfg.train.batch_size)))
 
 
 @pytest.mark.parametrize("mesh_shape, kind, M, V", [((2, 2, 2), "1f1b", 4, 1),
@@ -171,6 +173,7 @@ def test_hand_written_gradient_equals_autodiff_of_one_device(mesh_shape, kind, M
     """Every gradient leaf (before AdamW, whose first step hides a leaf's scale) against
     autodiff of the plain single-device forward."""
     from flax import nnx
+
     from test_parallel import plain_loss
 
     cfg = schedule_config(mesh_shape, kind, M, V)
@@ -205,7 +208,7 @@ def test_dense_model_under_1f1b():
 def test_bad_schedule_config_raises_clear_error(mesh_shape, train, message):
     cfg = apply_overrides(tiny_config(mesh_shape), {"train": train})
     with pytest.raises(ConfigError, match=message):
-        par.check_config_fits_mesh(cfg, mesh_for(cfg))
+        check_config_fits_mesh(cfg, mesh_for(cfg))
 
 
 def test_unknown_schedule_is_a_config_error():
@@ -255,7 +258,7 @@ def test_1f1b_temporaries_below_gpipe_and_planner_models_each_schedule():
     """pp=4, M=8 on 1x4x2 (tiny, remat block): the compiled step's temporaries per
     device, 1f1b < gpipe (measured 481,224 vs 567,104 bytes, 2026-12-02, with the stash), and the planner within
     its tolerance for every schedule."""
-    import planner
+    from planning import costs
 
     temps = {}
     for kind in pl.SCHEDULES:
@@ -263,7 +266,7 @@ def test_1f1b_temporaries_below_gpipe_and_planner_models_each_schedule():
         step, (params, opt_state, batch) = placed_step(cfg)
         compiled = step.lower(params, opt_state, batch, jax.numpy.asarray(0)).compile()
         temps[kind] = compiled.memory_analysis().temp_size_in_bytes
-        estimate = planner.plan(cfg, 0, "cpu", peak=1e11)["temp_bytes"]
+        estimate = costs.plan(cfg, 0, "cpu", peak=1e11)["temp_bytes"]
         assert abs(estimate / temps[kind] - 1) < 0.15, (kind, estimate, temps[kind])
     assert temps["1f1b"] < 0.95 * temps["gpipe"], temps
 
@@ -289,12 +292,12 @@ def test_command_line_schedule_trains_like_one_device(tmp_path, kind):
 def test_planner_models_each_schedule():
     """Shapes only: the bubble off the table, 1f1b's ring of pp slots below gpipe's
     M ticks of saved inputs, and interleaving shrinking the bubble's time."""
-    import planner
+    from planning import costs
 
-    plans = {kind: planner.plan(apply_overrides(schedule_config((1, 4, 2), kind, 8), {"train": dict(batch_size=16)}), 0, "cpu", peak=1e11)
+    plans = {kind: costs.plan(apply_overrides(schedule_config((1, 4, 2), kind, 8), {"train": dict(batch_size=16)}), 0, "cpu", peak=1e11)
              for kind in pl.SCHEDULES}
     for kind, p in plans.items():
-        assert p["bubble_fraction"] == pytest.approx(pl.formula_bubble(kind, 4, 8, 2))
+        assert p["bubble_fraction"] == pytest.approx(rules.formula_bubble(kind, 4, 8, 2))
     assert plans["1f1b"]["memory"]["activations"] < plans["gpipe"]["memory"]["activations"]
     assert plans["interleaved"]["times"]["bubble"] < plans["1f1b"]["times"]["bubble"]
     assert any("4 slots in flight" in name for name in plans["1f1b"]["activations"])

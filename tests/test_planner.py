@@ -26,14 +26,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-import optimizers
-import parallel as par
-import planner
-from planning import hlo_reader
-from planning import tpu_compile
-from flops import count_params, flops_per_token
-from step import rules
-from step.train_steps import make_train_step
+from model import abstract_model, abstract_params
+from parallel import optimizers, rules
+from parallel.mesh import batch_spec, check_config_fits_mesh, make_mesh, param_bytes_on_device
+from parallel.steps import make_train_step
+from parallel.weights import param_specs
+from planning import cli, costs, hlo_reader, tpu_compile
+from runtime.flops import count_params, flops_per_token
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides, parse_args
 
 SMALL_MOE1B = dict(vocab_size=1024, seq_len=128, d_model=128, n_heads=4, head_dim=32, rope_dim=16, q_latent=64,
@@ -62,22 +61,22 @@ def case_config(preset, mesh_shape, remat, expert_parallel=False):
 
 
 def mesh_for(cfg):
-    return par.make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.dp * cfg.mesh.cp * cfg.mesh.pp * cfg.mesh.tp])
+    return make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.dp * cfg.mesh.cp * cfg.mesh.pp * cfg.mesh.tp])
 
 
 def plan_for(cfg):
-    return planner.plan(cfg, 0, "cpu", peak=1e11)  # a nominal peak: no timed matmul in tests
+    return costs.plan(cfg, 0, "cpu", peak=1e11)  # a nominal peak: no timed matmul in tests
 
 
 def compiled_step(cfg):
     """The real train step, compiled for cfg's mesh (from abstract inputs)."""
     mesh = mesh_for(cfg)
-    par.check_config_fits_mesh(cfg, mesh)
+    check_config_fits_mesh(cfg, mesh)
     optimizer, params, opt_state = tpu_compile.abstract_state(cfg, mesh)
-    graphdef = planner.abstract_model(cfg.model)[0]
+    graphdef = abstract_model(cfg.model)[0]
     step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                  sharding=NamedSharding(mesh, par.batch_spec()))
+                                  sharding=NamedSharding(mesh, batch_spec()))
     return step.lower(params, opt_state, tokens, jnp.asarray(0)).compile()
 
 
@@ -105,14 +104,14 @@ def assert_storage_bytes_exact(cfg):
     """The plan's params and optimizer bytes equal those of zeros placed with the sharding
     table and the real optimizer's init, on every device; returns the plan."""
     mesh = mesh_for(cfg)
-    shapes = planner.abstract_params(cfg.model)
-    specs = par.param_specs(shapes, cfg.mesh.expert_parallel)
+    shapes = abstract_params(cfg.model)
+    specs = param_specs(shapes, cfg.mesh.expert_parallel)
     params = jax.tree.map(lambda s, spec: jax.device_put(np.zeros(s.shape, s.dtype), NamedSharding(mesh, spec)), shapes, specs)
     opt_state = optimizers.init_opt_state(optimizers.make_optimizer(cfg.train), params, mesh)
     plan = plan_for(cfg)
     for device in mesh.devices.flat:  # every device, not just the first: the layout is even
-        assert plan["memory"]["params"] == par.param_bytes_on_device(params, device)
-        assert plan["memory"]["optimizer"] == par.param_bytes_on_device(opt_state, device)
+        assert plan["memory"]["params"] == param_bytes_on_device(params, device)
+        assert plan["memory"]["optimizer"] == param_bytes_on_device(opt_state, device)
     return plan
 
 
@@ -120,7 +119,7 @@ def assert_storage_bytes_exact(cfg):
 # Temporaries: within 15% of the compiled step
 #
 # Measured on this machine, planner / memory_analysis temp bytes (model.py and
-# parallel.py as of the FSDP-gather fix in apply_blocks; all 33 within 15%):
+# parallel/mesh.py as of the FSDP-gather fix in apply_blocks; all 33 within 15%):
 #   tiny           1x1x1 none           15,139,072 /     16,018,424  0.945
 #   tiny           1x1x1 layer           2,691,712 /      2,667,680  1.009
 #   tiny           1x1x1 block           2,691,712 /      2,700,320  0.997
@@ -185,7 +184,7 @@ def test_temporaries_match_compiled_step(preset, mesh_shape, remat):
 def run_cli(*argv):
     out = io.StringIO()
     with redirect_stdout(out):
-        planner.main(list(argv))
+        cli.main(list(argv))
     return out.getvalue()
 
 
@@ -204,27 +203,27 @@ def test_one_h200_will_not_fit_without_remat_and_says_what_would():
     text = run_cli("--preset", "moe1b", "--hardware", "h200", *one_device, "--model.remat", "none")
     assert "will not fit: " in text and "GiB needed per device, 141.00 available" in text
     assert re.search(r"try .*\n\s+--model.remat block\s+[0-9.]+ GiB per device", text), text
-    plan = planner.plan(parse_args(["--preset", "moe1b", *one_device, "--model.remat", "none"]), 0, "h200")
+    plan = costs.plan(parse_args(["--preset", "moe1b", *one_device, "--model.remat", "none"]), 0, "h200")
     assert not plan["fits"] and plan["total_bytes"] > 141 * 2**30
     assert all(key not in plan["comm"] for key in ("tp all-reduce of activations", "pp ppermute of activations"))
     # The preset itself (remat block, 4 microbatches, so one microbatch's logits at a time) fits.
-    assert planner.plan(parse_args(["--preset", "moe1b", *one_device]), 0, "h200")["fits"]
+    assert costs.plan(parse_args(["--preset", "moe1b", *one_device]), 0, "h200")["fits"]
 
 
 def test_dp_minus_one_takes_the_rest_of_devices():
     cfg = parse_args(["--preset", "moe1b", "--mesh.dp", "-1"])
     with pytest.raises(ConfigError, match="--devices"):
-        planner.plan(cfg, 0, "tpu-v5p")
-    assert planner.plan(cfg, 64, "tpu-v5p")["mesh"] == {"dp": 16, "pp": 2, "tp": 2}
-    with pytest.raises(ConfigError, match="--mesh.tp"):  # checks come from parallel.py, before anything else
-        planner.plan(parse_args(["--preset", "moe1b", "--mesh.tp", "5"]), 0, "tpu-v5p")
+        costs.plan(cfg, 0, "tpu-v5p")
+    assert costs.plan(cfg, 64, "tpu-v5p")["mesh"] == {"dp": 16, "pp": 2, "tp": 2}
+    with pytest.raises(ConfigError, match="--mesh.tp"):  # checks come from parallel/mesh.py, before anything else
+        costs.plan(parse_args(["--preset", "moe1b", "--mesh.tp", "5"]), 0, "tpu-v5p")
 
 
 def test_compute_time_is_model_flops_over_peak():
     """No remat, no pipeline, dense: executed FLOPs are the model FLOPs (flops.flops_per_token)."""
     cfg = parse_args(["--preset", "tiny", "--model.vocab_size", "256", "--model.block_pattern", "D",
                       "--model.remat", "none", "--mesh.dp", "8", "--mesh.pp", "1", "--mesh.tp", "1"])
-    plan = planner.plan(cfg, 0, "h100", efficiency=0.5)
+    plan = costs.plan(cfg, 0, "h100", efficiency=0.5)
     flops = flops_per_token(cfg.model) * cfg.train.batch_size * cfg.model.seq_len
     assert plan["times"]["compute"] == pytest.approx(flops / (8 * 989e12 * 0.5))
     assert plan["times"]["bubble"] == 0
@@ -251,17 +250,17 @@ def test_untied_head_and_full_rank_queries_are_counted():
 
 def test_bubble_remat_and_expert_parallel_show_up():
     base = ["--preset", "moe1b", "--mesh.dp", "8", "--mesh.pp", "2", "--mesh.tp", "2", "--train.optimizer", "adamw"]
-    m4 = planner.plan(parse_args(base + ["--train.microbatches", "4"]), 0, "tpu-v5p")
+    m4 = costs.plan(parse_args(base + ["--train.microbatches", "4"]), 0, "tpu-v5p")
     # Muon's Newton-Schulz runs after the pipeline: more compute, the same bubble
-    muon = planner.plan(parse_args(base + ["--train.microbatches", "4", "--train.optimizer", "muon"]), 0, "tpu-v5p")
+    muon = costs.plan(parse_args(base + ["--train.microbatches", "4", "--train.optimizer", "muon"]), 0, "tpu-v5p")
     assert muon["times"]["bubble"] == m4["times"]["bubble"] and muon["times"]["compute"] > m4["times"]["compute"]
-    m16 = planner.plan(parse_args(base + ["--train.microbatches", "16"]), 0, "tpu-v5p")
+    m16 = costs.plan(parse_args(base + ["--train.microbatches", "16"]), 0, "tpu-v5p")
     assert m4["bubble_fraction"] == pytest.approx(1 / 5) and m16["bubble_fraction"] == pytest.approx(1 / 17)
     assert m4["times"]["bubble"] == pytest.approx(m4["times"]["compute"] / 4)  # (pp-1)/M of the useful compute
-    none = planner.plan(parse_args(base + ["--model.remat", "none"]), 0, "tpu-v5p")
+    none = costs.plan(parse_args(base + ["--model.remat", "none"]), 0, "tpu-v5p")
     assert none["memory"]["activations"] > 2 * m4["memory"]["activations"]
     assert m4["times"]["executed_flops"] == pytest.approx(none["times"]["executed_flops"] * 4 / 3)
-    ep = planner.plan(parse_args(base + ["--mesh.expert_parallel"]), 0, "tpu-v5p")
+    ep = costs.plan(parse_args(base + ["--mesh.expert_parallel"]), 0, "tpu-v5p")
     assert ep["comm"]["ep all-to-all of expert buffers"] > 0
     # each device gathers only its own experts (E/dp) instead of all of them
     assert ep["memory"]["gathered weights"] < m4["memory"]["gathered weights"]
@@ -279,14 +278,14 @@ def test_gathering_once_per_step_moves_a_microbatch_count_fewer_bytes_and_holds_
     the chips: once on a TPU where that fits in GATHER_ONCE_SHARE of HBM, per microbatch
     on CPU (no memory reported) and where it does not fit."""
     base = ACCUMULATE_BASE
-    plans = {g: planner.plan(parse_args(base + ["--train.gather_once", g]), 0, "tpu-v4") for g in ("false", "true", "auto")}
+    plans = {g: costs.plan(parse_args(base + ["--train.gather_once", g]), 0, "tpu-v4") for g in ("false", "true", "auto")}
     per_microbatch, once = plans["false"], plans["true"]
     assert (per_microbatch["gather_once"], once["gather_once"], plans["auto"]["gather_once"]) == (False, True, True)
     assert plans["auto"]["total_bytes"] == once["total_bytes"]
     # Over dp: the blocks' bytes M x f times per microbatch (f = 2 gathers under remat block, which gathers again
     # in the backward pass; 1 reduce-scatter), once once; the embedding's and norms' once per step either way.
-    # The gradient's reduce-scatter is an all-to-all and a local sum (parallel.scatter_by_all_to_all).
-    per_8 = planner.plan(parse_args(base + ["--train.gather_once", "false", "--train.microbatches", "8"]), 0, "tpu-v4")
+    # The gradient's reduce-scatter is an all-to-all and a local sum (fsdp.scatter_by_all_to_all).
+    per_8 = costs.plan(parse_args(base + ["--train.gather_once", "false", "--train.microbatches", "8"]), 0, "tpu-v4")
     for kind, f in (("all-gather over dp", 2), ("all-to-all over dp", 1)):
         per_4_bytes, per_8_bytes = (p["times"]["collective_bytes"][kind] for p in (per_microbatch, per_8))
         blocks = (per_8_bytes - per_4_bytes) / (4 * f)
@@ -296,21 +295,21 @@ def test_gathering_once_per_step_moves_a_microbatch_count_fewer_bytes_and_holds_
     held = once["memory"]["gathered weights"] - per_microbatch["memory"]["gathered weights"]  # n - 1 blocks more (remat
     blocks_f32 = once["memory"]["gradient of the gathered blocks (float32, summed over microbatches)"]  # block: one)
     assert held > 0 and blocks_f32 == pytest.approx(2 * held * n / (n - 1))  # every block's, in float32 (2x bfloat16)
-    assert not planner.plan(parse_args(base), 0, "cpu")["gather_once"]
-    assert not planner.plan(parse_args(base + ["--train.microbatches", "1"]), 0, "tpu-v4")["gather_once"]
-    assert not planner.plan(parse_args(base + ["--mesh.pp", "2", "--mesh.dp", "16"]), 0, "tpu-v4")["gather_once"]  # (no accumulation)
+    assert not costs.plan(parse_args(base), 0, "cpu")["gather_once"]
+    assert not costs.plan(parse_args(base + ["--train.microbatches", "1"]), 0, "tpu-v4")["gather_once"]
+    assert not costs.plan(parse_args(base + ["--mesh.pp", "2", "--mesh.dp", "16"]), 0, "tpu-v4")["gather_once"]  # (no accumulation)
 
 
 def test_predicted_step_leaves_exposed_what_the_schedule_cannot_hide():
-    """planner_model.exposed_communication: gathered once per step (the search's best on
+    """costs.exposed_communication: gathered once per step (the search's best on
     32 v4s), every FSDP byte stays exposed (the compiler measured 96.6%); gathered per
     block (the preset's own dp 8 x pp 2 x tp 2), FSDP hides behind the blocks' matmuls
     but for the first block's gather, while tp's all-reduces and pp's ppermutes, between
     dependent matmuls, stay exposed. The predicted step lies between the fully overlapped
     and the serial one."""
-    once = planner.plan(parse_args(["--preset", "moe1b", "--mesh.dp", "32", "--mesh.pp", "1", "--mesh.tp", "1",
+    once = costs.plan(parse_args(["--preset", "moe1b", "--mesh.dp", "32", "--mesh.pp", "1", "--mesh.tp", "1",
                                     "--train.microbatches", "8", "--model.remat", "none"]), 0, "tpu-v4")
-    own = planner.plan(parse_args(["--preset", "moe1b"]), 0, "tpu-v4")
+    own = costs.plan(parse_args(["--preset", "moe1b"]), 0, "tpu-v4")
     for p in (once, own):
         assert p["step_s_overlapped"] < p["step_s_predicted"] < p["step_s_serial"]
         pipelined = p["step_s_serial"] - sum(p["comm"].values())
@@ -327,10 +326,10 @@ def test_the_planner_asks_the_steps_gather_once_rule(monkeypatch):
     """The planner's gather-once answer is step/rules.gathers_once's: with the step's
     share of memory at 0, auto gathers per microbatch (the plan of
     --train.gather_once false, byte for byte); back at GATHER_ONCE_SHARE, once."""
-    plans = {g: planner.plan(parse_args(ACCUMULATE_BASE + ["--train.gather_once", g]), 0, "tpu-v4") for g in ("false", "auto")}
+    plans = {g: costs.plan(parse_args(ACCUMULATE_BASE + ["--train.gather_once", g]), 0, "tpu-v4") for g in ("false", "auto")}
     assert plans["auto"]["gather_once"] and plans["auto"]["total_bytes"] > plans["false"]["total_bytes"]
     monkeypatch.setattr(rules, "GATHER_ONCE_SHARE", 0.0)
-    auto = planner.plan(parse_args(ACCUMULATE_BASE), 0, "tpu-v4")
+    auto = costs.plan(parse_args(ACCUMULATE_BASE), 0, "tpu-v4")
     assert not auto["gather_once"] and (auto["memory"], auto["total_bytes"]) == (plans["false"]["memory"], plans["false"]["total_bytes"])
 
 
@@ -340,9 +339,9 @@ def test_the_planner_asks_the_steps_executor_rule(monkeypatch):
     block inputs (4 ticks, not 1), no float32 embedding-gradient sum, and never
     gathers once (an accumulation option)."""
     cfg = parse_args(ACCUMULATE_BASE + ["--train.gather_once", "true"])
-    accumulating = planner.plan(cfg, 0, "tpu-v4")
+    accumulating = costs.plan(cfg, 0, "tpu-v4")
     monkeypatch.setattr(rules, "executor_name", lambda cfg, pp: "gpipe")
-    gpipe = planner.plan(cfg, 0, "tpu-v4")
+    gpipe = costs.plan(cfg, 0, "tpu-v4")
     saved = "saved: every local block's input, every tick"
     assert gpipe["activations"][saved] == 4 * accumulating["activations"][saved] > 0
     summed = "gradient of the gathered embedding (float32, summed over microbatches)"
@@ -351,20 +350,21 @@ def test_the_planner_asks_the_steps_executor_rule(monkeypatch):
 
 
 def test_the_planner_imports_no_executor():
-    """planner.py and planning/ take the step's rules from step/rules.py, never from an
-    executor module (tpu_compile compiles the real step through train_steps)."""
+    """planner.py and planning/ take the step's rules from parallel/rules.py, never from an
+    executor module (tpu_compile compiles the real step through parallel/steps.py)."""
+    executors = ("parallel.gpipe", "parallel.one_f_one_b", "parallel.accumulate", "parallel.auto")
     importing = {}
     for path in ["planner.py"] + sorted(glob.glob(os.path.join(REPO, "planning", "*.py"))):
         tree = ast.parse(open(os.path.join(REPO, path)).read())
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
-        importing[os.path.basename(path)] = [x for x in names if x.startswith("step.")]
-    assert {f: x for f, x in importing.items() if any("executor_" in n for n in x)} == {}
-    assert importing["planner_model.py"] == importing["planner_activations.py"] == ["step.rules"]
+        importing[os.path.basename(path)] = [x for x in names if x.startswith("parallel.")]
+    assert {f: x for f, x in importing.items() if any(n.startswith(executors) for n in x)} == {}
+    assert "parallel.rules" in importing["costs.py"] and "parallel.rules" in importing["activations.py"]
 
 
 # ----------------------------------------------------------------------------
-# --search (planner_search.py)
+# --search (planning/search.py)
 
 LAST_LINE = re.compile(r'best_step_ms=([0-9.e+-]+) preset_step_ms=([0-9.e+-]+) best_flags="([^"]+)"')
 ROW = re.compile(r"^\s*(\d+)\s+([0-9.e+-]+)\s+([0-9.e+-]+)\s+([0-9,]+)\s+([0-9.]+)%\s+([0-9.e+-]+)\s+(--.*)$")
@@ -391,7 +391,7 @@ def test_search_ranks_layouts_that_fit_and_finds_one_faster_than_moe1b_on_32_v4(
     for row in rows:
         cfg = parse_args(["--preset", "moe1b", *row.group(7).split()])
         assert (cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp, cfg.train.batch_size % (cfg.mesh.dp * cfg.train.microbatches)) == (32, 0)
-        p = planner.plan(cfg, 32, "tpu-v4")  # raises if the layout does not divide the model
+        p = costs.plan(cfg, 32, "tpu-v4")  # raises if the layout does not divide the model
         assert p["fits"] and p["total_bytes"] <= 32 * 2**30
         assert float(row.group(2)) == pytest.approx(p["step_s_predicted"] * 1e3, rel=1e-3)
         assert float(row.group(3)) == pytest.approx(p["step_s_serial"] * 1e3, rel=1e-3)
@@ -402,12 +402,12 @@ def test_search_ranks_layouts_that_fit_and_finds_one_faster_than_moe1b_on_32_v4(
     assert preset_row and int(preset_row.group(1)) > 12
     best, preset = float(last.group(1)), float(last.group(2))
     assert best == pytest.approx(float(rows[0].group(2)), rel=1e-3) and last.group(3) == rows[0].group(7)
-    assert preset == pytest.approx(planner.plan(parse_args(["--preset", "moe1b"]), 0, "tpu-v4")["step_s_predicted"] * 1e3, rel=1e-4)
+    assert preset == pytest.approx(costs.plan(parse_args(["--preset", "moe1b"]), 0, "tpu-v4")["step_s_predicted"] * 1e3, rel=1e-4)
     assert preset / best >= 1.3
 
 
 # ----------------------------------------------------------------------------
-# Context parallelism (--mesh.cp, context_parallel.py)
+# Context parallelism (--mesh.cp, ops/context_parallel.py)
 #
 # A deepseek_v3-shaped model (MLA, DM blocks, one MTP module) narrowed, at T = 256 with
 # routing groups of 16 (a group must divide a chunk, T / 2cp = 16 at cp 8), float32 on
@@ -483,7 +483,7 @@ def test_cp_splits_the_per_token_work_and_repeats_only_the_key_value_up_projecti
     rank's up-projection of the whole sequence's keys and values; the per-token
     activations (norms, FFN, MoE, the loss) on T/cp tokens where dp8 has T tokens per row
     of 4x fewer rows; the latent gathers timed on the cp ring."""
-    cp, dp = (planner.plan(apply_overrides(cfg, {"train": {"batch_size": 8}}), 0, "tpu-v5p")
+    cp, dp = (costs.plan(apply_overrides(cfg, {"train": {"batch_size": 8}}), 0, "tpu-v5p")
               for cfg in (cp_config(dp=2, cp=4), cp_config(dp=8)))
     m = cp_config().model
     up_projections = 3 * 2 * 2 * m.kv_latent * m.n_heads * m.head_dim * (m.n_blocks + m.mtp_depth) * len(m.block_pattern)
@@ -501,7 +501,7 @@ def test_cp_latent_gradient_is_reduced_as_the_tpu_compiler_does():
     tests/test_tpu_compile.py, docs/planning.md); XLA:CPU always reduce-scatters. The same
     bytes; an all-reduce's ring moves twice them."""
     def plan(rows, hardware):
-        return planner.plan(apply_overrides(cp_config(dp=2, cp=4), {"train": {"batch_size": 2 * rows}}), 0, hardware)
+        return costs.plan(apply_overrides(cp_config(dp=2, cp=4), {"train": {"batch_size": 2 * rows}}), 0, hardware)
     rows4, rows1 = plan(4, "tpu-v5p"), plan(1, "tpu-v5p")
     assert rows4["times"]["collective_bytes"]["all-reduce over cp"] == 4 * rows1["times"]["collective_bytes"]["reduce-scatter over cp"]
     assert "reduce-scatter over cp" not in rows4["times"]["collective_bytes"]
@@ -529,7 +529,7 @@ def test_search_lays_out_cp_where_the_model_allows_it():
     chunk (each listed one planned again from its printed flags), with every executor
     and expert parallelism among them, and none of moe1b, whose whole-sequence routing
     group straddles chunks."""
-    from planning import planner_search
+    from planning import search as planner_search
     cfg = apply_overrides(cp_config(dp=8), {"train": {"batch_size": 8}})
     ranked, tried, _ = planner_search.search(cfg, 8, "tpu-v5p", 0.5)
     with_cp = [r for r in ranked if r.cfg.mesh.cp > 1]
@@ -542,6 +542,6 @@ def test_search_lays_out_cp_where_the_model_allows_it():
         again = apply_overrides(cfg, {"mesh": {k: getattr(r.cfg.mesh, k) for k in ("dp", "cp", "pp", "tp", "expert_parallel")},
                                       "train": {k: getattr(r.cfg.train, k) for k in ("microbatches", "pipeline")},
                                       "model": {"remat": r.cfg.model.remat}})
-        assert planner.plan(again, 8, "tpu-v5p")["step_s_predicted"] == r.step_s
+        assert costs.plan(again, 8, "tpu-v5p")["step_s_predicted"] == r.step_s
     moe1b = parse_args(["--preset", "moe1b", "--mesh.dp", "8", "--mesh.pp", "1", "--mesh.tp", "1"])
     assert all(r.cfg.mesh.cp == 1 for r in planner_search.search(moe1b, 8, "tpu-v5p", 0.5)[0])

@@ -20,10 +20,9 @@ import jax
 import numpy as np
 import pytest
 
-import checkpoint
-import goodput
-from plots import draw_goodput
-from preemption import PREEMPTED_EXIT_CODE
+from runtime import checkpoint, goodput
+from runtime.plots import draw_goodput
+from runtime.preemption import PREEMPTED_EXIT_CODE
 from test_checkpoint import abstract_state, host, mesh_of, tiny_config
 from test_launch import SSH_OPTIONS, hosts_file, launcher, needs_ssh_and_tmux, repo, ssh_env, sshd  # noqa: F401  (fixtures)
 from test_multiprocess import REPO, TRAIN_FLAGS, data_flags, free_port, run_env, start_processes, stop_all, train_losses
@@ -187,7 +186,7 @@ import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_enable_preemption_service", False)
 jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
-from preemption import Preemption, jax_sync_manager
+from runtime.preemption import Preemption, jax_sync_manager
 with Preemption() as preemption:
     said = [jax_sync_manager() is None, preemption.jax_owns_sigterm, preemption.should_stop(1)]
     if jax.process_index() == 1:

@@ -16,18 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_model import random_tokens, tiny
 from test_pipeline import scheduled_grads
-from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, plain_loss, tiny_config, token_batch, train_steps
 
-from step import executor_1f1b
-from step import executor_accumulate
-from step import executor_gpipe
-import planner
-import sampling
-from flops import flops_per_token, part_flops_per_token, stage_flops_per_token
 from model import Transformer, decode_step, init_cache
-from step.train_steps import executor_of
+from parallel import accumulate as executor_accumulate
+from parallel import gpipe as executor_gpipe
+from parallel import one_f_one_b as executor_1f1b
+from parallel.steps import executor_of
+from planning import costs
+from runtime import sampling
+from runtime.flops import flops_per_token, part_flops_per_token, stage_flops_per_token
+from test_model import random_tokens, tiny
+from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, plain_loss, tiny_config, token_batch, train_steps
 from utils import ConfigError, apply_overrides, parse_args
 
 PREFIX = dict(first_dense=2, n_blocks=4)
@@ -150,7 +150,7 @@ def test_planner_puts_the_prefix_on_the_first_stage():
     assert sum(stages) == pytest.approx(flops_per_token(m))
     assert stages[0] - without[0] == pytest.approx(part_flops_per_token(m)["prefix"]) and stages[1] == pytest.approx(without[1])
     cfg = apply_overrides(prefix_config((1, 2, 1)), {"model": dict(dtype="float32")})
-    plan = planner.plan(cfg, 0, "tpu-v5p")
+    plan = costs.plan(cfg, 0, "tpu-v5p")
     assert plan["stage_flops_per_token"] == stages and plan["times"]["prefix_imbalance"] > 0
     assert any(k.startswith("dense prefix (stage 0)") for k in plan["activations"])
-    assert planner.plan(tiny_config((1, 2, 1), n_blocks=4), 0, "tpu-v5p")["times"]["prefix_imbalance"] == 0
+    assert costs.plan(tiny_config((1, 2, 1), n_blocks=4), 0, "tpu-v5p")["times"]["prefix_imbalance"] == 0

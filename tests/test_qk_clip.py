@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_parallel import RTOL, assert_tree_close, initial_params, tiny_config, train_steps
 
-from attention import MLAttention, rope_angles
-from step.step_core import qk_clip
+from model import MLAttention, rope_angles
+from parallel.step_core import qk_clip
+from test_parallel import RTOL, assert_tree_close, initial_params, tiny_config, train_steps
 from utils import ConfigError, apply_overrides, validate_model
 
 SCALED = {"wq_up_QHK": 0.5, "wk_up_AHK": 0.5, "wq_rope_QHR": 1.0}  # the power of gamma each weight is scaled by

@@ -1,4 +1,4 @@
-"""Quantized training (--model.quant, quant.py): the 8-bit products are the dequantized
+"""Quantized training (--model.quant, ops/quant.py): the 8-bit products are the dequantized
 products they claim to be, forward and backward, and a quantized step on a mesh equals
 the quantized step on one device (float32, test_parallel's bound)."""
 
@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import quant
 from jax.sharding import PartitionSpec as P
 
-from layers import project
+from model import project
+from ops import quant
 from planning import hlo_reader
 from test_parallel import assert_tree_close, tiny_config, train_steps
 from utils import PRESETS, Config, ConfigError, apply_overrides, validate_model
@@ -220,7 +219,7 @@ def test_low_precision_dot_flops_counts_the_8_bit_dots_alone():
 def test_the_planner_runs_the_quantized_share_at_the_chip_s_int8_peak():
     """moe1b's quantized matmuls are most of its FLOPs (not the router, the output layer,
     attention's scores); the step's peak is their int8 peak blended with bf16's for the rest."""
-    from planning import planner_model
+    from planning import costs as planner_model
     cfg = apply_overrides(apply_overrides(Config(), PRESETS["moe1b"]), {"model": dict(quant="int8")})
     share = planner_model.quantized_share(planner_model.shape_keys(cfg)[0])
     assert 0.5 < share < 1

@@ -1,5 +1,5 @@
 """DeepSeek-V3 routing: aux-loss-free bias balancing, group-limited routing, routed
-scaling, the sequence-wise balance loss (model.py, train_steps.make_train_step).
+scaling, the sequence-wise balance loss (model.py, steps.make_train_step).
 
 What is proved here: the bias update is the paper's formula on a hand-worked case; the
 bias changes which experts are chosen but never the gates; bias balancing brings a
@@ -22,18 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
+from model import MoE, balance_router_biases, balanced_bias, load_balance_loss, rope_angles, top_k_routing
+from parallel import optimizers
+from parallel.mesh import check_config_fits_mesh, global_batch, named
+from parallel.steps import make_train_step
+from parallel.weights import init_params, param_specs, weight_name
+from runtime import checkpoint
+from runtime.metrics import MetricsLog, read_metrics
+from runtime.plots import plot_run
 from test_checkpoint import REPO, data_cache, main_cmd, main_py  # noqa: F401  (data_cache: a fixture)
 from test_model import tiny
 from test_parallel import assert_same_step, mesh_for, tiny_config, token_batch
-
-import checkpoint
-import optimizers
-import parallel as par
-from metrics import MetricsLog, read_metrics
-from attention import rope_angles
-from moe import MoE, balance_router_biases, balanced_bias, load_balance_loss, top_k_routing
-from plots import plot_run
-from step.train_steps import make_train_step
 from utils import ConfigError, config_to_dict, parse_args
 
 # ----------------------------------------------------------------------------
@@ -225,30 +225,30 @@ def random_biases(params, seed=0):
     would not test that selection uses it)."""
     rng = np.random.default_rng(seed)
     return jax.tree_util.tree_map_with_path(
-        lambda p, a: rng.normal(0, 0.05, a.shape).astype(a.dtype) if par.weight_name(p) == "router_bias_E" else a, params)
+        lambda p, a: rng.normal(0, 0.05, a.shape).astype(a.dtype) if weight_name(p) == "router_bias_E" else a, params)
 
 
 def one_step_from(cfg, host_params, graphdef):
     mesh = mesh_for(cfg)
-    par.check_config_fits_mesh(cfg, mesh)
-    params = jax.device_put(host_params, par.named(mesh, par.param_specs(host_params, cfg.mesh.expert_parallel)))
+    check_config_fits_mesh(cfg, mesh)
+    params = jax.device_put(host_params, named(mesh, param_specs(host_params, cfg.mesh.expert_parallel)))
     optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
-    params, _, metrics = step(params, opt_state, par.global_batch(mesh, token_batch(cfg), cfg.train.batch_size), jnp.asarray(0))
+    params, _, metrics = step(params, opt_state, global_batch(mesh, token_batch(cfg), cfg.train.batch_size), jnp.asarray(0))
     return jax.device_get(metrics), jax.tree.map(np.asarray, params)
 
 
 @pytest.fixture(scope="module")
 def deepseek_start():
     cfg = tiny_config(**DEEPSEEK_V3)
-    graphdef, params = par.init_params(cfg.model, mesh_for(cfg), False, cfg.run.seed)
+    graphdef, params = init_params(cfg.model, mesh_for(cfg), False, cfg.run.seed)
     host = random_biases(jax.device_get(params))
     return graphdef, host, one_step_from(cfg, host, graphdef)
 
 
 def biases_of(params):
-    return [a for p, a in jax.tree_util.tree_flatten_with_path(params)[0] if par.weight_name(p) == "router_bias_E"]
+    return [a for p, a in jax.tree_util.tree_flatten_with_path(params)[0] if weight_name(p) == "router_bias_E"]
 
 
 def test_one_device_step_moves_the_bias_by_the_global_load(deepseek_start):
@@ -287,7 +287,7 @@ def test_bias_checkpoint_restores_onto_another_mesh(tmp_path, deepseek_start):
     graphdef, start, _ = deepseek_start
     cfg = tiny_config((2, 2, 2), **DEEPSEEK_V3)
     mesh = mesh_for(cfg)
-    params = jax.device_put(start, par.named(mesh, par.param_specs(start, False)))
+    params = jax.device_put(start, named(mesh, param_specs(start, False)))
     optimizer = optimizers.make_optimizer(cfg.train)
     manager = checkpoint.checkpoint_manager(str(tmp_path), keep=2)
     checkpoint.save_checkpoint(manager, 3, params, optimizers.init_opt_state(optimizer, params, mesh),
@@ -296,7 +296,7 @@ def test_bias_checkpoint_restores_onto_another_mesh(tmp_path, deepseek_start):
 
     other = tiny_config((8, 1, 1), True, **DEEPSEEK_V3)
     other_mesh = mesh_for(other)
-    target = jax.device_put(jax.tree.map(np.zeros_like, start), par.named(other_mesh, par.param_specs(start, True)))
+    target = jax.device_put(jax.tree.map(np.zeros_like, start), named(other_mesh, param_specs(start, True)))
     restored, _, meta = checkpoint.restore_checkpoint(manager, target, optimizers.init_opt_state(optimizer, target, other_mesh), other.model)
     assert meta["step"] == 3
     for got, want in zip(biases_of(jax.device_get(restored)), biases_of(start)):
@@ -389,10 +389,10 @@ def test_mtp_loss_equals_a_truncated_reference_and_sampling_ignores_mtp(deepseek
     np.testing.assert_allclose(metrics["mtp_loss"], jax.jit(reference_mtp_loss)(model, tokens_BT1), rtol=1e-5)
 
     without = tiny_config(**dict(DEEPSEEK_V3, mtp_depth=0))
-    _, params_without = par.init_params(without.model, mesh_for(without), False, cfg.run.seed)
+    _, params_without = init_params(without.model, mesh_for(without), False, cfg.run.seed)
     params_without = jax.device_get(params_without)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params_without)[0]:
-        if par.weight_name(path) != "router_bias_E":  # (the start's biases were randomised)
+        if weight_name(path) != "router_bias_E":  # (the start's biases were randomised)
             np.testing.assert_array_equal(leaf, functools.reduce(lambda t, k: t[k.key], path, start), err_msg=str(path))
     assert "mtp" in start and "mtp" not in params_without
 

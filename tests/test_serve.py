@@ -90,8 +90,9 @@ def server(server_process):
 @pytest.fixture(scope="module")
 def loaded(run, server_process):
     """The run's model in this process, loaded as `--mode sample` loads it
-    (runs.load_run_params, on one device), while the server starts."""
-    from runs import host_params, load_run_params
+    (modes.load_run_params, on one device), while the server starts."""
+    from runtime.sampling import host_params
+    from serving.modes import load_run_params
     from utils import parse_args
 
     cfg, graphdef, params = load_run_params(parse_args([*run, "--mode", "sample"]), jax.devices()[:1])
@@ -148,9 +149,9 @@ def streamed_text(events, index=0):
 
 def sample_cli(loaded, prompt, max_tokens, temperature, top_k=40, seed=0):
     """What `python main.py --mode sample` prints with these --sample.* flags:
-    sampling.generate, the function it prints (runs.sample_from_run -> samples_from_params)."""
+    sampling.generate, the function it prints (modes.sample_run -> samples_from_params)."""
     from dataset import get_tokenizer
-    from sampling import generate
+    from runtime.sampling import generate
 
     cfg, params = loaded
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
@@ -494,8 +495,8 @@ def test_a_chunked_body_over_the_limit_is_413_before_it_ends(server):
 def test_a_long_text_prompt_is_refused_before_it_is_tokenized():
     """A text of more than window x (the longest token's characters) is more tokens than
     the window: a 400 from its length alone, the tokenizer never asked for it."""
-    from serving import serve
     from dataset import Tokenizer
+    from serving import serve
 
     asked = []
 
@@ -514,8 +515,8 @@ def test_a_long_text_prompt_is_refused_before_it_is_tokenized():
 def test_usage_counts_the_end_of_text_token_that_max_tokens_counts():
     """The engine counts every sampled token against max_tokens, end-of-text included;
     usage.completion_tokens counts the same tokens."""
-    from serving import serve
     from dataset import get_tokenizer
+    from serving import serve
 
     tokenizer = get_tokenizer("bytes")
     choice = serve.Choice(0, "KING", tokenizer.encode("KING"), tokenizer, [], None, False)
@@ -595,8 +596,8 @@ def test_tensor_parallel_engine_decodes_what_the_one_device_server_does(loaded, 
     import re
 
     from dataset import get_tokenizer
+    from runtime.sampling import decode_slots
     from serving.engine import Engine, Sequence
-    from sampling import decode_slots
 
     cfg, params = loaded
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]

@@ -1,4 +1,4 @@
-"""--model.attention splash (splash_attention.py): MLA attention through JAX's Pallas
+"""--model.attention splash (ops/splash.py): MLA attention through JAX's Pallas
 splash kernel, run in interpret mode on CPU, equals the matmul attention (float32):
 one attention layer's output, max logits and gradients, and two whole train steps
 (losses, grad norms, every gradient leaf via the optimizer moments, the params) on one
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_blockwise_attention import small_attention_config
-from test_parallel import assert_same_steps, tiny_config, train_steps
 
-from attention import MLAttention, rope_angles
+from model import MLAttention, rope_angles
+from test_parallel import assert_same_steps, tiny_config, train_steps
 from utils import ConfigError, apply_overrides, parse_args
 
 T = 256  # two blocks of 128 (the kernel's smallest): one skipped above the diagonal

@@ -1,6 +1,6 @@
 """The real TPU compiler, on this CPU (libtpu, requirements-test.txt): every preset's
 mesh is valid on the pods people use, the train step compiles for them, fits their
-HBM, emits the collectives that parallel.py says it does, and the planner's bytes are
+HBM, emits the collectives that parallel/mesh.py says it does, and the planner's bytes are
 within 15% of the compiler's. The devices are the pod slices' own (jax.experimental.
 topologies: real chip coordinates and process indices); nothing runs on them.
 """
@@ -12,14 +12,13 @@ import jax
 import numpy as np
 import pytest
 
-import parallel as par
-import planner
-from planning import hlo_reader
-from planning import tpu_compile
-import weights
-from step.train_steps import make_train_step
-from utils import PRESETS, Config, MeshConfig, apply_overrides
-from weights import WEIGHTS
+from model import abstract_model, abstract_params
+from parallel.fsdp import gather_packed, gather_weight, unpack_packed
+from parallel.mesh import batch_spec, make_mesh, process_rows
+from parallel.steps import make_train_step
+from parallel.weights import WEIGHTS, weight_name
+from planning import cli, costs, hlo_reader, tpu_compile
+from utils import DP, PP, PRESETS, TP, Config, MeshConfig, apply_overrides
 
 pytest.importorskip("libtpu")
 
@@ -65,7 +64,7 @@ def test_jax_make_mesh_cannot_map_the_reference_mesh(devices_of):
     """Why make_mesh does more than call jax.make_mesh: the reference 1B run's mesh
     (dp8 x pp2 x tp2 on a v4-64) has no assignment there."""
     with pytest.raises(NotImplementedError):
-        jax.make_mesh((8, 2, 2), (par.DP, par.PP, weights.TP), devices=devices_of("v4-64"))
+        jax.make_mesh((8, 2, 2), (DP, PP, TP), devices=devices_of("v4-64"))
 
 
 @pytest.mark.parametrize("pod, shape", [(pod, shape) for pod, shapes in POD_MESHES.items() for shape in shapes],
@@ -76,7 +75,7 @@ def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
     (from the topology's real process indices) are exactly the rows of the dp rows its
     devices sit in."""
     devices = devices_of(pod)
-    mesh = par.make_mesh(MeshConfig(*shape), devices)
+    mesh = make_mesh(MeshConfig(*shape), devices)
     dp, pp, tp = shape
     assert mesh.devices.shape == (1, dp, 1, pp, tp)  # one slice, no cp
     grid = mesh.devices[0, :, 0]
@@ -91,7 +90,7 @@ def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
         dp_rows = sorted({i for i in range(dp) for d in grid[i].flat if d.process_index == process})
         assert len(dp_rows) == math.ceil(per_host / (pp * tp))
         expected = [r for i in dp_rows for r in range(i * rows_per_dp, (i + 1) * rows_per_dp)]
-        assert list(par.process_rows(mesh, batch, process)) == expected
+        assert list(process_rows(mesh, batch, process)) == expected
 
 
 # ----------------------------------------------------------------------------
@@ -160,21 +159,21 @@ def compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=True
     """{"plan", "tpu" (memory), "collectives", "hbm", ...} of the compiled train step
     (and the eval step's collectives)."""
     cfg = case_config(preset, shape, expert_parallel, overrides, **model)
-    mesh = par.make_mesh(cfg.mesh, devices_of(pod))
+    mesh = make_mesh(cfg.mesh, devices_of(pod))
     hardware = tpu_compile.pod_type(pod).hardware
     compiled = tpu_compile.compile_steps(cfg, mesh, eval_step, hardware)
-    params = planner.abstract_params(cfg.model)
+    params = abstract_params(cfg.model)
     gathered = {k: v for k, v in params.items() if k != "final_norm"}  # (norm scales are not FSDP-split)
     if expert_parallel:  # each rank's experts' gradients come back by the all-to-all: nothing to reduce over dp
-        gathered = jax.tree_util.tree_map_with_path(lambda path, w: None if WEIGHTS[par.weight_name(path)].routed else w, gathered)
+        gathered = jax.tree_util.tree_map_with_path(lambda path, w: None if WEIGHTS[weight_name(path)].routed else w, gathered)
     hlo = compiled["train"].as_text()
-    return dict(plan=planner.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]), log=compiled["log"]["train"], hlo=hlo,
+    return dict(plan=costs.plan(cfg, 0, hardware), tpu=tpu_compile.memory_bytes(compiled["train"]), log=compiled["log"]["train"], hlo=hlo,
                 collectives=hlo_reader.collectives(hlo, shape), ops=hlo_reader.collective_ops(hlo, shape),
                 dot_flops=hlo_reader.dot_flops(hlo),
                 busiest_bytes=hlo_reader.busiest_collective_bytes(hlo, shape),
                 eval_collectives=hlo_reader.collectives(compiled["eval"].as_text(), shape) if eval_step else None,
-                fsdp_gradient_bytes=planner.gathered_bytes(gathered, expert_parallel, dict(zip((par.DP, par.PP, weights.TP), shape), cp=1), 4, False),
-                hbm=planner.HARDWARE[hardware].memory_bytes, seconds=compiled["seconds"], muon=cfg.train.optimizer == "muon",
+                fsdp_gradient_bytes=costs.gathered_bytes(gathered, expert_parallel, dict(zip((DP, PP, TP), shape), cp=1), 4, False),
+                hbm=costs.HARDWARE[hardware].memory_bytes, seconds=compiled["seconds"], muon=cfg.train.optimizer == "muon",
                 prefix=cfg.model.first_dense > 0)
 
 
@@ -201,7 +200,7 @@ def kinds_over(collectives):
 
 def gradient_reduction_bytes(collectives, expert_parallel=False):
     """{dtype: bytes} of reductions spanning dp: the FSDP reduce-scatters of the
-    gradients (all-to-alls: parallel.scatter_by_all_to_all) and the loss and norm psums.
+    gradients (all-to-alls: fsdp.scatter_by_all_to_all) and the loss and norm psums.
     The all-to-alls include Muon's float32 ones, if any (a lower bound stays one); under
     expert parallelism only the float32 ones count (the dispatch's are activations)."""
     out = {}
@@ -213,7 +212,7 @@ def gradient_reduction_bytes(collectives, expert_parallel=False):
 
 
 def check_collectives(case, shape, expert_parallel):
-    """What parallel.py says runs where: FSDP all-gathers over (axes with) dp and
+    """What parallel/mesh.py says runs where: FSDP all-gathers over (axes with) dp and
     reduces every weight's gradient over them, in float32 and none in bfloat16; TP
     all-reduces over tp; the pipeline ppermutes over pp; expert parallelism all-to-alls
     over dp, Muon over the axes of its matrices' shards."""
@@ -227,7 +226,7 @@ def check_collectives(case, shape, expert_parallel):
     if pp > 1:
         assert kinds["collective-permute"] == {"pp"}
     # all-to-alls: the FSDP gradients' reduce-scatters over the axes their weights are
-    # gathered over (parallel.scatter_by_all_to_all), expert parallelism's dispatch over
+    # gathered over (fsdp.scatter_by_all_to_all), expert parallelism's dispatch over
     # dp, and Muon's (moe1b's optimizer) momentum shards to each matrix's owner and back,
     # over the axes that split the matrix (optimizers.owner_orthogonal); nothing else
     # moves data all-to-all
@@ -289,7 +288,7 @@ def test_step_compiles_fits_and_emits_the_intended_collectives(compiled_cases, n
 def test_gather_once_reduce_scatters_the_gradients_over_dp(devices_of):
     """dp 32 on a v4-64 (a 2x4x4 group of chips), the blocks gathered once per step: the
     float32 gradients leave the step reduce-scattered over dp, each device receiving
-    only its shard (parallel.scatter_by_all_to_all: an all-to-all and a local sum). The
+    only its shard (fsdp.scatter_by_all_to_all: an all-to-all and a local sum). The
     float32 all-reduces over dp left are the losses' sums and the replicated norm
     scales' gradients (n_blocks x d_model each at most), never a whole FSDP gradient:
     libtpu lowers a psum_scatter over this group to an all-reduce of all of it (at
@@ -321,11 +320,11 @@ def test_embedding_gradient_accumulates_in_float32_over_microbatches():
     loss; the loop over microbatches carries its gradient in float32 (a bfloat16 carry
     rounds at every microbatch). Read off the train step's jaxpr on 8 CPU devices."""
     cfg = apply_overrides(case_config("tiny", (2, 2, 2), False), {"train": dict(microbatches=4)})
-    mesh = par.make_mesh(cfg.mesh, jax.devices()[:8])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:8])
     optimizer, params, opt_state = tpu_compile.abstract_state(cfg, mesh)
-    step = make_train_step(planner.abstract_model(cfg.model)[0], cfg, mesh, optimizer, params, opt_state)
+    step = make_train_step(abstract_model(cfg.model)[0], cfg, mesh, optimizer, params, opt_state)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
-                                  sharding=jax.sharding.NamedSharding(mesh, par.batch_spec()))
+                                  sharding=jax.sharding.NamedSharding(mesh, batch_spec()))
     jaxpr = jax.make_jaxpr(step)(params, opt_state, tokens, np.int32(0))
     embed_shape = (params["embed_VD"].shape[0] // 2, params["embed_VD"].shape[1])  # V/tp x D
     carries = [aval for aval in scan_carries(jaxpr.jaxpr) if tuple(aval.shape) == embed_shape]
@@ -375,7 +374,7 @@ def test_planner_tpu_prints_the_compiler_beside_the_planner(preset):
     from contextlib import redirect_stdout
     out = io.StringIO()
     with redirect_stdout(out):
-        planner.main(["--preset", preset, "--tpu", "v4-64", *[f"--model.{k}={v}" for k, v in SMALL_REAL.items()]])
+        cli.main(["--preset", preset, "--tpu", "v4-64", *[f"--model.{k}={v}" for k, v in SMALL_REAL.items()]])
     text = out.getvalue()
     arguments = re.search(r"^arguments \(params \+ optimizer \+ batch\) +([0-9.]+) GiB +([0-9.]+) GiB +1\.00$", text, re.M)
     assert arguments and arguments.group(1) == arguments.group(2), text
@@ -497,7 +496,7 @@ def compile_fsdp_scan_gradient(reduce_scatter):
     bf16 = jax.numpy.bfloat16
 
     def gather(w_shard):
-        return plain_gather(w_shard) if reduce_scatter else par.gather_weight(w_shard, ("dp",), 0, bf16, bf16, bf16)
+        return plain_gather(w_shard) if reduce_scatter else gather_weight(w_shard, ("dp",), 0, bf16, bf16, bf16)
 
     def loss(w_LDD, x_BD):
         h, _ = jax.lax.scan(lambda h, w_shard: (jax.numpy.tanh(h @ gather(w_shard)), None), x_BD, w_LDD)
@@ -507,7 +506,7 @@ def compile_fsdp_scan_gradient(reduce_scatter):
 
 @pytest.mark.parametrize("reduce_scatter", [False, True])
 def test_fsdp_gradient_all_to_alls_overlap_the_backward_matmuls(reduce_scatter):
-    """Why every FSDP gradient is an all-to-all (parallel.scatter_by_all_to_all): each
+    """Why every FSDP gradient is an all-to-all (fsdp.scatter_by_all_to_all): each
     layer's gradient all-to-all runs beside the same layer's other backward matmul (the
     input's gradient), all 4 layers' bytes overlapped; as a reduce-scatter, the compiler
     runs none of it beside a matmul."""
@@ -524,15 +523,15 @@ def test_one_collective_per_loop_step_overlaps_so_a_block_gathers_packed(packed)
     scan over 4 layers of 4 [1024, 1024] bf16 weights each, the next layer's weights
     gathered beside this layer's matmuls, the compiled schedule hides one all-gather
     of each loop step: gathered one by one, 1 of the 4 (6 of 32 MiB, 3 steps); packed
-    (parallel.gather_packed, cut out in the next step by unpack_packed), all 3 steps'
+    (fsdp.gather_packed, cut out in the next step by unpack_packed), all 3 steps'
     (24 MiB; the first layer's, before the loop, waits)."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
     n, k = 4, 4
     bf16, f32 = jax.numpy.bfloat16, jax.numpy.float32
     if packed:
-        fetch = lambda w_kDD: par.gather_packed(list(w_kDD), ("dp",), bf16, f32)  # noqa: E731
-        unpack = lambda buf: par.unpack_packed(buf, n, [((SCAN_WIDTH // n, SCAN_WIDTH), 0)] * k)  # noqa: E731
+        fetch = lambda w_kDD: gather_packed(list(w_kDD), ("dp",), bf16, f32)  # noqa: E731
+        unpack = lambda buf: unpack_packed(buf, n, [((SCAN_WIDTH // n, SCAN_WIDTH), 0)] * k)  # noqa: E731
     else:
         fetch, unpack = (lambda w_kDD: [plain_gather(w) for w in w_kDD]), (lambda ws: ws)
 
@@ -562,14 +561,14 @@ def test_one_collective_per_loop_step_overlaps_so_a_block_gathers_packed(packed)
 def test_prefetched_block_gathers_overlap_the_blocks_matmuls(devices_of, monkeypatch, prefetch):
     """The scaled-down moe1b with 4 blocks, dp 4 on a v4-8, one microbatch, remat none:
     apply_blocks fetches block i + 1's weights, packed into one all-gather
-    (parallel.fetch_for_use), beside block i, and the compiled schedule runs every
+    (fsdp.fetch_for_use), beside block i, and the compiled schedule runs every
     fetch in the loop under the matmuls (the first block's, before it, and the
     embedding's wait): over 60% of the gathered bytes (70% with the last block
     peeled, which fetched one block less). Without the prefetch (each of a block's
     weights gathered just before its matmul needs it), 0. ~1-2 min each here."""
     if not prefetch:
-        from step import step_core
-        monkeypatch.setattr(step_core, "prefetches_gathers", lambda cfg, passes: False)
+        from parallel import fsdp
+        monkeypatch.setattr(fsdp, "prefetches_gathers", lambda cfg, passes: False)
     case = compile_case(devices_of, "moe1b-small", "v4-8", (4, 1, 1), False, eval_step=False,
                         overrides=dict(train=dict(microbatches=1), model=dict(remat="none", n_blocks=4)))
     gathers = hlo_reader.overlap(case["hlo"], (4, 1, 1))["by kind"][("all-gather", "dp")]
@@ -762,7 +761,7 @@ def test_tpu_search_compiles_the_top_layout_and_prints_the_compilers_figures_bes
     model_flags = [f"--model.{k}={v}" for k, v in SMALL_MOE1B.items()]
     out = io.StringIO()
     with redirect_stdout(out):
-        planner.main(["--preset", "moe1b", "--tpu", "v4-64", "--search", "--compile", "1", "--top", "3",
+        cli.main(["--preset", "moe1b", "--tpu", "v4-64", "--search", "--compile", "1", "--top", "3",
                       "--train.batch_size", "64", *model_flags])
     text = out.getvalue()
     block = text[text.index("the top 1 compiled for v4-64"):]
@@ -800,11 +799,11 @@ def test_cp8_at_32k_tokens_gathers_the_latent_over_cp_fits_and_the_planner_is_wi
     cfg = apply_overrides(cfg, {"model": dict(SMALL_MOE1B, **LONG_CP),
                                 "mesh": dict(dp=4, cp=8, pp=1, tp=2), "train": dict(batch_size=4, microbatches=1)})
     pod = tpu_compile.pod_type("v5p-128")
-    mesh = par.make_mesh(cfg.mesh, devices_of("v5p-128"))
+    mesh = make_mesh(cfg.mesh, devices_of("v5p-128"))
     compiled = tpu_compile.compile_steps(cfg, mesh, eval_step=False, hardware=pod.hardware)
-    plan = planner.plan(cfg, 0, pod.hardware)
+    plan = costs.plan(cfg, 0, pod.hardware)
     tpu = tpu_compile.memory_bytes(compiled["train"])
-    assert tpu_compile.fits(tpu, compiled["log"]["train"], planner.HARDWARE[pod.hardware].memory_bytes)
+    assert tpu_compile.fits(tpu, compiled["log"]["train"], costs.HARDWARE[pod.hardware].memory_bytes)
     live_total = tpu_compile.live_total(tpu, compiled["log"]["train"])
     # The planner models blocking collectives. With devices.TPU_OVERLAP_FLAGS (what a pod
     # runs, and what tpu_compile loads libtpu with) the compiler's live total here is 345 MB

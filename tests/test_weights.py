@@ -1,6 +1,6 @@
-"""The weight table (weights.py): every parameter of the model has a row and every row a
+"""The weight table (parallel/weights.py): every parameter of the model has a row and every row a
 parameter, each row fits its weight's shape, the README's copy is the table, and a
-weight with no row is an error that names weights.py. Shapes only (nnx.eval_shape)."""
+weight with no row is an error that names parallel/weights.py. Shapes only (nnx.eval_shape)."""
 
 import glob
 import os
@@ -9,11 +9,10 @@ import jax
 import pytest
 from flax import nnx
 
-import optimizers
-import parallel as par
-import weights
 from model import Transformer
-from utils import PRESETS, Config, apply_overrides
+from parallel import optimizers
+from parallel.weights import EXPERT, FSDP, WEIGHTS, is_stacked, markdown_table, shape_letters, weight_layout, weight_name
+from utils import CP, DP, PP, PRESETS, TP, Config, apply_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET_NAMES = ("shakespeare", "tiny", "deepseek_v3", "moe1b")  # shakespeare: the default
@@ -35,58 +34,58 @@ def preset_params():
 
 
 def test_every_parameter_has_a_row_and_every_row_a_parameter(preset_params):
-    names = {preset: {weights.weight_name(path) for path, _ in leaves} for preset, leaves in preset_params.items()}
+    names = {preset: {weight_name(path) for path, _ in leaves} for preset, leaves in preset_params.items()}
     for preset, used in names.items():
-        no_row = sorted(used - weights.WEIGHTS.keys())
-        assert not no_row, f"{preset}: parameters {no_row} have no row in weights.WEIGHTS"
-    no_parameter = sorted(weights.WEIGHTS.keys() - set().union(*names.values()))
+        no_row = sorted(used - WEIGHTS.keys())
+        assert not no_row, f"{preset}: parameters {no_row} have no row in WEIGHTS"
+    no_parameter = sorted(WEIGHTS.keys() - set().union(*names.values()))
     assert not no_parameter, f"rows {no_parameter} are no parameter of the presets {PRESET_NAMES} or {list(OPTIONS)}"
 
 
 def test_every_row_fits_its_weights_shape(preset_params):
     for leaves in preset_params.values():
         for path, leaf in leaves:
-            name = weights.weight_name(path)
-            assert leaf.ndim == len(weights.shape_letters(name)) + weights.is_stacked(path), jax.tree_util.keystr(path)
-    for name, w in weights.WEIGHTS.items():
-        letters = weights.shape_letters(name)
+            name = weight_name(path)
+            assert leaf.ndim == len(shape_letters(name)) + is_stacked(path), jax.tree_util.keystr(path)
+    for name, w in WEIGHTS.items():
+        letters = shape_letters(name)
         assert len(w.dims) == len(letters), name
-        assert set(w.dims) <= {None, weights.TP, weights.EXPERT, weights.FSDP} and w.dims.count(weights.FSDP) <= 1, name
-        assert w.routed == (w.dims[0] == weights.EXPERT) == (letters[0] == "E" and len(letters) > 1), name
+        assert set(w.dims) <= {None, TP, EXPERT, FSDP} and w.dims.count(FSDP) <= 1, name
+        assert w.routed == (w.dims[0] == EXPERT) == (letters[0] == "E" and len(letters) > 1), name
         if w.muon or w.fan_in is not None:  # a matmul's weight: batch dims, >= 1 fan-in and >= 1 fan-out dims
             batch, fan_in = w.muon_dims
             assert fan_in is not None and fan_in >= 1 and batch + fan_in < len(letters), name
         assert w.trained or not w.muon, name
     # Weights in one HF tensor are laid out alike; the routed experts' names say where the expert goes.
-    for name, w in weights.WEIGHTS.items():
+    for name, w in WEIGHTS.items():
         if w.hf is not None:
             assert ("{e}" in w.hf.name) == w.routed == (w.hf.fused is not None), name
-            for other, v in weights.WEIGHTS.items():
+            for other, v in WEIGHTS.items():
                 if v.hf is not None and v.hf.name == w.hf.name:
                     assert (v.fan_in, v.routed) == (w.fan_in, w.routed), (name, other)
 
 
 def test_readme_holds_the_table():
-    """The README's sharding table is weights.markdown_table() (`python weights.py`
+    """The README's sharding table is markdown_table() (`python parallel/weights.py`
     prints it), so it cannot drift from the table the code reads. (It may move to docs/.)"""
-    table = "\n\n" + weights.markdown_table() + "\n"  # the whole table: a blank line before and after
+    table = "\n\n" + markdown_table() + "\n"  # the whole table: a blank line before and after
     places = [p for p in [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
               if table in open(p).read()]
-    assert len(places) == 1, f"README.md (or one docs/*.md) should hold `python weights.py`'s table, exactly; found in {places}"
+    assert len(places) == 1, f"README.md (or one docs/*.md) should hold `python parallel/weights.py`'s table, exactly; found in {places}"
 
 
 def test_a_weight_with_no_row_is_an_error_naming_weights_py():
     path = (jax.tree_util.DictKey("blocks"), jax.tree_util.DictKey("w_new_DX"))
-    for read in (lambda: par.weight_layout("w_new_DX", True, False), lambda: optimizers.is_matrix(path),
+    for read in (lambda: weight_layout("w_new_DX", True, False), lambda: optimizers.is_matrix(path),
                  lambda: optimizers.matrix_dims(path, 3)):
-        with pytest.raises(KeyError, match="w_new_DX.*add one to weights.py"):
+        with pytest.raises(KeyError, match="w_new_DX.*add one to parallel/weights.py"):
             read()
 
 
 def test_readers_read_the_table():
     """parallel's layout and Muon's matrix dims are the rows' (a few rows, by hand)."""
-    assert par.weight_layout("wq_up_QHK", True, False)[0] == (par.PP, (par.DP, par.CP), weights.TP, None)  # stored over dp x cp
-    assert par.weight_layout("w_gate_EDF", False, True)[0] == (par.DP, (par.CP, par.PP), weights.TP)
+    assert weight_layout("wq_up_QHK", True, False)[0] == (PP, (DP, CP), TP, None)  # stored over dp x cp
+    assert weight_layout("w_gate_EDF", False, True)[0] == (DP, (CP, PP), TP)
     stacked = (jax.tree_util.DictKey("blocks"), jax.tree_util.DictKey("wo_HKD"))
     assert optimizers.matrix_dims(stacked, 4) == ((0,), (1, 2), (3,))
     expert = (jax.tree_util.DictKey("w_down_EFD"),)

@@ -1,0 +1,107 @@
+"""Context parallelism (--mesh.cp): every sequence split over the cp axis, with
+attention gathering the MLA latent over cp. Shape legend: model.py's docstring;
+L = T / (2 cp), the length of one chunk.
+
+Which tokens a rank holds: the sequence is cut into 2 cp chunks of L tokens, and rank
+i holds chunks i and 2cp-1-i, which gives every rank the same causal-attention work
+(docs/parallelism.md, "What crosses cp").
+
+What crosses cp: per attention layer, one all-gather of the latent c_KV [A] and the
+shared RoPE key [R] of every rank's tokens; each rank up-projects keys and values
+[H, K] from the gathered latent itself. Autodiff makes the all-gather's transpose a
+reduce-scatter of the latent's gradient. Everything per token (norms, FFN, MoE, the
+loss) runs on the rank's 2L tokens; RoPE and the causal mask use global positions, so
+the numbers are those of one device. utils.context_parallel_checks says what cp needs
+of the model (routing groups and attention blocks within a chunk, among others).
+
+Every cp rank receives the whole rows of its (slice, dp) share of the batch and reads
+its chunks' inputs and targets out of them (local_inputs, local_targets; MTP reads a
+few tokens past a chunk's end).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ops.collectives import live_axes
+
+
+def chunk_positions(seq_len, cp, rank, xp=jnp):
+    """The global positions [2L] of rank `rank`'s tokens: chunk rank, then chunk 2cp-1-rank.
+    (xp = np for a rank known when tracing.)"""
+    L = seq_len // (2 * cp)
+    return xp.concatenate([rank * L + xp.arange(L), (2 * cp - 1 - rank) * L + xp.arange(L)])
+
+
+def gathered_positions(seq_len, cp):
+    """The global positions [T] of the keys in the order all_gather over cp puts them: rank-major."""
+    return np.concatenate([chunk_positions(seq_len, cp, rank, np) for rank in range(cp)])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SequenceChunks:
+    """What attention needs under context parallelism, passed down where the RoPE angles
+    go (MLAttention.__call__ takes either): the angles of this rank's tokens, their
+    global positions q_pos_T [2L], the global positions k_pos_S [T] of the gathered
+    keys, and the cp axis to gather over.
+
+    Under the automatic executor (--mesh.sharding auto) the program is global: the
+    tokens are every rank's chunks in rank order, [T] of them, their sequence dim split
+    over cp by a sharding constraint (executor_auto). There no collective is written:
+    `whole` is the spec that asks the compiler for the latent whole over cp where keys
+    and values are made from it, and the compiler chooses what it moves.
+    """
+    angles: jax.Array
+    q_pos_T: jax.Array
+    k_pos_S: jax.Array
+    axis: str = dataclasses.field(metadata=dict(static=True))
+    whole: P | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def gather(self, kv_BTA, k_rope_BTR):
+        """The latent and RoPE key of every rank's tokens: [B, T, A], [B, T, R], one
+        all-gather over cp of A + R numbers per token."""
+        A = kv_BTA.shape[-1]
+        latent_BTW = jnp.concatenate([kv_BTA, k_rope_BTR.astype(kv_BTA.dtype)], axis=-1)
+        if live_axes(self.axis):
+            latent_BTW = jax.lax.all_gather(latent_BTW, self.axis, axis=1, tiled=True)
+        elif self.whole is not None:
+            latent_BTW = jax.lax.with_sharding_constraint(latent_BTW, self.whole)
+        return latent_BTW[..., :A], latent_BTW[..., A:].astype(k_rope_BTR.dtype)
+
+
+def sequence_axis(angles):
+    """The cp axis when attention runs on sequence chunks (angles is a SequenceChunks), else None."""
+    return angles.axis if isinstance(angles, SequenceChunks) else None
+
+
+def held_positions(angles):
+    """The global positions [2L] of this rank's tokens when it holds chunks of each
+    sequence (angles a SequenceChunks); None when it holds whole rows."""
+    return angles.q_pos_T if isinstance(angles, SequenceChunks) else None
+
+
+def token_positions(angles, T):
+    """The global positions [T] of the tokens a layer holds: 0..T-1, or this rank's chunks'."""
+    return angles.q_pos_T if isinstance(angles, SequenceChunks) else jnp.arange(T)
+
+
+def tokens_at(tokens_xTn, positions_T, k, T):
+    """Each row's tokens at positions p + k: a slice for the positions 0..T-1 of whole
+    rows (positions_T None, no cp), gathered at this rank's positions under cp."""
+    # Without cp a slice, not a gather: XLA:CPU aborts compiling the gather per microbatch
+    # under accumulation (test_executors).
+    return tokens_xTn[..., k:k + T] if positions_T is None else tokens_xTn[..., positions_T + k]
+
+
+def local_inputs(tokens_xT1, positions_T):
+    """The input tokens at this rank's positions (all of them without cp: positions None)."""
+    return tokens_at(tokens_xT1, positions_T, 0, tokens_xT1.shape[-1] - 1)
+
+
+def local_targets(tokens_xT1, positions_T):
+    """The next tokens of this rank's positions."""
+    return tokens_at(tokens_xT1, positions_T, 1, tokens_xT1.shape[-1] - 1)

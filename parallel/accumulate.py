@@ -1,0 +1,153 @@
+"""The gradient-accumulation executor (pp = 1, --train.pipeline gpipe, --mesh.sharding
+manual): (loss, metrics, grads) with one microbatch's activations alive, whatever
+--train.microbatches is, inside the shard_map step.
+
+A lax.scan over the M microbatches; each iteration runs one microbatch's forward and
+its backward (jax.vjp, seeded with the loss's derivatives with respect to the sums,
+step_core.sum_cotangents) and adds its weight gradients to float32 accumulators in the
+loop's carry. No backward pass needs another microbatch's activations, so they die
+with their iteration. (executor_gpipe took the gradient by autodiff through its forward
+scan, which keeps every microbatch's activations for the backward scan: on the default
+model at remat none, batch 32, the step's temporaries grew from 365 MB at M = 1 to
+499 MB at M = 8; here they shrink: docs/parallelism.md has the table.)
+
+FSDP (the block weights split over dp), --train.gather_once:
+  true   all blocks' weights are all-gathered once per step, before the loop; their
+         gradient is summed whole (float32) over the microbatches and reduce-scattered
+         once after it (fsdp.scatter_by_all_to_all, as every FSDP gradient). Holds
+         the gathered weights (compute dtype) and their float32 gradient for the whole step.
+  false  each microbatch gathers each block just before use and reduce-scatters that
+         block's gradient (M gathers and M reduce-scatters per step, as GPipe), holding
+         one block's gathered weights at a time (with remat none, its backward keeps
+         them all, as GPipe's does) and only the gradient shards; at remat none, layer
+         or stage the next block is fetched beside this one, packed into one gather
+         (model.apply_blocks's prefetch).
+  auto   (the default) once when M > 1 and that costs at most rules.GATHER_ONCE_SHARE
+         of the device's memory (gather_once_bytes; memory as jax reports it: TPU and
+         GPU), else per microbatch (also on CPU, which reports no memory): the rule is
+         rules.gathers_once, which the planner asks too.
+The embedding, dense prefix, final norm and MTP are gathered once per step either way
+(fsdp.gather_top), their gradient summed in float32 and reduce-scattered once.
+
+Everything else is the step core's: microbatches and per-row dropout keys, the loss
+and metrics from the summed sums, the MoE statistics for the router biases. Remat
+policies act inside each microbatch's vjp as under GPipe (model.apply_blocks; "stage"
+keeps only the microbatch's input, recomputing its forward in its backward).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model import apply_blocks, scan_blocks
+from ops.collectives import vary, widen
+from parallel import fsdp, rules
+from parallel import step_core as core
+from parallel.weights import is_trained, weight_name
+from utils import AXES, TP
+
+MANUAL = True  # runs inside jax.shard_map: every collective written out
+
+
+def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
+    """((loss, metrics), grads) of this device's shards: the numbers autodiff of
+    gpipe.loss gives, summed over the microbatches in another order."""
+    m_cfg = cfg.model
+    mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=core.first_row(tokens_bT1.shape[0]))
+    cot = core.sum_cotangents(cfg, jax.lax.axis_size(TP))
+    axes = core.layer_axes(cfg)
+    dtype = jnp.dtype(m_cfg.dtype)
+
+    top_local = {k: v for k, v in params.items() if k != "blocks"}
+    once = gathers_once(cfg, params["blocks"])
+    top, top_vjp = jax.vjp(lambda t: fsdp.gather_top(t, cfg), top_local)
+    if once:  # gathered in reduce_dtype (the gradient's way back), used in the compute dtype
+        blocks_wide, blocks_vjp = jax.vjp(lambda b: gather_stack(b, cfg), params["blocks"])
+        blocks, loop = to_compute_dtype(blocks_wide, dtype), scan_blocks
+    else:
+        # Typed as varying over every mesh axis before the loop, the weights that are
+        # replicated over an axis (norm scales; the router over tp) get their gradient
+        # summed over it once, by this pcast's transpose after the loop, not per
+        # microbatch; and the tie to each microbatch's tokens below changes no type.
+        blocks, blocks_vjp = jax.vjp(lambda b: jax.tree.map(lambda w: vary(w, AXES), b), params["blocks"])
+        loop = fsdp.block_loop(cfg, passes=1)
+
+    def microbatch_sums(top, blocks, tokens_bT1, keys_b):
+        """((cross-entropy, MTP, balance losses per block), MoE statistics) of one microbatch."""
+        model = nnx.merge(graphdef, {**top, "blocks": blocks})
+        x_bTD = model.embed_and_prefix(tokens_bT1, mb.angles, axes, keys_b, m_cfg.remat)
+
+        def run_blocks(x_bTD):
+            return apply_blocks(model.blocks, x_bTD, mb.angles, axes, keys_b, remat=m_cfg.remat, unroll=m_cfg.unroll_blocks,
+                                loop=loop)
+
+        if m_cfg.remat == "stage":  # all blocks are the one stage: keep only the microbatch's input
+            run_blocks = jax.checkpoint(run_blocks)
+        y_bTD, stats_N = run_blocks(x_bTD)
+        return model.head_sums(y_bTD, tokens_bT1, mb.angles, axes, keys_b) + core.balance_sums(stats_N), stats_N
+
+    def cotangents(sums):
+        return tuple(jnp.full_like(s, c) for s, c in zip(sums, (cot["ce"], cot["mtp"], cot["aux"], cot["seq_aux"])))
+
+    def step(carry, m):
+        tokens_bT1 = mb.tokens_MbT1[m]
+        keys_b = None if mb.keys_Mb is None else mb.keys_Mb[m]
+        # Per microbatch, tie the weights to this microbatch's tokens, so that their
+        # gathers stay in the loop (JAX would hoist them all out of it and keep every
+        # block's gathered weights for the whole step: the "once" that was not asked for).
+        blocks_m = blocks if once else jax.lax.optimization_barrier((blocks, tokens_bT1))[0]
+        sums, vjp, stats_N = jax.vjp(lambda t, b: microbatch_sums(t, b, tokens_bT1, keys_b), top, blocks_m, has_aux=True)
+        g_top, g_blocks = vjp(cotangents(sums))
+        add = lambda acc, g: acc + g.astype(acc.dtype)  # noqa: E731
+        return dict(g_top=jax.tree.map(add, carry["g_top"], g_top), g_blocks=jax.tree.map(add, carry["g_blocks"], g_blocks),
+                    ce=carry["ce"] + sums[0], mtp=carry["mtp"] + sums[1],
+                    stats=core.add_stats(carry["stats"], stats_N)), None
+
+    f32_zeros = lambda tree: jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), tree)  # noqa: E731
+    carry = dict(g_top=f32_zeros(top), g_blocks=f32_zeros(blocks), ce=jnp.zeros((), jnp.float32),
+                 mtp=jnp.zeros((), jnp.float32))
+    first = lambda t, b: microbatch_sums(t, b, mb.tokens_MbT1[0], None if mb.keys_Mb is None else mb.keys_Mb[0])  # noqa: E731
+    carry["stats"] = core.empty_stats(jax.eval_shape(first, top, blocks)[1])
+    for _ in range(2):  # settle the carry's types (which axes each sum varies over)
+        carry = widen(carry, jax.eval_shape(lambda c: step(c, 0)[0], carry))
+    carry, _ = jax.lax.scan(step, carry, jnp.arange(mb.tokens_MbT1.shape[0]))
+
+    g_top_local = top_vjp(jax.tree.map(lambda g, w: g.astype(w.dtype), carry["g_top"], top))[0]
+    g_blocks = blocks_vjp(jax.tree.map(lambda g, w: g.astype(w.dtype), carry["g_blocks"], blocks_wide if once else blocks))[0]
+    g_blocks = jax.tree.map(lambda g, w: g.astype(w.dtype), g_blocks, params["blocks"])
+    return core.loss_and_metrics(carry["ce"], carry["stats"], cfg, carry["mtp"]), {**g_top_local, "blocks": g_blocks}
+
+
+# ----------------------------------------------------------------------------
+# FSDP: once per step or per microbatch
+
+
+def gathers_once(cfg, blocks_local):
+    """Does this step all-gather the blocks once (True) or per microbatch (False)?
+    rules.gathers_once, asked with this device's blocks and memory."""
+    return rules.gathers_once(cfg, gather_once_bytes(blocks_local, cfg), device_memory())
+
+
+def device_memory():
+    """Bytes of memory of this process's first device, as jax reports it (None on CPU)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else stats.get("bytes_limit")
+
+
+def gather_once_bytes(blocks_local, cfg):
+    """What gathering once holds for the whole step, per device: the gathered block
+    weights in the compute dtype and their float32 gradient. (Traced shapes only.)"""
+    gathered = jax.eval_shape(lambda b: to_compute_dtype(gather_stack(b, cfg), jnp.dtype(cfg.model.dtype)), blocks_local)
+    return sum(w.size * (w.dtype.itemsize + 4) for w in jax.tree.leaves(gathered))
+
+
+def gather_stack(blocks_local, cfg):
+    """Every block's weights, gathered (fsdp.gather_for_use, whole_stack)."""
+    m = cfg.model
+    return fsdp.gather_for_use(blocks_local, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), whole_stack=True,
+                          reduce_dtype=jnp.dtype(m.grad_reduce_dtype))
+
+
+def to_compute_dtype(tree, dtype):
+    """Trained weights cast to the compute dtype; untrained state (router biases) as it is."""
+    return jax.tree_util.tree_map_with_path(lambda path, w: w.astype(dtype) if is_trained(weight_name(path)) else w, tree)

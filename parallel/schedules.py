@@ -1,0 +1,179 @@
+"""Pipeline schedules as data: which stage does what at every tick.
+
+A schedule says, for every tick and every stage, what that stage does: a forward (F)
+or backward (B) pass of one microbatch through one chunk of blocks, or nothing.
+
+    gpipe        all forwards, then all backwards; M microbatches' activations alive
+    1f1b         pp - 1 - s warm-up forwards on stage s, then one forward and one
+                 backward in turn (PipeDream-flush, arXiv:2006.09503): at most pp
+                 microbatches alive per stage
+    interleaved  1f1b over V chunks per device (Megatron's virtual stages,
+                 arXiv:2104.04473, section 2.2): stage s holds chunks s, s + pp, ...,
+                 so a microbatch passes every device V times; bubble
+                 (pp - 1) / (V M + pp - 1) instead of (pp - 1) / (M + pp - 1)
+
+`schedule(kind, pp, M, V)` builds the table by simulating the stages in lockstep (each
+stage runs its program in order, an op waits for its input from the neighbour's
+previous tick), and assigns every in-flight microbatch a slot of a fixed ring of
+buffers. `grid(...)` prints it. The executors run it: GPipe by autodiff
+(parallel/gpipe.py), 1f1b and interleaved tick by tick with a hand-written backward
+(parallel/one_f_one_b.py). planner.py and bench.py read the same table.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from utils import PIPELINE_SCHEDULES as SCHEDULES  # (one source of truth: the config)
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+# Fields of one table row: what stage s does at tick t, and where its buffers are.
+FIELDS = ("op", "microbatch", "chunk", "res_slot", "recv_x_slot", "grad_slot", "recv_grad_slot")
+
+
+# ----------------------------------------------------------------------------
+# The table
+
+
+def stage_program(kind, pp, M, V, s):
+    """The ordered ops [(op, microbatch, local chunk)] of stage s."""
+    if kind == "gpipe":
+        return [(FORWARD, m, 0) for m in range(M)] + [(BACKWARD, m, 0) for m in reversed(range(M))]
+    if kind == "1f1b":
+        warmup = min(pp - 1 - s, M)
+        forwards = [(m, 0) for m in range(M)]
+        backwards = forwards
+    else:  # interleaved: microbatches in groups of pp, each group through chunk 0, then 1, ...
+        warmup = min((pp - 1 - s) + (V - 1) * pp, M * V)
+        forwards = [((k // (pp * V)) * pp + k % pp, (k // pp) % V) for k in range(M * V)]
+        backwards = [(m, V - 1 - v) for m, v in forwards]
+    program = [(FORWARD, m, v) for m, v in forwards[:warmup]]
+    for i in range(len(forwards) - warmup):
+        program += [(FORWARD, *forwards[warmup + i]), (BACKWARD, *backwards[i])]
+    return program + [(BACKWARD, m, v) for m, v in backwards[len(forwards) - warmup:]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    kind: str
+    pp: int
+    microbatches: int
+    virtual_stages: int
+    table: np.ndarray  # [ticks, pp, len(FIELDS)] int32
+    res_slots: int  # ring slots of saved activations (the most microbatch-chunks in flight on a stage)
+    grad_slots: int  # ring slots of incoming gradients
+
+    @property
+    def ticks(self):
+        return self.table.shape[0]
+
+    def bubble(self):
+        """Idle share of the stage-ticks (forward and backward ticks counted alike)."""
+        return float(np.mean(self.table[..., 0] == IDLE))
+
+
+def schedule(kind, pp, M, V=1):
+    """Simulate the stages' programs in lockstep; return the Schedule."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {kind!r}")
+    V = V if kind == "interleaved" else 1
+    C = pp * V  # chunks; global chunk c = v * pp + s lives on stage s = c % pp
+    programs = [stage_program(kind, pp, M, V, s) for s in range(pp)]
+    done = {}  # (op, m, c) -> tick
+    position, last_tick, t = [0] * pp, [-1] * pp, 0
+    rows = []
+    while any(position[s] < len(programs[s]) for s in range(pp)):
+        row = [(IDLE, 0, 0)] * pp
+        for s in range(pp):
+            if position[s] == len(programs[s]):
+                continue
+            op, m, v = programs[s][position[s]]
+            c = v * pp + s
+            need = (FORWARD, m, c - 1) if op == FORWARD else (BACKWARD, m, c + 1) if c < C - 1 else (FORWARD, m, c)
+            if (op == FORWARD and c == 0) or done.get(need, t) < t:
+                row[s] = (op, m, v)
+        for s in range(pp):
+            if row[s][0] != IDLE:
+                op, m, v = row[s]
+                done[(op, m, v * pp + s)] = t
+                position[s] += 1
+                last_tick[s] = t
+        if all(r[0] == IDLE for r in row):
+            raise RuntimeError(f"schedule {kind} deadlocks at tick {t} (pp={pp}, M={M}, V={V})")
+        rows.append(row)
+        t += 1
+    table = np.zeros((len(rows), pp, len(FIELDS)), np.int32)
+    for t, row in enumerate(rows):
+        for s, (op, m, v) in enumerate(row):
+            table[t, s, :3] = (op, m, v)
+    res_slots, grad_slots = assign_slots(table, done, pp, M, V)
+    return Schedule(kind, pp, M, V, table, res_slots, grad_slots)
+
+
+def assign_slots(table, done, pp, M, V):
+    """Give every (microbatch, chunk) on its stage a slot of the saved-activation ring,
+    from when its input exists until its backward tick, and a slot of the gradient
+    ring, from when its output gradient arrives until the same tick. Fills the slot
+    columns of the table in place; a write with nothing to write goes to the last
+    slot (a trash slot). Returns (res_slots, grad_slots)."""
+    C = pp * V
+    res, grad = [[] for _ in range(pp)], [[] for _ in range(pp)]  # per stage: (start, end, m, v)
+    for m in range(M):
+        for c in range(C):
+            s, v, end = c % pp, c // pp, done[(BACKWARD, m, c)]
+            res[s].append((done[(FORWARD, m, c - 1)] + 1 if c > 0 else done[(FORWARD, m, c)], end, m, v))
+            grad[s].append((done[(BACKWARD, m, c + 1)] + 1 if c < C - 1 else done[(FORWARD, m, c)], end, m, v))
+
+    def colour(intervals):  # greedy interval colouring: slot -> free from tick
+        free_from, out = [], {}
+        for start, end, m, v in sorted(intervals):
+            slot = next((i for i, f in enumerate(free_from) if f <= start), len(free_from))
+            if slot == len(free_from):
+                free_from.append(0)
+            free_from[slot] = end + 1
+            out[(m, v)] = (slot, start)
+        return out, len(free_from)
+
+    n_res = n_grad = 0
+    res_of, grad_of = [], []
+    for s in range(pp):
+        r, n = colour(res[s])
+        g, k = colour(grad[s])
+        res_of.append(r)
+        grad_of.append(g)
+        n_res, n_grad = max(n_res, n), max(n_grad, k)
+    table[..., 3:] = -1
+    for t in range(table.shape[0]):
+        for s in range(pp):
+            op, m, v = table[t, s, :3]
+            if op != IDLE:
+                table[t, s, 3] = res_of[s][(m, v)][0]
+                table[t, s, 5] = grad_of[s][(m, v)][0]
+    for s in range(pp):
+        for (m, v), (slot, start) in res_of[s].items():
+            if v * pp + s > 0:  # an activation that arrives from the previous stage at `start`
+                table[start, s, 4] = slot
+        for (m, v), (slot, start) in grad_of[s].items():
+            if v * pp + s < C - 1:  # a gradient that arrives from the next stage at `start`
+                table[start, s, 6] = slot
+    table[..., 3] = np.where(table[..., 3] < 0, n_res, table[..., 3])
+    table[..., 4] = np.where(table[..., 4] < 0, n_res, table[..., 4])
+    table[..., 5] = np.where(table[..., 5] < 0, n_grad, table[..., 5])
+    table[..., 6] = np.where(table[..., 6] < 0, n_grad, table[..., 6])
+    return n_res, n_grad
+
+
+def grid(sched):
+    """The table as text: one row per stage, one column per tick. F3 = forward of
+    microbatch 3, B3 = its backward, . = idle; with V chunks, F3b = through the
+    stage's second chunk."""
+    V = sched.virtual_stages
+    cells = [[("." if op == IDLE else "FB"[op - 1] + str(m) + ("abcdefghijklmnop"[v] if V > 1 else ""))
+              for op, m, v in sched.table[:, s, :3]] for s in range(sched.pp)]
+    width = max(len(c) for row in cells for c in row)
+    head = (f"{sched.kind}: pp={sched.pp}, M={sched.microbatches}" + (f", V={V}" if V > 1 else "")
+            + f"; {sched.ticks} ticks, bubble {sched.bubble():.1%}, at most {sched.res_slots} microbatch"
+            + ("-chunks" if V > 1 else "es") + " in flight per stage")
+    lines = [head, "tick    " + " ".join(f"{t:<{width}}" for t in range(sched.ticks)).rstrip()]
+    lines += [f"stage {s} " + " ".join(f"{c:<{width}}" for c in row).rstrip() for s, row in enumerate(cells)]
+    return "\n".join(lines)

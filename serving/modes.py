@@ -1,0 +1,85 @@
+"""The modes that load a finished (or running) run: --mode sample, eval, export,
+export_hf, and the server's loading (serving/serve.py). main.py trains one.
+
+Every process runs these; only process 0 prints (say) and writes shared files.
+"""
+
+import json
+import os
+
+import jax
+
+from dataset import get_tokenizer, open_data
+from parallel import steps
+from parallel.mesh import check_config_fits_mesh, make_mesh, process_rows
+from parallel.weights import init_params
+from runtime import checkpoint
+from runtime.devices import is_main_process, say
+from runtime.flops import human
+from runtime.sampling import host_params, samples_from_params
+from utils import ConfigError, apply_overrides, config_from_dict, config_to_dict, run_dir_of
+
+
+def load_run_params(cfg, devices=None, check=None):
+    """The run's saved config and latest params, on the current mesh (over `devices`,
+    default all), or the model of --train.init_from hf:DIR. `check(cfg)` runs on the
+    resolved config, before any init."""
+    run_dir = run_dir_of(cfg)
+    config_path = os.path.join(run_dir, "config.json")
+    cfg, hf_source = checkpoint.open_init_from(cfg)  # hf:DIR: the model is the one in that directory
+    if hf_source is None:
+        if not os.path.exists(config_path):
+            raise ConfigError(f"no run at {run_dir} (missing config.json): train first, or pass --run.name/--run.out_dir")
+        with open(config_path) as f:
+            saved = config_from_dict(json.load(f))
+        cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
+    if check is not None:
+        check(cfg)
+    mesh = make_mesh(cfg.mesh, devices)
+    graphdef, params = init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
+    source = hf_source or cfg.train.init_from or run_dir
+    return cfg, graphdef, checkpoint.restore_params(source, params, cfg.model)
+
+
+def sample_run(cfg):
+    """--mode sample: one sample of the --sample.* settings, printed."""
+    cfg, graphdef, params = load_run_params(cfg)
+    print(samples_from_params(cfg, params, graphdef, 1)[0])
+
+
+def export_run(cfg):
+    cfg, graphdef, params = load_run_params(cfg)
+    out = checkpoint.export_slim(params, config_to_dict(cfg), os.path.join(run_dir_of(cfg), "export"))
+    say(f"slim export (bfloat16 params + config.json): {out}, {human(checkpoint.directory_bytes(out))}B")
+
+
+def export_hf_run(cfg):
+    """<run_dir>/hf: the run's latest params as a Hugging Face directory (hf/convert.py)."""
+    from hf import config as hf_config
+    from hf import convert
+
+    cfg, graphdef, params = load_run_params(cfg, check=lambda cfg: hf_config.check_exportable(cfg.model))
+    host = host_params(params)
+    out = os.path.join(run_dir_of(cfg), "hf")
+    if is_main_process():
+        tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
+        convert.write_hf_dir(out, host, cfg.model, tokenizer, cfg.export.dtype)
+        model_type, architecture = hf_config.architecture_of(cfg.model)
+        remote = " with its modeling code: load it with trust_remote_code=True" if model_type == "meshformer" else ""
+        say(f"Hugging Face export ({architecture}, {cfg.export.dtype}): {out}, "
+            f"{human(checkpoint.directory_bytes(out))}B{remote}")
+
+
+def eval_run(cfg):
+    """Validation loss of the run's latest params on the current mesh: what training's
+    eval would print, on any mesh (the reshard check)."""
+    cfg, graphdef, params = load_run_params(cfg)
+    mesh = make_mesh(cfg.mesh)
+    check_config_fits_mesh(cfg, mesh)
+    data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
+    eval_step = steps.make_eval_step(graphdef, cfg, mesh, params)
+    val = steps.evaluate(eval_step, params, data, cfg, mesh, process_rows(mesh, cfg.train.batch_size))
+    say(f"val_loss={val!r}")
+
+
+MODES = {"sample": sample_run, "eval": eval_run, "export": export_run, "export_hf": export_hf_run}  # --mode -> its function
