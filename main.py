@@ -80,8 +80,7 @@ def run_mode(cfg):
         modes.MODES[cfg.mode](cfg)
 
 
-# ----------------------------------------------------------------------------
-# Training: what travels together
+# ---- Training: what travels together
 
 
 @dataclasses.dataclass
@@ -150,8 +149,7 @@ def train(cfg):
     return run_dir
 
 
-# ----------------------------------------------------------------------------
-# The steps of train(), in order
+# ---- The steps of train(), in order
 
 
 def quant_note(cfg, mesh):
@@ -168,9 +166,8 @@ def describe_model(cfg, mesh):
 
 
 def init_or_resume(cfg, mesh, run_dir, hf_source):
-    """Fresh state, then the run's latest checkpoint (or --train.resume_step's) over it,
-    or else --train.init_from's params (from `hf_source` for hf:DIR, opened once by
-    checkpoint.open_init_from). Returns (graphdef, optimizer, TrainState, checkpoint manager)."""
+    """(graphdef, optimizer, TrainState, checkpoint manager): fresh state, then the run's latest
+    checkpoint (or --train.resume_step's), or else --train.init_from's params (`hf_source`: hf:DIR)."""
     init_from = hf_source or cfg.train.init_from
     if init_from:
         checkpoint.find_params_source(init_from)  # a wrong path fails before anything compiles
@@ -195,10 +192,8 @@ def init_or_resume(cfg, mesh, run_dir, hf_source):
 
 
 def start_log(cfg, run_dir, state, clock):
-    """config.json and metrics.jsonl (cut back to the checkpoint: the steps after it will
-    be redone), and the MetricsLog that appends to it. A resume continues the goodput
-    totals and logs a `restart` row: why (the launcher says it in $RESTART_REASON_ENV),
-    the steps redone and the time lost."""
+    """config.json, metrics.jsonl cut back to the checkpoint, and the MetricsLog appending to
+    it. A resume logs a `restart` row: why ($RESTART_REASON_ENV), the steps redone, the time lost."""
     start_step, restart = state.step, None
     if is_main_process():
         old_rows = read_metrics(run_dir) if start_step and os.path.exists(os.path.join(run_dir, "metrics.jsonl")) else []
@@ -240,14 +235,11 @@ def compile_train_step(cfg, mesh, graphdef, optimizer, state, first_batch):
 
 
 def train_loop(run, state, train_step, eval_step, first_batch):
-    """Steps state.step..train.steps, with evals and checkpoints, updating `state`;
-    returns True when it stopped early on a preemption notice (state.step: where).
-
-    Metrics of step s are read after step s+1 is dispatched, so the host never makes
-    the devices wait; of a step that is not logged, only the loss comes back. Before an
-    eval or a checkpoint the pending step is read first: a checkpoint is only written for
-    a step whose loss was finite. Every phase is charged to the run's clock
-    (runtime/goodput.py), and clock.watch times the gaps the host leaves between steps."""
+    """Steps state.step..train.steps with evals and checkpoints, updating `state`; True
+    when it stopped on a preemption notice (at state.step). Step s's metrics are read after
+    step s+1 is dispatched, so the host never makes the devices wait (a checkpoint or an
+    eval reads the pending step first: only a finite loss is saved). Every phase is charged
+    to the run's clock (runtime/goodput.py)."""
     cfg, clock, reporter = run.cfg, run.clock, run.reporter
     clock.switch("train")
     for step in range(state.step, cfg.train.steps):
@@ -318,8 +310,7 @@ def write_samples(cfg, run_dir, params, graphdef, log):
         say("sample:\n" + samples[0])
 
 
-# ----------------------------------------------------------------------------
-# Reading metrics on the host
+# ---- Reading metrics on the host
 
 
 class Reporter:

@@ -1,20 +1,15 @@
 """The model: a Mixture-of-Experts transformer with Multi-head Latent Attention
-(DeepSeek-V2/V3: MLA, shared + routed experts, optional V3 routing and multi-token
-prediction). The config it reads is utils.ModelConfig (--model.<field>).
+(DeepSeek-V2/V3: MLA, shared + routed experts, V3 routing, multi-token prediction),
+configured by utils.ModelConfig. Read top to bottom: the pieces, RoPE, MLA attention,
+routing and the MoE layer, Layer and Block, MTP, the Transformer, the loop over the
+blocks, decoding.
 
-Read top to bottom: the pieces (init, projection, RMSNorm, the dense FFN), rotary
-position embeddings, MLA attention with its latent KV cache, the router and the MoE
-layer, the Layer and the Block, multi-token prediction, the Transformer (embedding, an
-optional dense prefix, the stacked Blocks, the output layer and its loss), the loop
-over the blocks, decoding.
-
-Every layer is written for the *local* shard of its weights: the number of heads,
-hidden units or experts is read off the weight shapes, so the same code runs on one
-device (full weights) and inside `jax.shard_map` (a tensor-parallel slice). The
-collectives here are the tensor- and expert-parallel ones, over the axes named by one
-small value passed down (ops/collectives.Axes; the default is one device, no
-collectives). FSDP, the pipeline and data parallelism are applied from outside
-(parallel/): a block gets its weights through apply_blocks's `loop`.
+Every layer is written for the *local* shard of its weights (heads, hidden units and
+experts are read off the weight shapes), so the same code runs on one device and inside
+`jax.shard_map`. Its only collectives are tensor- and expert-parallel, over the axes
+one small value names (ops/collectives.Axes; by default one device, none). FSDP, the
+pipeline and data parallelism are applied from outside (parallel/): a block gets its
+weights through apply_blocks's `loop`.
 
 Shape legend (suffixes of names):
   B batch          T time (queries)    S time (keys) or tokens in a routing group
@@ -50,8 +45,7 @@ def kernel(name):
     return importlib.import_module(f"ops.{name}")
 
 
-# ----------------------------------------------------------------------------
-# Pieces: init, projection, RMSNorm, the dense FFN
+# ---- Pieces: init, projection, RMSNorm, the dense FFN
 
 
 def init_normal(rngs, shape, fan_in, scale=1.0):
@@ -68,15 +62,10 @@ def residual_scale(cfg):
 
 
 def project(x, w, n_in=1, quant_mode="none", in_axis=None, out_axis=None):
-    """Contract x's last `n_in` dims with w's first `n_in` dims: x [..., I] @ w [I, O...],
-    accumulated in float32, returned in x's dtype.
-
-    The leading dims of x are flattened into one row dim first: XLA:CPU computes the
-    weight gradient of a matmul whose rows span two dims about 3x slower
-    (docs/benchmarks.md, "Measured choices in the code").
-    quant_mode int8 / fp8: the product of 8-bit operands (ops/quant.py); in_axis /
-    out_axis name the mesh axis (tp) that splits I / O here, for mesh-invariant scales.
-    """
+    """x [..., I] @ w [I, O...] over x's last `n_in` dims, accumulated in float32, in x's
+    dtype; x's leading dims flattened into one row dim (XLA:CPU's weight gradient is 3x
+    slower otherwise: docs/benchmarks.md). quant_mode int8 / fp8: 8-bit operands
+    (ops/quant.py), in_axis / out_axis the mesh axis (tp) splitting I / O, for mesh-invariant scales."""
     lead, inner = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
     w_IO = w.reshape(math.prod(inner), -1).astype(x.dtype)
     if quant_mode != "none":
@@ -127,18 +116,12 @@ class DenseFFN(nnx.Module):
         return project(hidden_BTF, self.w_down_FD[...], **row)
 
 
-# ----------------------------------------------------------------------------
-# Rotary position embeddings
+# ---- Rotary position embeddings
 
 
 def rope_angles(positions_BT, cfg):
-    """Rotation angles [B, T, R/2] for rotary embeddings (Su et al. 2021), with the
-    frequencies of cfg.rope_scaling (rope_frequencies).
-
-    The only place angles are made: the step's prologue, the plain forward and decoding
-    all call it, and it is applied to queries *and* keys, so the two can never use
-    different frequencies; the score then depends only on relative position.
-    """
+    """Rotation angles [B, T, R/2] for rotary embeddings (Su et al. 2021) at cfg.rope_scaling's
+    frequencies: the one place angles are made, for queries and keys alike."""
     return positions_BT.astype(jnp.float32)[..., None] * rope_frequencies(cfg)
 
 
@@ -149,16 +132,11 @@ def rope_frequencies(cfg):
     return cfg.rope_theta ** (-jnp.arange(0, cfg.rope_dim, 2, dtype=jnp.float32) / cfg.rope_dim)
 
 
-# YaRN (Peng et al. 2023, arXiv:2309.00071), as DeepSeek-V2/V3 and transformers
-# (modeling_rope_utils._compute_yarn_parameters) define it. A model trained on
-# rope_original_len positions runs on rope_factor x as many: pairs that turn fewer
-# than beta_slow times over the original context are interpolated (frequency /
-# factor: positions squeezed back into the range they were trained on), pairs that
-# turn more than beta_fast times keep their frequency (they only ever saw relative
-# offsets, which do not change), and the pairs between ramp linearly from one to the
-# other. Two scale corrections come with it: the RoPE part of queries and keys is
-# multiplied by yarn_attention_factor (transformers multiplies cos and sin), and the
-# softmax scale by yarn_mscale(factor, mscale_all_dim)^2 (attention_softmax_scale).
+# YaRN (Peng et al. 2023, arXiv:2309.00071), as DeepSeek-V2/V3 and transformers define it:
+# on rope_factor x the trained context, pairs turning fewer than beta_slow times over it are
+# interpolated (frequency / factor), pairs turning more than beta_fast times keep theirs,
+# those between ramp linearly; queries' and keys' RoPE parts are scaled by
+# yarn_attention_factor, the softmax by yarn_mscale(factor, mscale_all_dim)^2.
 
 
 def yarn_mscale(factor, mscale=1.0):
@@ -217,13 +195,10 @@ def apply_rope(x_BTxR, angles_BTR2, scale=1.0):
     return rotated.reshape(x.shape).astype(x_BTxR.dtype)
 
 
-# ----------------------------------------------------------------------------
-# Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434, section 2.1)
-#
-# Keys and values are up-projected from a small latent c_kv [A]; a separate RoPE key
-# [R] is shared by all heads ("decoupled RoPE"), because a rotation cannot be folded
-# into the latent's up-projection. The KV cache therefore holds only A + R numbers per
-# token instead of 2 * H * K.
+# ---- Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434, section 2.1)
+# Keys and values are up-projected from a small latent c_kv [A]; a separate RoPE key [R] is shared by
+# all heads ("decoupled RoPE": a rotation cannot be folded into the latent's up-projection). So the
+# KV cache holds A + R numbers per token instead of 2 * H * K.
 
 
 class MLAttention(nnx.Module):
@@ -286,14 +261,10 @@ class MLAttention(nnx.Module):
         return self.with_max_logits(x_BTD, angles, axes)[0]
 
     def with_max_logits(self, x_BTD, angles, axes=ONE_DEVICE):
-        """(the attention's output, each local head's largest logit [H], float32).
-
-        A logit is a query-key score after the softmax scale, before the softmax; the max
-        runs over this device's rows and queries (under cp: its chunks' queries against
-        the gathered keys) and every visible key. It is read off the scores the forward
-        computes anyway (stop_gradient: it changes neither the output nor a gradient);
-        the step reduces it over the mesh (parallel/step_core.loss_and_metrics) and QK-clip reads it.
-        """
+        """(the attention's output, each local head's largest logit [H], float32): a
+        score after the softmax scale, over this device's queries and every visible key,
+        read off the forward's scores under stop_gradient (QK-clip's input; the step
+        reduces it over the mesh)."""
         B, T, _ = x_BTD.shape
         chunks, angles = (angles, angles.angles) if isinstance(angles, SequenceChunks) else (None, angles)
         q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles, axes)
@@ -334,12 +305,9 @@ class MLAttention(nnx.Module):
         return psum(self.project(out_BTHK, self.wo_HKD[...], 2, in_axis=axes.tp), axes.tp), max_logit_H.astype(jnp.float32)
 
     def fused_attention(self, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK):
-        """jax.nn.dot_product_attention (cuDNN flash attention on GPUs that have it).
-
-        It wants one head dim for queries, keys and values, so queries and keys carry
-        [content | RoPE] parts (the shared RoPE key copied to every head) and values are
-        zero-padded from K to K + R; the padding is cut off again.
-        """
+        """jax.nn.dot_product_attention (cuDNN flash attention on GPUs that have it): one head
+        dim for all, so queries and keys carry [content | RoPE] (the RoPE key copied to every
+        head) and values are zero-padded from K to K + R, cut off again."""
         H, K, R = v_BSHK.shape[2], v_BSHK.shape[3], q_rope_BTHR.shape[3]
         q_BTHW = jnp.concatenate([q_nope_BTHK, q_rope_BTHR], axis=-1)
         k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_rope_BSR.shape[:2] + (H, R))
@@ -349,14 +317,10 @@ class MLAttention(nnx.Module):
         return out_BTHW[..., :K]
 
     def decode(self, x_BTD, angles, cache, start):
-        """Attend T new tokens at positions start..start+T-1 to the latent cache.
-
-        The key up-projection is absorbed into the query (q . W_uk c = (W_uk^T q) . c),
-        so keys are never materialised: scores are taken against the cached latent.
-        cache = (kv_BSA, k_rope_BSR) with S the fixed maximum length, so one compiled
-        step serves every position. `start` is one position for all rows (a scalar),
-        or one per row [B]: a server's slots each sit at their own length.
-        """
+        """Attend T new tokens at positions start..start+T-1 to the latent cache (kv_BSA,
+        k_rope_BSR), S its fixed length. The key up-projection is absorbed into the query
+        (q . W_uk c = (W_uk^T q) . c): scores are taken against the latent. `start`: one
+        position for all rows, or one per row [B] (the server's slots)."""
         kv_cache_BSA, rope_cache_BSR = cache
         q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles)
         kv_BTA, k_rope_BTR = self.latents(x_BTD, angles)
@@ -384,8 +348,7 @@ def write_at(cache_BSX, new_BTX, start):
     return jax.vmap(lambda c_SX, n_TX, s: jax.lax.dynamic_update_slice_in_dim(c_SX, n_TX, s, 0))(cache_BSX, new_BTX, start)
 
 
-# ----------------------------------------------------------------------------
-# Routing
+# ---- Routing
 
 
 class RouterBias(nnx.Variable):
@@ -402,17 +365,10 @@ def has_router_bias(cfg):
 
 
 def limit_to_top_groups(choice_SE, n_groups, topk_groups):
-    """Group-limited routing (DeepSeek-V2 section 2.1.3, V3's node-limited routing):
-    experts are split into n_groups contiguous groups; each token keeps only the
-    experts of its topk_groups best groups, a group's score being the sum of its two
-    highest (biased) scores (V3; HF's DeepseekV3TopkRouter does the same). The other
-    experts get -inf, so the top-k that follows picks inside the kept groups.
-
-    With expert parallelism, device d of dp holds experts [d E/dp, (d+1) E/dp): when
-    n_groups = dp a group is one device's experts, so a token's choices land on at
-    most topk_groups devices. (Our all_to_all still moves fixed-size capacity buffers
-    to every device, so here that bounds where tokens go, not the bytes sent.)
-    """
+    """Group-limited routing (DeepSeek-V2 section 2.1.3, V3's node-limited routing): each
+    token keeps only the experts of its topk_groups best of n_groups contiguous groups (a
+    group's score: the sum of its two highest biased scores, as V3 and transformers), the
+    others -inf. With n_groups = dp under expert parallelism a group is one device's experts."""
     S, E = choice_SE.shape
     by_group_SPE = choice_SE.reshape(S, n_groups, E // n_groups)
     group_score_SP = jnp.sum(jax.lax.top_k(by_group_SPE, 2)[0], axis=-1)
@@ -422,17 +378,11 @@ def limit_to_top_groups(choice_SE, n_groups, topk_groups):
 
 
 def top_k_routing(x_SD, router_DE, top_k, score, bias_E=None, n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True):
-    """Router: each token picks its top_k experts; gates are normalised to sum to 1
-    (norm_topk; false: the gates are the raw top-k scores, DeepSeek-V2's).
-
-    Returns gates_SX, experts_SX (int) and probs_SE (normalised scores, for the
-    load-balance loss). With top_k = 1 the gate is the raw score (Switch Transformer). Routing runs in float32: a tie broken differently in bfloat16
-    would send a token elsewhere.
-    DeepSeek-V3 options: bias_E shifts the scores that *select* experts, while the
-    gates come from the unbiased scores; n_groups > 1 limits each token to its
-    topk_groups best expert groups; routed_scale multiplies the gates (V3's
-    routed_scaling_factor), i.e. the routed experts' output.
-    """
+    """Router: (gates_SX, experts_SX, probs_SE) for each token's top_k experts. Gates sum to
+    1 (norm_topk; else the raw scores, V2's; with top_k = 1 the raw score, Switch's), times
+    routed_scale; probs_SE (normalised scores) feed the load-balance loss. bias_E shifts only
+    the scores that select (V3); n_groups > 1 limits the choice to topk_groups groups.
+    In float32: a tie broken differently in bfloat16 would send a token elsewhere."""
     logits_SE = jnp.dot(x_SD.astype(ACC_DTYPE), router_DE.astype(ACC_DTYPE))
     if score == "softmax":
         scores_SE = jax.nn.softmax(logits_SE, axis=-1)
@@ -488,17 +438,11 @@ def expert_capacity(group_size, top_k, n_experts, capacity_factor):
 
 
 def assign_slots(experts_SX, n_experts, capacity):
-    """Give every (token, choice) a slot in its expert's buffer, or drop it.
-
-    Priority is token order (then choice order within a token): a token competes for a
-    slot only with the tokens before it, so what is dropped at position t never depends
-    on later tokens and the model stays causal. (Choice-major priority, all first
-    choices before any second choice, would let a later token's first choice evict an
-    earlier token's second choice: the future would leak into the past.)
-    Done by a stable sort: O(S*X log(S*X)), no [S, E, C] one-hot.
-    Returns slot_SX (e * capacity + position; n_experts * capacity when dropped),
-    kept_SX and tokens_per_expert_E (demand before dropping).
-    """
+    """Give every (token, choice) a slot in its expert's buffer, or drop it: (slot_SX,
+    e * capacity + position or n_experts * capacity when dropped; kept_SX; tokens_per_expert_E,
+    the demand). Priority is token order, so a drop at position t never depends on later
+    tokens: the model stays causal (choice-major priority would leak the future). A stable
+    sort: no [S, E, C] one-hot."""
     S, X = experts_SX.shape
     experts_N = experts_SX.reshape(-1)  # token-major order
     order = jnp.argsort(experts_N, stable=True)
@@ -512,25 +456,17 @@ def assign_slots(experts_SX, n_experts, capacity):
 
 
 def load_balance_loss(probs_SE, tokens_per_expert_E, top_k):
-    """Switch Transformer auxiliary loss, E * sum_e f_e * P_e (arXiv:2101.03961 eq. 4).
-
-    f_e is the fraction of the group's top-k assignments that chose expert e, P_e the
-    mean router probability. Both are 1/E under perfectly uniform routing, where the
-    loss takes its minimum value of 1.
-    """
+    """Switch Transformer auxiliary loss, E * sum_e f_e * P_e (arXiv:2101.03961 eq. 4): f_e
+    the share of the group's assignments to expert e, P_e its mean probability; 1 at uniform."""
     S, E = probs_SE.shape
     fraction_E = tokens_per_expert_E.astype(ACC_DTYPE) / (S * top_k)
     return E * jnp.sum(fraction_E * jnp.mean(probs_SE, axis=0))
 
 
 def sequence_balance_loss(probs_BTE, experts_BTX, n_experts, seq_axis=None):
-    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20), summed over sequences:
-    the Switch formula above with f and P taken over each whole sequence. (With the
-    default --model.routing_group, one group per sequence, it is the same number as
-    the Switch loss; it differs when routing groups are shorter.)
-    seq_axis: the cp axis when this device holds chunks of each sequence (the loss is
-    not a sum over tokens, so the counts and probabilities are summed over cp first);
-    every cp rank returns 1/cp of the loss, so the step's sum over cp counts it once."""
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20), summed over sequences: the Switch
+    formula over each whole sequence. seq_axis: the cp axis when this device holds chunks
+    (counts and probabilities summed over cp first; each rank returns 1/cp of the loss)."""
     tokens_per_expert_BE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_BTX)
     if live_axes(seq_axis):
         T, cp = probs_BTE.shape[1], jax.lax.axis_size(seq_axis)
@@ -552,13 +488,9 @@ def resolve_moe_kernel(choice):
 
 
 class MoE(nnx.Module):
-    """Shared experts (see every token) + top-k routed experts (DeepSeekMoE).
-
-    Tokens are routed in groups of `group_size` consecutive tokens of one sequence.
-    Capacity and dropping are decided per group, and groups never straddle sequences,
-    so which tokens are dropped does not depend on how the batch is split over
-    devices.
-    """
+    """Shared experts (see every token) + top-k routed experts (DeepSeekMoE). Tokens are
+    routed in groups of `group_size` consecutive tokens of one sequence, capacity decided per
+    group: what is dropped does not depend on how the batch is split over devices."""
 
     def __init__(self, cfg, rngs):
         D, E, F = cfg.d_model, cfg.n_experts, cfg.d_expert
@@ -640,15 +572,11 @@ class MoE(nnx.Module):
         return y_GSD, tokens_per_expert_GE, dropped
 
     def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts, axes=ONE_DEVICE, grouped_kernel=None):
-        """No capacity: sort all (token, choice) pairs by expert and run a grouped
-        matmul (`grouped_matmul`: ragged_dot or megablox gmm) over the contiguous runs
-        of each expert.
-
-        With expert parallelism (this device holds E/ep experts) every device gathers the
-        ep devices' groups, runs the pairs of its own experts (the others' sort after them
-        and come out 0), and a psum_scatter hands each device its groups' sums: no fixed
-        buffers and nothing dropped, for an all-gather of ep x the tokens. grouped_kernel:
-        ragged_dot or gmm (default: the layer's --model.moe_kernel)."""
+        """No capacity: all (token, choice) pairs sorted by expert, a grouped matmul
+        (grouped_kernel: ragged_dot or megablox gmm; default --model.moe_kernel) over each
+        expert's run. Under expert parallelism every device gathers the ep devices' groups,
+        runs its own experts' pairs (the others' come out 0) and a psum_scatter hands each
+        device its groups' sums: nothing dropped, for an all-gather of ep x the tokens."""
         tokens_per_expert_GE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_GSX)
         ep_axis = axes.ep
         expert_parallel = ep_axis is not None and not is_auto_axis(ep_axis) and bool(live_axes(ep_axis))
@@ -713,8 +641,7 @@ class MoE(nnx.Module):
         y_GSD, _, _ = self.routed_dropless(x_GSD, gates_GSX, experts_GSX, self.router_DE[...].shape[1], grouped_kernel="ragged_dot")
         y_BTD = y_GSD.reshape(B, T, D)
         return y_BTD + self.shared(x_BTD) if self.shared is not None else y_BTD
-# ----------------------------------------------------------------------------
-# Layer and Block: a short pattern of layers, e.g. "DDDDDM" = five dense layers, then one MoE.
+# ---- Layer and Block: a short pattern of layers, e.g. "DDDDDM" = five dense layers, then one MoE.
 
 
 def fold_in_rows(keys_B, data):
@@ -815,18 +742,15 @@ class Block(nnx.Module):
         return x_BTD, new_caches
 
 
-# ----------------------------------------------------------------------------
-# Multi-token prediction (DeepSeek-V3, arXiv:2412.19437 section 2.2)
+# ---- Multi-token prediction (DeepSeek-V3, arXiv:2412.19437 section 2.2)
 
 
 class MTPModule(nnx.Module):
-    """Depth k of sequential multi-token prediction: at position i it combines the
-    previous depth's hidden state h^{k-1}_i with the embedding of token i+k,
-    h'_i = W_h RMSNorm(h^{k-1}_i) + W_e RMSNorm(Emb(t_{i+k})) (V3's M_k [.; .], split in
-    two D x D halves), runs one extra block, and predicts token i+k+1 through the shared
-    embedding and output layer (with its own final norm). The block is the model's block
-    pattern with dense FFNs only (V3's has an MoE layer): its routing would need its own
-    balancing, and it is thrown away after training anyway (sampling and eval ignore it)."""
+    """Depth k of sequential multi-token prediction: h'_i = W_h RMSNorm(h^{k-1}_i) + W_e
+    RMSNorm(Emb(t_{i+k})) (V3's M_k in two D x D halves), one extra block, and token i+k+1
+    predicted through the shared output layer with its own final norm. The block has dense
+    FFNs only (V3's has an MoE, whose routing would need its own balancing; MTP is dropped
+    after training)."""
 
     def __init__(self, cfg, rngs):
         D = cfg.d_model
@@ -847,8 +771,7 @@ MTP_RNG_SALT = 2**31 - 1  # dropout keys of the MTP blocks: each row's key folde
 PREFIX_RNG_SALT = 2**30  # dropout keys of the dense prefix: salt + layer, apart from the blocks' (0..N-1) and MTP's
 
 
-# ----------------------------------------------------------------------------
-# The Transformer: embedding, dense prefix, N stacked Blocks, final norm, output layer (tied or not).
+# ---- The Transformer: embedding, dense prefix, N stacked Blocks, final norm, output layer (tied or not).
 
 
 def padded_vocab(vocab_size, multiple):
@@ -932,13 +855,9 @@ class Transformer(nnx.Module):
         return jnp.einsum("btd,vd->btv", x_BTD, table_VD.astype(x_BTD.dtype), preferred_element_type=ACC_DTYPE)
 
     def loss_sum(self, x_BTD, targets_BT, axes=ONE_DEVICE, norm=None, mask_BT=None):
-        """Summed token cross-entropy with vocab-parallel logits [B, T, V/tp] (over the
-        positions where mask_BT is true, when given).
-
-        The full-vocabulary logits are never gathered: the max and the sum of exps are
-        reduced over `tp` (pmax, psum), and the target logit is read by the one device
-        whose vocabulary slice holds it (psum of a masked value).
-        """
+        """Summed token cross-entropy (where mask_BT holds) with vocab-parallel logits
+        [B, T, V/tp], never gathered: the max and the sum of exps are reduced over tp, the
+        target logit read by the device whose vocabulary slice holds it."""
         logits_BTV = self.logits(x_BTD, norm)
         V_local = logits_BTV.shape[-1]
         offset = axis_index(axes.tp) * V_local
@@ -953,16 +872,11 @@ class Transformer(nnx.Module):
         return jnp.sum(ce_BT if mask_BT is None else jnp.where(mask_BT, ce_BT, 0.0))
 
     def mtp_loss_sum(self, h_BTD, tokens_BT1, angles, axes=ONE_DEVICE, keys_B=None):
-        """Summed cross-entropy of every MTP depth, given the main model's last hidden
-        state h_BTD (before the final norm) of inputs tokens_BT1[:, :-1].
-
-        Depth k at position i predicts token i+k+1, so positions i >= T-k have no
-        target inside the window: they still run (fixed shapes; causal attention keeps
-        them out of the earlier positions) with a padding token, and are masked out.
-        Under context parallelism (angles a SequenceChunks) h_BTD holds this rank's
-        chunks and tokens_BT1 the whole rows: the tokens i+k, i+k+1 of a position near a
-        chunk's end are read across the boundary, so the targets are one device's.
-        """
+        """Summed cross-entropy of every MTP depth from the main model's last hidden state
+        h_BTD (before the final norm) of inputs tokens_BT1[:, :-1]. Depth k at position i
+        predicts token i+k+1; positions i >= T-k run on padding and are masked out. Under
+        cp h_BTD holds this rank's chunks and tokens_BT1 whole rows (targets read across
+        a chunk's end)."""
         B, T1 = tokens_BT1.shape
         T = T1 - 1
         positions_T = token_positions(angles, T)
@@ -1000,8 +914,7 @@ class Transformer(nnx.Module):
         return (self.logits(x_BTD), stats_N) + ((x_BTD,) if return_hidden else ())
 
 
-# ----------------------------------------------------------------------------
-# Running the stacked blocks
+# ---- Running the stacked blocks
 
 
 def remat_block(fn, remat, prefix=False):
@@ -1028,17 +941,12 @@ def scan_blocks(run_block, block_state, x_BTD, remat, unroll):
 
 
 def apply_blocks(blocks, x_BTD, angles, axes=ONE_DEVICE, rng=None, remat="none", unroll=False, first_block=0, loop=scan_blocks):
-    """Run stacked blocks (a Block whose weights carry a leading axis N) in order.
-
-    rng: dropout keys, one per row of x [B] (None = no dropout); each block folds in its
-    index in the whole model, first_block + i (a pipeline stage holds blocks from
-    first_block on), so its masks are the same whichever stage runs it.
-    remat (--model.remat): what the backward pass keeps (remat_block).
-    loop(run_block, block_state, x_BTD, remat, unroll): how the blocks get their weights
-    and run in order; scan_blocks uses them as stored, parallel/fsdp.py's loops gather
-    (or prefetch) each block's FSDP shards just before use.
-    Returns x and the MoE statistics of each block, stacked on a leading axis N.
-    """
+    """Run stacked blocks (a Block whose weights carry a leading axis N) in order: (x, each
+    block's MoE statistics stacked on N). rng: dropout keys per row [B], folded with each
+    block's index in the whole model (first_block + i), so masks do not depend on the stage.
+    remat: --model.remat (remat_block). loop(run_block, block_state, x_BTD, remat, unroll):
+    how the blocks get their weights; scan_blocks uses them as stored, parallel/fsdp.py's
+    loops gather or prefetch each block's FSDP shards just before use."""
     block_def, block_state = nnx.split(blocks)
 
     def run_block(x_BTD, weights, index):  # (one block's weights, ready to use)
@@ -1048,8 +956,7 @@ def apply_blocks(blocks, x_BTD, angles, axes=ONE_DEVICE, rng=None, remat="none",
     return loop(run_block, block_state, x_BTD, remat, unroll)
 
 
-# ----------------------------------------------------------------------------
-# Decoding with the latent KV cache
+# ---- Decoding with the latent KV cache
 
 
 def init_cache(cfg, batch, max_len, dtype=jnp.float32):
@@ -1087,9 +994,7 @@ def decode_step(model, tokens_BT, cache, start):
     return model.logits(x_BTD), prefix_cache + cache
 
 
-# ----------------------------------------------------------------------------
-# The model as shapes only (no arrays): for planning, compiling for other machines,
-# and counting parameters
+# ---- The model as shapes only (no arrays): for planning, compiling for other machines, counting parameters
 
 
 def abstract_model(model_cfg):

@@ -24,12 +24,10 @@ def option(default, help):
     return field(default=default, metadata={"help": help})
 
 
-# ----------------------------------------------------------------------------
-# The mesh axes, named once. AXES are those within one TPU slice (ICI), the only ones
-# weights are split over; CP (context parallel) splits every sequence, its ranks holding
-# the same weights (their storage FSDP-sharded over dp x cp, as torchtitan does); SLICE,
-# outermost, is data parallelism across slices over the data-center network (10-100x
-# slower): only the once-per-step gradient all-reduce crosses it.
+# ---- The mesh axes, named once
+# AXES lie within one TPU slice (ICI), the only ones weights are split over; CP splits every sequence
+# (its ranks hold the same weights, stored FSDP-sharded over dp x cp); SLICE, outermost, is data
+# parallelism over the data-center network: only the step's gradient all-reduce crosses it.
 DP, CP, PP, TP = "dp", "cp", "pp", "tp"
 SLICE = "slice"
 AXES = (DP, CP, PP, TP)
@@ -44,8 +42,7 @@ MOE_KERNELS = ("auto", "ragged_dot", "gmm")
 QUANT_MODES = ("none", "int8", "fp8")
 SPLASH_LANES = 128  # the splash kernel's lanes (jax's splash_attention_kernel.NUM_LANES): a block is a multiple
 
-# ----------------------------------------------------------------------------
-# Config sections
+# ---- Config sections
 
 
 @dataclass(frozen=True)
@@ -139,10 +136,10 @@ class ModelConfig:
     unroll_blocks: bool = option(True, "unroll the loop over blocks (faster here); false = lax.scan (compile time flat in depth)")
 
 
-# --train.pipeline values: parallel/gpipe.py runs gpipe, parallel/one_f_one_b.py the others (step/rules.executor_name).
+# --train.pipeline values: parallel/gpipe.py runs gpipe, parallel/one_f_one_b.py the others (parallel/rules.executor_name).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-GATHER_ONCE = ("auto", "true", "false")  # --train.gather_once: step/rules.gathers_once reads it
-SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: step/rules.executor_name dispatches on it
+GATHER_ONCE = ("auto", "true", "false")  # --train.gather_once: parallel/rules.gathers_once reads it
+SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: parallel/rules.executor_name dispatches on it
 
 
 @dataclass(frozen=True)
@@ -267,19 +264,11 @@ class Config:
 
 MODES = ("train", "sample", "export", "eval", "serve", "export_hf")
 
-# ----------------------------------------------------------------------------
-# Presets: overrides of the defaults above (which are `shakespeare`).
+# ---- Presets: overrides of the defaults above (which are `shakespeare`).
 
 PRESETS = {
     "shakespeare": {},
-    # Small enough that one train step compiles and runs in well under a second:
-    # for tests. 8 blocks so that pp can be 8; 8 experts so that dp can be 8 with
-    # expert parallelism; widths divisible by 8 for tp and FSDP. Sigmoid router and
-    # MoE in every layer: a DeepSeek-V3 in every respect, so its Hugging Face export
-    # loads with transformers' AutoModelForCausalLM (hf/convert.py).
-    # Embedding rows of norm 1 (at D = 32 with 8 blocks, norm 2 gives the input token
-    # a logit of 1.06 at init), min_lr_ratio 0.1 and AdamW: the tests' calibrated
-    # figures (tests/test_optimizers.py proves Muon on the meshes).
+    # The tests' model (a step in under a second; pp and ep up to 8): a DeepSeek-V3 transformers loads.
     "tiny": {
         "model": dict(vocab_multiple=64, seq_len=16, d_model=32, n_heads=8, head_dim=8,
                       rope_dim=8, q_latent=16, kv_latent=16, n_blocks=8, block_pattern="M", d_ff=64,
@@ -289,10 +278,7 @@ PRESETS = {
                       eval_every=50, eval_batches=2, checkpoint_every=50),
         "log": dict(every=10),
     },
-    # The shakespeare size with DeepSeek-V3's MoE recipe: sigmoid scores, aux-loss-free
-    # bias balancing (plus V3's tiny sequence-wise loss instead of the Switch loss),
-    # 4 expert groups of 2 with each token's experts in its best 2 groups, routed output
-    # scaled by 2.5, and one multi-token-prediction depth.
+    # The shakespeare size with DeepSeek-V3's MoE recipe (aux-loss-free balancing, group routing, MTP).
     "deepseek_v3": {
         "model": dict(router_score="sigmoid", router_bias_rate=0.001, aux_loss_weight=0.0, seq_aux_loss_weight=0.0001,
                       n_groups=4, topk_groups=2, routed_scale=2.5, mtp_depth=1, mtp_loss_weight=0.3),
@@ -304,22 +290,13 @@ PRESETS = {
                       n_experts=16, n_shared=2, top_k=2, d_expert=2048, capacity_factor=1.5,
                       dtype="bfloat16", unroll_blocks=False, remat="block"),
         "mesh": dict(dp=8, pp=2, tp=2),
-        # Muon, as every preset: each matrix is orthogonalized by one owner of the 16 dp x
-        # tp devices that hold it (parallel/optimizers.py), so on 8x2x2 (planner.py) Newton-Schulz
-        # is 0.64 TFLOP per device and step (1.5% of the step's compute; 8.4 before the
-        # work was split, 16%), its all-to-alls 0.27 GB (2.7 ms on v4): a step 1.3% longer
-        # than AdamW's (556.6 vs 549.2 ms, communication not overlapped), and a device holds
-        # 4.34 GiB against AdamW's 4.45 (one moment, not two).
+        # Muon, as every preset (its cost against AdamW on this mesh: README, "Run on a TPU pod").
         "train": dict(steps=75000, batch_size=256, microbatches=4, lr=6e-4, warmup_steps=5000, min_lr_ratio=0.1,
                       eval_every=1000, eval_batches=32, checkpoint_every=1000, weight_decay=0.1),
         "data": dict(tokenizer="cl100k_base", source="gs://YOUR_BUCKET/fineweb-edu-cl100k"),
     },
-    # Real models' shapes, to continue them from their checkpoints (--train.init_from
-    # hf:DIR; docs/checkpoints.md) or to train such a model from scratch: the mesh is a
-    # TPU slice the train step fits (planner.py --tpu, docs/planning.md).
-    # Moonlight-16B-A3B (Moonshot AI, 2025): DeepSeek-V3's architecture at 16B parameters,
-    # 3B active, trained with Muon. 27 layers = 1 dense + 26 MoE, full-rank queries, 64
-    # experts of 1408 + 2 shared, top-6 sigmoid with the aux-loss-free bias, untied head.
+    # Real models' shapes (--train.init_from hf:DIR, docs/checkpoints.md), on a TPU slice the step fits.
+    # Moonlight-16B-A3B (Moonshot AI, 2025): DeepSeek-V3's architecture, 16B parameters, 3B active.
     "moonlight": {
         "model": dict(vocab_size=163840, seq_len=4096, d_model=2048, n_heads=16, head_dim=128, rope_dim=64, q_latent=0,
                       kv_latent=512, rope_theta=50000.0, norm_eps=1e-5, tie_embeddings=False, first_dense=1, n_blocks=26,
@@ -330,9 +307,7 @@ PRESETS = {
         "train": dict(steps=10000, batch_size=64, microbatches=4, lr=2e-4, warmup_steps=500, min_lr_ratio=0.1,
                       eval_every=500, eval_batches=8, checkpoint_every=500, weight_decay=0.1),
     },
-    # DeepSeek-V2-Lite (DeepSeek-AI, 2024): 16B parameters, 2.4B active. 27 layers = 1 dense
-    # + 26 MoE, full-rank queries, 64 experts of 1408 + 2 shared, top-6 softmax gates not
-    # renormalised, YaRN RoPE (x40 over 4096 positions), untied head.
+    # DeepSeek-V2-Lite (DeepSeek-AI, 2024): 16B parameters, 2.4B active; softmax gates, YaRN RoPE.
     "deepseek_v2_lite": {
         "model": dict(vocab_size=102400, seq_len=4096, d_model=2048, n_heads=16, head_dim=128, rope_dim=64, q_latent=0,
                       kv_latent=512, rope_scaling="yarn", rope_factor=40.0, rope_original_len=4096, yarn_beta_fast=32.0,
@@ -362,8 +337,7 @@ def apply_overrides(cfg, overrides):
     return dataclasses.replace(cfg, **sections)
 
 
-# ----------------------------------------------------------------------------
-# Command line, generated from the dataclasses
+# ---- Command line, generated from the dataclasses
 
 
 def config_fields():

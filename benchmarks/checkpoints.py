@@ -35,6 +35,7 @@ from parallel.mesh import make_mesh
 from parallel.weights import init_params
 from runtime import checkpoint
 from runtime.flops import count_params, human
+from serving.modes import directory_bytes
 from utils import ConfigError, MeshConfig, apply_overrides, parse_args  # noqa: E402
 
 BYTES_VOCAB = 257  # the byte tokenizer (256 bytes + end-of-text): the embedded data's vocabulary
@@ -79,7 +80,7 @@ def main(argv):
         if step:  # step 0 warms up
             blocked.append(returned - start)
             saves.append(time.perf_counter() - start)
-    size = checkpoint.directory_bytes(os.path.join(run_dir, "checkpoints", str(args.repeats)))
+    size = directory_bytes(os.path.join(run_dir, "checkpoints", str(args.repeats)))
 
     restores = []
     for i in range(args.repeats + 1):

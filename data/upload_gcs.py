@@ -30,6 +30,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import dataset  # noqa: E402
+from data import gcs_shards, shards  # noqa: E402
 
 
 def file_md5_base64(path: str) -> str:
@@ -46,13 +47,13 @@ class Uploader:
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        self.bucket_name, self.prefix = dataset.split_gcs_url(url)
+        self.bucket_name, self.prefix = gcs_shards.split_gcs_url(url)
         self._local = threading.local()
-        self._transient = dataset.gcs_transient_errors()
+        self._transient = gcs_shards.gcs_transient_errors()
 
     def _bucket(self):
         if not hasattr(self._local, "bucket"):
-            self._local.bucket = dataset.gcs_client().bucket(self.bucket_name)
+            self._local.bucket = gcs_shards.gcs_client().bucket(self.bucket_name)
         return self._local.bucket
 
     def object_name(self, file_name: str) -> str:
@@ -61,14 +62,14 @@ class Uploader:
     def existing(self) -> dict[str, tuple[int, str]]:
         """Object name -> (size, md5) of everything already under the prefix."""
         prefix = f"{self.prefix}/" if self.prefix else ""
-        blobs = dataset.gcs_client().list_blobs(self.bucket_name, prefix=prefix)
+        blobs = gcs_shards.gcs_client().list_blobs(self.bucket_name, prefix=prefix)
         return {blob.name: (blob.size, blob.md5_hash) for blob in blobs}
 
     def upload(self, path: str, file_name: str) -> None:
         blob = self._bucket().blob(self.object_name(file_name))
-        dataset.with_retries(lambda: blob.upload_from_filename(path, retry=None),
+        gcs_shards.with_retries(lambda: blob.upload_from_filename(path, retry=None),
                              f"upload {path} to {self.url}/{file_name}", self._transient,
-                             dataset.GCS_RETRIES, dataset.GCS_BACKOFF_S)
+                             gcs_shards.GCS_RETRIES, gcs_shards.GCS_BACKOFF_S)
 
 
 def upload_data_dir(data_dir: str, url: str, workers: int = 16) -> dict[str, int]:
@@ -85,8 +86,8 @@ def upload_data_dir(data_dir: str, url: str, workers: int = 16) -> dict[str, int
     def upload_shard(entry: dict) -> str:
         path = os.path.join(data_dir, entry["file"])
         if not os.path.isfile(path):
-            raise dataset.ShardError(f"shard {path} listed in the manifest is missing")
-        dataset.verify_shard_file(path, entry, where=path)
+            raise shards.ShardError(f"shard {path} listed in the manifest is missing")
+        shards.verify_shard_file(path, entry, where=path)
         if existing.get(uploader.object_name(entry["file"])) == (os.path.getsize(path), file_md5_base64(path)):
             return "skipped"
         uploader.upload(path, entry["file"])

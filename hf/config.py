@@ -89,8 +89,7 @@ def layer_kinds(m):
     return "D" * m.first_dense + m.block_pattern * m.n_blocks
 
 
-# ----------------------------------------------------------------------------
-# Ours -> HF
+# ---- Ours -> HF
 
 
 def check_exportable(m):
@@ -178,8 +177,7 @@ def to_hf_config(m, tokenizer, dtype):
     return config
 
 
-# ----------------------------------------------------------------------------
-# HF -> ours
+# ---- HF -> ours
 
 
 def hf_rope(hf):

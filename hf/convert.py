@@ -128,8 +128,7 @@ def leaf_at(tree, keys):
     return tree
 
 
-# ----------------------------------------------------------------------------
-# Import: where each of our weights is in the checkpoint, read by box
+# ---- Import: where each of our weights is in the checkpoint, read by box
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,8 +405,7 @@ def from_hf_state(tensors, m):
     return out
 
 
-# ----------------------------------------------------------------------------
-# Export: ours -> HF state dict (numpy)
+# ---- Export: ours -> HF state dict (numpy)
 
 
 def final_norm_out(scale_D, m, dtype=np.float32):
@@ -481,8 +479,7 @@ def to_hf_state(params, m, dtype=np.float32):
     return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in out.items()}
 
 
-# ----------------------------------------------------------------------------
-# Files
+# ---- Files
 
 
 def write_hf_dir(out_dir, params, m, tokenizer, dtype="float32"):

@@ -70,8 +70,7 @@ def max_logits(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, q_pos_T, k_pos
     return jnp.max(jax.lax.map(one_query_block, queries), axis=0)
 
 
-# ----------------------------------------------------------------------------
-# Blocks: heads-major, so each product is a batch of plain 2-D matmuls
+# ---- Blocks: heads-major, so each product is a batch of plain 2-D matmuls
 
 
 def query_blocks(x_BTHx, block):
@@ -105,8 +104,7 @@ def any_visible(q_pos_t, k_pos_s):
     return jnp.min(k_pos_s) <= jnp.max(q_pos_t)
 
 
-# ----------------------------------------------------------------------------
-# Forward: the online softmax
+# ---- Forward: the online softmax
 
 
 def forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block):
@@ -143,8 +141,7 @@ def forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, 
     return unblock(out_nBHtK).astype(q_nope_BTHK.dtype), lse_nBHt, max_nBHt
 
 
-# ----------------------------------------------------------------------------
-# The gradient, block by block (FlashAttention-2's backward)
+# ---- The gradient, block by block (FlashAttention-2's backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))

@@ -1,14 +1,8 @@
-"""The one family of collective helpers: which mesh axes a collective must cross at this
-point of the trace, and the sums, maxima and casts over them.
-
-A collective runs only over the axes that `jax.shard_map` made manual with more than
-one device (live_axes). On one device, and under the automatic executor (jit's
-partitioner, no manual axis), every helper here is an identity: the model and the
-step's loss are written once for every layout.
-
-The model is told which axes split what by one small value, Axes, passed down to every
-layer: adding a kind of split is a field here, not a parameter through every layer.
-"""
+"""The one family of collective helpers: the mesh axes a collective must cross at this
+point of the trace (those shard_map made manual with more than one device: live_axes),
+and the sums, maxima and casts over them. On one device and under the automatic executor
+every helper is an identity, so the model and the step's loss are written once. The
+model learns which axes split what from one small value passed down, Axes."""
 
 import dataclasses
 
@@ -29,11 +23,9 @@ ONE_DEVICE = Axes()
 
 
 def live_axes(axes):
-    """The mesh axes among `axes` (None, a name or a tuple of names) that a collective
-    must cross here: those shard_map made manual with more than one device. An axis of
-    size 1 holds everything already (XLA:CPU would still copy through an all-reduce over
-    it). Skipping one is exact because the steps give shard_map no size-1 axes in their
-    specs (parallel/mesh.live_spec): nothing is typed as varying over them."""
+    """The axes among `axes` (None, a name or a tuple) that a collective must cross here:
+    manual ones of more than one device. Skipping a size-1 axis is exact (the steps give
+    shard_map no size-1 axes: parallel/mesh.live_spec) and saves XLA:CPU a copying all-reduce."""
     mesh = jax.sharding.get_abstract_mesh()
     if axes is None or mesh.empty:
         return ()
@@ -76,8 +68,7 @@ def split_by_the_compiler(axis):
     return not mesh.empty and axis in mesh.axis_names and mesh.shape[axis] > 1 and is_auto_axis(axis)
 
 
-# ----------------------------------------------------------------------------
-# Typing: inside shard_map, both branches of a cond and a loop's carry must agree on
+# ---- Typing: inside shard_map, both branches of a cond and a loop's carry must agree on
 # which mesh axes a value varies over.
 
 

@@ -1,23 +1,10 @@
-"""Context parallelism (--mesh.cp): every sequence split over the cp axis, with
-attention gathering the MLA latent over cp. Shape legend: model.py's docstring;
-L = T / (2 cp), the length of one chunk.
-
-Which tokens a rank holds: the sequence is cut into 2 cp chunks of L tokens, and rank
-i holds chunks i and 2cp-1-i, which gives every rank the same causal-attention work
-(docs/parallelism.md, "What crosses cp").
-
-What crosses cp: per attention layer, one all-gather of the latent c_KV [A] and the
-shared RoPE key [R] of every rank's tokens; each rank up-projects keys and values
-[H, K] from the gathered latent itself. Autodiff makes the all-gather's transpose a
-reduce-scatter of the latent's gradient. Everything per token (norms, FFN, MoE, the
-loss) runs on the rank's 2L tokens; RoPE and the causal mask use global positions, so
-the numbers are those of one device. utils.context_parallel_checks says what cp needs
-of the model (routing groups and attention blocks within a chunk, among others).
-
-Every cp rank receives the whole rows of its (slice, dp) share of the batch and reads
-its chunks' inputs and targets out of them (local_inputs, local_targets; MTP reads a
-few tokens past a chunk's end).
-"""
+"""Context parallelism (--mesh.cp): every sequence cut into 2 cp chunks of L = T / (2 cp)
+tokens, rank i holding chunks i and 2cp-1-i (the same causal work on every rank). Per
+attention layer one all-gather of the MLA latent and the shared RoPE key crosses cp (its
+transpose reduce-scatters their gradient); everything per token runs on the rank's 2L
+tokens at their global positions, so the numbers are one device's. Every cp rank gets
+whole rows and reads its chunks' inputs and targets out of them. What cp needs of a
+config: utils.context_parallel_checks; the measurements: docs/parallelism.md."""
 
 import dataclasses
 
@@ -44,17 +31,11 @@ def gathered_positions(seq_len, cp):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SequenceChunks:
-    """What attention needs under context parallelism, passed down where the RoPE angles
-    go (MLAttention.__call__ takes either): the angles of this rank's tokens, their
-    global positions q_pos_T [2L], the global positions k_pos_S [T] of the gathered
-    keys, and the cp axis to gather over.
-
-    Under the automatic executor (--mesh.sharding auto) the program is global: the
-    tokens are every rank's chunks in rank order, [T] of them, their sequence dim split
-    over cp by a sharding constraint (executor_auto). There no collective is written:
-    `whole` is the spec that asks the compiler for the latent whole over cp where keys
-    and values are made from it, and the compiler chooses what it moves.
-    """
+    """What attention needs under cp, passed down where the RoPE angles go: the angles of
+    this rank's tokens, their global positions q_pos_T [2L], those of the gathered keys
+    k_pos_S [T], and the cp axis. Under the automatic executor (a global program, every
+    rank's chunks in rank order) nothing is gathered by hand: `whole` asks the compiler
+    for the latent whole over cp."""
     angles: jax.Array
     q_pos_T: jax.Array
     k_pos_S: jax.Array

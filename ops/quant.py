@@ -140,8 +140,7 @@ def same_varying(x, w):
     return vary(x), vary(w)
 
 
-# ----------------------------------------------------------------------------
-# Attention's products: activations on both sides
+# ---- Attention's products: activations on both sides
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -181,8 +180,7 @@ def quantized_matmul_bwd(mode, residuals, dy_xMN):
 quantized_matmul.defvjp(quantized_matmul_fwd, quantized_matmul_bwd)
 
 
-# ----------------------------------------------------------------------------
-# The dropless experts' grouped matmul
+# ---- The dropless experts' grouped matmul
 
 
 def rows_expert(sizes_E, n_rows):
@@ -224,8 +222,7 @@ def quantized_ragged_dot_bwd(mode, in_axis, out_axis, residuals, dy_NO):
 quantized_ragged_dot.defvjp(quantized_ragged_dot_fwd, quantized_ragged_dot_bwd)
 
 
-# ----------------------------------------------------------------------------
-# The experts' matmuls (model.MoE)
+# ---- The experts' matmuls (model.MoE)
 
 
 def quantized_expert_matmuls(x_ENI, w_EIO, quant_mode, row_tile, tp_axis, tp_splits):

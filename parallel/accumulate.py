@@ -2,37 +2,21 @@
 manual): (loss, metrics, grads) with one microbatch's activations alive, whatever
 --train.microbatches is, inside the shard_map step.
 
-A lax.scan over the M microbatches; each iteration runs one microbatch's forward and
-its backward (jax.vjp, seeded with the loss's derivatives with respect to the sums,
-step_core.sum_cotangents) and adds its weight gradients to float32 accumulators in the
-loop's carry. No backward pass needs another microbatch's activations, so they die
-with their iteration. (executor_gpipe took the gradient by autodiff through its forward
-scan, which keeps every microbatch's activations for the backward scan: on the default
-model at remat none, batch 32, the step's temporaries grew from 365 MB at M = 1 to
-499 MB at M = 8; here they shrink: docs/parallelism.md has the table.)
+A lax.scan over the M microbatches, each iteration one microbatch's forward and backward
+(jax.vjp seeded with step_core.sum_cotangents), its weight gradients added to float32
+accumulators in the carry. Unlike autodiff through GPipe's scan, no backward needs
+another microbatch's activations (docs/parallelism.md has the memory).
 
-FSDP (the block weights split over dp), --train.gather_once:
-  true   all blocks' weights are all-gathered once per step, before the loop; their
-         gradient is summed whole (float32) over the microbatches and reduce-scattered
-         once after it (fsdp.scatter_by_all_to_all, as every FSDP gradient). Holds
-         the gathered weights (compute dtype) and their float32 gradient for the whole step.
-  false  each microbatch gathers each block just before use and reduce-scatters that
-         block's gradient (M gathers and M reduce-scatters per step, as GPipe), holding
-         one block's gathered weights at a time (with remat none, its backward keeps
-         them all, as GPipe's does) and only the gradient shards; at remat none, layer
-         or stage the next block is fetched beside this one, packed into one gather
-         (model.apply_blocks's prefetch).
-  auto   (the default) once when M > 1 and that costs at most rules.GATHER_ONCE_SHARE
-         of the device's memory (gather_once_bytes; memory as jax reports it: TPU and
-         GPU), else per microbatch (also on CPU, which reports no memory): the rule is
-         rules.gathers_once, which the planner asks too.
-The embedding, dense prefix, final norm and MTP are gathered once per step either way
-(fsdp.gather_top), their gradient summed in float32 and reduce-scattered once.
-
-Everything else is the step core's: microbatches and per-row dropout keys, the loss
-and metrics from the summed sums, the MoE statistics for the router biases. Remat
-policies act inside each microbatch's vjp as under GPipe (model.apply_blocks; "stage"
-keeps only the microbatch's input, recomputing its forward in its backward).
+FSDP, --train.gather_once:
+  true   all blocks gathered once before the loop; their float32 gradient summed over the
+         microbatches and reduce-scattered once after it. Holds both for the whole step.
+  false  each microbatch gathers each block just before use and reduce-scatters its
+         gradient (M of each per step, as GPipe); at remat none, layer or stage the next
+         block is fetched beside this one (fsdp.block_loop).
+  auto   (default) once when M > 1 and it fits rules.GATHER_ONCE_SHARE of the device's
+         memory (rules.gathers_once, asked by the planner too; CPU: per microbatch).
+The top-level weights are gathered once per step either way (fsdp.gather_top). Remat
+acts inside each microbatch's vjp as under GPipe.
 """
 
 import jax
@@ -65,10 +49,8 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
         blocks_wide, blocks_vjp = jax.vjp(lambda b: gather_stack(b, cfg), params["blocks"])
         blocks, loop = to_compute_dtype(blocks_wide, dtype), scan_blocks
     else:
-        # Typed as varying over every mesh axis before the loop, the weights that are
-        # replicated over an axis (norm scales; the router over tp) get their gradient
-        # summed over it once, by this pcast's transpose after the loop, not per
-        # microbatch; and the tie to each microbatch's tokens below changes no type.
+        # Varying over every axis before the loop: replicated weights (norm scales) get their
+        # gradient summed once, by this pcast's transpose, and the tie below changes no type.
         blocks, blocks_vjp = jax.vjp(lambda b: jax.tree.map(lambda w: vary(w, AXES), b), params["blocks"])
         loop = fsdp.block_loop(cfg, passes=1)
 
@@ -92,9 +74,8 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
     def step(carry, m):
         tokens_bT1 = mb.tokens_MbT1[m]
         keys_b = None if mb.keys_Mb is None else mb.keys_Mb[m]
-        # Per microbatch, tie the weights to this microbatch's tokens, so that their
-        # gathers stay in the loop (JAX would hoist them all out of it and keep every
-        # block's gathered weights for the whole step: the "once" that was not asked for).
+        # Tied to this microbatch's tokens, the gathers stay in the loop (else JAX hoists them
+        # all and keeps every block's gathered weights for the step: a "once" not asked for).
         blocks_m = blocks if once else jax.lax.optimization_barrier((blocks, tokens_bT1))[0]
         sums, vjp, stats_N = jax.vjp(lambda t, b: microbatch_sums(t, b, tokens_bT1, keys_b), top, blocks_m, has_aux=True)
         g_top, g_blocks = vjp(cotangents(sums))
@@ -118,8 +99,7 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
     return core.loss_and_metrics(carry["ce"], carry["stats"], cfg, carry["mtp"]), {**g_top_local, "blocks": g_blocks}
 
 
-# ----------------------------------------------------------------------------
-# FSDP: once per step or per microbatch
+# ---- FSDP: once per step or per microbatch
 
 
 def gathers_once(cfg, blocks_local):
@@ -135,8 +115,8 @@ def device_memory():
 
 
 def gather_once_bytes(blocks_local, cfg):
-    """What gathering once holds for the whole step, per device: the gathered block
-    weights in the compute dtype and their float32 gradient. (Traced shapes only.)"""
+    """Bytes per device gathering once holds for the step: the gathered block weights in the
+    compute dtype and their float32 gradient (from traced shapes)."""
     gathered = jax.eval_shape(lambda b: to_compute_dtype(gather_stack(b, cfg), jnp.dtype(cfg.model.dtype)), blocks_local)
     return sum(w.size * (w.dtype.itemsize + 4) for w in jax.tree.leaves(gathered))
 

@@ -1,35 +1,21 @@
 """The automatic executor (--mesh.sharding auto): (loss, metrics, grads) of a program
-written as for one device, partitioned by the compiler (jax.jit + shardings, no
-shard_map).
+written as for one device (global shapes, no collectives written), partitioned by the
+compiler (jax.jit + shardings, no shard_map). Weights keep the storage shardings of the
+shard_map executors (so params, optimizer state and checkpoints are interchangeable);
+the step core's reductions are identities here (no manual axis).
 
-The model code runs as it does on one device (tp_axis = None: no collectives written,
-global shapes everywhere), the weights sit in the same storage shardings as under the
-shard_map executors (weights.param_specs, placed by weights.init_params), and a few
-sharding constraints say how values should be laid out where they are used. XLA's
-partitioner then inserts the all-gathers, reduce-scatters, all-reduces and
-all-to-alls itself. The step core's loss and update are the same functions as under
-shard_map: with no manual axis their reductions are identities (ops/collectives.psum).
+Sharding constraints (the compiler propagates the rest):
+  weights         just before use, per block: weight_layout's compute layout (FSDP dim
+                  whole, tp dim over tp, experts over dp with --mesh.expert_parallel)
+  residual stream x_BTD out of the embedding and into the loss: RESIDUAL_SPEC
+  expert buffers  x_GECD with --mesh.expert_parallel: experts over dp
+                  (model.MoE.routed_with_capacity)
+docs/parallelism.md compares the compiler's choices with the shard_map executors'.
 
-Where the constraints are (everything else is propagated by the compiler):
-  weights         just before use (per block, inside the loop over blocks): the FSDP
-                  dim whole, the tensor-parallel dim split over tp, experts split over
-                  dp with --mesh.expert_parallel (the compute layout of weight_layout)
-  residual stream x_BTD out of the embedding and into the loss: rows over dp, the
-                  sequence over cp, whole over tp (RESIDUAL_SPEC; the batch arrives
-                  with rows over dp)
-  expert buffers  x_GECD with --mesh.expert_parallel: experts over dp, every group
-                  (model.MoE.routed_with_capacity; the compiler picks the dispatch)
-Storage shardings are the jit's input and output shardings, so params, optimizer state
-and checkpoints are interchangeable with --mesh.sharding manual. docs/parallelism.md
-compares what the compiler chose with the shard_map executors' choices.
-
-Axis types: the mesh keeps mesh.make_mesh's Explicit axes (one mesh, one set of
-arrays for both modes), and the step body runs under jax.sharding.auto_axes (parallel/steps.py),
-which turns every axis Auto inside. With Explicit axes every op whose output sharding
-is ambiguous (a matmul contracting a dim split like the batch, the embedding's gather
-from a vocab-split table, routing's top_k / argsort / scatter) would need an
-out_sharding written into model.py: the model code would have to know the mesh, which
-is what this mode is meant to avoid. Pipelining needs the shard_map executors: pp = 1.
+The mesh's axes are Explicit (one mesh for both modes); the step runs under
+jax.sharding.auto_axes (parallel/steps.py), Auto inside, since with Explicit axes every op
+of ambiguous output sharding (a matmul contracting the batch-split dim, a gather from a
+vocab-split table, top_k) would need an out_sharding in model.py. No pipelining: pp = 1.
 """
 
 import jax
@@ -46,9 +32,8 @@ from utils import BATCH_AXES, CP, DP
 
 MANUAL = False  # jit partitions a global program: the compiler writes the collectives
 
-# The residual stream [B, T, D]: rows over (slice, dp), replicated over tp (Megatron's layout
-# between layers: each tp device holds the whole activation of its rows), the sequence
-# over cp (the tokens in cp rank order under context parallelism: ops/context_parallel.py).
+# The residual stream [B, T, D]: rows over (slice, dp), the sequence over cp (tokens in cp rank
+# order), whole over tp (Megatron's layout between layers).
 RESIDUAL_SPEC = P(BATCH_AXES, CP, None)
 
 
@@ -60,11 +45,9 @@ def compute_spec(path, one_block, expert_parallel):
 
 
 def prepare_for_use(params, expert_parallel, dtype, one_block=False):
-    """The automatic counterpart of fsdp.gather_for_use: cast to the compute dtype
-    (first, so a bfloat16 gather moves half the bytes) and constrain to the compute
-    layout. XLA inserts the all-gather; the gradient, constrained the same way by
-    autodiff, goes back to storage as a reduce-scatter (XLA:CPU: an all-reduce and a
-    slice). Untrained state (the router biases) keeps float32, as under shard_map."""
+    """fsdp.gather_for_use's counterpart: cast to the compute dtype (first: half the bytes
+    in bfloat16), constrained to the compute layout; XLA inserts the all-gather and the
+    gradient's reduce-scatter. Untrained state (router biases) stays float32."""
     def prepare(path, w):
         if not is_trained(weight_name(path)):
             return w
@@ -85,8 +68,7 @@ def loss(params, tokens_BT1, graphdef, cfg, rng):
     model = nnx.merge(graphdef, {**top, "blocks": params["blocks"]})
     axes = Axes(ep=DP if ep else None)  # tp None: no psum written, the compiler reduces
     loop = gathering_loop(lambda block_params: prepare_for_use(block_params, ep, dtype, one_block=True))
-    # Microbatch m takes rows m, m + M, m + 2M, ...: each microbatch's rows stay split
-    # over dp as the batch is, so splitting it moves nothing.
+    # Strided microbatches stay split over dp as the batch is: splitting moves nothing.
     mb = core.split_microbatches(tokens_BT1, cfg, rng, first_row=0, strided=True)
     M = mb.tokens_MbT1.shape[0]
 

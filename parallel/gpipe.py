@@ -1,17 +1,11 @@
 """The GPipe executor (--train.pipeline gpipe, the default): (loss, metrics, grads) by
 autodiff through a loop of pipeline ticks, inside the shard_map step.
 
-At tick t stage s works on microbatch m = t - s: stage 0 embeds microbatch t (and runs
-the dense prefix, --model.first_dense, on it: all microbatches before the loop), every
-other stage takes what its left neighbour produced at tick t-1 (ppermute). After
-M + pp - 1 ticks the last stage has produced every microbatch; the bubble (idle share)
-is (pp - 1) / (M + pp - 1). Autodiff runs the loop backwards: the ppermutes become
-ppermutes the other way, each FSDP all-gather a reduce-scatter of its gradient. With
-pp = 1 this is plain gradient accumulation over the microbatches.
-
-Everything around the loop (microbatches, dropout keys, the loss from the per-device
-sums, the update) is the step core's (parallel/step_core.py); the embedding, prefix and loss
-head are the model's (model.Transformer.embed_and_prefix, head_sums).
+At tick t stage s works on microbatch t - s: stage 0 takes microbatch t embedded (with
+the dense prefix, all before the loop), the others what their left neighbour produced at
+t - 1 (ppermute). M + pp - 1 ticks; bubble (pp - 1) / (M + pp - 1). Autodiff runs it
+backwards: ppermutes the other way, each FSDP all-gather a reduce-scatter. The rest is
+the step core's (parallel/step_core.py) and the model's (embed_and_prefix, head_sums).
 """
 
 import jax
@@ -50,9 +44,8 @@ def pipeline_sums(model, mb, cfg):
     n_stages, stage = jax.lax.axis_size(PP), axis_index(PP)  # (0, not varying, when pp = 1)
     tokens_MbT1, angles, keys_Mb = mb.tokens_MbT1, mb.angles, mb.keys_Mb
     M = tokens_MbT1.shape[0]
-    # The embedding and the dense prefix on stage 0 only, the head and loss on the last
-    # stage only: no stage computes what it would mask away (core.when: a cond, zeros
-    # elsewhere). One microbatch at a time, as the blocks run.
+    # Embedding and prefix on stage 0 only, the head on the last only (core.when), one
+    # microbatch at a time: no stage computes what it would mask away.
     def embed_and_prefix(tokens_MbT1):
         return jax.lax.map(lambda tk: model.embed_and_prefix(tk[0], angles, axes, tk[1], m_cfg.remat), (tokens_MbT1, keys_Mb))
 
@@ -90,13 +83,9 @@ def pipeline_sums(model, mb, cfg):
 
 
 def last_stage_sums(model, outputs_MbTD, mb, axes):
-    """(summed cross-entropy, summed MTP cross-entropy) of the finished microbatches
-    (model.head_sums).
-
-    One microbatch at a time: the float32 logits [b, T, V/tp] of only one microbatch
-    exist at once (the backward pass recomputes them per microbatch), instead of
-    [M * b, T, V/tp], which for a large vocabulary would be most of a device's memory.
-    """
+    """(summed cross-entropy, summed MTP cross-entropy) of the finished microbatches, one
+    at a time (recomputed in the backward), so only one microbatch's float32 logits
+    [b, T, V/tp] exist, not [M b, T, V/tp]: most of a device's memory at a large vocabulary."""
     def microbatch_sums(y_bTD, tokens_bT1, m):
         return model.head_sums(y_bTD, tokens_bT1, mb.angles, axes, None if mb.keys_Mb is None else mb.keys_Mb[m])
 

@@ -1,21 +1,17 @@
-"""The mesh (dp x cp x pp x tp within a TPU slice, slices outermost), the checks a config
-must pass on it before anything compiles, and how batches sit on it.
+"""The mesh (dp x cp x pp x tp within a TPU slice, slices outermost), the config checks it
+needs before anything compiles, and how batches sit on it.
 
-Mesh axes (their names: utils.AXES):
-  dp  data parallel + FSDP (ZeRO-3): the batch is split over dp, and so is (almost)
-      every weight and its optimizer state (parallel/fsdp.py gathers them for use).
-  cp  context parallel: every sequence is cut into 2 cp chunks, rank i holding chunks i
-      and 2cp-1-i; attention all-gathers the MLA latent over cp (ops/context_parallel.py).
-  pp  pipeline: stage i holds blocks [i*N/pp, (i+1)*N/pp); microbatches flow stage to
-      stage with ppermute (parallel/gpipe.py, parallel/one_f_one_b.py).
-  tp  tensor parallel (Megatron): heads, FFN hidden units, expert hidden units and the
-      vocabulary are split; the model psums the partial outputs over tp.
-  Experts may also be split over dp (expert parallelism, all-to-all in model.MoE).
-  slice (outermost, --mesh.slices) data parallel across TPU slices, over the data-center
-      network: weights are replicated per slice, and the only collective across slices
-      is one all-reduce of the gradient shards per step (step_core.reduce_over_slices).
-
-How each weight is split: parallel/weights.py. The steps over this mesh: parallel/steps.py.
+Mesh axes (names: utils.AXES):
+  dp     data parallel + FSDP (ZeRO-3): the batch and (almost) every weight and its optimizer
+         state are split over dp (parallel/fsdp.py gathers them); with expert parallelism
+         the experts too (all-to-all in model.MoE).
+  cp     context parallel: each sequence in 2 cp chunks, rank i holding chunks i and 2cp-1-i;
+         attention all-gathers the MLA latent over cp (ops/context_parallel.py).
+  pp     pipeline: stage i holds blocks [i N/pp, (i+1) N/pp); activations go by ppermute.
+  tp     tensor parallel (Megatron): heads, FFN and expert hidden units, vocabulary; psum over tp.
+  slice  outermost (--mesh.slices), data parallel over the data-center network: weights whole
+         per slice, one gradient all-reduce per step (step_core.reduce_over_slices).
+Weight splits: parallel/weights.py; the steps: parallel/steps.py.
 """
 
 import jax
@@ -27,13 +23,11 @@ from jax.sharding import PartitionSpec as P
 from model import resolve_moe_kernel
 from utils import AXES, BATCH_AXES, CP, MESH_AXES, SLICE, ConfigError
 
-# ----------------------------------------------------------------------------
-# Mesh
+# ---- Mesh
 
 
 def resolve_mesh_shape(mesh_cfg, n_devices):
-    """(dp, cp, pp, tp) of one slice, with dp = -1 resolved to the devices left by slices,
-    cp, pp and tp."""
+    """(dp, cp, pp, tp) of one slice; dp = -1 takes the devices the other axes leave."""
     cp, pp, tp, slices = mesh_cfg.cp, mesh_cfg.pp, mesh_cfg.tp, mesh_cfg.slices
     if pp < 1 or tp < 1 or cp < 1:
         raise ConfigError(f"--mesh.cp ({cp}), --mesh.pp ({pp}) and --mesh.tp ({tp}) must be >= 1")
@@ -55,22 +49,14 @@ def resolve_mesh_shape(mesh_cfg, n_devices):
 
 
 def make_mesh(mesh_cfg, devices=None):
-    """The (slice, dp, cp, pp, tp) mesh over `devices` (default: all), the same for training
-    and for planner.py --tpu.
+    """The (slice, dp, cp, pp, tp) mesh over `devices` (default: all), for training and
+    planner.py --tpu alike.
 
-    Device order, and why: slice is outermost (its devices are whole TPU slices, joined
-    by the data-center network; on CPU and GPU consecutive blocks of devices, i.e. of
-    processes); within a slice tp is innermost, so a tp group is the closest chips (one
-    host's, which talk most: two all-reduces per layer); dp is outermost, so each
-    host's chips share as few dp coordinates as possible, and a host loads only the
-    rows of those (process_rows). On TPU, jax's topology-aware assignment
-    (mesh_utils.create_device_mesh, which maps mesh axes onto torus axes for short
-    rings, splitting a physical axis where needed) is used when it keeps both
-    properties; where it cannot map the shape at all (jax.make_mesh raises
-    NotImplementedError for dp8 x pp2 x tp2 on a v4-64's 2x4x4 chips) or would put a tp
-    group across hosts, the fallback is an explicit order: host by host, each host's
-    chips in a snake (consecutive chips are neighbours). CPU and GPU devices keep
-    jax's order (process-major, which already gives both properties)."""
+    slice is outermost (whole TPU slices; on CPU and GPU consecutive processes). Within a
+    slice tp is innermost, so a tp group (two all-reduces per layer) is one host's closest
+    chips, and dp outermost, so a host spans few dp rows and loads only those (process_rows).
+    TPU: jax's topology-aware order where it keeps both, else host by host, each host's chips
+    in a snake (tpu_device_grid). CPU and GPU: jax's process-major order, which keeps both."""
     devices = jax.devices() if devices is None else list(devices)
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
     if devices[0].platform == "tpu":  # each slice's own grid (its torus), stacked
@@ -81,14 +67,12 @@ def make_mesh(mesh_cfg, devices=None):
 
 
 def shown_shape(mesh):
-    """{axis: size} as runs print it: dp, pp and tp always, the slice and cp axes only
-    when they split something (size > 1)."""
+    """{axis: size} as runs print it: dp, pp and tp always, slice and cp only when > 1."""
     return {axis: n for axis, n in mesh.shape.items() if axis not in (SLICE, CP) or n > 1}
 
 
 def tpu_slices(devices, slices):
-    """The devices of each TPU slice (their slice_index, 0 on a single slice), in order:
-    --mesh.slices must be the number of slices the job runs on."""
+    """Each TPU slice's devices (by slice_index), in order; raises unless there are `slices`."""
     groups = {}
     for d in devices:
         groups.setdefault(getattr(d, "slice_index", 0), []).append(d)
@@ -99,9 +83,8 @@ def tpu_slices(devices, slices):
 
 
 def tpu_device_grid(shape, devices):
-    """[dp, cp, pp, tp] array of TPU devices: jax's topology-aware order if it keeps tp
-    groups on as few hosts and hosts on as few dp rows as the host-major order does,
-    else the host-major order."""
+    """[dp, cp, pp, tp] TPU devices: jax's topology-aware order where it spreads tp groups and
+    hosts no wider than host_major_grid does (host_spread), else host_major_grid."""
     fallback = host_major_grid(shape, devices)
     try:
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
@@ -112,9 +95,8 @@ def tpu_device_grid(shape, devices):
 
 
 def host_major_grid(shape, devices):
-    """Devices sorted host by host (process index), within a host in snake order over
-    its chip coordinates (x reversed on odd rows, so consecutive chips are ICI
-    neighbours; on a 2x2 host the order is a ring), both cores of a chip together."""
+    """Devices host by host, each host's chips in snake order (x reversed on odd rows, so
+    consecutive chips are ICI neighbours), both cores of a chip together."""
     def key(d):
         x, y, z = d.coords
         return d.process_index, z, y, -x if y % 2 else x, d.core_on_chip
@@ -122,8 +104,7 @@ def host_major_grid(shape, devices):
 
 
 def host_spread(grid):
-    """(most hosts one tp group spans, most dp rows one host's devices lie in): the two
-    things make_mesh keeps small."""
+    """(most hosts one tp group spans, most dp rows one host's devices lie in)."""
     dp, tp = grid.shape[0], grid.shape[-1]
     tp_hosts = max(len({d.process_index for d in group}) for group in grid.reshape(-1, tp))
     rows_of = {}
@@ -134,8 +115,7 @@ def host_spread(grid):
 
 
 def describe_mesh(mesh):
-    """Which device holds which (dp, pp, tp) coordinate (and cp, slice when they are
-    more than 1), and which process owns it."""
+    """The mesh as text: each device's id, process and coordinates (shown_shape's axes)."""
     shown = shown_shape(mesh)
     lines = [f"mesh {shown} over {mesh.devices.size} devices, {jax.process_count()} process(es)"]
     for coords in np.ndindex(mesh.devices.shape):
@@ -144,8 +124,7 @@ def describe_mesh(mesh):
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------
-# What a config needs of the mesh
+# ---- What a config needs of the mesh
 
 
 def check_config_fits_mesh(cfg, mesh):
@@ -192,9 +171,7 @@ def named(mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-
-# ----------------------------------------------------------------------------
-# Placing batches; what a compiled step holds
+# ---- Placing batches; what a compiled step holds
 
 
 def specs_of(tree):
@@ -202,9 +179,8 @@ def specs_of(tree):
 
 
 def live_spec(spec, mesh):
-    """spec without the mesh axes of size 1 (the same layout): as a shard_map in_spec it
-    keeps values from being typed as varying over an axis that nothing splits, so no
-    collective is needed over it (ops/collectives.live_axes). A tree of specs is mapped."""
+    """spec (or a tree of specs) without its size-1 axes, the same layout: as a shard_map
+    in_spec, nothing is typed as varying over them, so no collective runs there."""
     if not isinstance(spec, P):
         return jax.tree.map(lambda s: live_spec(s, mesh), spec, is_leaf=lambda x: isinstance(x, P))
     live = [tuple(a for a in axes_of(entry) if mesh.shape[a] > 1) for entry in spec]
@@ -222,10 +198,9 @@ def global_batch(mesh, rows_for_process, batch_size):
 
 
 def process_rows(mesh, batch_size, process=None):
-    """The global batch rows that the devices of `process` (default: this one) own,
-    sorted: a range when they are contiguous (make_mesh's order makes them so), else a
-    tuple. Read off the sharding itself, so it is exact for any device order;
-    make_array_from_process_local_data takes a process's rows in this sorted order."""
+    """The global batch rows the devices of `process` (default: this one) own, sorted, as
+    make_array_from_process_local_data takes them: a range when contiguous, else a tuple.
+    Read off the sharding, so exact for any device order."""
     process = jax.process_index() if process is None else process
     indices = NamedSharding(mesh, batch_spec()).devices_indices_map((batch_size, 1))
     rows = sorted({r for d, idx in indices.items() if d.process_index == process

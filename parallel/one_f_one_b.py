@@ -2,31 +2,23 @@
 metrics, grads) by running a schedule table tick by tick, with the backward written by
 hand, inside the shard_map step.
 
-parallel/schedules.py builds the table (for every tick and stage: a forward or backward pass of
-one microbatch through one chunk of blocks, or nothing, and which ring slots hold its
-buffers). This file runs it: one lax.scan over the ticks, one lax.cond per tick on the
-stage's op. A forward tick runs each block of its chunk under jax.vjp and stashes the
-vjp's residuals that depend on the block's input; the backward tick of that microbatch
-runs only the vjp from them (Megatron's 1F1B: no recompute, memory of the microbatches
-in flight, not of M). The remat policy says what the stash holds: none, everything;
-block, each block's input (its backward recomputes it); block_dots, the matmul
-outputs; layer, each layer's input; stage, only the chunk's input (the chunk is
-recomputed). Gradients accumulate in the loop. The loss's derivatives with respect to each device's sums (cross-entropy,
-balance losses, MTP) come from the step core (step_core.sum_cotangents), the same
-loss that autodiff differentiates under GPipe, so both give the same gradients.
+parallel/schedules.py builds the table; here one lax.scan runs its ticks, one lax.cond per
+tick on the stage's op. A forward tick runs each block of its chunk under jax.vjp and
+stashes the residuals that depend on the block's input; the backward tick runs only the
+vjp from them (Megatron's 1F1B: no recompute, memory of the microbatches in flight). The
+remat policy says what the stash holds: none, everything; block, each block's input;
+block_dots, the matmul outputs; layer, each layer's input; stage, the chunk's input (the
+chunk recomputed). The loss's derivatives come from step_core.sum_cotangents, so the
+gradients equal GPipe's autodiff. Stage 0's first chunk starts with the embedding and
+dense prefix; its backward tick recomputes them (embed, embed_backward).
 
-The first chunk's forward on stage 0 starts with the embedding and the dense prefix
-(--model.first_dense); its backward tick recomputes both and runs their vjp (embed,
-embed_backward), the prefix's weights being top-level ones, gathered once per step.
+Rings of R slots (R: most microbatches in flight on a stage, pp for 1f1b) keep what a
+backward tick needs: the chunk's input [R + 1, b, T, D] (one trash slot) and each stash
+leaf [R, L, ...].
 
-What a backward tick needs from its forward tick is kept in rings of slots, R = the
-most microbatches in flight on a stage (pp for 1f1b): the chunk's input [R + 1, b, T,
-D] (one trash slot) and each stash leaf [R, L, ...] (stash_block, unstash_block).
-
-Interleaved: storage keeps blocks contiguous (stage s stores blocks [s N/pp,
-(s+1) N/pp)), so init, checkpoints, eval and the planner's layouts do not depend on the
-schedule. The step moves each chunk once per step to the stage that runs it (chunk c
-to stage c % pp) with ppermutes, and its gradient back the same way.
+Interleaved: storage keeps each stage's blocks contiguous, so init, checkpoints, eval and
+the planner do not depend on the schedule; the step moves chunk c to stage c % pp by
+ppermute, and its gradient back.
 """
 
 import jax
@@ -50,14 +42,12 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
     return ScheduledStep(params, tokens_bT1, graphdef, cfg, rng).run()
 
 
-# ----------------------------------------------------------------------------
-# Interleaved: which device holds which blocks
+# ---- Interleaved: which device holds which blocks
 
 
 def move_chunks(tree_VL, source_of, axis):
-    """Permute chunks between devices: output chunk u of device d is chunk w of device
-    source_of(d, u) = (device, w). Leaves [V, L, ...]. Each chunk moves once: V*V
-    ppermutes, each carrying one chunk between the devices that need it."""
+    """Chunks permuted between devices: output chunk u of device d is chunk w of device
+    source_of(d, u) = (device, w). Leaves [V, L, ...]; at most V*V ppermutes."""
     n = jax.lax.axis_size(axis)
     V = jax.tree.leaves(tree_VL)[0].shape[0]
     out = []
@@ -92,8 +82,7 @@ def from_chunks(tree_VL, axis):
     return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree_VL)
 
 
-# ----------------------------------------------------------------------------
-# The executor
+# ---- The executor
 
 
 class ScheduledStep:
@@ -111,9 +100,7 @@ class ScheduledStep:
         self.remat = m_cfg.remat
         self.mb = core.split_microbatches(tokens_bT1, cfg, rng, first_row=core.first_row(tokens_bT1.shape[0]))
         self.cot = core.sum_cotangents(cfg, jax.lax.axis_size(TP))
-        # The embedding, final norm and MTP, gathered once per step (fsdp.gather_top);
-        # their gradient is summed in float32 over the step and reduce-scattered once at
-        # the end (the gather's vjp).
+        # Top-level weights gathered once per step; their float32 gradient reduce-scattered once at the end.
         top_local = {k: v for k, v in params.items() if k != "blocks"}
         self.top, self.top_vjp = jax.vjp(lambda t: fsdp.gather_top(t, cfg), top_local)
         self.chunks = to_chunks(params["blocks"], self.V, PP)  # [V, L, ...]: this stage's chunks
@@ -126,10 +113,17 @@ class ScheduledStep:
 
     # --- blocks and chunks ---------------------------------------------------
 
+    def keys(self, m):
+        """Microbatch m's dropout keys [b], or None."""
+        return None if self.mb.keys_Mb is None else self.mb.keys_Mb[m]
+
+    def block_keys(self, m, n):
+        """Block n's dropout keys on microbatch m, as model.apply_blocks folds them."""
+        return None if self.mb.keys_Mb is None else fold_in_rows(self.mb.keys_Mb[m], n)
+
     def block(self, state, x_bTD, m, n):
         """Block n (global index) on microbatch m: (x, MoE stats)."""
-        # Tie the weights to this block's input so the gather stays in the loop
-        # (see model.apply_blocks) instead of all blocks' gathers being hoisted.
+        # Tied to this block's input, the gather stays in the loop (fsdp.gathering_loop).
         state = jax.lax.optimization_barrier((state, x_bTD))[0]
         block_rng = self.block_keys(m, n)
         block = nnx.merge(self.block_def, fsdp.gather_block(state, self.cfg))
@@ -151,10 +145,8 @@ class ScheduledStep:
     # --- the stash: what a block's backward needs, kept from its forward ----
 
     def block_fn(self, m, n):
-        """Block n on microbatch m as a function of its gathered weights and its input,
-        ((y, balance-loss sums), MoE stats), wrapped by the remat policy: what its vjp
-        keeps is what the policy saves (none: everything; block: the input; block_dots:
-        the matmul outputs; layer: each layer's input)."""
+        """Block n on microbatch m as a function (gathered weights, input) -> ((y, balance-loss
+        sums), MoE stats), under the remat policy, which decides what its vjp keeps."""
         block_rng = self.block_keys(m, n)
 
         def f(w, x_bTD):
@@ -164,7 +156,7 @@ class ScheduledStep:
 
     def gathered(self, state, tie):
         """A block's weights gathered for use, tied to `tie` (its input, or its output's
-        gradient) so the gather stays in the loop (see model.apply_blocks)."""
+        gradient) so the gather stays in the loop."""
         return fsdp.gather_block(jax.lax.optimization_barrier((state, tie))[0], self.cfg)
 
     def depends_on_x(self, w, x_bTD, m, n):
@@ -224,14 +216,6 @@ class ScheduledStep:
             return gx, g_chunk
 
     # --- the two ops --------------------------------------------------------
-
-    def keys(self, m):
-        """Microbatch m's dropout keys [b], or None."""
-        return None if self.mb.keys_Mb is None else self.mb.keys_Mb[m]
-
-    def block_keys(self, m, n):
-        """Block n's dropout keys on microbatch m, as model.apply_blocks folds them."""
-        return None if self.mb.keys_Mb is None else fold_in_rows(self.mb.keys_Mb[m], n)
 
     def embed(self, top, m):
         """Microbatch m embedded and through the dense prefix: what the first chunk starts from."""
@@ -306,7 +290,7 @@ class ScheduledStep:
         act_dtype = jnp.dtype(self.cfg.model.dtype)
         res = carry["res"].at[recv_x_slot].set(carry["x_recv"])  # what the previous stage sent last tick
         grads = carry["grads"].at[recv_grad_slot].set(carry["g_recv"])  # what the next stage sent
-        # (named_ops: hlo_reader.dot_flops(hlo, "forward_op") counts one op's matmuls)
+        # (named_op: planning/hlo_reader.dot_flops(hlo, "forward_op") counts one op's matmuls)
         y, x_in, stash_L, stats_L, (ce, mtp), gy, g_top_f = core.when(op == FORWARD, named_op(self.forward_op), res[res_slot], m, v, c)
         stash_slot = jnp.minimum(res_slot, sched.res_slots - 1)  # (the stash ring has no trash slot)
         gx, g_chunk, g_top_b = core.when(op == BACKWARD, named_op(self.backward_op), res[res_slot],
@@ -314,8 +298,7 @@ class ScheduledStep:
         is_f, is_head = op == FORWARD, (op == FORWARD) & (c == self.C - 1)
         write = jnp.where(is_f, res_slot, sched.res_slots)
         res = res.at[write].set(x_in.astype(act_dtype))  # (the embedding's output, on chunk 0: kept for remat stage)
-        # A stash slot is as big as a microbatch's activations: rather than a trash slot,
-        # a tick that is no forward writes the slot's own value back.
+        # No trash slot (as big as a microbatch's activations): a non-forward tick writes the slot back.
         stash = [buf.at[stash_slot].set(jnp.where(is_f, leaf.astype(buf.dtype), buf[stash_slot]))
                  for buf, leaf in zip(carry["stash"], stash_L)]
         grads = grads.at[jnp.where(is_head, grad_slot, sched.grad_slots)].set(gy.astype(act_dtype))

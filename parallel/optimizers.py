@@ -1,33 +1,19 @@
 """The optimizer: the learning-rate schedule, AdamW, and Muon for weights split over a mesh.
 
-Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) is momentum SGD
-whose update for each weight matrix is orthogonalized, U V^T of the momentum's
-U S V^T, by a few Newton-Schulz iterations: every direction of the matrix moves by
-the same amount, where Adam's steps follow the few directions with the largest
-gradients. On the default run it reaches val loss 1.524 in 1000 steps where AdamW
-reached 1.604 in 1200, in the same wall time (docs/benchmarks.md). AdamW still trains what is not
-a matrix (`--train.optimizer muon`): the embedding, norm scales and routers.
+Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) is momentum SGD whose
+update for each weight matrix is orthogonalized (U V^T of the momentum's U S V^T, by
+Newton-Schulz), so every direction moves alike; it beats AdamW on the default run
+(docs/benchmarks.md). AdamW still trains what is no matrix: embedding, norm scales, routers.
+Muon's update has RMS 0.2 per element (Liu et al. 2025, https://arxiv.org/abs/2502.16982),
+about AdamW's, so both share one learning rate and weight decay.
 
-Muon's update is scaled to an RMS of 0.2 per element (0.2 sqrt(max(fan_in, fan_out)),
-Liu et al. 2025, https://arxiv.org/abs/2502.16982), about what AdamW's updates have,
-so the two share one learning rate and one weight decay.
-
-Orthogonalizing is not elementwise: it needs the whole matrix. Inside the sharded
-train step each device holds shards (FSDP over dp, heads or hidden units over tp) of
-a batch of matrices (the stacked blocks N over pp, the experts E over dp with expert
-parallelism: those dims stay split). The devices that share a batch's shards (its
-group: the mesh axes that split its matrix dims) divide the matrices among
-themselves: each matrix has one owner, an all_to_all sends it the shards, it
-orthogonalizes the whole matrix, and the inverse all_to_all sends every device its
-shard of the update (owner_orthogonal; the modded-nanogpt speedrun's Muon likewise
-gives each matrix to one rank). So the Newton-Schulz FLOPs per device fall by the
-group size, and no device holds more than its shard's worth of matrices (plus
-padding). Weights of one shape and layout are pooled into one batch first, so that
-there are enough matrices to go round (orthogonal_updates).
-The step, which knows the layout, passes it to the update:
-`optimizer.update(grads, state, params, param_specs=...)` (steps.make_train_step).
-Clipping is done before the optimizer, by hand in the train step (it needs a
-mesh-wide norm).
+Orthogonalizing needs whole matrices, and each device holds shards of a batch of them.
+The devices sharing a batch (the axes splitting its matrix dims) divide its matrices:
+each matrix's owner gets its shards by all_to_all, orthogonalizes it, and sends back
+each device's shard of the update (owner_orthogonal, as modded-nanogpt's Muon), so the
+FLOPs per device fall by the group size. The step passes the layout:
+`optimizer.update(grads, state, params, param_specs=...)`. Clipping happens before, in
+the train step (it needs a mesh-wide norm).
 """
 
 import itertools
@@ -55,9 +41,8 @@ def is_matrix(path):
 
 
 def matrix_dims(path, ndim):
-    """(batch dims, fan-in dims, fan-out dims) of a weight: tuples of dim indices. E.g.
-    the experts' w_gate_EDF is E matrices of D x F, the attention output wo_HKD one
-    (H K) x D (weights.WEIGHTS: routed, fan_in)."""
+    """(batch dims, fan-in dims, fan-out dims) of a weight, as tuples of dim indices:
+    w_gate_EDF is E matrices of D x F, wo_HKD one (H K) x D."""
     batch, fan_in = row(weight_name(path)).muon_dims
     batch += is_stacked(path)  # the stacked blocks' leading N
     return tuple(range(batch)), tuple(range(batch, batch + fan_in)), tuple(range(batch + fan_in, ndim))
@@ -94,8 +79,8 @@ def scaled_orthogonal(x_BM, n_in):
 
 
 def split_axes(path, ndim, spec, manual):
-    """The manual mesh axes (of size > 1) that split each matrix dim of a weight's local
-    shard, in the spec's order: ((axes of matrix dim 0), ...)."""
+    """((manual axes of size > 1 splitting matrix dim 0, in spec order), ...) of a weight's
+    local shard; raises when a manual axis is > 1 and `spec` is None."""
     batch_dims, in_dims, out_dims = matrix_dims(path, ndim)
     if any(size > 1 for size in manual.values()) and spec is None:
         raise ValueError("Muon inside shard_map needs the params' PartitionSpecs: "
@@ -105,20 +90,14 @@ def split_axes(path, ndim, spec, manual):
 
 
 def owner_orthogonal(x_BM, n_in, dim_axes, manual):
-    """Distributed Muon on a batch of matrices [B, *local matrix dims] that the devices of
-    a group (the mesh axes in dim_axes) hold in shards, every device the same B.
+    """scaled_orthogonal of a batch [B, *local matrix dims] that the group (the axes in
+    dim_axes) holds in shards, every device the same B.
 
-    Each matrix gets one owner: the batch is padded to a multiple of the group size S
-    (zero matrices, whose update is zero) and owner j takes matrices [j k, (j+1) k).
-    all_to_all sends every shard to its matrix's owner, which then holds k whole
-    matrices, orthogonalizes them, and the inverse all_to_all (the same one: row s goes
-    to device s) sends each device its shards of the updates. Why all_to_all: each
-    byte of momentum crosses the network once each way, 2 (S-1)/S of the local shard
-    in all, and no device holds more than the size of its shard plus the padding;
-    gathering to every device (as before) moved (S-1) times the shard, held S times it
-    and repeated the Newton-Schulz FLOPs S times; gathering to owners and broadcasting
-    back moves as much as all_gather. The owners split the FLOPs S ways when S divides B
-    (scale_by_muon pools the weights of one shape and layout into one batch for that)."""
+    The batch is padded with zero matrices to S k (S: group size); owner j takes matrices
+    [j k, (j+1) k): an all_to_all brings it their shards, it orthogonalizes them, and the
+    same all_to_all returns each device its shards of the updates. So each byte crosses
+    once each way (2 (S-1)/S of the shard) and no device holds more than its shard plus
+    padding; gathering to every device would move (S-1)x, hold Sx and repeat the FLOPs Sx."""
     group = tuple(a for a in manual if any(a in axes for axes in dim_axes))  # in mesh order
     if not group:
         return scaled_orthogonal(x_BM, n_in)
@@ -139,10 +118,9 @@ def owner_orthogonal(x_BM, n_in, dim_axes, manual):
 
 
 def muon_pools(leaves, manual):
-    """How orthogonal_updates batches the matrices: leaves {key: (path, local shape,
-    spec)}, manual {axis: size} -> (keys of the weights whose matrices are whole here,
-    {(local matrix shape, fan-in dims, axes splitting each matrix dim): keys}). The
-    planner counts Muon's work and traffic off the same pools."""
+    """orthogonal_updates' batches (the planner counts off them too): leaves {key: (path,
+    local shape, spec)}, manual {axis: size} -> (keys whose matrices are whole here,
+    {(local matrix shape, fan-in dims, axes splitting each matrix dim): keys})."""
     whole, pools = [], defaultdict(list)
     for key, (path, shape, spec) in leaves.items():
         batch_dims, in_dims, _ = matrix_dims(path, len(shape))
@@ -155,14 +133,9 @@ def muon_pools(leaves, manual):
 
 
 def orthogonal_updates(momenta, specs):
-    """The Muon update of every weight from its momentum: {key: (path, momentum)}
-    (local shards inside shard_map, whose storage layouts are specs[key]; whole
-    arrays outside) -> {key: update}.
-
-    Weights whose matrices are split over the mesh are pooled by (local matrix shape,
-    the axes that split each matrix dim): the blocks of a stack, the layers of a block
-    and weights of one shape (w_gate, w_up) become one batch, so that there are
-    enough matrices to give every device of the group its share (owner_orthogonal)."""
+    """{key: (path, momentum)} -> {key: Muon update}; momenta are local shards laid out as
+    specs[key] inside shard_map, whole arrays outside. Split matrices of one local shape
+    and split are pooled into one batch, so every device of a group gets its share."""
     manual = manual_axis_sizes()
     whole, pools = muon_pools({key: (path, m.shape, specs.get(key)) for key, (path, m) in momenta.items()}, manual)
     updates = {}
@@ -181,11 +154,9 @@ def orthogonal_updates(momenta, specs):
 
 
 def scale_by_muon(beta):
-    """optax transform: Nesterov momentum (`beta`), then each matrix's update
-    orthogonalized and scaled to RMS 0.2 (learning rate and weight decay come after,
-    in make_optimizer). Its update takes the params' PartitionSpecs (`param_specs`, a
-    tree like the params'), needed when it runs on shards inside shard_map; None when
-    it runs on whole (global) arrays."""
+    """optax transform: Nesterov momentum (`beta`), each matrix's update orthogonalized at
+    RMS 0.2 (lr and decay follow in make_optimizer). update takes `param_specs` (a tree
+    like the params') on shards inside shard_map; None on global arrays."""
     ema = lambda m, g: beta * m + (1 - beta) * g  # noqa: E731
 
     def init(params):

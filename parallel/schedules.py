@@ -12,12 +12,10 @@ or backward (B) pass of one microbatch through one chunk of blocks, or nothing.
                  so a microbatch passes every device V times; bubble
                  (pp - 1) / (V M + pp - 1) instead of (pp - 1) / (M + pp - 1)
 
-`schedule(kind, pp, M, V)` builds the table by simulating the stages in lockstep (each
-stage runs its program in order, an op waits for its input from the neighbour's
-previous tick), and assigns every in-flight microbatch a slot of a fixed ring of
-buffers. `grid(...)` prints it. The executors run it: GPipe by autodiff
-(parallel/gpipe.py), 1f1b and interleaved tick by tick with a hand-written backward
-(parallel/one_f_one_b.py). planner.py and bench.py read the same table.
+`schedule(kind, pp, M, V)` builds the table by simulating the stages in lockstep (an op
+waits for its input from the neighbour's previous tick) and gives every in-flight
+microbatch a slot of a fixed ring of buffers; `grid` renders it as text.
+parallel/one_f_one_b.py runs 1f1b and interleaved from it; planning/ and benchmarks/ read it.
 """
 
 import dataclasses
@@ -31,8 +29,7 @@ IDLE, FORWARD, BACKWARD = 0, 1, 2
 FIELDS = ("op", "microbatch", "chunk", "res_slot", "recv_x_slot", "grad_slot", "recv_grad_slot")
 
 
-# ----------------------------------------------------------------------------
-# The table
+# ---- The table
 
 
 def stage_program(kind, pp, M, V, s):

@@ -1,21 +1,15 @@
 """The step core: what every executor shares, and nothing about schedules.
 
-A train step is  tokens -> (loss, metrics, grads) -> update.  The middle arrow is the
-executor's (parallel/gpipe.py: autodiff through the GPipe loop; parallel/one_f_one_b.py: the
-1f1b and interleaved schedules with a hand-written backward; parallel/auto.py: the
-compiler partitions a one-device program). Everything around it is here, written once:
+A train step is  tokens -> (loss, metrics, grads) -> update;  the middle arrow is the
+executor's (parallel/gpipe.py, accumulate.py, one_f_one_b.py, auto.py). The rest is here:
 
-  prologue   the microbatches of a device's rows, their RoPE angles and their dropout
-             keys, derived per global batch row (so masks never depend on the mesh)
-  loss       from per-device sums (cross-entropy, load-balance and sequence-wise
-             losses, MTP) to the global mean loss and the metrics; sum_cotangents
-             gives the hand-written backward the same loss's derivatives
-  update     global gradient norm, clipping, the optimizer, QK-clip, the router-bias update
+  prologue   a device's microbatches, RoPE angles and dropout keys (per global row)
+  loss       per-device sums (cross-entropy, balance losses, MTP) -> global mean loss and
+             metrics; sum_cotangents: its derivatives, for hand-written backwards
+  update     global gradient norm, clipping, the optimizer, QK-clip, router biases
 
-The reductions (psum, pmean, pmax) run over the mesh axes that shard_map made manual;
-under the automatic executor no axis is manual, arrays are global, the reductions are
-identities and the compiler inserts what is needed. So one loss and one update serve
-both sharding modes.
+Reductions (psum, pmean, pmax) run over shard_map's manual axes; under the automatic
+executor none is manual and they are identities, so both sharding modes share them.
 """
 
 import dataclasses
@@ -32,8 +26,7 @@ from parallel.mesh import axes_of
 from parallel.weights import is_trained, weight_name
 from utils import BATCH_AXES, CP, DP, PP, SLICE, TP
 
-# ----------------------------------------------------------------------------
-# The axes the model's layers reduce over, and running a function on some stages only
+# ---- The axes the model's layers reduce over, and running a function on some stages only
 
 
 def layer_axes(cfg):
@@ -44,20 +37,17 @@ def layer_axes(cfg):
 
 def when(pred, fn, *args):
     """fn(*args) where pred holds; zeros of the same types elsewhere, computing nothing.
-    A pred known when tracing (a Python bool, e.g. "the only stage is the last") needs
-    no cond: XLA:CPU inlines a cond on a constant predicate, and the collectives of the
-    inlined branch then share ids with the step's own (a crash, "Id can't be larger than
-    the number of participating threads", seen at pp=1, tp>1 with MTP in the branch)."""
+    A Python bool pred takes no cond: XLA:CPU inlines a constant-predicate cond, whose
+    collectives then clash with the step's ("Id can't be larger than the number of
+    participating threads")."""
     if isinstance(pred, bool):
         return fn(*args) if pred else zeros_of(jax.eval_shape(fn, *args))
     avals = jax.eval_shape(fn, *args)
     return jax.lax.cond(pred, fn, lambda *_: zeros_of(avals), *args)
 
 
-# ----------------------------------------------------------------------------
-# MoE and attention statistics, combined over microbatches and pipeline ticks: sums,
-# but the attention's largest logits (model.Block's max_logit_LH) by a max, whose
-# "nothing yet" is -inf, not 0 (a head's largest logit may be negative).
+# ---- MoE and attention statistics, combined over microbatches and ticks: sums, but max_logit_LH
+# by a max, whose "nothing yet" is -inf (a head's largest logit may be negative).
 
 MAX_STATS = ("max_logit_LH",)
 
@@ -93,8 +83,7 @@ def total_stats(stats_X):
     return jax.tree_util.tree_map_with_path(lambda path, s: jnp.max(s, axis=0) if is_max_stat(path) else jnp.sum(s, axis=0), stats_X)
 
 
-# ----------------------------------------------------------------------------
-# Prologue: microbatches, RoPE angles, dropout keys
+# ---- Prologue: microbatches, RoPE angles, dropout keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +100,9 @@ class Microbatches:
 
 
 def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
-    """This device's rows (global rows first_row, first_row + 1, ...) as M microbatches.
-    Contiguous: microbatch m holds rows [m b, (m + 1) b). Strided (the automatic
-    executor, whose rows stay split over dp as the batch is): microbatch m holds rows
-    m, m + M, m + 2M, ... Either way a row's dropout key depends on its global index
-    alone (dropout_rows)."""
+    """This device's rows (global rows first_row, first_row + 1, ...) as M Microbatches:
+    microbatch m holds rows [m b, (m + 1) b), or if strided (the automatic executor's, split
+    over dp as the batch) rows m, m + M, ... A row's dropout key depends on its index alone."""
     M = cfg.train.microbatches
     B, T1 = tokens_bT1.shape
     b = B // M
@@ -139,20 +126,17 @@ def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
 
 
 def dropout_rng(cfg, step):
-    """The dropout key of a step, from (seed, step) alone: the same on every device
-    (None without dropout). Masks are drawn from it per global batch row
-    (dropout_rows), then per block, layer and branch (model.fold_in_rows), so a run
-    with dropout takes the same steps on every mesh and under every executor.
-    Megatron-style per-tp-rank keys are not needed: dropout only masks the residual
-    stream, which every tp device holds whole."""
+    """The step's dropout key from (seed, step), alike on every device (None without
+    dropout); masks come per global row (dropout_rows), then per block, layer and branch,
+    so every mesh and executor takes the same steps. No per-tp-rank keys: dropout masks
+    only the residual stream, which tp devices hold whole."""
     if cfg.model.dropout == 0:
         return None
     return jax.random.fold_in(jax.random.key(cfg.run.seed), step)
 
 
 def first_row(rows_per_device):
-    """The global index of this device's first batch row: rows are split over (slice,
-    dp), slice-major (mesh.batch_spec)."""
+    """The global index of this device's first row (rows over (slice, dp), slice-major)."""
     return (axis_index(SLICE) * jax.lax.axis_size(DP) + axis_index(DP)) * rows_per_device
 
 
@@ -162,27 +146,20 @@ def dropout_rows(rng, first_row, n_rows):
     return jax.vmap(jax.random.fold_in, (None, 0))(rng, first_row + jnp.arange(n_rows))
 
 
-# ----------------------------------------------------------------------------
-# Across slices: one gradient all-reduce per step
+# ---- Across slices: one gradient all-reduce per step
 
 
 def per_slice(params):
-    """params typed as varying over slice, at the step's start (outside the executor).
-
-    Inside shard_map a weight replicated over slice but used with slice-varying data gets
-    its gradient psummed over slice by autodiff where it is used: for a block's weights
-    that is inside the layer loop, once per layer (and, placed after the FSDP gather by
-    gather_for_use's pcast, it would sum whole gathered weights). Typed as varying here,
-    each slice's backward reduce-scatters only within the slice, and the gradient shards
-    are summed across slices once, by reduce_over_slices (MaxText's DCN data
-    parallelism). A no-op with one slice (ops/collectives.live_axes)."""
+    """params typed as varying over slice, at the step's start (outside the executor); a
+    no-op with one slice. Else autodiff would psum a block's gradient over slice where it is
+    used, once per layer and on whole gathered weights; so each slice reduce-scatters within
+    itself and reduce_over_slices sums the shards across slices once (MaxText's DCN DP)."""
     return jax.tree.map(lambda w: vary(w, (SLICE,)), params)
 
 
 def reduce_over_slices(grads, reduce_dtype):
-    """Sum the gradient shards over slice: one all-reduce of each weight's 1/(dp pp tp)
-    shard per step, the only bulk traffic over the data-center network, in
-    --model.grad_reduce_dtype (bfloat16 halves it). Untrained weights have no gradient (zeros)."""
+    """Gradient shards summed over slice (one all-reduce per step, the only bulk traffic
+    across slices) in --model.grad_reduce_dtype; untrained weights' gradients are zeros."""
     if not live_axes((SLICE,)):
         return grads
 
@@ -193,8 +170,7 @@ def reduce_over_slices(grads, reduce_dtype):
     return jax.tree_util.tree_map_with_path(reduce, grads)
 
 
-# ----------------------------------------------------------------------------
-# Loss and metrics
+# ---- Loss and metrics
 
 
 # The axes that split a step's tokens: rows over (slice, dp), each sequence over cp.
@@ -206,22 +182,15 @@ def n_moe_layers(m_cfg):
 
 
 def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
-    """(loss, metrics) from this device's summed cross-entropy, its stage's MoE
-    statistics per block and its summed MTP cross-entropy. Every device returns the
-    same (mesh-invariant) numbers."""
+    """(loss, metrics) from this device's summed cross-entropy, its stage's per-block MoE
+    statistics and summed MTP cross-entropy; the same (mesh-invariant) on every device."""
     m_cfg, t_cfg = cfg.model, cfg.train
     n_tokens = t_cfg.batch_size * m_cfg.seq_len
     ce = psum(ce_sum, TOKEN_AXES + (PP,)) / n_tokens
-    # Each block's largest attention logit per layer and head, the max over every token
-    # axis (rows, and cp's chunks: each chunk's queries met the gathered keys). The
-    # heads stay split over tp and the blocks over pp (metric_specs); `max_logit` is
-    # the max over all of them.
+    # Max over the token axes; heads stay split over tp, blocks over pp (metric_specs).
     max_logit_NLH = pmax(stats_N.pop("max_logit_LH"), TOKEN_AXES)
-    # Routing statistics, per block, summed over the batch. Every tp device routed the
-    # same tokens the same way (the router is gathered whole), but the router came out
-    # of an all_gather over tp, so shard_map types the statistics as varying over tp:
-    # pmean/pmax state that they agree. pmean also gives each tp device 1/tp of the
-    # aux loss gradient, which the router's reduce-scatter sums back to one.
+    # Routing statistics agree over tp but are typed as varying there (the router came from
+    # an all_gather): pmean/pmax say so; pmean's 1/tp of the aux gradient sums back to one.
     aux_sum_N = stats_N.pop("aux_loss_sum")
     seq_aux_sum_N = stats_N.pop("seq_aux_loss_sum", None)  # with --model.seq_aux_loss_weight
     n_moe = n_moe_layers(m_cfg)
@@ -244,9 +213,8 @@ def loss_and_metrics(ce_sum, stats_N, cfg, mtp_sum=None):
 
 
 def balance_sums(stats):
-    """(load-balance loss sum, sequence-wise loss sum; zeros without it) of a block's,
-    a chunk's or a stack's MoE statistics: the parts of the loss the blocks' backward
-    seeds (with sum_cotangents' aux and seq_aux)."""
+    """(load-balance sum, sequence-wise sum or zeros) of a block's, chunk's or stack's MoE
+    statistics: what the blocks' backward seeds with sum_cotangents' aux and seq_aux."""
     aux = stats["aux_loss_sum"]
     return aux, stats.get("seq_aux_loss_sum", jnp.zeros_like(aux))
 
@@ -266,9 +234,8 @@ def sum_cotangents(cfg, tp):
 
 
 def metric_specs(cfg):
-    """out_specs of the metrics of a shard_map step: scalars replicated, per-block
-    statistics over pp (each stage has its blocks'), the largest logits per head also
-    over tp (each device has its heads')."""
+    """A shard_map step's metric out_specs: scalars replicated, per-block statistics over
+    pp, max_logit_NLH also over tp."""
     m = cfg.model
     specs = dict(loss=P(), aux_loss=P(), grad_norm=P(), stats_N=P(PP), max_logit=P(), max_logit_NLH=P(PP, None, TP))
     if balancing(m):
@@ -280,8 +247,7 @@ def metric_specs(cfg):
     return specs
 
 
-# ----------------------------------------------------------------------------
-# The update
+# ---- The update
 
 
 def balancing(m_cfg):
@@ -289,10 +255,8 @@ def balancing(m_cfg):
 
 
 def global_grad_norm(grads, specs):
-    """sqrt(sum of squares) over the whole mesh. Each shard's sum is psummed over the
-    axes that split that weight only: a replicated weight's gradient is identical on
-    every replica (shard_map already summed it), so it is counted once. (Global
-    arrays, under the automatic executor: a plain sum.)"""
+    """sqrt(sum of squares) over the mesh, each shard's sum psummed over only the axes that
+    split its weight, so a replicated gradient (alike on every replica) counts once."""
     total = jnp.zeros((), jnp.float32)
     for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
         axes = tuple(a for entry in spec for a in axes_of(entry))
@@ -301,10 +265,9 @@ def global_grad_norm(grads, specs):
 
 
 def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_specs):
-    """Clip to the global norm, run the optimizer on the local shards (Muon needs the
-    shards' layout, `param_specs`), QK-clip the heads whose logits ran over
-    --train.qk_clip (qk_clip), then move the router biases by the step's load.
-    Returns (params, opt_state, metrics with grad_norm and router biases)."""
+    """Clip to the global norm, run the optimizer on the local shards (laid out as
+    `param_specs`), QK-clip, move the router biases by the step's load. Returns (params,
+    opt_state, metrics with grad_norm and router biases)."""
     grad_norm = global_grad_norm(grads, param_specs)
     clip = cfg.train.grad_clip
     if clip > 0:
@@ -317,9 +280,8 @@ def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_spe
     metrics = dict(metrics, grad_norm=grad_norm)
     m_cfg = cfg.model
     if balancing(m_cfg):
-        # Outside the optimizer (whose update of a bias is exactly 0: zero gradient, no
-        # decay), the router biases follow the step's global load. That load was
-        # summed over (slice, dp), so the new bias is the same on every device and mesh.
+        # Outside the optimizer (which leaves the bias as is), by the step's global load:
+        # alike on every device and mesh.
         blocks = balance_router_biases(new_params["blocks"], metrics["stats_N"]["tokens_per_expert_LE"],
                                        m_cfg.router_bias_rate, m_cfg.block_pattern)
         new_params = dict(new_params, blocks=blocks)
@@ -327,25 +289,16 @@ def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_spe
     return new_params, opt_state, metrics
 
 
-# ----------------------------------------------------------------------------
-# QK-clip (Kimi K2's MuonClip, arXiv:2507.20534 section 2.1)
+# ---- QK-clip (Kimi K2's MuonClip, arXiv:2507.20534 section 2.1)
 
 
 def qk_clip(params, max_logit_NLH, tau):
-    """After the update: every head whose largest logit of the step (max_logit_NLH: per
-    block, layer and head, before the update) exceeded tau gets its logits scaled by
-    gamma = tau / max_logit, so on the step's tokens its largest logit would be tau;
-    the other heads' weights stay bit for bit. MLA's logit is q_nope . k_nope (per head)
-    + q_rope . k_rope (the RoPE key shared by every head). As in K2: the per-head
-    content parts, the query up-projection wq_up_QHK (wq_DHK with full-rank queries) and
-    the latent's key up-projection wk_up_AHK, are scaled by sqrt(gamma) each; the
-    per-head rotary query wq_rope_QHR (wq_rope_DHR) by gamma; the shared rotary key
-    wk_rope_DR, the latents' down-projections and norms are not touched (scaling them
-    would move every head). The dense prefix and MTP blocks are not clipped.
-
-    Works on whatever each device holds: the blocks [N/pp] and heads [H/tp] of its
-    shards (the FSDP split is on a dim the scale broadcasts over), or global arrays
-    under the automatic executor. No state: nothing new in a checkpoint."""
+    """After the update: each head whose largest logit of the step (max_logit_NLH, per
+    block, layer and head) exceeded tau has its logits scaled by gamma = tau / max_logit;
+    other heads stay bit for bit. As in K2: the per-head content weights wq_up_QHK (wq_DHK)
+    and wk_up_AHK by sqrt(gamma) each, the rotary query wq_rope_QHR (wq_rope_DHR) by gamma;
+    the shared rotary key, down-projections and norms untouched (they move every head).
+    Not the dense prefix nor MTP. Works on local shards or global arrays; no state."""
     gamma_NLH = jnp.where(max_logit_NLH > tau, tau / max_logit_NLH, 1.0)
     layers = dict(params["blocks"]["layers"])
     for i, layer in layers.items():

@@ -4,8 +4,8 @@
         executor.value_and_grad   -> (loss, metrics), grads     (the schedule's part)
         step_core.apply_gradients -> clip, optimizer, router biases (everyone's part)
 
-The executor is chosen by the config (rules.executor_name, which the planner asks too),
-and only the chosen one is imported:
+The config picks the executor (rules.executor_name, asked by the planner too); only it is
+imported:
 
     --mesh.sharding manual, pp = 1, gpipe, microbatches > 1  accumulate.py (shard_map, a vjp per microbatch)
     --mesh.sharding manual, --train.pipeline gpipe        gpipe.py      (shard_map, autodiff)
@@ -13,15 +13,10 @@ and only the chosen one is imported:
     --mesh.sharding manual, --train.pipeline interleaved  one_f_one_b.py
     --mesh.sharding auto (pp = 1)                          auto.py       (jit partitions a one-device program)
 
-A shard_map executor's step is one jax.shard_map over the mesh, every collective
-written out; the automatic executor's runs under jax.sharding.auto_axes and the
-compiler partitions it. Both take the same storage shardings in and out, so params,
-optimizer state and checkpoints are interchangeable. Gradients of weights that are
-replicated over an axis (norm scales over dp, the router over tp, the embedding over
-pp, ...) come out summed over that axis without code here: shard_map tracks which
-values vary over which axes (check_vma), and the transpose of "use a replicated value
-with varying data" is a psum. tests/test_parallel.py proves each layout and executor
-equals one device.
+Manual: one jax.shard_map, every collective written out; auto: jax.sharding.auto_axes, the
+compiler partitions. Both keep the same storage shardings in and out, so params, optimizer
+state and checkpoints are interchangeable. A weight replicated over an axis gets its
+gradient summed over it by shard_map's transpose (check_vma), with no code here.
 """
 
 import functools
@@ -72,10 +67,8 @@ def partition(fn, manual, mesh, in_specs, out_specs):
     """fn as one program over the mesh: a shard_map (manual), or a global program that
     the compiler partitions (its outputs in out_specs' shardings)."""
     if manual:
-        # in_specs without the axes of size 1 (live_spec): nothing is typed as varying
-        # over them, so no collective runs over them (ops/collectives.live_axes); the arguments
-        # are resharded to match, which moves nothing (the same layout), and the
-        # outputs keep out_specs, the specs the step was given.
+        # in_specs without size-1 axes (live_spec), so no collective runs over them; the
+        # reshard to match moves nothing (same layout); outputs keep out_specs.
         live = live_spec(in_specs, mesh)
         sharded = jax.shard_map(fn, mesh=mesh, in_specs=live, out_specs=out_specs)
 
@@ -108,12 +101,9 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
 
 
 def eval_model_config(cfg):
-    """The model that evaluation measures: training's, with --train.eval_capacity_factor
-    (0 = dropless, the function that sampling computes, so val_loss counts no token
-    whose expert output was dropped). Under expert parallelism evaluation keeps the
-    fixed-size buffers (the automatic executor has no other): there "dropless" is the
-    capacity factor E / top_k: C = the group size, room for every token in every
-    expert, nothing dropped."""
+    """The config evaluation measures: training's with --train.eval_capacity_factor (0 =
+    dropless, as sampling, so val_loss counts no dropped token). Expert parallelism keeps
+    fixed-size buffers: there dropless is factor E / top_k, room for every token."""
     m = cfg.model
     factor = cfg.train.eval_capacity_factor
     if factor == 0 and cfg.mesh.expert_parallel:
@@ -122,10 +112,9 @@ def eval_model_config(cfg):
 
 
 def make_eval_step(graphdef, cfg, mesh, params):
-    """Mean validation cross-entropy of one batch (dropout off), with the eval capacity
-    (eval_model_config). A forward pass needs no schedule: the shard_map executors
-    evaluate with GPipe's forward. graphdef: training's; the capacity is a static
-    attribute of the MoE layers, so the eval graphdef is built anew (same params)."""
+    """Jitted: mean validation cross-entropy of one batch (dropout off, eval_model_config's
+    capacity), by GPipe's forward under shard_map. graphdef: training's; the eval one (the
+    capacity is static) is built anew over the same params."""
     cfg = eval_model_config(cfg)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
     forward = executor("auto" if cfg.mesh.sharding == "auto" else "gpipe")

@@ -1,16 +1,12 @@
-"""The weight table: one row per weight name, everything the repo knows about a weight;
-the storage layout it gives each weight on the mesh, and the params created in it.
+"""The weight table (one row per weight name: all the repo knows about a weight), the
+storage layout it gives each weight on the mesh, and the params created in it.
 
-weight_layout reads each row's split (how a weight is stored and computed over the
-mesh), parallel/optimizers.py its Muon matrix dims and whether it is trained and
-decayed, runtime/flops.count_params whether it belongs to the routed experts, and
-hf/convert.py its Hugging Face tensor. A weight of the model with no row is an error
-wherever it is looked up (`row`), and tests/test_weights.py checks that every parameter
-of the presets has a row and every row a parameter.
+Readers: weight_layout (the split), parallel/optimizers.py (Muon dims, trained, decay),
+runtime/flops.count_params (routed), hf/convert.py (the Hugging Face tensor). A weight with
+no row is an error wherever it is looked up (`row`; tests/test_weights.py checks both ways).
 
-Names end in their shape letters (model.py legend): `wq_up_QHK` is [Q, H, K]. Weights
-inside the stacked blocks get a leading N dim (split over pp), which the names leave out;
-the dense prefix's layers (model.Transformer.prefix) are not stacked and have none.
+Names end in their shape letters (model.py legend): `wq_up_QHK` is [Q, H, K]; weights in the
+stacked blocks (not the dense prefix) also get a leading N dim, split over pp.
 """
 
 import dataclasses
@@ -24,14 +20,11 @@ from model import Transformer
 from parallel.mesh import axes_of, named
 from utils import AXES, DP, PP, TP, ConfigError
 
-# Per dim of a weight, how it is split (`Weight.dims`):
-#   TP     split over tp for compute (Megatron): each device uses its slice
-#   EXPERT split over dp when expert parallelism is on (each device owns E/dp experts)
-#   FSDP   split for storage only (ZeRO-3) over every mesh axis that does not split
-#          the weight for compute; all-gathered just before use
-#   None   whole on every device
-# So a weight that every tp device needs whole (wq_down_DQ) is stored over dp x tp, the
-# embedding (needed by every stage) over dp x pp, and each weight is held once.
+# Per dim of a weight, its split (`Weight.dims`): TP over tp for compute (Megatron); EXPERT
+# over dp under expert parallelism (E/dp experts each); FSDP for storage only (ZeRO-3), over
+# every axis that does not split the weight for compute, all-gathered before use; None whole.
+# So each weight is held once: wq_down_DQ (whole on every tp device) over dp x tp, the
+# embedding (used by every stage) over dp x pp.
 FSDP, EXPERT = "fsdp", "expert"
 
 # The config field that sets each shape letter, for errors about sizes.
@@ -44,16 +37,13 @@ SHAPE_LETTER_FLAGS = {"V": "vocab (padded; --model.vocab_multiple)", "D": "--mod
 class Hf:
     """A weight's tensor in a Hugging Face DeepseekV3 checkpoint.
 
-    name: under the HF module that holds it (convert.HF_MODULES maps our module path
-      to it: attn -> self_attn, ffn -> mlp, ...); `{e}` is the expert's index for the
-      routed experts, which DeepSeek's checkpoints store one tensor per expert. Rows
-      with the same name in one module are one HF tensor: ours concatenated along their
-      last dim, in this table's order (q_b_proj: per head, K content dims then R RoPE).
-    fused: the routed experts' name when all experts are one [E, out, in] tensor
-      (transformers' Mistral4 class).
-    Orientation follows the row's fan_in: a weight with fan-in dims is transposed to
-    torch's [out, in] (its fan-in dims flattened into `in`, the rest into `out`); one
-    without (embedding, norm scales, biases) is stored as it is."""
+    name: under its HF module (convert.HF_MODULES: attn -> self_attn, ...); `{e}`: the
+      routed expert's index (one tensor per expert). Rows of one name in one module are one
+      HF tensor, ours concatenated on their last dim in table order (q_b_proj: per head, K
+      content dims then R RoPE).
+    fused: the routed experts' name when all experts are one [E, out, in] tensor (transformers' Mistral4).
+    A weight with fan-in dims is exported as torch's [out, in] (fan-in dims flattened into
+    `in`); one without (embedding, norm scales, biases) as it is."""
     name: str
     fused: str | None = None
 
@@ -63,17 +53,15 @@ class Weight:
     """One weight's facts.
 
     dims: per shape letter, its split (TP, EXPERT, FSDP or None; see above).
-    fan_in: how many dims, after the routed experts' leading E, a matmul contracts
-      (x @ w): the rest are the output dims. None for weights that are no matmul's
-      right-hand side (the embedding lookup, norm scales, the routing bias).
-    muon: Muon orthogonalizes it (--train.optimizer muon) as matrices of
-      fan-in x fan-out dims, one per expert for the routed experts; AdamW trains the rest.
-    trained: the optimizer updates it. An untrained weight (the balancing bias, moved by
-      its own rule outside the optimizer) stays float32 in the forward pass (a bias step
-      of 0.001 is below bfloat16's resolution near 0.5), has no gradient, and no decay.
-    decay: AdamW's / Muon's weight decay applies (not to norm scales).
-    routed: one of the routed experts' weights, [E, ...]: a token uses top_k of the E
-      (count_params' active count), and E is a batch dim for Muon.
+    fan_in: how many dims after a routed weight's leading E a matmul (x @ w) contracts; the
+      rest are outputs. None: no matmul's right-hand side (embedding, norm scales, bias).
+    muon: Muon orthogonalizes it (--train.optimizer muon) as fan-in x fan-out matrices, one
+      per expert if routed; AdamW trains the rest.
+    trained: the optimizer updates it. An untrained weight (the balancing bias, moved by its
+      own rule) has no gradient nor decay and stays float32 in the forward pass (a bias step
+      of 0.001 is below bfloat16's resolution near 0.5).
+    decay: weight decay applies (not to norm scales).
+    routed: a routed expert's weight [E, ...]: a token uses top_k of E; E is a Muon batch dim.
     hf: its Hugging Face tensor; None: not exported (multi-token prediction)."""
     dims: tuple
     fan_in: int | None = None
@@ -99,9 +87,8 @@ def _expert(dims, hf, fused):
 
 WEIGHTS = {
     "embed_VD": Weight((TP, FSDP), hf=Hf("embed_tokens.weight")),     # vocab rows over tp (vocab-parallel); tied output layer
-    # The untied output layer (--model.tie_embeddings false): laid out as the embedding, so the logits
-    # stay vocab-parallel; no fan-in dims (x @ head^T contracts its last dim, D), so it is exported
-    # as it is, torch's [V, D]; AdamW, not Muon, as DeepSeek and Moonlight train embedding and head.
+    # Untied output layer (--model.tie_embeddings false): laid out as the embedding (vocab-parallel
+    # logits); no fan-in dims (x @ head^T contracts D): exported as torch's [V, D]; AdamW, as in DeepSeek.
     "head_VD": Weight((TP, FSDP), hf=Hf("lm_head.weight")),
     "scale_D": Weight((None,), decay=False, hf=Hf("weight")),         # RMSNorm scales: small, replicated everywhere
     # MLA attention. Latent down-projections: every tp device needs them whole.
@@ -119,8 +106,7 @@ WEIGHTS = {
     "w_gate_DF": _matrix((FSDP, TP), "gate_proj.weight"),
     "w_up_DF": _matrix((FSDP, TP), "up_proj.weight"),
     "w_down_FD": _matrix((TP, FSDP), "down_proj.weight"),
-    # MoE: every tp device routes identically; the balancing bias is train state (not
-    # trained), the same on every device.
+    # MoE: every tp device routes identically; the balancing bias is untrained state, alike everywhere.
     "router_DE": Weight((FSDP, None), fan_in=1, hf=Hf("gate.weight")),
     "router_bias_E": Weight((None,), trained=False, hf=Hf("gate.e_score_correction_bias")),
     "w_gate_EDF": _expert((EXPERT, FSDP, TP), "experts.{e}.gate_proj.weight", "experts.gate_up_proj"),  # expert hidden units over tp
@@ -158,22 +144,17 @@ def is_stacked(path):
     return any(getattr(k, "key", None) == "blocks" for k in path)
 
 
-# ----------------------------------------------------------------------------
-# The storage layout on a mesh: weight_layout turns a row into mesh axes (TP for compute,
-# EXPERT over dp with expert parallelism, FSDP for storage only); weights inside the
-# stacked blocks get a leading N dim split over pp.
+# ---- The storage layout on a mesh
 
 
 def weight_layout(name, stacked, expert_parallel):
-    """(dims, fsdp_axes, fsdp_dim): each dim's mesh axes (None, an axis, or a tuple of
-    axes), the axes that split the FSDP dim for storage only, and that dim's index.
-    Unknown weights are an error."""
+    """(dims, fsdp_axes, fsdp_dim): each dim's mesh axes (None, an axis or a tuple; PP first if
+    stacked), the axes splitting the FSDP dim for storage only, and its index. Unknown: raises."""
     dims = tuple({EXPERT: DP if expert_parallel else None}.get(d, d) for d in row(name).dims)
     if stacked:
         dims = (PP,) + dims
     compute_axes = {d for d in dims if d not in (None, FSDP)}
-    # AXES, not MESH_AXES: storage is split within a slice only; every slice holds the
-    # weights whole, so no per-layer gather or reduce-scatter crosses the slow network.
+    # AXES, not MESH_AXES: split within a slice only, so no per-layer collective crosses slices.
     fsdp_axes = tuple(a for a in AXES if a not in compute_axes) if FSDP in dims else ()
     dims = tuple((fsdp_axes or None) if d == FSDP else d for d in dims)
     return dims, fsdp_axes, fsdp_axes and dims.index(fsdp_axes)
@@ -198,17 +179,12 @@ def check_divisible(params, specs, mesh):
                                   f"(weight {name} splits its {letter} dim {ways} ways); change one of them")
 
 
-# ----------------------------------------------------------------------------
-# Init: same values on every mesh
+# ---- Init: same values on every mesh
 
 
 def init_params(model_cfg, mesh, expert_parallel, seed):
-    """(graphdef, params) with params created directly in their shards.
-
-    jit with out_shardings lets each device compute only its own shard; JAX's
-    partitionable threefry makes every value depend on (seed, position) alone, so
-    every mesh starts from exactly the same weights.
-    """
+    """(graphdef, params), params created in their shards (each device computes its own),
+    the same values on every mesh: partitionable threefry depends on (seed, position) alone."""
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(seed)))
     graphdef, abstract_state = nnx.split(abstract)
     shapes = abstract_state.to_pure_dict()
@@ -222,8 +198,7 @@ def init_params(model_cfg, mesh, expert_parallel, seed):
     return graphdef, params
 
 
-# ----------------------------------------------------------------------------
-# The table as README text (tests/test_weights.py checks the README holds it)
+# ---- The table as README text (tests/test_weights.py checks the README holds it)
 
 
 def markdown_table():

@@ -19,8 +19,7 @@ from parallel import schedules as pipeline
 F32 = 4  # bytes of float32: master weights, optimizer moments, softmax/norm internals, logits (planner_model too)
 
 
-# ----------------------------------------------------------------------------
-# Activations: what the backward pass keeps, from the model's tensors (model.py).
+# ---- Activations: what the backward pass keeps, from the model's tensors (model.py).
 #
 # Per token of one microbatch, per layer, on one device (heads, FFN and expert hidden
 # units already divided by tp); c = bytes of the compute dtype. These are the residuals
@@ -281,8 +280,7 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
     return out, phases
 
 
-# ----------------------------------------------------------------------------
-# The hand-written schedules (--train.pipeline 1f1b | interleaved, parallel/schedules.py)
+# ---- The hand-written schedules (--train.pipeline 1f1b | interleaved, parallel/schedules.py)
 
 
 def schedule_of(cfg, pp):

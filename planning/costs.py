@@ -46,8 +46,7 @@ from utils import AXES, CP, ConfigError, apply_overrides, context_parallel_check
 
 GiB = 2**30
 
-# ----------------------------------------------------------------------------
-# Hardware profiles. Peak = dense bf16 matmul FLOP/s per device; memory = HBM per
+# ---- Hardware profiles. Peak = dense bf16 matmul FLOP/s per device; memory = HBM per
 # device. Interconnect figures are approximate, from public spec sheets:
 #   TPU: the Cloud TPU pages give v5p 4800 Gb/s of ICI per chip (1200 GB/s counted both
 #     ways) over 6 links (3-D torus) and v5e 1600 Gb/s over 4 links (2-D torus): 100 and
@@ -106,8 +105,7 @@ def cpu_peak_flops():
     return measure_peak_flops(jax.numpy.float32, size=1024)
 
 
-# ----------------------------------------------------------------------------
-# Shapes and the storage layout (no arrays)
+# ---- Shapes and the storage layout (no arrays)
 
 
 def abstract_mesh(shape):
@@ -243,8 +241,7 @@ def fsdp_traffic(tree, expert_parallel, mesh_shape, itemsize, one_block):
 
 
 
-# ----------------------------------------------------------------------------
-# Step time
+# ---- Step time
 
 
 def collective_bw(hw, mesh_shape, axes):
@@ -527,13 +524,12 @@ def muon_cost(params, expert_parallel, mesh_shape, tiled=False):
     return dict(flops=flops, traffic=traffic, working_set=working_set)
 
 
-# ----------------------------------------------------------------------------
-# The plan
+# ---- The plan
 
 
 def gathers_once(cfg, pp, hw_name, store):
     """Does executor_accumulate gather the blocks once per step? The step's rule
-    (step/rules.gathers_once), asked with every block's gathered weights and their
+    (parallel/rules.gathers_once), asked with every block's gathered weights and their
     float32 gradient and the chip's HBM (the executor asks jax, which reports a little
     less; CPU reports none). No: another executor, or no FSDP (nothing to gather)."""
     if not accumulates(cfg, pp) or not store["fsdp"]:

@@ -14,8 +14,7 @@ import numpy as np
 
 from utils import CP, MESH_AXES, SLICE
 
-# ----------------------------------------------------------------------------
-# Collectives
+# ---- Collectives
 #
 # Counted per step: an op inside a loop counts once per trip (XLA's known_trip_count,
 # else the constant its loop condition compares the counter with; JAX's scans count
@@ -401,8 +400,7 @@ def dot_flops(hlo, name_part="", low_precision=False):
     return flops(entry)
 
 
-# ----------------------------------------------------------------------------
-# Overlap: which communication the compiled schedule hides behind compute
+# ---- Overlap: which communication the compiled schedule hides behind compute
 #
 # An optimized TPU module is scheduled (is_scheduled=true): each computation lists its
 # instructions in the order they run. The compiler writes communication that runs

@@ -10,8 +10,7 @@ from planning.costs import HARDWARE, GiB, plan, plan_config
 from runtime.flops import human
 from utils import PRESETS, Config, apply_overrides
 
-# ----------------------------------------------------------------------------
-# Printing
+# ---- Printing
 
 
 def memory_unit(n):
@@ -125,8 +124,7 @@ def overlap_report(ov):
     return lines
 
 
-# ----------------------------------------------------------------------------
-# docs/planning.md's table: every preset on the pods people use, planner beside compiler
+# ---- docs/planning.md's table: every preset on the pods people use, planner beside compiler
 #
 #     python planner.py --table [--presets shakespeare,tiny,moe1b] [--pods v4-8,v4-64,...]
 

@@ -38,8 +38,7 @@ GiB = 2**30
 LIBTPU_HINT = ("planner.py --tpu needs the TPU compiler: pip install libtpu==0.0.42.1 (it is in requirements-test.txt; "
                "a test and tooling dependency, not needed to train on CPU or GPU)")
 
-# ----------------------------------------------------------------------------
-# Pod slices, as gcloud names them (--accelerator-type)
+# ---- Pod slices, as gcloud names them (--accelerator-type)
 
 
 @dataclass(frozen=True)
@@ -168,8 +167,7 @@ LIBTPU_LOG_LINE = re.compile(r"^([IWEF]\d{4} |\s|Output size |Total \w+ usage |P
                              r"|Slow compilation warning:|\[Run backend for module\] Very slow compile)")
 
 
-# ----------------------------------------------------------------------------
-# The steps, from shapes only
+# ---- The steps, from shapes only
 
 
 def abstract_state(cfg, mesh):
@@ -316,8 +314,7 @@ def memory_bytes(compiled):
     return out
 
 
-# ----------------------------------------------------------------------------
-# Printing (planner.py --tpu)
+# ---- Printing (planner.py --tpu)
 
 
 def gib(n):

@@ -1,18 +1,12 @@
-"""Orbax checkpoints: exact resume, restore onto any mesh, slim exports.
-
-<run_dir>/checkpoints/<step>/ holds params (float32), opt_state (optimizer moments, step
-count) and meta (JSON: step, data position, seed, resolved config, wandb run id, and each
-array's `fingerprint`). Saves are asynchronous and atomic (temp dir, then rename). A
-checkpoint that fails to read or to match its fingerprint (Orbax restores a flipped byte
-silently) is reported and the previous one used. A slim export (<dir>/params + config.json)
-is params in bfloat16, for sampling and fine-tuning; untrained state (router biases) stays
-float32: its 0.001 steps are below bfloat16's resolution near 1.
-"""
+"""Orbax checkpoints: exact resume, restore onto any mesh, slim exports. <run_dir>/checkpoints/<step>/ holds params
+(float32), opt_state and meta (JSON: step, data position, seed, resolved config, wandb run id, each array's `fingerprint`).
+Saves are asynchronous and atomic (temp dir, then rename). A checkpoint that fails to read or to match its fingerprint
+(Orbax restores a flipped byte silently) is reported and the previous one used. A slim export (<dir>/params + config.json)
+is params in bfloat16, untrained state (router biases) in float32: their 0.001 steps are below bfloat16's resolution near 1."""
 
 import json
 import logging
 import os
-import shutil
 import sys
 
 import jax
@@ -33,19 +27,16 @@ def warn(message):
     if jax.process_index() == 0:
         print(message, file=sys.stderr, flush=True)
 
-# ----------------------------------------------------------------------------
-# Saving
+# ---- Saving
 
 
 def checkpoint_manager(run_dir, keep, log=None):
-    """The training run's manager: writes asynchronously, keeps the `keep` latest, and
-    deletes (naming them to `log`) temp directories of interrupted writes."""
+    """The training run's manager: async writes, keeps the `keep` latest, deletes (naming them to `log`) interrupted writes' temp dirs."""
     directory = os.path.join(run_dir, "checkpoints")
     partial = sorted(n for n in os.listdir(directory) if TMP_MARK in n) if os.path.isdir(directory) else []
     for name in partial if log else []:
         log(f"skipping the partial checkpoint {os.path.join(directory, name)} (a write cut short; removed)")
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True,
-                                           cleanup_tmp_directories=True)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True)
     return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")), options=options, item_names=ITEMS)
 
 
@@ -82,15 +73,13 @@ def fingerprint(tree):
 
 
 def save_checkpoint(manager, step, params, opt_state, meta):
-    """Start an asynchronous save of `step` (the number of completed optimizer steps).
-    Returns once the arrays are copied off the devices (they may be donated next)."""
+    """Start an asynchronous save of `step` (completed optimizer steps); returns once the arrays are off the devices (may be donated)."""
     meta = dict(meta, step=step, fingerprint=fingerprint(dict(params=params, opt_state=opt_state)))
     manager.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta)))
 
 
-# ----------------------------------------------------------------------------
-# Restoring
+# ---- Restoring
 
 
 def abstract_like(tree, dtype=None):
@@ -120,13 +109,11 @@ def check_model_config(saved_model_cfg, model_cfg, where):
 def schedule_of(train):
     """(lr, warmup, cosine decay end, final ratio): every step's learning rate. train: a TrainConfig or its dict."""
     t = train if isinstance(train, dict) else vars(train)
-    return dict(lr=t["lr"], warmup_steps=t["warmup_steps"], decay_steps=t["decay_steps"] or t["steps"],
-                min_lr_ratio=t["min_lr_ratio"])
+    return dict(lr=t["lr"], warmup_steps=t["warmup_steps"], decay_steps=t["decay_steps"] or t["steps"], min_lr_ratio=t["min_lr_ratio"])
 
 
 def check_resume_config(saved_train, train_cfg, where):
-    """Raise ConfigError for a resume with another batch size (the data position is step x
-    batch size), learning-rate schedule or optimizer, naming the flags that keep the run whole."""
+    """Raise ConfigError for a resume with another batch size, learning-rate schedule or optimizer, naming the flags that keep the run whole."""
     if saved_train["batch_size"] != train_cfg.batch_size:
         raise ConfigError(f"the checkpoint in {where} was trained with --train.batch_size {saved_train['batch_size']}, "
                           f"not {train_cfg.batch_size}: a step's data position is step x batch size, so resuming with "
@@ -148,15 +135,13 @@ def check_resume_config(saved_train, train_cfg, where):
                           f"or start another --run.name")
 
 
-# Settings a resume may change (it says which, and goes on): they shape the steps to come,
-# not the saved state's meaning (moments stay valid under other betas, decay or clipping).
+# Settings a resume may change (it says which): they shape the steps to come; moments stay valid under other betas, decay, clipping.
 RESUMABLE_CHANGES = (("train", "muon_momentum"), ("train", "weight_decay"), ("train", "beta1"), ("train", "beta2"),
                      ("train", "grad_clip"), ("data", "source"))
 
 
 def changed_settings(saved_config, train_cfg, data_cfg=None):
-    """'--train.weight_decay 0.1 -> 0.05, ...' for the RESUMABLE_CHANGES that differ
-    from the checkpoint's config (empty when none, or when it does not record them)."""
+    """'--train.weight_decay 0.1 -> 0.05, ...': the RESUMABLE_CHANGES that differ from those the checkpoint's config records ('' if none)."""
     now = {"train": train_cfg, "data": data_cfg}
     changes = [f"--{section}.{field} {saved_config[section][field]!r} -> {getattr(now[section], field)!r}"
                for section, field in RESUMABLE_CHANGES
@@ -185,8 +170,7 @@ def all_processes_agree(ok):
 
 
 def set_aside(manager, steps, suffix, log):
-    """Rename checkpoint dirs out of Orbax's sight (<step>.<suffix>), keeping their
-    files: later saves of those step numbers must not be skipped or collide."""
+    """Rename checkpoint dirs out of Orbax's sight (<step>.<suffix>), keeping files, so later saves of those steps neither skip nor collide."""
     if not steps:
         return
     if jax.process_index() == 0:
@@ -204,14 +188,11 @@ def set_aside(manager, steps, suffix, log):
     manager.reload()
 
 
-def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=None, log=warn, train_cfg=None,
-                       data_cfg=None):
-    """(params, opt_state, meta) restored into the given trees' shardings; None without a
-    checkpoint. `step` None = the latest. One that fails to read or match its fingerprint is
-    moved aside (<step>.unreadable) and the previous one tried; later ones are moved aside
-    (<step>.superseded). Raises ConfigError for another model or seed, for what
-    check_resume_config refuses (with train_cfg), or when none is readable; logs the
-    RESUMABLE_CHANGES (the data source too, with data_cfg)."""
+def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=None, log=warn, train_cfg=None, data_cfg=None):
+    """(params, opt_state, meta) restored into the given trees' shardings; None without a checkpoint; `step` None = the latest.
+    One that fails to read or match its fingerprint is moved aside (<step>.unreadable) and the previous one tried; later ones
+    are moved aside (<step>.superseded). Raises ConfigError for another model or seed, for what check_resume_config refuses
+    (with train_cfg), or when none is readable; logs the RESUMABLE_CHANGES (the data source too, with data_cfg)."""
     steps = sorted(manager.all_steps(), reverse=True)
     if step is not None:
         if step not in steps:
@@ -237,8 +218,7 @@ def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=No
                 restored = manager.restore(s, args=ocp.args.Composite(
                     params=ocp.args.StandardRestore(abstract_like(params)),
                     opt_state=ocp.args.StandardRestore(abstract_like(opt_state))))
-                check_fingerprint(meta.get("fingerprint"), dict(params=restored["params"], opt_state=restored["opt_state"]),
-                                  f"checkpoint step {s}")
+                check_fingerprint(meta.get("fingerprint"), dict(params=restored["params"], opt_state=restored["opt_state"]), f"checkpoint step {s}")
             except Exception as e:
                 meta, error = None, e
         if all_processes_agree(meta is not None):
@@ -259,8 +239,7 @@ def restore_checkpoint(manager, params, opt_state, model_cfg, step=None, seed=No
 
 
 def open_init_from(cfg):
-    """For `--train.init_from hf:DIR`: (cfg with that model, the opened source for
-    restore_params); else (cfg, None). Only such a run imports hf/."""
+    """For `--train.init_from hf:DIR`: (cfg with that model, the opened source for restore_params), else (cfg, None); only then imports hf/."""
     if not cfg.train.init_from.startswith(HF_PREFIX):
         return cfg, None
     from hf import convert
@@ -268,8 +247,7 @@ def open_init_from(cfg):
 
 
 def find_params_source(path):
-    """('export', dir), ('run', run_dir) or, for open_init_from's source, ('hf', source);
-    ConfigError for a path that is none of these."""
+    """('export', dir), ('run', run_dir) or, for open_init_from's source, ('hf', source); ConfigError for a path that is none of these."""
     if not isinstance(path, str):
         return "hf", path
     path = os.path.abspath(path)
@@ -286,17 +264,15 @@ def find_params_source(path):
 
 
 def restore_params(path, params, model_cfg, log=warn):
-    """Params only (float32, in `params`' shardings) from a slim export, a run dir, its
-    checkpoints/ or an opened hf:DIR. Reads only: a damaged checkpoint is reported and
-    the previous one used, nothing is moved."""
+    """Params only (float32, in `params`' shardings) from a slim export, a run dir, its checkpoints/ or an opened hf:DIR.
+    Reads only: a damaged checkpoint is reported and the previous one used, nothing is moved."""
     kind, path = find_params_source(path)
     if kind == "hf":
         return path.load(params, model_cfg, log)
     if kind == "export":
         with open(os.path.join(path, "config.json")) as f:
             check_model_config(json.load(f)["model"], model_cfg, path)
-        abstract = jax.tree.map(lambda a, dtype: jax.ShapeDtypeStruct(a.shape, dtype, sharding=a.sharding), params,
-                                slim_dtypes(params))
+        abstract = jax.tree.map(lambda a, dtype: jax.ShapeDtypeStruct(a.shape, dtype, sharding=a.sharding), params, slim_dtypes(params))
         restored = ocp.StandardCheckpointer().restore(os.path.join(path, "params"), abstract)
         return jax.tree.map(lambda a: a.astype(jnp.float32), restored)
     manager = reader(path)
@@ -318,35 +294,13 @@ def restore_params(path, params, model_cfg, log=warn):
                 ok, error = False, e
         if all_processes_agree(ok):
             return restored
-        log(f"WARNING: checkpoint step {s} in {path} could not be restored ({type(error).__name__}: {str(error)[:500]}); "
-            f"trying the previous one")
+        log(f"WARNING: checkpoint step {s} in {path} could not be restored ({type(error).__name__}: {str(error)[:500]}); trying the previous one")
     raise ConfigError(f"no readable checkpoint in {path}")
 
 
-# ----------------------------------------------------------------------------
-# Slim export
+# ---- Slim export (written by serving/modes.py's --mode export, restored by restore_params)
 
 
 def slim_dtypes(params):
     """The dtype of each leaf in a slim export: bfloat16, but float32 for untrained state."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.bfloat16 if is_trained(weight_name(path)) else jnp.float32, params)
-
-
-def export_slim(params, config_dict, out_dir):
-    """Write params in bfloat16 (untrained state in float32) + config.json: the small artefact to share."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.makedirs(out_dir)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.join(out_dir, "params"), jax.tree.map(lambda a, dtype: a.astype(dtype), params, slim_dtypes(params)))
-    checkpointer.wait_until_finished()
-    if jax.process_index() == 0:
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(config_dict, f, indent=2)
-    return out_dir
-
-
-def directory_bytes(path):
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+    return jax.tree_util.tree_map_with_path(lambda path, a: jnp.bfloat16 if is_trained(weight_name(path)) else jnp.float32, params)

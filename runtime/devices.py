@@ -1,23 +1,17 @@
-"""Devices, set up before JAX starts its backend: fake CPU devices, the platform, the
-compiler's overlap flags, the compilation cache, joining a multi-process run. Call them
-before touching a device (jax.devices(), an array); importing JAX is fine.
-"""
+"""Devices, set up before JAX starts its backend: fake CPU devices, the platform, the compiler's overlap flags, the
+compilation cache, joining a multi-process run. Call them before touching a device (jax.devices(), an array); importing JAX is fine."""
 
 import os
 import sys
 import threading
 
 import jax
-from jax._src import (
-    distributed,  # its client: the coordination service's barriers
-    hardware_utils,  # the checks JAX itself uses to suggest plugins
-)
+from jax._src import distributed, hardware_utils  # the coordination service's barriers; the checks JAX uses to suggest plugins
 
 
 def skip_tpu_probe_without_tpu():
-    """Ask for the CPU backend where no TPU or GPU is visible and no platform was chosen:
-    an installed libtpu (a tooling dependency) would otherwise probe, warn and take a lock
-    file that concurrent processes fight over. Must run before JAX starts its backend."""
+    """Ask for the CPU backend where no TPU or GPU is visible and no platform was chosen: an installed libtpu (a tooling
+    dependency) would otherwise probe, warn and take a lock file that concurrent processes fight over. Run before the backend starts."""
     if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
         return
     if (hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu()
@@ -26,16 +20,9 @@ def skip_tpu_probe_without_tpu():
     jax.config.update("jax_platforms", "cpu")
 
 
-# ----------------------------------------------------------------------------
-# The compiler's overlap options: communication scheduled under matmul work
-#
-# Without them the TPU compiler runs each collective blocking; with them it fuses
-# collectives step by step into the matmuls around them (async collective fusion) and
-# runs permutes and all-to-alls asynchronously. GPU: XLA's latency-hiding scheduler and
-# pipelined collectives. They change when bytes move, not what is computed. The TPU set is
-# MaxText's plus reduce-scatter, all-reduce, permute and all-to-all; every flag must be one
-# libtpu 0.0.42.1 accepts (an unknown one aborts it). Left out (it overflows VMEM on a v4;
-# docs/benchmarks.md): --xla_tpu_enable_async_collective_fusion_fuse_all_reduce.
+# ---- The compiler's overlap options: communication scheduled under matmul work (when bytes move, not what is computed)
+# TPU: MaxText's set plus reduce-scatter, all-reduce, permute and all-to-all, each accepted by libtpu 0.0.42.1 (an unknown
+# flag aborts it; fusing all-reduces overflows a v4's VMEM: docs/benchmarks.md). GPU: XLA's latency-hiding scheduler.
 TPU_OVERLAP_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion=true",
     "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
@@ -61,15 +48,13 @@ OVERLAP_FLAGS = {"tpu": TPU_OVERLAP_FLAGS, "gpu": GPU_OVERLAP_FLAGS}
 
 
 def merge_flags(ours, theirs):
-    """A flag string: `theirs` (the user's, as given) after each of `ours` whose name
-    it does not set. The user's value wins flag by flag (--xla_...=false turns one off)."""
+    """A flag string: `theirs` (the user's, as given) after each of `ours` whose name it does not set: the user's wins flag by flag."""
     named = {flag.split("=", 1)[0] for flag in theirs.split()}
     return " ".join([flag for flag in ours if flag.split("=", 1)[0] not in named] + theirs.split())
 
 
 def overlap_environ(platform, environ=None):
-    """{variable: value} that gives `platform`'s compiler the overlap flags, merged
-    with what `environ` (os.environ) holds already; {} on CPU (no new flags there)."""
+    """{variable: value} giving `platform`'s compiler the overlap flags, merged with what `environ` (os.environ) holds; {} on CPU."""
     environ = os.environ if environ is None else environ
     if platform not in OVERLAP_VARIABLE:
         return {}
@@ -78,8 +63,7 @@ def overlap_environ(platform, environ=None):
 
 
 def accelerator_platform():
-    """"tpu", "gpu" or "cpu": the backend JAX will start here, asked before it starts
-    (JAX_PLATFORMS or jax_platforms where set, else JAX's own PCI and /dev checks)."""
+    """"tpu", "gpu" or "cpu": the backend JAX will start, asked before it starts (JAX_PLATFORMS/jax_platforms, else PCI and /dev)."""
     chosen = (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").split(",")[0].strip()
     if chosen:
         return {"cuda": "gpu", "rocm": "gpu"}.get(chosen, chosen)
@@ -91,9 +75,8 @@ def accelerator_platform():
 
 
 def set_overlap_flags(cfg):
-    """--mode train on a TPU or GPU: the overlap flags into the environment the compiler
-    reads (merged with the user's), printed once. Nothing on CPU or fake CPU devices.
-    Must run before JAX starts its backend."""
+    """--mode train on a TPU or GPU: the overlap flags into the compiler's environment (merged with the user's), printed once.
+    Nothing on CPU or fake CPU devices. Must run before JAX starts its backend."""
     if cfg.mode != "train" or cfg.run.cpu_devices:
         return
     platform = accelerator_platform()
@@ -103,11 +86,10 @@ def set_overlap_flags(cfg):
 
 
 def use_fake_cpu_devices(n_devices, timeout_s=600):
-    """Split the CPU into `n_devices` fake devices whose collectives cannot hang; must run
-    before JAX starts its backend. XLA:CPU's shared pool gets max(cores, 2 x devices)
-    threads, unless PJRT_NPROC or NPROC is set: with one per device, every thread can wait
-    in a different collective (docs/benchmarks.md). A collective may wait `timeout_s`, not
-    XLA:CPU's 40 s, for a thread slowed by a loaded machine (a value in XLA_FLAGS wins)."""
+    """Split the CPU into `n_devices` fake devices whose collectives cannot hang; must run before JAX starts its backend.
+    XLA:CPU's shared pool gets max(cores, 2 x devices) threads unless PJRT_NPROC or NPROC is set: with one per device, every
+    thread can wait in a different collective (docs/benchmarks.md). A collective may wait `timeout_s`, not XLA:CPU's 40 s, for
+    a thread slowed by a loaded machine (a value in XLA_FLAGS wins)."""
     skip_tpu_probe_without_tpu()
     jax.config.update("jax_num_cpu_devices", n_devices)
     if "PJRT_NPROC" not in os.environ and "NPROC" not in os.environ:
@@ -119,9 +101,8 @@ def use_fake_cpu_devices(n_devices, timeout_s=600):
 
 
 def setup_devices(cfg):
-    """Fake CPU devices, the compiler's overlap flags (TPU, GPU) and multi-process
-    init; must run before JAX touches a device.
-    Returns whether this is one process of several."""
+    """Fake CPU devices, the compiler's overlap flags (TPU, GPU), the compile cache and multi-process init; must run before JAX
+    touches a device. Returns whether this is one process of several."""
     skip_tpu_probe_without_tpu()
     set_overlap_flags(cfg)
     if cfg.run.cpu_devices:
@@ -139,8 +120,7 @@ def setup_devices(cfg):
         where = {}  # TPU pods and SLURM: JAX finds the cluster itself
     else:
         return False
-    # JAX's heartbeat stops every process when one dies; a peer that never shows up gets
-    # this plainer message, just before JAX's connect timeout would fire.
+    # JAX's heartbeat stops all when one dies; a peer that never shows up gets this plainer message before JAX's connect timeout.
     never_met = threading.Timer(d.timeout_s, stop_now, [
         f"error: not all processes reached the coordinator {d.coordinator or '(auto-detected)'} within {d.timeout_s}s "
         "(--dist.timeout_s). Start every process with the same --dist.coordinator and --dist.num_processes and its "
@@ -148,18 +128,16 @@ def setup_devices(cfg):
     never_met.daemon = True
     never_met.start()
     try:
-        jax.distributed.initialize(**where, initialization_timeout=d.timeout_s + CONNECT_GRACE_S,
-                                   heartbeat_timeout_seconds=d.timeout_s)
+        jax.distributed.initialize(**where, initialization_timeout=d.timeout_s + CONNECT_GRACE_S, heartbeat_timeout_seconds=d.timeout_s)
     finally:
         never_met.cancel()
     return True
 
 
 def align_processes(name, timeout_s):
-    """Wait until every process gets here (a coordination-service barrier): gloo gives a
-    peer only 30 s to join a communicator, so main.py aligns processes before the first
-    collectives. The deadline is at least ALIGN_MIN_S, since a peer still compiling is
-    alive; a dead one is caught by the heartbeat within --dist.timeout_s."""
+    """Wait until every process gets here (a coordination-service barrier): gloo gives a peer only 30 s to join a communicator,
+    so main.py aligns processes before the first collectives. The deadline is at least ALIGN_MIN_S (a peer still compiling is
+    alive); a dead one is caught by the heartbeat within --dist.timeout_s."""
     if distributed.global_state.client is not None and jax.process_count() > 1:
         deadline_s = max(timeout_s, ALIGN_MIN_S)
         distributed.global_state.client.wait_at_barrier(f"meshformer_{name}", timeout_in_ms=int(deadline_s * 1000))
@@ -172,8 +150,7 @@ CONNECT_GRACE_S = 10  # JAX's own connect timeout fires this long after ours, so
 
 
 def stop_now(message):
-    """Exit at once, from any thread, skipping exit handlers: JAX's would first wait
-    (up to the heartbeat timeout) for processes that are gone."""
+    """Exit at once, from any thread, skipping exit handlers: JAX's would first wait (up to the heartbeat timeout) for dead processes."""
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)

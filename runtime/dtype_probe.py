@@ -1,16 +1,8 @@
-"""--model.dtype auto: compute in the dtype whose matmuls are faster on this machine.
-
-Whether bfloat16 beats float32 on a CPU depends on its matmul units, and CPU flags do not
-predict it (docs/benchmarks.md), so `auto` measures:
-- TPU and GPU: bfloat16, no probe;
-- CPU: the model's own matmuls (model.project, forward and both backward products, at this
-  run's rows per step) are timed in both dtypes; float32 needs to be FLOAT32_MARGIN times
-  faster. Times are cached per CPU model, cores, backend, JAX version and shapes in
-  <XDG_CACHE_HOME or ~/.cache>/meshformer/dtype_probe.json;
-- a run with a config.json keeps the dtype written there (one dtype for a run's life).
-main.py and bench.py call resolve_dtype(cfg) once, after device setup and before anything
-is built; planner.py and planning/tpu_compile.py read auto as bfloat16 (for_accelerator).
-"""
+"""--model.dtype auto: compute in the dtype whose matmuls are faster on this machine. TPU and GPU: bfloat16, no probe. CPU
+(its flags do not predict it, docs/benchmarks.md): the model's own matmuls at this run's rows per step are timed in both
+dtypes, float32 needing to be FLOAT32_MARGIN times faster; times are cached per machine and shapes in cache_path(). A run
+with a config.json keeps the dtype written there. main.py and bench.py call resolve_dtype(cfg) once, after device setup
+and before anything is built; planner.py and planning/tpu_compile.py read auto as bfloat16 (for_accelerator)."""
 
 import json
 import math
@@ -29,8 +21,7 @@ from utils import apply_overrides
 AUTO = "auto"
 DTYPES = ("bfloat16", "float32")
 
-# float32 must be this much faster to be chosen: a near-tie keeps bfloat16 (the published
-# default run's dtype), and timing noise must not flip the choice (docs/benchmarks.md).
+# float32 must be this much faster to be chosen: a near-tie keeps the default run's bfloat16, and noise must not flip it.
 FLOAT32_MARGIN = 1.2
 REPEATS = 5  # timed calls per dtype, alternating; the fastest counts (a neighbour's burst only slows one)
 PROBE_FLOPS = 5e9  # at most, per probe call, to keep the probe short (the default run's fit whole)
@@ -53,9 +44,8 @@ def cpu_model():
 
 
 def matmul_shapes(m, train):
-    """[(rows, in, out)]: the model's projections at this run's rows per microbatch (the
-    expert products as one matmul over all top-k assignments, the FLOPs they do), scaled
-    down together to about PROBE_FLOPS, so that a wide model's probe stays short."""
+    """[(rows, in, out)]: the model's projections at this run's rows per microbatch (expert products as one matmul over all
+    top-k assignments), scaled down together to about PROBE_FLOPS so that a wide model's probe stays short."""
     widths = [(m.d_model, m.q_latent), (m.q_latent, m.n_heads * (m.head_dim + m.rope_dim)),
               (m.d_model, m.kv_latent + m.rope_dim), (m.kv_latent, 2 * m.n_heads * m.head_dim),
               (m.n_heads * m.head_dim, m.d_model), (m.d_model, m.vocab_size or 257)]
@@ -71,20 +61,17 @@ def matmul_shapes(m, train):
 
 def probe_key(shapes):
     device = jax.devices()[0]
-    return (f"{cpu_model()} | {os.cpu_count()} cores | {jax.default_backend()} {device.device_kind} | "
-            f"jax {jax.__version__} | {shapes}")
+    return (f"{cpu_model()} | {os.cpu_count()} cores | {jax.default_backend()} {device.device_kind} | jax {jax.__version__} | {shapes}")
 
 
 def time_matmuls(shapes, repeats=REPEATS):
-    """{dtype: seconds}: the fastest call of one jitted function that runs every shape's
-    forward and backward products (model.project and its vjp) in that dtype."""
+    """{dtype: seconds}: the fastest call of one jitted function of every shape's forward and backward products in that dtype."""
     return fastest_calls(probe_calls(shapes), repeats)
 
 
 def probe_calls(shapes):
-    """{dtype: (fn, args)}: one jitted function of every shape's forward and backward
-    products (model.project and its vjp), compiled and warmed up, and its inputs in
-    that dtype (the weights float32, as the model keeps them)."""
+    """{dtype: (fn, args)}: one jitted, warmed-up function of every shape's forward and backward products (model.project and
+    its vjp), and its inputs in that dtype (the weights float32, as the model keeps them)."""
     def products(x_list, w_list, dy_list):
         outs = []
         for x, w, dy in zip(x_list, w_list, dy_list):
@@ -106,8 +93,7 @@ def probe_calls(shapes):
 
 
 def fastest_calls(calls, repeats=REPEATS):
-    """{name: seconds}: the fastest of `repeats` timed calls of each (fn, args) in
-    `calls`, the names taking turns (a neighbour's burst only slows one)."""
+    """{name: seconds}: the fastest of `repeats` calls of each (fn, args) in `calls`, names taking turns (a burst only slows one)."""
     fastest = dict.fromkeys(calls, math.inf)
     for _ in range(repeats):
         for name, (fn, args) in calls.items():
@@ -124,13 +110,11 @@ def choose(seconds):
         return "float32", f"float32 matmuls {ratio:.2g}x faster than bfloat16 here"
     if ratio <= 1:
         return "bfloat16", f"bfloat16 matmuls {1 / ratio:.2g}x faster than float32 here"
-    return "bfloat16", (f"float32 matmuls only {ratio:.2g}x faster than bfloat16 here, "
-                        f"below the {FLOAT32_MARGIN}x that switching takes")
+    return "bfloat16", (f"float32 matmuls only {ratio:.2g}x faster than bfloat16 here, below the {FLOAT32_MARGIN}x that switching takes")
 
 
 def probed_seconds(shapes):
-    """{dtype: seconds} of this machine's probe: from the cache, else measured and cached.
-    Returns (seconds, whether it came from the cache)."""
+    """({dtype: seconds}, whether it came from the cache) of this machine's probe: from the cache, else measured and cached."""
     path, key = cache_path(), probe_key(shapes)
     cache = {}
     if os.path.exists(path):
@@ -174,9 +158,8 @@ def decide(cfg):
 
 
 def resolve_dtype(cfg):
-    """cfg with --model.dtype auto replaced by the dtype decided here (one line says which
-    and why); other dtypes pass through untouched. Every process of a run computes in the
-    dtype process 0 decided."""
+    """cfg with --model.dtype auto replaced by the dtype decided here (one line says which and why); others pass through.
+    Every process of a run computes in the dtype process 0 decided."""
     if cfg.model.dtype != AUTO:
         return cfg
     dtype, why = decide(cfg)
@@ -191,6 +174,5 @@ def resolve_dtype(cfg):
 
 
 def for_accelerator(cfg):
-    """cfg with auto read as bfloat16, for sizing and compiling for TPU/GPU (what auto
-    gives there) on a machine that is not one."""
+    """cfg with auto read as bfloat16 (what auto gives on TPU/GPU), for sizing and compiling for them on a machine that is not one."""
     return apply_overrides(cfg, {"model": {"dtype": "bfloat16"}}) if cfg.model.dtype == AUTO else cfg

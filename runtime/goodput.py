@@ -1,21 +1,11 @@
-"""Goodput: where a run's wall time went, across its restarts.
-
-Every second from the first process's start to the last one's end counts in exactly one
-phase (PhaseClock switches them, so an attempt's phases sum to its elapsed time):
-  startup     process start (interpreter, imports), devices, data, init or restore
-  compile     compiling the train step
-  train       train steps (dispatch, and waiting for the devices when metrics are read)
-  eval        evaluations (with the eval step's compile)
-  checkpoint  checkpoint time that blocked training (device copies, fingerprints, a
-              preemption's synchronous save, the final wait for the writes)
-  data        waiting for the host to read and place a batch
-  redone      steps computed twice after a restart (lost): resumed checkpoint to last logged step
-  down        from the stopped attempt's last sign of life to the new process's start (lost)
-  other       the rest (samples and plots at the end)
-DeviceWatch adds `host_held_s` (devices idle between steps) and `device_busy_s`.
-metrics.jsonl gets the running totals in a `goodput` row after every checkpoint and at
-the end, and a `restart` row per resume; a resumed attempt continues its checkpoint's totals.
-"""
+"""Goodput: where a run's wall time went, across its restarts. Every second from the first process's start to the last
+one's end counts in exactly one of PHASES (PhaseClock switches them, so an attempt's phases sum to its elapsed time):
+startup (process start, imports, devices, data, init or restore); compile (the train step); train (train steps, and waiting
+for the devices when metrics are read); eval (with its compile); checkpoint (what blocked training: device copies,
+fingerprints, a preemption's synchronous save, the final wait); data (waiting for a batch); redone (lost: steps computed
+twice, resumed checkpoint to last logged step); down (lost: stopped attempt's last sign of life to the new start); other.
+DeviceWatch adds `host_held_s` (devices idle between steps) and `device_busy_s`. metrics.jsonl gets the running totals in a
+`goodput` row after every checkpoint and at the end, and a `restart` row per resume; a resumed attempt continues its totals."""
 
 import os
 import queue
@@ -42,8 +32,7 @@ def process_start_time():
 
 
 class PhaseClock:
-    """The phases of this attempt (from its process start), plus the totals carried
-    over from earlier attempts."""
+    """The phases of this attempt (from its process start), plus the totals carried over from earlier attempts."""
 
     def __init__(self, start=None):
         self.start = process_start_time() if start is None else start
@@ -78,8 +67,7 @@ class PhaseClock:
         return {p: self.carried[p] + self.spent[p] + (now - self.since if p == self.current else 0.0) for p in PHASES}
 
     def row(self, step, event):
-        """The metrics.jsonl row with the running totals: its `time` and `run_start` let the
-        next attempt continue them."""
+        """The metrics.jsonl row with the running totals; its `time` and `run_start` let the next attempt continue them."""
         totals = self.totals()
         return dict(step=step, event=event, time=round(time.time(), 3), run_start=round(self.run_start, 3),
                     goodput={p: round(s, 3) for p, s in totals.items()},
@@ -91,9 +79,8 @@ class PhaseClock:
                     device_busy_s=self.carried_devices["device_busy_s"] + self.watch.busy)
 
     def resume(self, rows, step, reason):
-        """Continue the totals of the run whose metrics.jsonl rows (before the cut back to
-        `step`) are `rows`, resumed from checkpoint `step`. Returns the `restart` row to log,
-        or None when the rows do not say when the run stopped (e.g. a fresh run)."""
+        """Continue the totals of a run resumed from checkpoint `step`, whose metrics.jsonl rows (before the cut back to `step`)
+        are `rows`. Returns the `restart` row to log, or None when the rows do not say when the run stopped (e.g. a fresh run)."""
         base = [r for r in rows if r.get("event") in ("checkpoint", "preempted") and r["step"] <= step]
         if not base:
             return None
@@ -119,8 +106,7 @@ def summary(totals, restarts=0, devices=None):
     lost = sum(totals[p] for p in LOST)
     parts = [f"{p} {totals[p] / wall:.1%}" for p in PHASES if p not in LOST and totals[p] > 0]
     if restarts or lost:
-        parts.append(f"lost to {restarts} restart(s) {lost / wall:.1%} (steps redone {totals['redone']:.1f}s, "
-                     f"down {totals['down']:.1f}s)")
+        parts.append(f"lost to {restarts} restart(s) {lost / wall:.1%} (steps redone {totals['redone']:.1f}s, down {totals['down']:.1f}s)")
     line = f"goodput: {wall:.1f}s of wall time = " + " + ".join(parts)
     if devices:
         held, busy = devices["host_held_s"], devices["device_busy_s"]
@@ -130,10 +116,9 @@ def summary(totals, restarts=0, devices=None):
 
 
 class DeviceWatch:
-    """Train steps' device time, seen from the host: a thread waits on each dispatched
-    step's output. `held` sums the idle gaps max(0, next dispatch - previous end), `busy`
-    end - max(dispatch, previous end); a pause (eval, checkpoint) leaves the next gap out.
-    An end is seen when the thread gets the GIL (within 5 ms), so a gap may read that much short."""
+    """Train steps' device time, seen from the host: a thread waits on each dispatched step's output. `held` sums the idle
+    gaps max(0, next dispatch - previous end), `busy` end - max(dispatch, previous end); a pause (eval, checkpoint) leaves the
+    next gap out. An end is seen when the thread gets the GIL (within 5 ms), so a gap may read that much short."""
 
     def __init__(self):
         self.held = self.busy = 0.0

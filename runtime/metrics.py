@@ -1,10 +1,7 @@
-"""Run metrics: <run_dir>/metrics.jsonl, one JSON object per row, and its wandb mirror.
-
-Rows: train (`loss`, ..., `time`), eval (`val_loss`) and runtime/goodput.py's `event` rows
-(`checkpoint`, `preempted`, `end` carry `goodput` totals; `restart` says why and what was
-lost). main.py writes them (MetricsLog) and, on resume, drops those after the checkpoint
-(truncate_metrics); read_metrics reads them back.
-"""
+"""Run metrics: <run_dir>/metrics.jsonl, one JSON object per row, and its wandb mirror. Rows: train (`loss`, ..., `time`),
+eval (`val_loss`) and runtime/goodput.py's `event` rows (`checkpoint`, `preempted`, `end` carry `goodput` totals; `restart`
+says why and what was lost). main.py writes them (MetricsLog) and, on resume, drops those after the checkpoint
+(truncate_metrics); read_metrics reads them back."""
 
 import dataclasses
 import json
@@ -16,10 +13,9 @@ from utils import ConfigError
 
 
 class MetricsLog:
-    """Appends rows to <run_dir>/metrics.jsonl and, with --log.wandb, to wandb (wandb_row).
-    `wandb_id` (from the checkpoint's meta) continues that wandb run: online, wandb ignores
-    the steps a resume repeats (bit for bit); offline, each start writes its own
-    offline-run-*-<id> directory for `wandb sync`."""
+    """Appends rows to <run_dir>/metrics.jsonl and, with --log.wandb, to wandb (wandb_row). `wandb_id` (from the checkpoint's
+    meta) continues that wandb run: online, wandb ignores the steps a resume repeats (bit for bit); offline, each start writes
+    its own offline-run-*-<id> directory for `wandb sync`."""
 
     def __init__(self, run_dir, cfg, enabled=True, wandb_id=None):
         self.enabled, self.wandb = enabled, None
@@ -55,26 +51,22 @@ class MetricsLog:
 
 
 def start_wandb(run_dir, cfg, wandb_id):
-    """A wandb run in <run_dir>/wandb holding the resolved config; `wandb_id` continues
-    that run. WANDB_MODE=offline needs no key and no network (`wandb sync` uploads later)."""
+    """A wandb run in <run_dir>/wandb holding the resolved config; `wandb_id` continues that run (WANDB_MODE=offline: no network)."""
     import wandb
 
     try:
-        run = wandb.init(project=cfg.log.wandb_project, name=cfg.run.name, dir=run_dir, config=dataclasses.asdict(cfg),
-                         id=wandb_id, resume="allow")
+        run = wandb.init(project=cfg.log.wandb_project, name=cfg.run.name, dir=run_dir, config=dataclasses.asdict(cfg), id=wandb_id, resume="allow")
     except wandb.errors.Error as e:
         raise ConfigError(f"--log.wandb: wandb could not start ({type(e).__name__}: {e}). Log in with `wandb login` "
                           "(or set WANDB_API_KEY), or set WANDB_MODE=offline and upload later with "
                           f"`wandb sync {os.path.join(run_dir, 'wandb', 'offline-run-*')}`") from e
     run.define_metric("val_loss", summary="min")
-    print(f"wandb: {'continuing' if wandb_id else 'new'} run {run.id} ({'offline' if run.offline else 'online'}) "
-          f"in {run.dir}", flush=True)
+    print(f"wandb: {'continuing' if wandb_id else 'new'} run {run.id} ({'offline' if run.offline else 'online'}) in {run.dir}", flush=True)
     return run
 
 
 def wandb_step(row):
-    """wandb's step for a row: a restart row joins the step after its checkpoint's, since
-    online wandb drops a step that does not increase."""
+    """wandb's step for a row: a restart row takes its checkpoint's step + 1, since online wandb drops a step that does not increase."""
     return row["step"] + 1 if row.get("event") == "restart" else row["step"]
 
 
@@ -97,8 +89,7 @@ def wandb_row(row, tokens_per_step):
 
 
 def read_metrics(run_dir):
-    """The rows of <run_dir>/metrics.jsonl; a cut-short last line (a kill mid-write) is
-    skipped, a damaged line elsewhere raises ValueError."""
+    """The rows of <run_dir>/metrics.jsonl; a cut-short last line (a kill mid-write) is skipped, a damaged one raises ValueError."""
     path = os.path.join(run_dir, "metrics.jsonl")
     with open(path) as f:
         lines = f.readlines()
@@ -116,8 +107,7 @@ def read_metrics(run_dir):
 
 
 def truncate_metrics(run_dir, after_step):
-    """On resume, drop rows logged after the checkpoint so no step appears twice.
-    Rewrites a copy and renames it, so a kill meanwhile loses nothing."""
+    """On resume, drop rows logged after the checkpoint (no step twice); rewrites a copy and renames it, so a kill loses nothing."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return

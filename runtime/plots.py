@@ -1,7 +1,5 @@
-"""Plots of a run: PNGs from <run_dir>/metrics.jsonl and config.json, drawn at the end of
-training (main.py) or by `python utils.py plot RUN_DIR` (main below). Figures are drawn
-without pyplot, so no global backend or figure state changes.
-"""
+"""Plots of a run: PNGs from <run_dir>/metrics.jsonl and config.json, drawn at the end of training (main.py) or by
+`python utils.py plot RUN_DIR`; without pyplot, so no global backend or figure state changes."""
 
 import json
 import math
@@ -26,15 +24,13 @@ def plot_series(rows, key):
 
 
 def smoothed(values, window):
-    """Centred moving average over `window` points (fewer at the ends): unlike an
-    exponential average it does not lag behind a falling loss."""
+    """Centred moving average over `window` points (fewer at the ends): it does not lag a falling loss as an EMA does."""
     v, kernel = np.asarray(values, float), np.ones(window)
     return (np.convolve(v, kernel, "same") / np.convolve(np.ones_like(v), kernel, "same")).tolist()
 
 
 def binned(steps, values_S, max_bins):
-    """(steps, values) averaged over consecutive rows into at most `max_bins` bins (against
-    aliasing in long heatmaps); unchanged when short."""
+    """(steps, values) averaged into at most `max_bins` bins of consecutive rows (against aliasing); unchanged when short."""
     if len(steps) <= max_bins:
         return np.asarray(steps, float), np.asarray(values_S, float)
     groups = np.array_split(np.arange(len(steps)), max_bins)
@@ -43,8 +39,7 @@ def binned(steps, values_S, max_bins):
 
 
 def cell_edges(centers):
-    """Edges of heatmap cells centred on sorted, possibly unevenly spaced x values
-    (log.every steps, the last step, a gap left by a resume)."""
+    """Edges of heatmap cells centred on sorted, possibly unevenly spaced x values (e.g. a gap left by a resume)."""
     c = np.asarray(centers, float)
     if len(c) == 1:
         return np.array([c[0] - 0.5, c[0] + 0.5])
@@ -70,9 +65,7 @@ def step_ticks(axis):
 
 
 def draw_loss(fig, rows, cfg):
-    """Train and validation loss against tokens seen (step on the top axis), and on a
-    right-hand axis the attention's largest logit (max_logit; with --train.qk_clip, its
-    bound as a dashed line)."""
+    """Train and validation loss against tokens seen (step on top); on a right axis max_logit (and its qk_clip bound, dashed)."""
     tokens_per_step = cfg["train"]["batch_size"] * cfg["model"]["seq_len"]
     steps, loss = plot_series(rows, "loss")
     val_steps, val_loss = plot_series(rows, "val_loss")
@@ -99,8 +92,7 @@ def draw_loss(fig, rows, cfg):
     step_axis.set_xlabel("step")
     step_ticks(step_axis.xaxis)
     human_ticks(step_axis.xaxis)
-    ax.set(xlabel=f"tokens seen ({human(tokens_per_step)} per step)", ylabel="cross-entropy (nats/token)",
-           title=f"loss, run {cfg['run']['name']}")
+    ax.set(xlabel=f"tokens seen ({human(tokens_per_step)} per step)", ylabel="cross-entropy (nats/token)", title=f"loss, run {cfg['run']['name']}")
     handles = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
     handles += draw_max_logit(ax, rows, cfg, tokens_per_step, drawn)
     ax.legend(handles=handles, labels=[h.get_label() for h in handles])
@@ -138,9 +130,8 @@ def draw_load_balance(fig, rows, cfg):
     ax.legend()
     (drop_line,) = ax2.plot(drop_steps, [100 * d for d in dropped], color="tab:red")
     factor = cfg["model"]["capacity_factor"]
-    ax2.set(xlabel="step", ylabel="dropped (%)", ylim=(0, None),
-            title=f"token-to-expert assignments dropped at capacity (factor {factor:g})" if factor else
-            "token-to-expert assignments dropped (dropless routing)")
+    ax2.set(xlabel="step", ylabel="dropped (%)", ylim=(0, None), title=f"token-to-expert assignments dropped at capacity (factor {factor:g})"
+            if factor else "token-to-expert assignments dropped (dropless routing)")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
     step_ticks(ax2.xaxis)
@@ -149,8 +140,7 @@ def draw_load_balance(fig, rows, cfg):
 
 
 def draw_expert_load(fig, rows, cfg):
-    """Fraction of routed tokens per expert, one heatmap per MoE block, over steps.
-    White is the uniform share 1/E; red experts get more, blue ones fewer."""
+    """Fraction of routed tokens per expert over steps, one heatmap per MoE block; white is the uniform share 1/E."""
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.ticker import MaxNLocator
 
@@ -193,8 +183,7 @@ def draw_expert_load(fig, rows, cfg):
 
 
 def draw_router_bias(fig, rows, cfg):
-    """Each expert's router bias (aux-loss-free balancing), one panel per MoE layer,
-    over steps: an overloaded expert's bias falls, an underloaded one's rises."""
+    """Each expert's router bias (aux-loss-free balancing) over steps, one panel per MoE layer."""
     steps, biases = plot_series(rows, "router_bias")
     if not biases:  # balancing off
         return None
@@ -243,8 +232,7 @@ def draw_speed(fig, rows, cfg):
     if mfu:
         median_mfu = float(np.median(mfu))
         ax2.axhline(100 * median_mfu, color="gray", ls="--", lw=1, label=f"median {median_mfu:.1%}")
-    ax2.set(xlabel="step", ylabel="MFU (%)", ylim=(0, None),
-            title="model FLOPs utilisation (of a measured matmul peak)")
+    ax2.set(xlabel="step", ylabel="MFU (%)", ylim=(0, None), title="model FLOPs utilisation (of a measured matmul peak)")
     for a in (ax, ax2):
         a.legend(loc="lower right")
         a.grid(alpha=0.3)
@@ -254,8 +242,7 @@ def draw_speed(fig, rows, cfg):
 
 
 def draw_goodput(fig, rows, cfg):
-    """Where the wall time went (runtime/goodput.py): the run's phases as one stacked bar, and
-    the steps done against wall time, with the time lost to each restart shaded."""
+    """Where the wall time went (runtime/goodput.py): phases as one stacked bar, and steps over wall time, restarts shaded."""
     totals_rows = [r for r in rows if "goodput" in r]
     if not totals_rows:
         return None
@@ -278,8 +265,7 @@ def draw_goodput(fig, rows, cfg):
     bar_ax.legend(ncols=5, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.55))
     start = last["run_start"]
     timed = [r for r in rows if "loss" in r and "time" in r]
-    (line,) = time_ax.plot([r["time"] - start for r in timed], [r["step"] for r in timed], ".", ms=3, color="tab:green",
-                           label="train step logged")
+    (line,) = time_ax.plot([r["time"] - start for r in timed], [r["step"] for r in timed], ".", ms=3, color="tab:green", label="train step logged")
     for r in rows:
         if r.get("event") == "restart":  # steps redone: checkpoint to the last sign of life; down: from there to the new start
             stopped, started = r["stopped_at"] - start, r["started_at"] - start
@@ -301,9 +287,8 @@ PLOTS = {"loss.png": draw_loss, "load_balance.png": draw_load_balance, "expert_l
 
 
 def plot_run(run_dir):
-    """Write the PLOTS PNGs into the run directory, skipping a figure with nothing to show.
-    Returns {file name: {series: data}} read back from what was drawn: (x, y) for lines
-    (percent where the axis says %), (steps, [step][expert]) for heatmaps."""
+    """Write the PLOTS PNGs (those with something to show) into run_dir. Returns {file name: {series: data}} read back
+    from what was drawn: (x, y) for lines (percent where the axis says %), (steps, [step][expert]) for heatmaps."""
     from matplotlib.figure import Figure
 
     rows = read_metrics(run_dir)
@@ -331,3 +316,7 @@ def main(args):
                 print(os.path.join(run_dir, name))
     else:
         sys.exit("usage: python utils.py plot RUN_DIR [RUN_DIR ...]")
+
+
+if __name__ == "__main__":  # run by `python utils.py plot RUN_DIR` (utils.py imports nothing of the project)
+    main(sys.argv[1:])

@@ -1,14 +1,7 @@
-"""The one sampler: `--mode sample`, the samples after training and the server's engine
-(serving/engine.py) all decode through the Decoder below.
-
-A Decoder holds rows ("slots") of one latent KV cache, a sequence each. One compiled step
-picks every row's next token (its own sampling settings, logit bias and key), one decodes
-all rows at their own positions; a prompt is prefilled alone into its row, padded to a
-bucketed length. A row's window is one training window (seq_len); when full, it restarts
-from its last half window. So a sequence depends only on its prompt, settings and seed:
-`--mode sample` prints what the server returns. The model runs on one device, or split
-over tp_devices as training splits it (place_weights).
-"""
+"""The one sampler: `--mode sample`, the samples after training and the server's engine (serving/engine.py) all decode
+through Decoder: rows ("slots") of one latent KV cache, each with its own settings, logit bias and key. A row's window is
+seq_len; when full, it restarts from its last half window, so a sequence depends only on its prompt, settings and seed
+(`--mode sample` prints what the server returns). The model runs on one device, or split over tp_devices (place_weights)."""
 
 import functools
 
@@ -30,9 +23,8 @@ TOP_LOGPROBS = 5  # alternatives computed at every position (OpenAI's API allows
 
 
 def prefill_buckets(window):
-    """Prompt lengths prefill compiles for: powers of two from MIN_PREFILL_BUCKET, and the
-    window. Padding sits after the prompt: causal attention keeps it out of the prompt's
-    logits, and its cache slots are overwritten before any query sees them."""
+    """Prompt lengths prefill compiles for: powers of two from MIN_PREFILL_BUCKET, and the window. Padding goes after the
+    prompt: causal attention keeps it out of the prompt's logits, and its cache slots are overwritten before any query sees them."""
     sizes, size = [], MIN_PREFILL_BUCKET
     while size < window:
         sizes.append(size)
@@ -40,8 +32,7 @@ def prefill_buckets(window):
     return sizes + [window]
 
 
-# ----------------------------------------------------------------------------
-# The compiled pieces (graphdef and shapes are static; each compiles once per shape)
+# ---- The compiled pieces (graphdef and shapes are static; each compiles once per shape)
 
 
 def real_vocab_only(logprobs_XV, vocab):
@@ -51,14 +42,12 @@ def real_vocab_only(logprobs_XV, vocab):
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def prefill_slot(graphdef, vocab, state, cache, logits_SV, tokens_1T, length, slot):
-    """Prefill one prompt (padded to T) into row `slot` of the cache, from a fresh row.
-    Returns the cache, logits_SV with the slot's next-token logits (at length - 1), and per
-    prompt position t the log-probability of token t+1 and the top alternatives (`echo`),
-    from the log-softmax over the whole padded vocabulary, as the loss uses."""
+    """Prefill one prompt (padded to T) into cache row `slot`, from a fresh row. Returns the cache, logits_SV with the slot's
+    next-token logits (at length - 1), and per prompt position t the log-probability of token t+1 and the top alternatives
+    (`echo`), from the log-softmax over the whole padded vocabulary, as the loss uses."""
     model = nnx.merge(graphdef, state)
     logits_1TV, row = decode_step(model, tokens_1T, init_cache(model.cfg, 1, cache[0][0].shape[2]), 0)
-    cache = [(kv.at[:, slot].set(row_kv[:, 0]), rope.at[:, slot].set(row_rope[:, 0]))
-             for (kv, rope), (row_kv, row_rope) in zip(cache, row)]
+    cache = [(kv.at[:, slot].set(row_kv[:, 0]), rope.at[:, slot].set(row_rope[:, 0])) for (kv, rope), (row_kv, row_rope) in zip(cache, row)]
     logits_SV = logits_SV.at[slot].set(logits_1TV[0, length - 1])
     logprobs_TV = jax.nn.log_softmax(logits_1TV[0])
     next_T = jnp.roll(tokens_1T[0], -1)
@@ -75,8 +64,7 @@ def decode_slots(graphdef, state, cache, tokens_S, positions_S):
 
 
 def sample_row(key, last_V, temperature, top_k, top_p):
-    """One row's token: temperature, then top_k (0 = all), then top_p (nucleus; 1 = not
-    applied), then jax.random.categorical. Settings are arrays."""
+    """One row's token: temperature, then top_k (0 = all), then top_p (nucleus; 1 = off), then sampling. Settings are arrays."""
     vocab = last_V.shape[0]
     scaled_V = last_V / jnp.where(temperature > 0, temperature, 1.0)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -91,18 +79,16 @@ def sample_row(key, last_V, temperature, top_k, top_p):
 
 
 def adjusted_logits(last_SV, counts_SV, bias_SV, frequency_S, presence_S):
-    """The logits a row chooses from, with OpenAI's penalties: token j's logit minus
-    frequency x (times j was generated) minus presence x (1 if it was), plus its logit
-    bias (-100 bans it). All zero: the logits themselves, bit for bit."""
+    """The logits a row chooses from, with OpenAI's penalties: token j's logit + its bias (-100 bans it) - frequency x
+    (times j was generated) - presence x (1 if it was). All zero: the logits themselves, bit for bit."""
     penalty_SV = frequency_S[:, None] * counts_SV + presence_S[:, None] * (counts_SV > 0)
     return last_SV + bias_SV - penalty_SV
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
 def sample_slots(vocab, logits_SV, key_data_S2, counts_SV, bias_SV, temperature_S, top_k_S, top_p_S, frequency_S, presence_S):
-    """Every slot's next token, the new key data, the counts with it added, its
-    log-probability and top alternatives. Greedy rows (temperature 0) take the argmax;
-    sampled rows split their key per token (first half carries on, second draws).
+    """Per slot: the next token, new key data, the counts with it added, its log-probability and top alternatives. Greedy rows
+    (temperature 0) take the argmax; sampled rows split their key per token (first half carries on, second draws).
     Reported log-probabilities are the model's own, before penalties and bias (as vLLM)."""
     choice_SV = adjusted_logits(logits_SV[:, :vocab], counts_SV, bias_SV, frequency_S, presence_S)  # padding: never sampled
     keys_S2 = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data_S2))
@@ -126,9 +112,8 @@ def key_data(seed):
 
 
 def place_weights(state, tp_devices=None):
-    """The weights on one device, or split over tp_devices along weights.WEIGHTS' TP dims
-    (the rest replicated); jit (GSPMD) partitions the steps, and the latent KV cache, with
-    no head dim, is replicated. Plain arrays first: a sharded array keeps its mesh's axis types."""
+    """The weights on one device, or split over tp_devices along weights.WEIGHTS' TP dims (the rest, and the latent KV cache,
+    replicated; jit partitions the steps). Plain arrays first: a sharded array keeps its mesh's axis types."""
     plain = jax.tree.map(np.asarray, state.to_pure_dict())
     if not tp_devices or len(tp_devices) == 1:
         return nnx.State(jax.device_put(plain, (tp_devices or jax.devices())[0]))
@@ -142,13 +127,11 @@ def place_weights(state, tp_devices=None):
     return nnx.State(jax.device_put(plain, jax.tree_util.tree_map_with_path(sharding, plain)))
 
 
-# ----------------------------------------------------------------------------
-# The decoder: rows of one cache, the window policy, the compiled steps
+# ---- The decoder: rows of one cache, the window policy, the compiled steps
 
 
 class Row:
-    """One sequence in the cache: its tokens since its window (re)started, how many the
-    cache holds, and its sampling settings (its logit bias sits in Decoder.bias_SV)."""
+    """One sequence in the cache: its tokens since its window (re)started, how many the cache holds, its sampling settings."""
 
     def __init__(self, tokens, settings):
         self.tokens, self.position = list(tokens), len(tokens)
@@ -168,9 +151,8 @@ def bias_row(logit_bias, vocab):
 
 
 class Decoder:
-    """`slots` rows of one latent KV cache over one model; not thread-safe. start()
-    fills a free row, sample() picks every row's next token, advance() feeds them back
-    (restarting full windows), free() empties a row (it rides along with dummy inputs)."""
+    """`slots` rows of one latent KV cache over one model; not thread-safe. start() fills a free row, sample() picks every
+    row's next token, advance() feeds them back (restarting full windows), free() empties a row."""
 
     def __init__(self, model, slots, tp_devices=None):
         self.cfg = model.cfg
@@ -183,9 +165,8 @@ class Decoder:
         self.reset()
 
     def reset(self):
-        """A fresh cache and no rows (also after a failed step consumed the donated cache),
-        placed where the steps' outputs are: jit compiles per input placement, so an
-        uncommitted array would cost the first request a compile."""
+        """A fresh cache and no rows (also after a failed step consumed the donated cache), placed where the steps' outputs
+        are: jit compiles per input placement, so an uncommitted array would cost the first request a compile."""
         where = next(iter(jax.tree.leaves(self.state))).sharding
         if isinstance(where, NamedSharding):
             where = NamedSharding(where.mesh, P())
@@ -197,8 +178,7 @@ class Decoder:
         self.rows = [None] * self.n_slots
 
     def warm_up(self):
-        """Compile every program a request runs, along the requests' path, twice (the
-        second on the first's outputs, as later requests run); then reset."""
+        """Compile every program a request runs, twice (the second on the first's outputs, as later requests run); then reset."""
         for _ in range(2):
             for bucket in self.buckets:
                 self.start(0, [0] * bucket, seed=0, temperature=1.0, top_k=0)
@@ -208,23 +188,19 @@ class Decoder:
 
     # --- rows ---------------------------------------------------------------
 
-    def start(self, i, prompt_ids, seed, temperature, top_k, top_p=1.0, frequency_penalty=0.0, presence_penalty=0.0,
-              logit_bias=None):
-        """Row i takes a prompt (at most one window), a fresh key and its logit bias
-        ({token id: bias}) and is prefilled. Returns prefill_slot's per-position prompt
-        log-probabilities (device arrays, padded to the bucket)."""
+    def start(self, i, prompt_ids, seed, temperature, top_k, top_p=1.0, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None):
+        """Row i takes a prompt (at most one window), a fresh key and its logit bias ({token id: bias}) and is prefilled.
+        Returns prefill_slot's per-position prompt log-probabilities (device arrays, padded to the bucket)."""
         self.rows[i] = Row(prompt_ids, (temperature, top_k, top_p, frequency_penalty, presence_penalty))
         self.key_data_S2[i] = key_data(seed)
-        self.counts_SV, self.bias_SV = start_row(self.counts_SV, self.bias_SV, jnp.int32(i),
-                                                 jnp.asarray(bias_row(logit_bias, self.vocab)))
+        self.counts_SV, self.bias_SV = start_row(self.counts_SV, self.bias_SV, jnp.int32(i), jnp.asarray(bias_row(logit_bias, self.vocab)))
         return self.prefill(i, self.rows[i].tokens)
 
     def free(self, i):
         self.rows[i] = None
 
     def sample(self):
-        """The next token of every row (free rows: a dummy greedy choice), as host
-        arrays: (token_S, logprob_S, top_id_SN, top_logprob_SN)."""
+        """The next token of every row (free rows: a dummy greedy one), as host arrays: (token_S, logprob_S, top_id_SN, top_logprob_SN)."""
         settings = [row.settings if row else FREE_ROW for row in self.rows]
         columns = [np.asarray(column, dtype) for column, dtype in zip(zip(*settings), SETTING_DTYPES)]
         token_S, key_data_S2, self.counts_SV, *rest = sample_slots(self.vocab, self.logits_SV, self.key_data_S2, self.counts_SV,
@@ -234,8 +210,7 @@ class Decoder:
         return token_S, logprob_S, top_id_SN, top_logprob_SN
 
     def advance(self, token_S):
-        """Every busy row takes its token: decode them all at once, each at its row's
-        position; a row whose window is full restarts from its last half window instead."""
+        """Every busy row takes its token, all decoded at once at their positions; a row with a full window restarts from its last half."""
         tokens_S, positions_S, restarts = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32), []
         for i, row in enumerate(self.rows):
             if row is None:
@@ -268,8 +243,7 @@ class Decoder:
                                                   jnp.asarray(positions_S, jnp.int32))
 
 
-# ----------------------------------------------------------------------------
-# One sequence at a time: --mode sample, the samples after training
+# ---- One sequence at a time: --mode sample, the samples after training
 
 
 def generate_ids(model, prompt_ids, max_tokens, temperature, top_k, seed, top_p=1.0, **penalties):

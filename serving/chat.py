@@ -104,8 +104,7 @@ class GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
-# ----------------------------------------------------------------------------
-# Loading
+# ---- Loading
 
 
 def read_json(path):

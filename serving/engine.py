@@ -20,8 +20,7 @@ import numpy as np
 
 from runtime.sampling import Decoder
 
-# ----------------------------------------------------------------------------
-# Sequences and the engine
+# ---- Sequences and the engine
 
 
 class QueueFull(Exception):

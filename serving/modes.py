@@ -6,8 +6,10 @@ Every process runs these; only process 0 prints (say) and writes shared files.
 
 import json
 import os
+import shutil
 
 import jax
+import orbax.checkpoint as ocp
 
 from dataset import get_tokenizer, open_data
 from parallel import steps
@@ -47,10 +49,31 @@ def sample_run(cfg):
     print(samples_from_params(cfg, params, graphdef, 1)[0])
 
 
+def export_slim(params, config_dict, out_dir):
+    """Write params in bfloat16 (untrained state in float32: checkpoint.slim_dtypes) + config.json: the small
+    artefact to share, restored by checkpoint.restore_params."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir)
+    checkpointer = ocp.StandardCheckpointer()
+    slim = jax.tree.map(lambda a, dtype: a.astype(dtype), params, checkpoint.slim_dtypes(params))
+    checkpointer.save(os.path.join(out_dir, "params"), slim)
+    checkpointer.wait_until_finished()
+    if jax.process_index() == 0:
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(config_dict, f, indent=2)
+    return out_dir
+
+
+def directory_bytes(path):
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
 def export_run(cfg):
     cfg, graphdef, params = load_run_params(cfg)
-    out = checkpoint.export_slim(params, config_to_dict(cfg), os.path.join(run_dir_of(cfg), "export"))
-    say(f"slim export (bfloat16 params + config.json): {out}, {human(checkpoint.directory_bytes(out))}B")
+    out = export_slim(params, config_to_dict(cfg), os.path.join(run_dir_of(cfg), "export"))
+    say(f"slim export (bfloat16 params + config.json): {out}, {human(directory_bytes(out))}B")
 
 
 def export_hf_run(cfg):
@@ -67,7 +90,7 @@ def export_hf_run(cfg):
         model_type, architecture = hf_config.architecture_of(cfg.model)
         remote = " with its modeling code: load it with trust_remote_code=True" if model_type == "meshformer" else ""
         say(f"Hugging Face export ({architecture}, {cfg.export.dtype}): {out}, "
-            f"{human(checkpoint.directory_bytes(out))}B{remote}")
+            f"{human(directory_bytes(out))}B{remote}")
 
 
 def eval_run(cfg):

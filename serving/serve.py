@@ -146,8 +146,7 @@ class ChatRequest(SamplingRequest):
     top_logprobs: Optional[int] = None
 
 
-# ----------------------------------------------------------------------------
-# Requests -> sequences
+# ---- Requests -> sequences
 
 
 def parse_request(body_bytes, schema=CompletionRequest):
@@ -266,8 +265,7 @@ def tokenize_prompts(prompt, tokenizer, window, token_chars=None):
     return out
 
 
-# ----------------------------------------------------------------------------
-# Tokens -> text, chunk by chunk (streaming and non-streaming share this)
+# ---- Tokens -> text, chunk by chunk (streaming and non-streaming share this)
 
 
 class Choice:
@@ -371,8 +369,7 @@ class Choice:
         return self.chunk(text, reason)
 
 
-# ----------------------------------------------------------------------------
-# The app
+# ---- The app
 
 
 async def read_body(request):
@@ -535,8 +532,7 @@ def chat_prompt(messages, chat, tokenizer, window, token_chars):
     return text, ids
 
 
-# ----------------------------------------------------------------------------
-# A request: its sequences in the engine, its chunks out
+# ---- A request: its sequences in the engine, its chunks out
 
 
 def submit(engine, req, max_tokens, choices, logit_bias, want_prompt_logprobs=False):

@@ -80,8 +80,7 @@ def collectives(cfg):
     return hlo_reader.collective_table(compiled_step(cfg).as_text(), mesh_for(cfg))
 
 
-# ----------------------------------------------------------------------------
-# The same step as one device, and as the explicit shard_map
+# ---- The same step as one device, and as the explicit shard_map
 
 
 @pytest.mark.parametrize("variant, mesh_shape", [pytest.param("moe", m, marks=[pytest.mark.slow] if m in ((8, 1, 1), (1, 1, 8)) else [])
@@ -149,8 +148,7 @@ def test_checkpoints_cross_sharding_modes(tmp_path, reference):
     assert not np.allclose(got["embed_VD"], reference["moe"][1]["embed_VD"])  # three steps, not one
 
 
-# ----------------------------------------------------------------------------
-# Errors and the collectives table
+# ---- Errors and the collectives table
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -187,8 +185,7 @@ def test_collective_table_counts_loops_axes_and_bytes():
     assert table[("collective-permute", "dp")] == (1, 8 * 8 * 4)
 
 
-# ----------------------------------------------------------------------------
-# Slower: microbatches, remat, dropout, the command line
+# ---- Slower: microbatches, remat, dropout, the command line
 
 
 @pytest.mark.slow

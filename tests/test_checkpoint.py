@@ -26,6 +26,7 @@ from parallel import optimizers
 from parallel.mesh import make_mesh, named
 from parallel.weights import is_trained, param_specs, weight_name
 from runtime import checkpoint
+from serving import modes
 from utils import ConfigError, MeshConfig, apply_overrides, config_to_dict, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,8 +97,7 @@ def assert_redid_steps_after_10(run, reference, stdout, set_aside):
     assert order == list(range(1, 31)) and resumed == straight
 
 
-# ----------------------------------------------------------------------------
-# In process: fingerprints, restore onto other meshes, errors
+# ---- In process: fingerprints, restore onto other meshes, errors
 
 
 def tiny_config(**mesh):
@@ -249,7 +249,7 @@ def test_slim_export_keeps_untrained_state_in_float32(tmp_path):
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: jax.device_put((1 + 0.001 * rng.integers(-50, 50, a.shape)).astype(np.float32), a.sharding),
                           abstract_state(cfg, mesh_of((1, 1, 1)))[0])
-    out = checkpoint.export_slim(params, config_to_dict(cfg), str(tmp_path / "export"))
+    out = modes.export_slim(params, config_to_dict(cfg), str(tmp_path / "export"))
     back = host(checkpoint.restore_params(out, params, cfg.model))
     names = set()
     for (path, original), restored in zip(jax.tree_util.tree_flatten_with_path(host(params))[0], jax.tree.leaves(back)):
@@ -260,8 +260,7 @@ def test_slim_export_keeps_untrained_state_in_float32(tmp_path):
     assert "router_bias_E" in names
 
 
-# ----------------------------------------------------------------------------
-# main.py: resume after a kill mid-write, damaged checkpoints, errors
+# ---- main.py: resume after a kill mid-write, damaged checkpoints, errors
 
 
 @pytest.mark.slow
@@ -353,8 +352,7 @@ def test_bad_checkpoint_input_gets_a_clear_error(tmp_path, data_cache, reference
     assert "compiled" not in missing.stdout  # it failed before anything compiled
 
 
-# ----------------------------------------------------------------------------
-# main.py: restore onto other meshes (--mode eval, --mode sample)
+# ---- main.py: restore onto other meshes (--mode eval, --mode sample)
 
 
 @pytest.fixture(scope="session")
@@ -388,8 +386,7 @@ def test_checkpoint_from_2x2x2_evaluates_and_samples_the_same_on(written_on_2x2x
     assert sampled == sample_2x2x2 + "\n" and sampled.startswith("ROMEO:")
 
 
-# ----------------------------------------------------------------------------
-# Slim export and fine-tuning
+# ---- Slim export and fine-tuning
 
 
 @pytest.fixture(scope="session")
@@ -420,8 +417,8 @@ def test_slim_export_is_a_sixth_of_a_checkpoint_and_gives_close_logits(reference
     difference is ~0.01 (bf16 rounding), but where rounding flips a router's top-k
     choice a token's logits move by up to ~0.3; so the bounds below are on the median,
     on probabilities and on how often the most likely token agrees."""
-    full = checkpoint.directory_bytes(reference / "checkpoints" / "30")
-    slim = checkpoint.directory_bytes(exported)
+    full = modes.directory_bytes(reference / "checkpoints" / "30")
+    slim = modes.directory_bytes(exported)
     assert slim <= full / 6, (slim, full, slim / full)
     assert json.loads((exported / "config.json").read_text())["model"]["d_model"] == 32
 

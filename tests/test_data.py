@@ -56,8 +56,7 @@ def open_local(path) -> dataset.TokenData:
     return dataset.open_data(str(path), cache_dir=str(Path(path).parent / "cache"))
 
 
-# -----------------------------------------------------------------------------
-# Batches
+# ---- Batches
 
 def test_rows_read_in_pieces_concatenate_to_the_full_batch(synthetic):
     data = open_local(synthetic)
@@ -162,8 +161,7 @@ def test_rows_outside_the_batch_are_refused(synthetic):
         open_local(synthetic).batch("train", 0, 8, SEQ, 0, rows=range(6, 10))
 
 
-# -----------------------------------------------------------------------------
-# Clear errors
+# ---- Clear errors
 
 def test_truncated_shard_is_reported(synthetic):
     path = synthetic / "train_2.npy"
@@ -223,8 +221,7 @@ def test_check_tokenizer(synthetic):
         dataset.check_tokenizer(data, 257, "synthetic")
 
 
-# -----------------------------------------------------------------------------
-# The embedded default
+# ---- The embedded default
 
 @pytest.fixture(scope="module")
 def shakespeare_cache(tmp_path_factory):
@@ -268,8 +265,7 @@ def test_processes_preparing_at_once_share_one_copy(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["shakespeare", "shakespeare.lock"]
 
 
-# -----------------------------------------------------------------------------
-# Tokenizers and data/tokenize.py
+# ---- Tokenizers and data/tokenize.py
 
 MERGES = [b"th", b"he", b"the", b" the", b"in", b"an", b"er", b"on", b" a", b"nd", b" and", b"ou"]
 

@@ -72,8 +72,7 @@ QUICK_START_FIELDS = {("train", "steps"), ("train", "eval_every"), ("train", "ev
 COMMAND_TIMEOUT_S = 600
 
 
-# ----------------------------------------------------------------------------
-# Reading the pages
+# ---- Reading the pages
 
 def read(page):
     with open(os.path.join(REPO, page)) as f:
@@ -165,8 +164,7 @@ def pages_with(slow):
     return [page for page in PAGES if runnable(page, slow)]
 
 
-# ----------------------------------------------------------------------------
-# Running a page's commands
+# ---- Running a page's commands
 
 @pytest.fixture(scope="module")
 def shared_data_cache(tmp_path_factory):
@@ -454,8 +452,7 @@ def test_the_test_command_is_the_one_ci_runs():
     assert found, "README.md shows the test command in a <!-- test: ci --> block"
 
 
-# ----------------------------------------------------------------------------
-# Files and links
+# ---- Files and links
 
 def test_the_file_map_names_every_file_and_only_files_that_exist():
     (body,) = [body for _, _, body, marker in blocks("README.md") if marker == "files"]
@@ -521,8 +518,7 @@ def test_no_file_points_to_a_document_the_repo_does_not_have():
     assert not stale, "files name documents the repo does not have:\n" + "\n".join(stale)
 
 
-# ----------------------------------------------------------------------------
-# The default run's figures
+# ---- The default run's figures
 
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

@@ -18,7 +18,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # import the repo's modules wherever pytest runs from
 
 import dataset  # noqa: E402
-from data import gcs_emulator, shakespeare, upload_gcs  # noqa: E402
+from data import (  # noqa: E402
+    gcs_emulator,
+    gcs_shards,  # noqa: E402
+    shakespeare,
+    upload_gcs,
+)
 
 BUCKET = "meshformer-test"
 BATCH, SEQ, SEED = 16, 128, 5
@@ -48,7 +53,7 @@ def uploaded(emulator, local_dir):
 
 @pytest.fixture(autouse=True)
 def quick_retries(monkeypatch):
-    monkeypatch.setattr(dataset, "GCS_BACKOFF_S", 0.01)
+    monkeypatch.setattr(gcs_shards, "GCS_BACKOFF_S", 0.01)
 
 
 def read_all(data: dataset.TokenData, rows=None) -> list[np.ndarray]:
@@ -137,8 +142,7 @@ def test_missing_data_in_the_bucket_is_reported(uploaded, local_dir, emulator, t
     data.close()
 
 
-# -----------------------------------------------------------------------------
-# A flaky server: a proxy in front of the emulator that fails downloads in turn with a
+# ---- A flaky server: a proxy in front of the emulator that fails downloads in turn with a
 # 503, a dropped connection, a body cut off half way and a body with one byte flipped,
 # then lets one through.
 
@@ -219,8 +223,7 @@ def test_reads_survive_a_flaky_server(uploaded, local_dir, flaky_host, tmp_path)
     assert flaky_host.injected == {"503": 7, "drop": 7, "truncate": 7, "flip": 7}
 
 
-# ----------------------------------------------------------------------------
-# Training end to end from gs:// (the real client, through the flaky proxy)
+# ---- Training end to end from gs:// (the real client, through the flaky proxy)
 
 
 def train_losses(source: str, out_dir: Path, name: str) -> list[float]:

@@ -139,8 +139,7 @@ def bits(a):
     return np.asarray(a).view(np.uint16 if np.asarray(a).dtype == ml_dtypes.bfloat16 else np.uint32)
 
 
-# ----------------------------------------------------------------------------
-# Export: transformers computes what we compute
+# ---- Export: transformers computes what we compute
 
 
 EXPORT_CASES = {  # id: (preset, overrides, expected model_type)
@@ -320,8 +319,7 @@ def test_every_layout_exports_with_a_built_in_class_where_one_computes_it_else_r
                      **{(s, k, "MD"): "meshformer" for s in ("sigmoid", "softmax") for k in (1, 2)}}
 
 
-# ----------------------------------------------------------------------------
-# Import: a model that transformers made
+# ---- Import: a model that transformers made
 
 
 HF_KINDS = {  # model_type -> (config class, model class, what the class needs to be ours)
@@ -524,8 +522,7 @@ def test_what_the_issue_found_refused_now_imports_with_its_meaning(tmp_path):
         assert {k: getattr(imported, k) for k in ours} == ours, hf
 
 
-# ----------------------------------------------------------------------------
-# The command line
+# ---- The command line
 
 
 def command_line(tmp_path, preset="tiny"):

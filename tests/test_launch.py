@@ -47,8 +47,7 @@ needs_ssh_and_tmux = pytest.mark.skipif(
     reason="needs openssh-server, openssh-client and tmux (apt-get install openssh-server tmux)")
 
 
-# ----------------------------------------------------------------------------
-# Fixtures: a snapshot of the working tree as a git repo, and an sshd on 127.0.0.1
+# ---- Fixtures: a snapshot of the working tree as a git repo, and an sshd on 127.0.0.1
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +179,7 @@ def wait_for_states(repo, sshd, hosts, name, remote, done, timeout_s=RUN_TIMEOUT
     pytest.fail(f"states after {timeout_s}s: {seen[-1]}")
 
 
-# ----------------------------------------------------------------------------
-# launcher.sh
+# ---- launcher.sh
 
 
 @pytest.mark.slow
@@ -299,8 +297,7 @@ def test_launcher_setup_runs_setup_on_every_host(repo, sshd, tmp_path):
         assert any("done: jax" in line or "nothing to do" in line for line in mine), done.stdout
 
 
-# ----------------------------------------------------------------------------
-# debug_tpu.sh
+# ---- debug_tpu.sh
 
 
 def local_tmux(tmp_path, *args):
@@ -366,8 +363,7 @@ def test_debug_session_runs_run_sh_by_default(repo, sshd, tmp_path):
         local_tmux(local, "kill-server")
 
 
-# ----------------------------------------------------------------------------
-# run.sh, setup_tpu.sh, and the scripts themselves
+# ---- run.sh, setup_tpu.sh, and the scripts themselves
 
 
 def test_run_sh_exports_env_secrets_silently_and_passes_the_process_place(tmp_path):

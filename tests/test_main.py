@@ -43,8 +43,7 @@ def train_losses(run_dir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}, [r["step"] for r in rows if "loss" in r]
 
 
-# ----------------------------------------------------------------------------
-# The command line
+# ---- The command line
 
 
 def test_cli_both_flag_forms_and_bare_boolean():
@@ -100,8 +99,7 @@ def test_missing_data_is_one_line_that_says_what_to_give(tmp_path):
                                                    "('shakespeare',), an existing directory, nor gs://bucket/prefix"]
 
 
-# ----------------------------------------------------------------------------
-# Training, resume, sampling
+# ---- Training, resume, sampling
 
 
 @pytest.mark.slow

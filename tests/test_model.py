@@ -88,8 +88,7 @@ def train_loss(model, tokens_BT1):
     return ce + cfg.aux_loss_weight * aux, (ce, stats_N)
 
 
-# ----------------------------------------------------------------------------
-# Causality
+# ---- Causality
 
 
 def assert_causal_by_perturbation(forward, vocab_size, seq_len, seed=0, batch=2):
@@ -161,8 +160,7 @@ def test_dense_blocks_run_and_are_causal(activation):
     assert_causal_by_perturbation(forward, TINY.vocab_size, TINY.seq_len)
 
 
-# ----------------------------------------------------------------------------
-# RoPE
+# ---- RoPE
 
 
 @functools.partial(jax.jit, static_argnums=4)
@@ -291,8 +289,7 @@ def test_whole_model_is_invariant_to_a_position_offset():
     assert jnp.max(jnp.abs(reversed_BTV[:, -1] - logits_BTV[:, 0])) > 1e-2  # same token, other context
 
 
-# ----------------------------------------------------------------------------
-# Decoding with the latent KV cache
+# ---- Decoding with the latent KV cache
 
 
 # The options of real DeepSeek-family checkpoints (tests/test_model_options.py), all on: an
@@ -365,8 +362,7 @@ def test_decode_with_a_start_per_row_equals_each_row_alone():
         jax.tree.map(lambda got, want: np.testing.assert_allclose(got[:, b:b + 1], want, atol=1e-5), cache, alone[b][1])
 
 
-# ----------------------------------------------------------------------------
-# Gradients and training
+# ---- Gradients and training
 
 
 def test_loss_sum_is_the_cross_entropy_of_the_logits():
@@ -453,8 +449,7 @@ def test_training_lowers_the_loss():
     assert np.mean(losses[-10:]) < 0.1 * losses[0], f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}"
 
 
-# ----------------------------------------------------------------------------
-# MoE: routing, capacity, load balance
+# ---- MoE: routing, capacity, load balance
 
 
 @nnx.jit

@@ -95,8 +95,7 @@ def reference(tmp_path_factory):
     return {"losses": {int(k): v for k, v in saved["losses"].items()}, "rows": saved["rows"]}
 
 
-# ----------------------------------------------------------------------------
-# Two processes started by hand
+# ---- Two processes started by hand
 
 
 def start_processes(tmp_path, tmp_path_factory, extra_flags, n=2, timeout_s=None, ids=None):
@@ -166,8 +165,7 @@ def test_two_processes_train_like_one_process_with_all_devices(two_processes, re
     assert "mesh {" not in two_processes["stdout"][1] and "val_loss" not in two_processes["stdout"][1]
 
 
-# ----------------------------------------------------------------------------
-# A process that dies, hangs, or never comes
+# ---- A process that dies, hangs, or never comes
 
 
 def wait_for_training(metrics, procs, min_step=2, timeout_s=RUN_TIMEOUT_S):

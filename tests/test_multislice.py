@@ -134,8 +134,7 @@ def test_rows_are_slice_major():
         assert indices[device][0] == slice(4 * s + 2 * d, 4 * s + 2 * d + 2)
 
 
-# ----------------------------------------------------------------------------
-# The TPU compiler, 2 slices
+# ---- The TPU compiler, 2 slices
 
 
 def test_tpu_slices_must_match_the_devices():
@@ -173,8 +172,7 @@ def test_two_tpu_slices_compile_and_only_the_gradient_crosses(pod):
     assert math.prod(mesh.devices.shape) == 64
 
 
-# ----------------------------------------------------------------------------
-# launcher.sh: a multi-slice job's environment (over test_launch's loopback sshd)
+# ---- launcher.sh: a multi-slice job's environment (over test_launch's loopback sshd)
 
 
 @needs_ssh_and_tmux

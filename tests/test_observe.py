@@ -61,8 +61,7 @@ def check_drawn_equals_file(drawn, rows, tokens_per_step):
         assert drawn["expert_load.png"][f"block{n}"] == (steps, load_SNE[:, n, :].tolist())
 
 
-# ----------------------------------------------------------------------------
-# Plots from a hand-made metrics.jsonl (fast): exact values, dense blocks, long runs
+# ---- Plots from a hand-made metrics.jsonl (fast): exact values, dense blocks, long runs
 
 
 def write_run(run_dir, steps, n_blocks=3, dense_blocks=(1,), n_experts=4, val_every=10, seed=0):
@@ -146,8 +145,7 @@ def test_plot_command_line(tmp_path):
     assert usage.returncode == 1 and "usage: python utils.py plot RUN_DIR" in usage.stderr
 
 
-# ----------------------------------------------------------------------------
-# metrics.jsonl and the rows sent to wandb
+# ---- metrics.jsonl and the rows sent to wandb
 
 
 def test_metrics_file_survives_a_kill_mid_line_and_truncates_on_resume(tmp_path):
@@ -264,8 +262,7 @@ def test_wandb_online_without_a_key_says_how_to_fix(tmp_path):
     assert "wandb login" in result.stderr and "WANDB_MODE=offline" in result.stderr
 
 
-# ----------------------------------------------------------------------------
-# A real run: tiny preset (2 blocks), wandb offline, resumed once
+# ---- A real run: tiny preset (2 blocks), wandb offline, resumed once
 
 
 @pytest.fixture(scope="module")
@@ -368,8 +365,7 @@ def test_wandb_offline_logs_history_config_samples_and_resumes_the_same_run(resu
         assert (step, prompt) == (8, "ROMEO:") and f.read() == f"--- step 8, prompt 'ROMEO:'\n{text}\n"
 
 
-# ----------------------------------------------------------------------------
-# Progress lines (runtime/progress.py)
+# ---- Progress lines (runtime/progress.py)
 
 
 def test_progress_is_a_plain_line_every_log_every_steps_when_stderr_is_not_a_terminal(tmp_path):

@@ -108,8 +108,7 @@ def reply_ids(text, finish_reason):
     return BYTES.encode(text) + ([IM_END] if finish_reason == "stop" else [])
 
 
-# ----------------------------------------------------------------------------
-# Chat
+# ---- Chat
 
 
 def test_chat_reply_equals_transformers_greedy_of_the_rendered_chat(client, hf_chat_model):
@@ -180,8 +179,7 @@ def test_penalties_and_logit_bias_equal_transformers_with_openai_s_formula(clien
     assert len(set(runs.values())) == 4 and len(set(runs[0.0, 1.5])) > len(set(runs[0.0, 0.0])), runs
 
 
-# ----------------------------------------------------------------------------
-# Completions and streaming, as the SDK's own examples use them
+# ---- Completions and streaming, as the SDK's own examples use them
 
 
 def test_completions_stream_with_and_without_usage(client):
@@ -238,8 +236,7 @@ def test_what_the_server_cannot_do_is_a_bad_request_error_naming_the_field(clien
     assert client.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=3, logprobs=False).usage.completion_tokens <= 3
 
 
-# ----------------------------------------------------------------------------
-# The page offers chat when the model has a template
+# ---- The page offers chat when the model has a template
 
 
 @pytest.mark.slow

@@ -256,8 +256,7 @@ def test_reference_step_changes_params(reference):
     assert abs(metrics["loss"] - np.log(256)) < 1.0
 
 
-# ----------------------------------------------------------------------------
-# bfloat16: not bit-equal across meshes, but no further from float32 than one device
+# ---- bfloat16: not bit-equal across meshes, but no further from float32 than one device
 #
 # A mesh rounds at other places than one device (a tp psum adds partial outputs each
 # rounded to bf16), so in bfloat16 nothing is equal, and a mesh's loss or gradients
@@ -353,8 +352,7 @@ def test_bfloat16_moe_steps_stay_within_a_bound_of_one_device(mesh_shape):
     assert_tree_close(params, ref_params, BF16_MOE_PARAMS_RTOL)
 
 
-# ----------------------------------------------------------------------------
-# Evaluation is dropless (what sampling computes)
+# ---- Evaluation is dropless (what sampling computes)
 
 
 def plain_cross_entropy(graphdef_cfg, host_params, tokens_BT1):
@@ -396,8 +394,7 @@ def test_init_is_mesh_invariant():
     assert not np.array_equal(jax.device_get(other_seed)["embed_VD"], jax.device_get(single)["embed_VD"])
 
 
-# ----------------------------------------------------------------------------
-# The pipelined, sharded loss against a plain sequential forward
+# ---- The pipelined, sharded loss against a plain sequential forward
 
 
 def plain_loss(model, tokens_BT1, cfg):
@@ -434,8 +431,7 @@ def test_pipeline_equals_sequential_forward_and_gradient(mesh_shape):
     assert all(np.abs(g).sum(axis=tuple(range(1, g.ndim))).min() > 0 for g in jax.tree.leaves(jax.device_get(grads)["blocks"]))
 
 
-# ----------------------------------------------------------------------------
-# Memory: FSDP x pp x tp really divides the state
+# ---- Memory: FSDP x pp x tp really divides the state
 
 
 def test_state_bytes_per_device_fall_as_one_over_devices():
@@ -451,8 +447,7 @@ def test_state_bytes_per_device_fall_as_one_over_devices():
     assert held >= total / 8  # and nothing is missing
 
 
-# ----------------------------------------------------------------------------
-# Bad config/mesh combinations fail before compiling, saying what to change
+# ---- Bad config/mesh combinations fail before compiling, saying what to change
 
 
 @pytest.mark.parametrize("mesh_shape, model, train, expert_parallel, message", [

@@ -99,8 +99,7 @@ def test_grid_shows_the_table():
     assert "F7b" in pl.grid(pl.schedule("interleaved", 4, 8, 2))
 
 
-# ----------------------------------------------------------------------------
-# Every schedule equals one device
+# ---- Every schedule equals one device
 
 
 def schedule_config(mesh_shape, kind, M, V=2, **model):
@@ -196,8 +195,7 @@ def test_dense_model_under_1f1b():
     assert_params_close(params, ref_params)
 
 
-# ----------------------------------------------------------------------------
-# Bad schedules fail before compiling
+# ---- Bad schedules fail before compiling
 
 
 @pytest.mark.parametrize("mesh_shape, train, message", [
@@ -218,8 +216,7 @@ def test_unknown_schedule_is_a_config_error():
         parse_args(["--preset", "tiny", "--train.virtual_stages", "0"])
 
 
-# ----------------------------------------------------------------------------
-# The embedding on stage 0 only, the head on the last stage only
+# ---- The embedding on stage 0 only, the head on the last stage only
 
 
 def vocab_ops(jaxpr, vocab_shape, inside_cond=False):
@@ -249,8 +246,7 @@ def test_embedding_and_head_only_run_inside_their_stage_cond(kind):
     assert all(inside for _, inside in ops), ops
 
 
-# ----------------------------------------------------------------------------
-# Memory: 1f1b keeps fewer activations than gpipe, and the planner knows by how much
+# ---- Memory: 1f1b keeps fewer activations than gpipe, and the planner knows by how much
 
 
 @pytest.mark.slow

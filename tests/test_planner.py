@@ -85,8 +85,7 @@ def compiled_temp_bytes(cfg):
     return compiled_step(cfg).memory_analysis().temp_size_in_bytes
 
 
-# ----------------------------------------------------------------------------
-# Params + optimizer state: exact
+# ---- Params + optimizer state: exact
 
 
 @pytest.mark.parametrize("preset, mesh_shape, expert_parallel", [
@@ -115,8 +114,7 @@ def assert_storage_bytes_exact(cfg):
     return plan
 
 
-# ----------------------------------------------------------------------------
-# Temporaries: within 15% of the compiled step
+# ---- Temporaries: within 15% of the compiled step
 #
 # Measured on this machine, planner / memory_analysis temp bytes (model.py and
 # parallel/mesh.py as of the FSDP-gather fix in apply_blocks; all 33 within 15%):
@@ -177,8 +175,7 @@ def test_temporaries_match_compiled_step(preset, mesh_shape, remat):
     assert abs(planned / measured - 1) <= TEMP_TOLERANCE, f"planner {planned:,} vs compiled {measured:,} ({planned / measured:.3f})"
 
 
-# ----------------------------------------------------------------------------
-# Step time and the command line (no compiling)
+# ---- Step time and the command line (no compiling)
 
 
 def run_cli(*argv):
@@ -323,7 +320,7 @@ def test_predicted_step_leaves_exposed_what_the_schedule_cannot_hide():
 
 
 def test_the_planner_asks_the_steps_gather_once_rule(monkeypatch):
-    """The planner's gather-once answer is step/rules.gathers_once's: with the step's
+    """The planner's gather-once answer is parallel/rules.gathers_once's: with the step's
     share of memory at 0, auto gathers per microbatch (the plan of
     --train.gather_once false, byte for byte); back at GATHER_ONCE_SHARE, once."""
     plans = {g: costs.plan(parse_args(ACCUMULATE_BASE + ["--train.gather_once", g]), 0, "tpu-v4") for g in ("false", "auto")}
@@ -334,7 +331,7 @@ def test_the_planner_asks_the_steps_gather_once_rule(monkeypatch):
 
 
 def test_the_planner_asks_the_steps_executor_rule(monkeypatch):
-    """The planner's executor is step/rules.executor_name's: told that pp = 1 with 4
+    """The planner's executor is parallel/rules.executor_name's: told that pp = 1 with 4
     microbatches runs GPipe rather than accumulation, the planner keeps every tick's
     block inputs (4 ticks, not 1), no float32 embedding-gradient sum, and never
     gathers once (an accumulation option)."""
@@ -406,8 +403,7 @@ def test_search_ranks_layouts_that_fit_and_finds_one_faster_than_moe1b_on_32_v4(
     assert preset / best >= 1.3
 
 
-# ----------------------------------------------------------------------------
-# Context parallelism (--mesh.cp, ops/context_parallel.py)
+# ---- Context parallelism (--mesh.cp, ops/context_parallel.py)
 #
 # A deepseek_v3-shaped model (MLA, DM blocks, one MTP module) narrowed, at T = 256 with
 # routing groups of 16 (a group must divide a chunk, T / 2cp = 16 at cp 8), float32 on

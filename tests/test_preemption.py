@@ -65,8 +65,7 @@ def assert_goodput_adds_up(rows, measured_s):
     return end["goodput"]
 
 
-# ----------------------------------------------------------------------------
-# In process: goodput arithmetic, the plot, a checkpoint cut short
+# ---- In process: goodput arithmetic, the plot, a checkpoint cut short
 
 
 def test_phases_add_up_and_a_resume_counts_the_steps_redone_and_the_time_down():
@@ -177,8 +176,7 @@ def test_a_checkpoint_cut_short_is_skipped_with_a_line_naming_it(tmp_path, how):
         time.sleep(0.1)
 
 
-# ----------------------------------------------------------------------------
-# 2 processes, JAX's preemption service off: the flag all-gathered each step
+# ---- 2 processes, JAX's preemption service off: the flag all-gathered each step
 
 SHOULD_STOP_WORKER = """
 import json, os, signal, sys
@@ -215,8 +213,7 @@ def test_without_jax_preemption_service_a_flag_in_one_process_stops_both_at_the_
                     [True, False, False, "SIGTERM", True, why.format(", here SIGTERM")]], said
 
 
-# ----------------------------------------------------------------------------
-# 2 processes x 4 devices: SIGTERM to one
+# ---- 2 processes x 4 devices: SIGTERM to one
 
 
 @pytest.fixture(scope="module")
@@ -277,8 +274,7 @@ def test_sigterm_to_one_process_saves_everywhere_at_one_step_and_resumes_bit_for
     assert goodput_line(out)[0] <= ended - started
 
 
-# ----------------------------------------------------------------------------
-# launcher.sh --watch over the loopback sshd
+# ---- launcher.sh --watch over the loopback sshd
 
 
 def host_python(runs, process):

@@ -63,8 +63,7 @@ def test_a_negative_tau_is_a_one_line_error():
         validate_model(apply_overrides(tiny_config(), {"train": {"qk_clip": -1.0}}))
 
 
-# ----------------------------------------------------------------------------
-# The clipped step on meshes
+# ---- The clipped step on meshes
 
 
 def clip_config(mesh_shape=(1, 1, 1), cp=1, tau=0.0):

@@ -116,8 +116,7 @@ def test_quant_on_cpu_runs_and_says_so():
     assert quant.check_chip("int8", cpu).startswith("note: --model.quant int8 on CPU")
 
 
-# ----------------------------------------------------------------------------
-# Mesh invariance: one quantized product, then whole steps
+# ---- Mesh invariance: one quantized product, then whole steps
 
 
 def sharded_project(mesh_axis, split):

@@ -36,8 +36,7 @@ from test_model import tiny
 from test_parallel import assert_same_step, mesh_for, tiny_config, token_batch
 from utils import ConfigError, config_to_dict, parse_args
 
-# ----------------------------------------------------------------------------
-# The bias update and what the bias does to routing
+# ---- The bias update and what the bias does to routing
 
 
 def test_bias_update_equals_the_formula_by_hand():
@@ -107,8 +106,7 @@ def test_bias_balancing_brings_a_skewed_router_to_uniform_load():
     assert bool(jnp.all(bias_E[:2] < 0)) and bool(jnp.all(bias_E[2:] > bias_E[:2].max()))
 
 
-# ----------------------------------------------------------------------------
-# Group-limited routing
+# ---- Group-limited routing
 
 
 def reference_group_routing(scores_SE, bias_E, n_groups, topk_groups, top_k):
@@ -213,8 +211,7 @@ def test_bad_routing_flags_get_a_clear_error(flags, message):
         parse_args(["--preset", "tiny", *flags])
 
 
-# ----------------------------------------------------------------------------
-# Mesh invariance, checkpoints
+# ---- Mesh invariance, checkpoints
 
 DEEPSEEK_V3 = dict(router_score="sigmoid", router_bias_rate=0.001, seq_aux_loss_weight=0.01, n_groups=4, topk_groups=2,
                    routed_scale=2.5, routing_group=8, aux_loss_weight=0.001, mtp_depth=2, mtp_loss_weight=0.3)
@@ -305,8 +302,7 @@ def test_bias_checkpoint_restores_onto_another_mesh(tmp_path, deepseek_start):
         checkpoint.check_model_config(config_to_dict(cfg)["model"], dataclasses.replace(other.model, router_bias_rate=0.0), "here")
 
 
-# ----------------------------------------------------------------------------
-# main.py as a user runs it (slow): the command, kill -9 + resume
+# ---- main.py as a user runs it (slow): the command, kill -9 + resume
 
 BIAS_RUN = ["--model.router_score", "sigmoid", "--model.router_bias_rate", "0.001", "--model.aux_loss_weight", "0",
             "--train.steps", "60", "--train.checkpoint_every", "20", "--train.eval_every", "1000"]
@@ -354,8 +350,7 @@ def test_bias_run_balances_the_load_and_resumes_the_bias_exactly_after_kill_9(tm
         assert (resumed[s]["loss"], resumed[s]["router_bias"]) == (straight[s]["loss"], straight[s]["router_bias"]), s
 
 
-# ----------------------------------------------------------------------------
-# Multi-token prediction
+# ---- Multi-token prediction
 
 
 def reference_mtp_loss(model, tokens_BT1):

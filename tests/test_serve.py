@@ -143,8 +143,7 @@ def streamed_text(events, index=0):
     return "".join(c["text"] for e in events for c in e["choices"] if c["index"] == index)
 
 
-# ----------------------------------------------------------------------------
-# Completions equal the sampler's; logprobs equal the model's forward
+# ---- Completions equal the sampler's; logprobs equal the model's forward
 
 
 def sample_cli(loaded, prompt, max_tokens, temperature, top_k=40, seed=0):
@@ -280,8 +279,7 @@ def test_streaming_sends_the_same_text_and_logprobs_as_one_response(server):
     assert streamed_text(events) == plain and len([e for e in events if e["choices"] and e["choices"][0]["text"]]) > 10
 
 
-# ----------------------------------------------------------------------------
-# Bad input
+# ---- Bad input
 
 
 BAD = {
@@ -541,8 +539,7 @@ def test_a_port_in_use_is_a_one_line_error_before_loading(server, run):
         f"error: cannot listen on 127.0.0.1:{port} (Address already in use): choose another --serve.port or --serve.host")
 
 
-# ----------------------------------------------------------------------------
-# A person at the page, in a real browser
+# ---- A person at the page, in a real browser
 
 
 @pytest.mark.slow

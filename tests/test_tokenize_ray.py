@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_data import write_rank_file
 from test_launch import launcher, needs_ssh_and_tmux, repo, sshd, states  # noqa: F401  (fixtures)
 
@@ -32,7 +31,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import dataset  # noqa: E402
-from data import gcs_emulator, tokenize_ray  # noqa: E402
+from data import (  # noqa: E402
+    gcs_emulator,
+    gcs_shards,  # noqa: E402
+    tokenize_ray,
+)
 from data import tokenize as tokenize_script  # noqa: E402
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -46,8 +49,7 @@ RUN_TIMEOUT_S = 240
 CLONE_NEWNET = 0x40000000  # <sched.h>
 
 
-# -----------------------------------------------------------------------------
-# A network namespace, a Ray cluster in it, a corpus, and the process pool's shards
+# ---- A network namespace, a Ray cluster in it, a corpus, and the process pool's shards
 
 @pytest.fixture(scope="module")
 def private_network():
@@ -229,8 +231,7 @@ def shard_digests(folder: Path) -> dict:
             for shards in manifest["splits"].values() for e in shards}
 
 
-# -----------------------------------------------------------------------------
-# Planning shards from document lengths alone (no cluster)
+# ---- Planning shards from document lengths alone (no cluster)
 
 def fresh_progress() -> dict:
     return {"settings": {}, "split": "val", "next_doc": 0, "next_offset": 0,
@@ -302,8 +303,7 @@ def test_shard_plans_cut_where_the_pool_cuts_whatever_the_batching(tmp_path, exa
     assert records(rest) == records(whole[k + 1:]) and rest[-1].end == whole[-1].end
 
 
-# -----------------------------------------------------------------------------
-# On the cluster
+# ---- On the cluster
 
 @pytest.mark.slow  # (the cluster takes ~25 s to start: the fast selection keeps the one-line errors)
 def test_the_cluster_is_two_nodes_listening_on_loopback_only(cluster):
@@ -349,7 +349,7 @@ def emulator(private_network):
 
 
 def gcs_files(prefix: str) -> dict[str, bytes]:
-    blobs = dataset.gcs_client().list_blobs(BUCKET, prefix=f"{prefix}/")
+    blobs = gcs_shards.gcs_client().list_blobs(BUCKET, prefix=f"{prefix}/")
     return {blob.name.removeprefix(f"{prefix}/"): blob.download_as_bytes() for blob in blobs}
 
 
@@ -371,7 +371,7 @@ def test_ray_shards_from_parquet_to_gcs_equal_the_process_pool(cluster, corpus, 
 
     # Progress lost (say the bucket was copied without it): the rerun encodes everything
     # again but uploads no shard that is already there, complete.
-    bucket = dataset.gcs_client().bucket(BUCKET)
+    bucket = gcs_shards.gcs_client().bucket(BUCKET)
     generations = {blob.name: blob.generation for blob in bucket.list_blobs(prefix="parquet/")}
     for name in ("manifest.json", "progress.json"):
         bucket.blob(f"parquet/{name}").delete()
@@ -383,8 +383,7 @@ def test_ray_shards_from_parquet_to_gcs_equal_the_process_pool(cluster, corpus, 
     assert now["parquet/manifest.json"] != generations["parquet/manifest.json"]
 
 
-# -----------------------------------------------------------------------------
-# Bad input: one line each
+# ---- Bad input: one line each
 
 def test_unreachable_ray_address_is_one_line(corpus, tmp_path, private_network):
     port = gcs_emulator.free_port()
@@ -417,8 +416,7 @@ def test_a_dataset_that_cannot_be_loaded_is_one_line(corpus, tmp_path, private_n
     assert not (tmp_path / "out").exists()
 
 
-# -----------------------------------------------------------------------------
-# Faults: a killed driver, a killed worker node
+# ---- Faults: a killed driver, a killed worker node
 
 def train_shards_done(out: Path) -> int:
     try:
@@ -473,8 +471,7 @@ def test_killed_worker_node_loses_no_shard(cluster, corpus, pool_out, tmp_path):
             cluster.kill(extra)
 
 
-# -----------------------------------------------------------------------------
-# launcher.sh --ray-start / --ray-stop, over ssh to this machine (inside the namespace)
+# ---- launcher.sh --ray-start / --ray-stop, over ssh to this machine (inside the namespace)
 
 @pytest.fixture(scope="module")
 def loopback_sshd(private_network, request):
@@ -517,8 +514,7 @@ def test_launcher_starts_a_ray_cluster_that_tokenizes_like_the_pool(repo, loopba
     assert not left, f"Ray processes outlived --ray-stop: {left}"
 
 
-# -----------------------------------------------------------------------------
-# Training reads the Ray-made shards as it reads the pool's
+# ---- Training reads the Ray-made shards as it reads the pool's
 
 TRAIN_FLAGS = ["--preset", "tiny", "--model.n_blocks", "2", "--train.steps", "3", "--train.batch_size", "8",
                "--train.eval_every", "3", "--train.checkpoint_every", "1000", "--log.progress", "false",

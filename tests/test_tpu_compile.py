@@ -56,8 +56,7 @@ def test_loading_the_tpu_compiler_leaves_the_environment_of_later_processes_alon
     assert {k: v for k, v in os.environ.items() if k.startswith("TPU_")} == {k: v for k, v in before.items() if k.startswith("TPU_")}
 
 
-# ----------------------------------------------------------------------------
-# The mesh and each process's rows
+# ---- The mesh and each process's rows
 
 
 def test_jax_make_mesh_cannot_map_the_reference_mesh(devices_of):
@@ -93,8 +92,7 @@ def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
         assert list(process_rows(mesh, batch, process)) == expected
 
 
-# ----------------------------------------------------------------------------
-# Compiled steps: collectives, fits, the planner's bytes
+# ---- Compiled steps: collectives, fits, the planner's bytes
 #
 # moe1b scaled down keeps its structure (MLA with 64-wide heads, DDDDDM blocks with 2
 # shared + top-2 of 8 routed experts, bfloat16, remat block, 4 microbatches).
@@ -392,8 +390,7 @@ def test_planner_tpu_prints_the_compiler_beside_the_planner(preset):
     assert "the compiled train step's schedule (per step, per device)" in text
 
 
-# ----------------------------------------------------------------------------
-# What the compiled schedule overlaps (hlo_reader.overlap) and the dot FLOPs it runs
+# ---- What the compiled schedule overlaps (hlo_reader.overlap) and the dot FLOPs it runs
 
 
 def compile_ppermute_beside_a_matmul(independent):
@@ -684,8 +681,7 @@ def test_overlap_parser_on_a_scheduled_loop(matmul_between):
     assert hlo_reader.dot_flops(hlo) == 3 * 2 * 64 * 256 * 128
 
 
-# ----------------------------------------------------------------------------
-# The planner's time model against the compiled step: the dot FLOPs each device runs
+# ---- The planner's time model against the compiled step: the dot FLOPs each device runs
 # (hlo_reader.dot_flops: loops by their trips, a cond at its costliest branch) and the
 # bytes of its collectives (busiest_collective_bytes), per step.
 #
@@ -774,8 +770,7 @@ def test_tpu_search_compiles_the_top_layout_and_prints_the_compilers_figures_bes
     assert last and last.group(1) == first
 
 
-# ----------------------------------------------------------------------------
-# Context parallelism at a long sequence: moe1b's structure at 32K tokens, cp 8
+# ---- Context parallelism at a long sequence: moe1b's structure at 32K tokens, cp 8
 #
 # Each sequence of 32,768 tokens in 16 chunks of 2,048, each of the 8 cp ranks holding 2;
 # routing groups of 1,024 tokens (within a chunk), blockwise attention (matmul attention
@@ -822,8 +817,7 @@ def test_cp8_at_32k_tokens_gathers_the_latent_over_cp_fits_and_the_planner_is_wi
     assert table[("reduce-scatter", "bf16", "cp")]["bytes"] == planned["reduce-scatter over cp"]
 
 
-# ----------------------------------------------------------------------------
-# The Pallas kernels in the TPU compiler's program: compiled for a TPU slice from this
+# ---- The Pallas kernels in the TPU compiler's program: compiled for a TPU slice from this
 # CPU host they are Mosaic custom calls, not interpret mode's loops.
 
 

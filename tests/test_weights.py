@@ -66,12 +66,12 @@ def test_every_row_fits_its_weights_shape(preset_params):
 
 
 def test_readme_holds_the_table():
-    """The README's sharding table is markdown_table() (`python parallel/weights.py`
+    """The README's sharding table is markdown_table() (`python -m parallel.weights`
     prints it), so it cannot drift from the table the code reads. (It may move to docs/.)"""
     table = "\n\n" + markdown_table() + "\n"  # the whole table: a blank line before and after
     places = [p for p in [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
               if table in open(p).read()]
-    assert len(places) == 1, f"README.md (or one docs/*.md) should hold `python parallel/weights.py`'s table, exactly; found in {places}"
+    assert len(places) == 1, f"README.md (or one docs/*.md) should hold `python -m parallel.weights`'s table, exactly; found in {places}"
 
 
 def test_a_weight_with_no_row_is_an_error_naming_weights_py():
