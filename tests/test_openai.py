@@ -4,8 +4,10 @@ and logit_bias, and every refusal as the SDK's BadRequestError.
 
 One server for the module: a small random DeepseekV3 made and saved by transformers
 (test_hf.hf_made_model), given a byte-level tokenizer with two chat tokens and a ChatML
-template in its tokenizer_config.json, imported with --train.init_from hf:DIR. Its
-replies are compared with transformers' greedy decoding of the same rendered chat.
+template in its tokenizer_config.json, imported with --train.init_from hf:DIR. As Llama
+3 Instruct's, its tokenizer's eos is end-of-text and generation_config.json adds the end
+of turn. Its replies are compared with transformers' greedy decoding of the same
+rendered chat. A multi-line template is compared with apply_chat_template without a server.
 """
 
 import json
@@ -24,31 +26,64 @@ transformers = pytest.importorskip("transformers")
 
 from dataset import get_tokenizer  # noqa: E402
 from hf import tokenizer as hf_tokenizer  # noqa: E402
+from serving.chat import load_chat_template  # noqa: E402
 from test_hf import hf_made_model  # noqa: E402
 from test_serve import REPO, free_port  # noqa: E402
 
 BYTES = get_tokenizer("bytes")
 IM_START, IM_END = 257, 258  # the chat tokens, after the bytes and <|endoftext|> (256); the model's vocabulary is 300
+CHATML_TOKENS = {IM_START: "<|im_start|>", IM_END: "<|im_end|>"}
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DEEPSEEK_V3_TOKENS = {257: "<｜begin▁of▁sentence｜>", 258: "<｜end▁of▁sentence｜>", 259: "<｜User｜>", 260: "<｜Assistant｜>"}
+# DeepSeek-V3's template laid out as multi-line templates are: most lines a block tag, indented
+# (transformers' trim_blocks and lstrip_blocks drop the newline after it and the indent before it).
+DEEPSEEK_V3 = """\
+{% if not add_generation_prompt is defined %}
+    {% set add_generation_prompt = false %}
+{% endif %}
+{% set ns = namespace(system_prompt='', is_first_sp=true) %}
+{% for message in messages %}
+    {% if message['role'] == 'system' %}
+        {% if ns.is_first_sp %}
+            {% set ns.system_prompt = message['content'] %}
+            {% set ns.is_first_sp = false %}
+        {% else %}
+            {% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}
+        {% endif %}
+    {% endif %}
+{% endfor %}
+{{ bos_token }}{{ ns.system_prompt }}
+{%- for message in messages %}
+    {% if message['role'] == 'user' %}
+        {{- '<｜User｜>' + message['content'] -}}
+    {% elif message['role'] == 'assistant' %}
+        {{- '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' -}}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+    {{- '<｜Assistant｜>' -}}
+{% endif %}
+"""
 WINDOW = 64  # the model's max_position_embeddings, and --model.seq_len: no window restart in a reply
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]  # 41 tokens: 20 more fit
 ASCII_ONLY = {t: -100.0 for t in range(128, 300) if t != IM_END}  # replies whose text is their tokens exactly
 
 
-def write_chat_tokenizer(path):
-    """tokenizer.json (our byte-level BPE plus <|im_start|> and <|im_end|>),
-    tokenizer_config.json with the template, generation_config.json ending at <|im_end|>."""
+def write_chat_tokenizer(path, template=CHATML, tokens=CHATML_TOKENS, ends=(BYTES.eot_id, IM_END), **special):
+    """tokenizer.json (our byte-level BPE plus the chat `tokens` {id: text}),
+    tokenizer_config.json with the template and the `special` tokens (default: eos
+    <|endoftext|>), generation_config.json whose eos_token_id lists the ids that end a turn."""
     tok = hf_tokenizer.tokenizer_json(BYTES)
     tok["added_tokens"] += [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": True} for i, s in ((IM_START, "<|im_start|>"), (IM_END, "<|im_end|>"))]
+                             "normalized": False, "special": True} for i, s in tokens.items()]
     with open(os.path.join(path, "tokenizer.json"), "w") as f:
         json.dump(tok, f)
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                   "model_max_length": WINDOW, "chat_template": CHATML}, f)
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+                   "model_max_length": WINDOW, "chat_template": template, **special}, f)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": IM_END, "pad_token_id": 256}, f)
+        json.dump({"eos_token_id": list(ends), "pad_token_id": BYTES.eot_id}, f)
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +182,35 @@ def test_chat_reply_equals_transformers_greedy_of_the_rendered_chat(client, hf_c
     assert plain.finish_reason == ("stop" if theirs[-1] == IM_END else "length")
 
 
+def test_the_chat_ends_at_the_turn_end_that_only_generation_config_names(client, hf_chat_model):
+    """The tokenizer's eos is <|endoftext|>; <|im_end|> ends a turn because
+    generation_config.json's eos_token_id lists it: a reply made to start with it
+    (logit_bias) is empty and stops there, streamed or not."""
+    assert hf_chat_model[2].eos_token_id == BYTES.eot_id != IM_END
+    forced = dict(model="chatty", messages=MESSAGES, temperature=0, max_tokens=5, logit_bias={str(IM_END): 100})
+    reply = client.chat.completions.create(**forced)
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage.completion_tokens) == ("", "stop", 1)
+    chunks = list(client.chat.completions.create(**forced, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks] == [None, "stop"]
+
+
+def test_a_multi_line_indented_template_renders_as_apply_chat_template(tmp_path):
+    """DeepSeek-V3's template over indented lines: the rendered chat and its tokens are
+    apply_chat_template's, which is DeepSeek-V3's prompt (no newline or indent of the
+    template's layout left in it)."""
+    write_chat_tokenizer(tmp_path, DEEPSEEK_V3, DEEPSEEK_V3_TOKENS, ends=[258], bos_token=DEEPSEEK_V3_TOKENS[257],
+                         eos_token=DEEPSEEK_V3_TOKENS[258])
+    tok, chat = transformers.AutoTokenizer.from_pretrained(tmp_path), load_chat_template(str(tmp_path), None, BYTES)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi!"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
+    theirs = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert theirs == ("<｜begin▁of▁sentence｜>Be brief.\n\nBe kind.<｜User｜>Hi!<｜Assistant｜>Hello.<｜end▁of▁sentence｜>"
+                      "<｜User｜>Bye?<｜Assistant｜>")
+    assert chat.render(messages) == theirs
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert chat.encode(chat.pieces(theirs), BYTES) == ids and ids.count(259) == 2  # <｜User｜> as its id
+
+
 class OpenAIPenalties(transformers.LogitsProcessor):
     """OpenAI's documented penalties, in transformers' decoding loop: token j's logit minus
     frequency x c[j] minus presence x (c[j] > 0), c counting the generated tokens."""
@@ -195,6 +259,29 @@ def test_completions_stream_with_and_without_usage(client):
                                             stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     assert all(c.choices and c.usage is None for c in chunks[:-1]) and "".join(c.choices[0].text for c in chunks[:-1]) == text
+
+
+def streamed_events(url, path, body):
+    """The `data:` events of a streamed request as the server wrote them, parsed (an absent
+    field and a null one differ here, not in the SDK's objects), up to [DONE]."""
+    request = urllib.request.Request(url + path, json.dumps(dict(body, stream=True)).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as r:
+        data = [line[len(b"data: "):].strip() for line in r if line.startswith(b"data: ")]
+    assert data[-1] == b"[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_every_chunk_before_the_usage_says_usage_null(server, client):
+    """stream_options.include_usage, as OpenAI documents it, in the server's raw JSON:
+    every chunk but the last carries "usage": null; the last has no choices and the usage
+    of the same request unstreamed. Completions and chat alike."""
+    whole = {"/v1/completions": client.completions.create(model="chatty", prompt="KING", max_tokens=20, temperature=0),
+             "/v1/chat/completions": client.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=20, temperature=0)}
+    bodies = {"/v1/completions": dict(prompt="KING"), "/v1/chat/completions": dict(messages=MESSAGES)}
+    for path, body in bodies.items():
+        events = streamed_events(server, path, dict(body, max_tokens=20, temperature=0, stream_options={"include_usage": True}))
+        assert len(events) > 3 and all(e["choices"] and "usage" in e and e["usage"] is None for e in events[:-1]), (path, events)
+        assert events[-1]["choices"] == [] and events[-1]["usage"] == whole[path].usage.model_dump(exclude_none=True), path
 
 
 REFUSED = {  # what the SDK is asked -> the words its BadRequestError carries
