@@ -119,6 +119,28 @@ def test_two_processes_read_the_mixture_one_process_reads(embedded_cache, tmp_pa
         assert f"rows_loaded={MIX_STEPS * MIX_BATCH // 2}" in outputs[i], outputs[i]  # each process read half the rows
 
 
+@pytest.mark.slow
+def test_a_mixture_run_resumed_at_step_13_repeats_its_losses_and_tokens(embedded_cache, tmp_path):
+    """Trained to step 20 with a checkpoint at 13, then again from 13 (--train.resume_step): steps 14..20 give the same
+    losses, tokens per source and per-source val losses, bit for bit."""
+    cmd = [sys.executable, "main.py", "--preset", "tiny", "--data.mixture", MIX, "--data.cache_dir", str(embedded_cache),
+           "--train.steps", "20", "--train.checkpoint_every", "13", "--train.eval_every", "10", "--train.eval_batches", "1",
+           "--log.every", "1", "--sample.num_samples", "0", "--log.plots", "false", "--log.progress", "false",
+           "--run.out_dir", str(tmp_path), "--run.name", "mix"]
+    metrics = tmp_path / "mix" / "metrics.jsonl"
+
+    def run_rows(*extra):
+        done = subprocess.run(cmd + list(extra), cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return [{k: v for k, v in row.items() if k in ("step", "loss", "val_loss") or "/" in k}
+                for row in map(json.loads, metrics.read_text().splitlines()) if "loss" in row or "val_loss" in row]
+
+    straight = run_rows()
+    resumed = run_rows("--train.resume_step", "13")
+    assert [r for r in straight if r["step"] > 13] == [r for r in resumed if r["step"] > 13]
+    assert {"tokens/shakespeare", "tokens/code"} <= set(resumed[-2]) and "val_loss/code" in resumed[-1]
+
+
 # ---- Tokens per source follow the weights, and the stages
 
 
