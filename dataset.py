@@ -7,6 +7,7 @@ mesh or the process, so the state to resume is just `step`. The eval set is fixe
 import collections
 import fcntl
 import functools
+import importlib
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from typing import Iterator
 
 import numpy as np
 
-from data import shakespeare  # the only embedded source so far
+from data import shakespeare  # the default; data/python_code.py (`code`) is imported when asked for
 
 # data/shards.py sits below this module and data/; its names are offered here, the one place to import data things from.
 from data.shards import (  # noqa: F401
@@ -41,7 +42,7 @@ from utils import apply_overrides
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_SOURCES = ("shakespeare",)
+EMBEDDED_SOURCES = ("shakespeare", "code")
 
 MAX_OPEN_SHARDS = 8  # memory maps kept open per TokenData: closing older ones lets evicted cache files leave the disk
 
@@ -228,7 +229,7 @@ def _check_rows(rows: range | None, batch_size: int) -> range:
 # ---- Entry points for main.py
 
 def open_data(source: str, cache_dir: str, cache_max_gb: float = 20.0, process_index: int = 0) -> TokenData:
-    """source: an embedded name ("shakespeare"), a local data directory, or gs://bucket/prefix. cache_dir holds prepared
+    """source: an embedded name ("shakespeare", "code"), a local data directory, or gs://bucket/prefix. cache_dir holds prepared
     embedded data and the gs:// shard cache (at most cache_max_gb); process_index only keeps one-off messages from repeating."""
     if source in EMBEDDED_SOURCES:
         source = prepare_embedded(source, cache_dir, process_index)
@@ -265,7 +266,7 @@ def prepare_embedded(name: str, cache_dir: str, process_index: int = 0) -> str:
             if folder.startswith(f"{name}.tmp"):
                 shutil.rmtree(os.path.join(cache_dir, folder))
         tmp = tempfile.mkdtemp(prefix=f"{name}.tmp", dir=cache_dir)
-        counts = shakespeare.prepare(tmp)
+        counts = (shakespeare if name == "shakespeare" else importlib.import_module("data.python_code")).prepare(tmp)
         os.rename(tmp, out)
         if process_index == 0:
             print(f"prepared {name} into {out}: {counts} tokens")

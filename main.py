@@ -15,6 +15,7 @@ serving/ and are imported only when asked for. Nothing imports this file.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -115,7 +116,11 @@ def train(cfg):
     os.makedirs(run_dir, exist_ok=True)
     with Preemption() as preemption:
         mesh = make_mesh(cfg.mesh)
-        data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
+        if cfg.data.mixture:
+            from data.mixture import open_mixture  # (only a mixture imports the mixing)
+            data = open_mixture(cfg, jax.process_index())
+        else:
+            data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
         cfg = resolve_vocab(cfg, data)
         check_config_fits_mesh(cfg, mesh)
         if cfg.model.quant != "none" and (note := quant_note(cfg, mesh)):
@@ -129,7 +134,7 @@ def train(cfg):
             train_step = compile_train_step(cfg, mesh, graphdef, optimizer, state, first_batch)
         eval_step = steps.make_eval_step(graphdef, cfg, mesh, state.params)
         align_processes("compiled", cfg.dist.timeout_s)  # the first step sets up its collectives
-        run.reporter = Reporter(cfg, log, make_progress(cfg, state.step), manager, mesh)
+        run.reporter = Reporter(cfg, log, make_progress(cfg, state.step), manager, mesh, data)
         start_step = state.step
         stopped = train_loop(run, state, train_step, eval_step, first_batch)
         run.reporter.progress.close()
@@ -255,10 +260,11 @@ def train_loop(run, state, train_step, eval_step, first_batch):
         if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
             reporter.flush()
             with clock.phase("eval"):
-                val = steps.evaluate(eval_step, state.params, run.data, cfg, run.mesh, run.rows)
-            reporter.log.write(dict(step=done, val_loss=val))
+                evaluate = functools.partial(steps.evaluate, eval_step, state.params, cfg=cfg, mesh=run.mesh, rows=run.rows)
+                vals = run.data.evaluate(evaluate) if cfg.data.mixture else {"val_loss": evaluate(run.data)}
+            reporter.log.write(dict(step=done, **vals))
             if is_main_process():
-                reporter.progress.write(f"step {done}: val_loss {val:.4f}")
+                reporter.progress.write(f"step {done}: val_loss {vals['val_loss']:.4f}")
             reporter.restart_clock()
         if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or stop:
             reporter.flush()
@@ -317,8 +323,8 @@ class Reporter:
     """Reads finished steps' metrics on the host: progress bar, metrics.jsonl, wandb;
     stops the run loudly on a non-finite loss."""
 
-    def __init__(self, cfg, log, progress, manager, mesh):
-        self.cfg, self.log, self.progress, self.manager = cfg, log, progress, manager
+    def __init__(self, cfg, log, progress, manager, mesh, data):
+        self.cfg, self.log, self.progress, self.manager, self.data = cfg, log, progress, manager, data
         self.schedule = lr_schedule(cfg.train)
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
         self.flops_per_step = flops.flops_per_token(cfg.model) * self.tokens_per_step
@@ -375,6 +381,7 @@ class Reporter:
             if "router_bias_NLE" in metrics:  # [MoE layer (block-major), expert]
                 bias_NLE = np.asarray(metrics["router_bias_NLE"])
                 row["router_bias"] = bias_NLE.reshape(-1, bias_NLE.shape[-1]).round(6)
+            row.update(self.data.train_row(step) if self.cfg.data.mixture else {})  # tokens/<name>: data/mixture.py
             row["time"] = round(time.time(), 3)  # wall clock: goodput's last sign of life if the run dies
             self.log.write(row)
 

@@ -202,6 +202,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = option("shakespeare", "embedded name, local directory, or gs://bucket/prefix")
+    mixture: str = option("", "NAME:WEIGHT,... (NAMEs as --data.source takes) or a JSON file with stages: docs/data.md; replaces source")
     cache_dir: str = option("data_cache", "where embedded data is prepared and gs:// shards are cached")
     cache_max_gb: float = option(20.0, "size bound of the gs:// shard cache")
     tokenizer: str = option("bytes", "bytes | a tiktoken encoding name; must match the data's manifest")

@@ -137,7 +137,7 @@ def check_resume_config(saved_train, train_cfg, where):
 
 # Settings a resume may change (it says which): they shape the steps to come; moments stay valid under other betas, decay, clipping.
 RESUMABLE_CHANGES = (("train", "muon_momentum"), ("train", "weight_decay"), ("train", "beta1"), ("train", "beta2"),
-                     ("train", "grad_clip"), ("data", "source"))
+                     ("train", "grad_clip"), ("data", "source"), ("data", "mixture"))
 
 
 def changed_settings(saved_config, train_cfg, data_cfg=None):

@@ -282,8 +282,16 @@ def draw_goodput(fig, rows, cfg):
     return {"seconds": drawn, "steps": line_data(line)}
 
 
+def draw_sources(fig, rows, cfg):
+    """A mixture's validation loss and tokens per source (runtime/source_plots.py); nothing for a run on one source."""
+    if not cfg["data"].get("mixture"):
+        return None
+    from runtime import source_plots  # (only a mixture's run imports it)
+    return source_plots.draw_sources(fig, rows, cfg)
+
+
 PLOTS = {"loss.png": draw_loss, "load_balance.png": draw_load_balance, "expert_load.png": draw_expert_load,
-         "router_bias.png": draw_router_bias, "speed.png": draw_speed, "goodput.png": draw_goodput}
+         "router_bias.png": draw_router_bias, "speed.png": draw_speed, "goodput.png": draw_goodput, "sources.png": draw_sources}
 
 
 def plot_run(run_dir):
