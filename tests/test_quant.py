@@ -149,6 +149,34 @@ def test_a_quantized_projection_on_a_mesh_equals_one_device(mesh_axis, split):
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-6
 
 
+def sharded_grouped_matmul(split):
+    """(y, dx, dw) of sum(g * quantized_grouped_matmul(x, w, sizes)) with int8 under
+    shard_map over a 2-device tp mesh, as the dropless experts split: w's output over tp (gate,
+    up), or its input with x's (down, the output psum'ed)."""
+    mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    x_spec, w_spec, y_spec = {"out": (P(), P(None, None, "tp"), P(None, "tp")), "in": (P(None, "tp"), P(None, "tp"), P())}[split]
+
+    def local(x_NI, w_EIO, sizes_E, g_NO):
+        def loss(x_NI, w_EIO):
+            y_NO = quant.quantized_grouped_matmul(x_NI, w_EIO, sizes_E, "int8", "tp", split)
+            y_NO = jax.lax.psum(y_NO, "tp") if split == "in" else y_NO
+            return jnp.sum(y_NO * g_NO), y_NO
+        (_, y_NO), (dx_NI, dw_EIO) = jax.value_and_grad(loss, (0, 1), has_aux=True)(x_NI, w_EIO)
+        return y_NO, dx_NI, dw_EIO
+    return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec, P(), y_spec), out_specs=(y_spec, x_spec, w_spec))
+
+
+@pytest.mark.parametrize("split", ["out", "in"])
+def test_the_quantized_grouped_matmul_on_tp_equals_one_device(split):
+    """The dropless experts' int8 ragged_dot with x's scales pmax'ed over tp where tp splits
+    their contraction: forward and both gradients equal one device's to float32 rounding."""
+    x_NI, w_EIO, g_NO, sizes_E = random((12, 16), 17), random((3, 16, 8), 18), random((12, 8), 19), jnp.asarray([4, 0, 6])
+    one_device = jax.value_and_grad(lambda x, w: jnp.sum(quant.quantized_ragged_dot(x, w, sizes_E, "int8", (), ()) * g_NO), (0, 1))
+    want = (quant.quantized_ragged_dot(x_NI, w_EIO, sizes_E, "int8", (), ()), *one_device(x_NI, w_EIO)[1])
+    for name, got, want in zip(("y", "dx", "dw"), sharded_grouped_matmul(split)(x_NI, w_EIO, sizes_E, g_NO), want):
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-6, name
+
+
 # A whole quantized step is not the one-device step to float32 rounding: a rounding
 # difference of one ulp upstream (a psum's order, a matmul's blocking on another shape) moves
 # a value across an int8 rounding boundary now and then, and the flipped value perturbs
