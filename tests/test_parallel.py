@@ -218,7 +218,7 @@ def test_gradient_accumulation_equals_one_microbatch(reference, variant, mesh_sh
     assert_same_steps(train_steps(cfg), reference["dropout" if variant == "dropout" else "moe"])
 
 
-PREFETCH_CASES = [("moe", (4, 1, 2), "none", 1), ("moe-ep", (4, 1, 2), "layer", 2)]
+PREFETCH_CASES = [("dropout", (4, 1, 2), "none", 1), ("moe-ep", (4, 1, 2), "layer", 2)]
 
 
 @pytest.mark.parametrize("variant, mesh_shape, remat, microbatches", PREFETCH_CASES,
@@ -229,10 +229,12 @@ def test_prefetched_packed_gathers_equal_one_device(reference, variant, mesh_sha
     fetches block i + 1 beside block i, each group of a block's weights (by the axes
     they gather over: with tp and expert parallelism, several) packed into one
     all-gather and cut out after it (fsdp.fetch_for_use): the same steps, through
-    GPipe's one tick and the accumulation executor gathering per microbatch."""
-    cfg = apply_overrides(tiny_config(mesh_shape, expert_parallel=variant == "moe-ep", remat=remat),
+    GPipe's one tick (with dropout: each block's masks folded with its own index) and the
+    accumulation executor gathering per microbatch."""
+    kwargs = DROPOUT if variant == "dropout" else dict(expert_parallel=variant == "moe-ep")
+    cfg = apply_overrides(tiny_config(mesh_shape, remat=remat, **kwargs),
                           {"train": dict(microbatches=microbatches, gather_once="false")})
-    assert_same_steps(train_steps(cfg), reference["moe"])
+    assert_same_steps(train_steps(cfg), reference["dropout" if variant == "dropout" else "moe"])
 
 
 @pytest.mark.parametrize("remat", [pytest.param(policy, marks=[pytest.mark.slow] if policy in ("layer", "block_dots") else [])

@@ -1,15 +1,16 @@
 """QK-clip (--train.qk_clip, step_core.qk_clip) and the metric it reads (max_logit).
 
-On its own: exactly the heads whose largest logit exceeded tau are scaled, by sqrt(gamma)
-on the query and key content parts and gamma on the rotary query (gamma = tau /
-max_logit), so that head's largest logit on the same tokens becomes tau; every other
-weight stays bit for bit. In the step: two clipped Muon steps on dp x tp, pp 2 and cp 2
-equal two clipped steps on one device (the metric, every optimizer moment, the weights;
-the second step's forward runs through the clipped weights). With AdamW, on this small
-model, the meshes' moments differ by 2e-5 from one device's with the clip off too (AdamW's
-first update is about lr x sign(g): a tiny g's sign is the mesh's), so AdamW's clipped
-step is test_executors' (every executor, QK_CLIP_TAU). (The unclipped metric's mesh invariance is checked by every
-equality-to-one-device test: test_parallel, test_executors, test_context_parallel.)
+On its own (queries through a latent, and full-rank): exactly the heads whose largest logit
+exceeded tau are scaled, by sqrt(gamma) on the query and key content parts and gamma on the
+rotary query (gamma = tau / max_logit), so that head's largest logit on the same tokens
+becomes tau; every other weight stays bit for bit. In the step: two clipped Muon steps on
+dp x tp, pp 2 and cp 2 equal two clipped steps on one device (the metric, every optimizer
+moment, the weights; the second step's forward runs through the clipped weights). With
+AdamW, on this small model, the meshes' moments differ by 2e-5 from one device's with the
+clip off too (AdamW's first update is about lr x sign(g): a tiny g's sign is the mesh's),
+so AdamW's clipped step is test_executors' (every executor, QK_CLIP_TAU). (The unclipped
+metric's mesh invariance is checked by every equality-to-one-device test: test_parallel,
+test_executors, test_context_parallel.)
 """
 
 import functools
@@ -23,13 +24,15 @@ from flax import nnx
 from model import MLAttention, rope_angles
 from parallel.step_core import qk_clip
 from test_parallel import RTOL, assert_tree_close, initial_params, tiny_config, train_steps
-from utils import ConfigError, apply_overrides, validate_model
+from utils import PRESETS, ConfigError, apply_overrides, validate_model
 
-SCALED = {"wq_up_QHK": 0.5, "wk_up_AHK": 0.5, "wq_rope_QHR": 1.0}  # the power of gamma each weight is scaled by
+# the power of gamma each weight is scaled by: queries through a latent (tiny's), or full-rank (q_latent 0)
+SCALED = {"wq_up_QHK": 0.5, "wq_DHK": 0.5, "wk_up_AHK": 0.5, "wq_rope_QHR": 1.0, "wq_rope_DHR": 1.0}
 
 
-def test_only_heads_above_tau_are_scaled_and_their_largest_logit_becomes_tau():
-    cfg = tiny_config()
+@pytest.mark.parametrize("q_latent", [PRESETS["tiny"]["model"]["q_latent"], 0], ids=["query-latent", "full-rank-queries"])
+def test_only_heads_above_tau_are_scaled_and_their_largest_logit_becomes_tau(q_latent):
+    cfg = tiny_config(q_latent=q_latent)
     graphdef, params = initial_params(cfg.model)
     tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, cfg.model.seq_len)))
     forward = jax.jit(lambda p: nnx.merge(graphdef, p)(tokens_BT)[1]["max_logit_LH"])  # [N, L, H]
@@ -41,6 +44,8 @@ def test_only_heads_above_tau_are_scaled_and_their_largest_logit_becomes_tau():
     clipped = jax.device_get(qk_clip(params, jnp.asarray(max_logit_NLH), tau))
     gamma_NH = np.where(above_NLH[:, 0], tau / max_logit_NLH[:, 0], 1.0)
     attn, new_attn = params["blocks"]["layers"][0]["attn"], clipped["blocks"]["layers"][0]["attn"]
+    queries = ("wq_up_QHK", "wq_rope_QHR") if q_latent else ("wq_DHK", "wq_rope_DHR")
+    assert set(SCALED) & set(attn) == {"wk_up_AHK", *queries}
     for name, w in attn.items():
         if name not in SCALED:  # the shared rotary key, the latents' down-projections and norms, values, output
             assert jax.tree.all(jax.tree.map(np.array_equal, new_attn[name], w)), name

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from model import project
 from ops import quant
 from planning import hlo_reader
-from test_parallel import assert_tree_close, tiny_config, train_steps
+from test_parallel import assert_tree_close, placed_step, tiny_config, train_steps
 from utils import PRESETS, Config, ConfigError, apply_overrides, validate_model
 
 
@@ -149,6 +149,34 @@ def test_a_quantized_projection_on_a_mesh_equals_one_device(mesh_axis, split):
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-6
 
 
+def sharded_grouped_matmul(split):
+    """(y, dx, dw) of sum(g * quantized_grouped_matmul(x, w, sizes)) with int8 under
+    shard_map over a 2-device tp mesh, as the dropless experts split: w's output over tp (gate,
+    up), or its input with x's (down, the output psum'ed)."""
+    mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    x_spec, w_spec, y_spec = {"out": (P(), P(None, None, "tp"), P(None, "tp")), "in": (P(None, "tp"), P(None, "tp"), P())}[split]
+
+    def local(x_NI, w_EIO, sizes_E, g_NO):
+        def loss(x_NI, w_EIO):
+            y_NO = quant.quantized_grouped_matmul(x_NI, w_EIO, sizes_E, "int8", "tp", split)
+            y_NO = jax.lax.psum(y_NO, "tp") if split == "in" else y_NO
+            return jnp.sum(y_NO * g_NO), y_NO
+        (_, y_NO), (dx_NI, dw_EIO) = jax.value_and_grad(loss, (0, 1), has_aux=True)(x_NI, w_EIO)
+        return y_NO, dx_NI, dw_EIO
+    return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec, P(), y_spec), out_specs=(y_spec, x_spec, w_spec))
+
+
+@pytest.mark.parametrize("split", ["out", "in"])
+def test_the_quantized_grouped_matmul_on_tp_equals_one_device(split):
+    """The dropless experts' int8 ragged_dot with x's scales pmax'ed over tp where tp splits
+    their contraction: forward and both gradients equal one device's to float32 rounding."""
+    x_NI, w_EIO, g_NO, sizes_E = random((12, 16), 17), random((3, 16, 8), 18), random((12, 8), 19), jnp.asarray([4, 0, 6])
+    one_device = jax.value_and_grad(lambda x, w: jnp.sum(quant.quantized_ragged_dot(x, w, sizes_E, "int8", (), ()) * g_NO), (0, 1))
+    want = (quant.quantized_ragged_dot(x_NI, w_EIO, sizes_E, "int8", (), ()), *one_device(x_NI, w_EIO)[1])
+    for name, got, want in zip(("y", "dx", "dw"), sharded_grouped_matmul(split)(x_NI, w_EIO, sizes_E, g_NO), want):
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-6, name
+
+
 # A whole quantized step is not the one-device step to float32 rounding: a rounding
 # difference of one ulp upstream (a psum's order, a matmul's blocking on another shape) moves
 # a value across an int8 rounding boundary now and then, and the flipped value perturbs
@@ -156,13 +184,16 @@ def test_a_quantized_projection_on_a_mesh_equals_one_device(mesh_axis, split):
 # dp2xtp2: loss 1.8e-7 at step 0, 3.9e-4 at step 1; params 5e-3). How far one ulp moves the
 # first loss on one device (tiny, int8, half the weights nudged by one ulp, 4 draws):
 # 1.4e-5 - 5.2e-5 with attention's products quantized, 3.1e-5 - 2.7e-4 with the weights'
-# alone; quantizing attention's products moved dp2xtp2's first loss from 1.8e-7 to 1.6e-5
-# and one token of its last block to another expert (the other cases' counts stay exact).
-# So: the first step's forward (loss) within QUANT_LOSS_RTOL, its expert counts to one
-# rerouted (token, choice) per block (a router that differed with the mesh would move
-# many), the gradient norm within 1e-2 (fp8 on dp2xtp2: 5.4e-3), the params after two steps within
-# 2e-2. A scale taken over a shard instead of the mesh is caught exactly, per product, above.
+# alone. So: the first step's forward (loss) within QUANT_LOSS_RTOL, the gradient norm
+# within 1e-2 (fp8 on dp2xtp2: 5.4e-3), the params after two steps within 2e-2. A scale
+# taken over a shard instead of the mesh is caught exactly, per product, above.
+# Expert counts: such a flip reroutes only a (token, choice) whose router margin it spans, a
+# few of a block's 512 (16 x 16 tokens x top 2) and more down the blocks as the moved ones
+# perturb their sequences: at most MAX_TIPS_PER_BLOCK per block and MAX_TIPS in all (measured:
+# 3 in all, 2 in the last block, on Intel Xeon; 1 on AMD EPYC), where a router or expert that
+# differs with the mesh moves tens (the ragged x scale not pmax'ed over tp: 30, 9 in one block).
 QUANT_LOSS_RTOL = 5e-5
+MAX_TIPS_PER_BLOCK, MAX_TIPS = 4, 8  # rerouted (token, choice) pairs
 MESH_CASES = [  # (dp, pp, tp), expert parallelism, model overrides
     pytest.param((2, 1, 2), False, dict(quant="int8"), id="int8-dp2xtp2", marks=pytest.mark.slow),
     pytest.param((1, 2, 1), False, dict(quant="int8"), id="int8-pp2", marks=pytest.mark.slow),
@@ -191,18 +222,30 @@ def test_quantized_steps_stay_at_one_quantized_device(quantized_reference, mesh_
                                                           reference_for(quantized_reference, **model))
     np.testing.assert_allclose(metrics[0]["loss"], ref_metrics[0]["loss"], rtol=QUANT_LOSS_RTOL)
     moved_NE = np.abs(metrics[0]["stats_N"]["tokens_per_expert"] - ref_metrics[0]["stats_N"]["tokens_per_expert"])
-    assert np.all(moved_NE.sum(axis=1) <= 2), moved_NE  # one slot leaves an expert and joins another: 2
+    tips_N = moved_NE.sum(axis=1) // 2  # a rerouted choice leaves one expert and joins another
+    assert np.all(tips_N <= MAX_TIPS_PER_BLOCK) and tips_N.sum() <= MAX_TIPS, moved_NE
     np.testing.assert_allclose(metrics[0]["grad_norm"], ref_metrics[0]["grad_norm"], rtol=1e-2)
     assert_tree_close(params, ref_params, rtol=2e-2, what="params: ")
 
 
+def compiled_first_step(cfg):
+    """(optimized HLO text, metrics) of cfg's train step from the initial params."""
+    step, (params, opt_state, batch) = placed_step(cfg)
+    compiled = step.lower(params, opt_state, batch, jnp.asarray(0)).compile()
+    return compiled.as_text(), jax.device_get(compiled(params, opt_state, batch, jnp.asarray(0))[2])
+
+
 @pytest.mark.slow
-def test_quantization_changes_the_step(quantized_reference):
-    """The quantized one-device step is not the unquantized one (the quantized path runs),
-    and stays near it."""
-    quantized, plain = reference_for(quantized_reference, quant="int8"), train_steps(tiny_config())
-    loss, plain_loss = quantized[0][0]["loss"], plain[0][0]["loss"]
-    assert 1e-5 < abs(loss / plain_loss - 1) < 1e-2
+def test_quantization_changes_the_step():
+    """The quantized step runs most of its dot FLOPs (its matmuls forward and backward, not
+    the router's, the output layer's) with int8 operands, the plain step none of the same
+    FLOPs; its first loss stays near the plain one. (From the compiled program: at init the
+    losses differ by 5.5e-6 on Intel Xeon, over 1e-5 on AMD EPYC: rounding luck, not proof.)"""
+    (hlo, metrics), (plain_hlo, plain_metrics) = compiled_first_step(tiny_config(quant="int8")), compiled_first_step(tiny_config())
+    assert hlo_reader.dot_flops(hlo) == hlo_reader.dot_flops(plain_hlo) > 0
+    assert hlo_reader.low_precision_dot_flops(hlo) > 0.6 * hlo_reader.dot_flops(hlo)  # (tiny: 70%)
+    assert hlo_reader.low_precision_dot_flops(plain_hlo) == 0
+    assert abs(metrics["loss"] / plain_metrics["loss"] - 1) < 1e-2
 
 
 def test_low_precision_dot_flops_counts_the_8_bit_dots_alone():

@@ -20,7 +20,6 @@ from utils import ConfigError, apply_overrides, parse_args
 T = 256  # two blocks of 128 (the kernel's smallest): one skipped above the diagonal
 
 
-@pytest.mark.slow
 def test_splash_equals_matmul_attention_forward_max_logits_and_gradients():
     cfg = small_attention_config(attention="matmul", seq_len=T)
     graphdef, params = nnx.split(MLAttention(cfg, nnx.Rngs(0)))
