@@ -8,10 +8,9 @@
     python main.py --mode eval                     # restore, print val_loss=... (any mesh)
     python main.py --mode serve                    # OpenAI-compatible completions + a web page
 
-Reads top to bottom as a run does: parse the flags, set up the devices, then for --mode
-train (the default) the training loop: the mesh, the data, init or resume, compile, the
-steps with evaluations and checkpoints, samples and plots. The other modes live in
-serving/ and are imported only when asked for. Nothing imports this file.
+Reads top to bottom as a run does: parse the flags, set up the devices, then for --mode train (the default) the
+training loop: the mesh, the data, init or resume, compile, the steps with evaluations and checkpoints, samples and
+plots. The other modes live in serving/ and are imported only when asked for. Nothing imports this file.
 """
 
 import dataclasses
@@ -107,9 +106,8 @@ class TrainState:
 
 
 def train(cfg):
-    """Train the run `cfg` names (resuming it if it has checkpoints); returns its directory.
-    On SIGTERM or SIGINT every process saves at the same step and exits with
-    preemption.PREEMPTED_EXIT_CODE (stop_preempted)."""
+    """Train the run `cfg` names (resuming it if it has checkpoints); returns its directory. On SIGTERM or SIGINT
+    every process saves at the same step and exits with preemption.PREEMPTED_EXIT_CODE (stop_preempted)."""
     clock = goodput.PhaseClock()  # from this process's start: where the wall time goes
     run_dir = run_dir_of(cfg)
     cfg, hf_source = checkpoint.open_init_from(cfg)  # hf:DIR: the model is the one in that directory
@@ -240,11 +238,10 @@ def compile_train_step(cfg, mesh, graphdef, optimizer, state, first_batch):
 
 
 def train_loop(run, state, train_step, eval_step, first_batch):
-    """Steps state.step..train.steps with evals and checkpoints, updating `state`; True
-    when it stopped on a preemption notice (at state.step). Step s's metrics are read after
-    step s+1 is dispatched, so the host never makes the devices wait (a checkpoint or an
-    eval reads the pending step first: only a finite loss is saved). Every phase is charged
-    to the run's clock (runtime/goodput.py)."""
+    """Steps state.step..train.steps with evals and checkpoints, updating `state`; True when it stopped on a
+    preemption notice (at state.step). Step s's metrics are read after step s+1 is dispatched, so the host never makes
+    the devices wait (a checkpoint or an eval reads the pending step first: only a finite loss is saved). Every phase
+    is charged to the run's clock (runtime/goodput.py)."""
     cfg, clock, reporter = run.cfg, run.clock, run.reporter
     clock.switch("train")
     for step in range(state.step, cfg.train.steps):

@@ -324,9 +324,8 @@ PRESETS = {
 
 
 def experts_kernel_for_sharding(cfg):
-    """cfg with --model.moe_kernel auto read as ragged_dot under --mesh.sharding auto: the
-    compiler's partitioner cannot split megablox's kernel, which auto picks on a TPU
-    (model.resolve_moe_kernel). Manual sharding keeps auto."""
+    """cfg with --model.moe_kernel auto read as ragged_dot under --mesh.sharding auto: the compiler's partitioner
+    cannot split megablox's kernel, which auto picks on a TPU (model.resolve_moe_kernel). Manual sharding keeps auto."""
     if cfg.model.moe_kernel == "auto" and cfg.mesh.sharding == "auto":
         return apply_overrides(cfg, {"model": {"moe_kernel": "ragged_dot"}})
     return cfg

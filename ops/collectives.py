@@ -1,7 +1,6 @@
-"""The one family of collective helpers: the mesh axes a collective must cross at this
-point of the trace (those shard_map made manual with more than one device: live_axes),
-and the sums, maxima and casts over them. On one device and under the automatic executor
-every helper is an identity, so the model and the step's loss are written once. The
+"""The one family of collective helpers: the mesh axes a collective must cross at this point of the trace (those
+shard_map made manual with more than one device: live_axes), and the sums, maxima and casts over them. On one device
+and under the automatic executor every helper is an identity, so the model and the step's loss are written once. The
 model learns which axes split what from one small value passed down, Axes."""
 
 import dataclasses

@@ -1,10 +1,9 @@
-"""Context parallelism (--mesh.cp): every sequence cut into 2 cp chunks of L = T / (2 cp)
-tokens, rank i holding chunks i and 2cp-1-i (the same causal work on every rank). Per
-attention layer one all-gather of the MLA latent and the shared RoPE key crosses cp (its
-transpose reduce-scatters their gradient); everything per token runs on the rank's 2L
-tokens at their global positions, so the numbers are one device's. Every cp rank gets
-whole rows and reads its chunks' inputs and targets out of them. What cp needs of a
-config: utils.context_parallel_checks; the measurements: docs/parallelism.md."""
+"""Context parallelism (--mesh.cp): every sequence cut into 2 cp chunks of L = T / (2 cp) tokens, rank i holding
+chunks i and 2cp-1-i (the same causal work on every rank). Per attention layer one all-gather of the MLA latent and
+the shared RoPE key crosses cp (its transpose reduce-scatters their gradient); everything per token runs on the rank's
+2L tokens at their global positions, so the numbers are one device's. Every cp rank gets whole rows and reads its
+chunks' inputs and targets out of them. What cp needs of a config: utils.context_parallel_checks; the measurements:
+docs/parallelism.md."""
 
 import dataclasses
 
@@ -31,11 +30,10 @@ def gathered_positions(seq_len, cp):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SequenceChunks:
-    """What attention needs under cp, passed down where the RoPE angles go: the angles of
-    this rank's tokens, their global positions q_pos_T [2L], those of the gathered keys
-    k_pos_S [T], and the cp axis. Under the automatic executor (a global program, every
-    rank's chunks in rank order) nothing is gathered by hand: `whole` asks the compiler
-    for the latent whole over cp."""
+    """What attention needs under cp, passed down where the RoPE angles go: the angles of this rank's tokens, their
+    global positions q_pos_T [2L], those of the gathered keys k_pos_S [T], and the cp axis. Under the automatic
+    executor (a global program, every rank's chunks in rank order) nothing is gathered by hand: `whole` asks the
+    compiler for the latent whole over cp."""
     angles: jax.Array
     q_pos_T: jax.Array
     k_pos_S: jax.Array

@@ -1,11 +1,10 @@
-"""The GPipe executor (--train.pipeline gpipe, the default): (loss, metrics, grads) by
-autodiff through a loop of pipeline ticks, inside the shard_map step.
+"""The GPipe executor (--train.pipeline gpipe, the default): (loss, metrics, grads) by autodiff through a loop of
+pipeline ticks, inside the shard_map step.
 
-At tick t stage s works on microbatch t - s: stage 0 takes microbatch t embedded (with
-the dense prefix, all before the loop), the others what their left neighbour produced at
-t - 1 (ppermute). M + pp - 1 ticks; bubble (pp - 1) / (M + pp - 1). Autodiff runs it
-backwards: ppermutes the other way, each FSDP all-gather a reduce-scatter. The rest is
-the step core's (parallel/step_core.py) and the model's (embed_and_prefix, head_sums).
+At tick t stage s works on microbatch t - s: stage 0 takes microbatch t embedded (with the dense prefix, all before
+the loop), the others what their left neighbour produced at t - 1 (ppermute). M + pp - 1 ticks; bubble (pp - 1) / (M +
+pp - 1). Autodiff runs it backwards: ppermutes the other way, each FSDP all-gather a reduce-scatter. The rest is the
+step core's (parallel/step_core.py) and the model's (embed_and_prefix, head_sums).
 """
 
 import jax

@@ -49,14 +49,12 @@ def resolve_mesh_shape(mesh_cfg, n_devices):
 
 
 def make_mesh(mesh_cfg, devices=None):
-    """The (slice, dp, cp, pp, tp) mesh over `devices` (default: all), for training and
-    planner.py --tpu alike.
+    """The (slice, dp, cp, pp, tp) mesh over `devices` (default: all), for training and planner.py --tpu alike.
 
-    slice is outermost (whole TPU slices; on CPU and GPU consecutive processes). Within a
-    slice tp is innermost, so a tp group (two all-reduces per layer) is one host's closest
-    chips, and dp outermost, so a host spans few dp rows and loads only those (process_rows).
-    TPU: jax's topology-aware order where it keeps both, else host by host, each host's chips
-    in a snake (tpu_device_grid). CPU and GPU: jax's process-major order, which keeps both."""
+    slice is outermost (whole TPU slices; on CPU and GPU consecutive processes). Within a slice tp is innermost, so a
+    tp group (two all-reduces per layer) is one host's closest chips, and dp outermost, so a host spans few dp rows
+    and loads only those (process_rows). TPU: jax's topology-aware order where it keeps both, else host by host, each
+    host's chips in a snake (tpu_device_grid). CPU and GPU: jax's process-major order, which keeps both."""
     devices = jax.devices() if devices is None else list(devices)
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
     if devices[0].platform == "tpu":  # each slice's own grid (its torus), stacked

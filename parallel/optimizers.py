@@ -1,11 +1,10 @@
 """The optimizer: the learning-rate schedule, AdamW, and Muon for weights split over a mesh.
 
-Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) is momentum SGD whose
-update for each weight matrix is orthogonalized (U V^T of the momentum's U S V^T, by
-Newton-Schulz), so every direction moves alike; it beats AdamW on the default run
-(docs/benchmarks.md). AdamW still trains what is no matrix: embedding, norm scales, routers.
-Muon's update has RMS 0.2 per element (Liu et al. 2025, https://arxiv.org/abs/2502.16982),
-about AdamW's, so both share one learning rate and weight decay.
+Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) is momentum SGD whose update for each weight
+matrix is orthogonalized (U V^T of the momentum's U S V^T, by Newton-Schulz), so every direction moves alike; it beats
+AdamW on the default run (docs/benchmarks.md). AdamW still trains what is no matrix: embedding, norm scales, routers.
+Muon's update has RMS 0.2 per element (Liu et al. 2025, https://arxiv.org/abs/2502.16982), about AdamW's, so both
+share one learning rate and weight decay.
 
 Orthogonalizing needs whole matrices, and each device holds shards of a batch of them.
 The devices sharing a batch (the axes splitting its matrix dims) divide its matrices:
@@ -90,14 +89,13 @@ def split_axes(path, ndim, spec, manual):
 
 
 def owner_orthogonal(x_BM, n_in, dim_axes, manual):
-    """scaled_orthogonal of a batch [B, *local matrix dims] that the group (the axes in
-    dim_axes) holds in shards, every device the same B.
+    """scaled_orthogonal of a batch [B, *local matrix dims] that the group (the axes in dim_axes) holds in shards,
+    every device the same B.
 
-    The batch is padded with zero matrices to S k (S: group size); owner j takes matrices
-    [j k, (j+1) k): an all_to_all brings it their shards, it orthogonalizes them, and the
-    same all_to_all returns each device its shards of the updates. So each byte crosses
-    once each way (2 (S-1)/S of the shard) and no device holds more than its shard plus
-    padding; gathering to every device would move (S-1)x, hold Sx and repeat the FLOPs Sx."""
+    The batch is padded with zero matrices to S k (S: group size); owner j takes matrices [j k, (j+1) k): an
+    all_to_all brings it their shards, it orthogonalizes them, and the same all_to_all returns each device its shards
+    of the updates. So each byte crosses once each way (2 (S-1)/S of the shard) and no device holds more than its
+    shard plus padding; gathering to every device would move (S-1)x, hold Sx and repeat the FLOPs Sx."""
     group = tuple(a for a in manual if any(a in axes for axes in dim_axes))  # in mesh order
     if not group:
         return scaled_orthogonal(x_BM, n_in)

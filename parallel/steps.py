@@ -13,10 +13,9 @@ imported:
     --mesh.sharding manual, --train.pipeline interleaved  one_f_one_b.py
     --mesh.sharding auto (pp = 1)                          auto.py       (jit partitions a one-device program)
 
-Manual: one jax.shard_map, every collective written out; auto: jax.sharding.auto_axes, the
-compiler partitions. Both keep the same storage shardings in and out, so params, optimizer
-state and checkpoints are interchangeable. A weight replicated over an axis gets its
-gradient summed over it by shard_map's transpose (check_vma), with no code here.
+Manual: one jax.shard_map, every collective written out; auto: jax.sharding.auto_axes, the compiler partitions. Both
+keep the same storage shardings in and out, so params, optimizer state and checkpoints are interchangeable. A weight
+replicated over an axis gets its gradient summed over it by shard_map's transpose (check_vma), with no code here.
 """
 
 import functools

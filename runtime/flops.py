@@ -1,6 +1,5 @@
-"""Parameter and FLOP accounting, from shapes alone (no arrays allocated), and the
-measured peak FLOP/s of this machine: together the numerator and denominator of MFU
-(main.py's progress and metrics, bench.py, planner.py).
+"""Parameter and FLOP accounting, from shapes alone (no arrays allocated), and the measured peak FLOP/s of this
+machine: together the numerator and denominator of MFU (main.py's progress and metrics, bench.py, planner.py).
 """
 
 import math
@@ -29,10 +28,9 @@ def count_params(model_cfg):
 
 
 def flops_per_token(model_cfg):
-    """Model FLOPs to train on one token: 3 x forward, forward = 2 x active matmul params
-    (no norm scales, no embedding lookup; a tied embedding counts once, as the output
-    layer) + per layer 2TH(K + R) for q.k and 2THK for p.v (full T x T, as PaLM's MFU).
-    Remat recomputation is not counted: MFU measures useful work."""
+    """Model FLOPs to train on one token: 3 x forward, forward = 2 x active matmul params (no norm scales, no
+    embedding lookup; a tied embedding counts once, as the output layer) + per layer 2TH(K + R) for q.k and 2THK for
+    p.v (full T x T, as PaLM's MFU). Remat recomputation is not counted: MFU measures useful work."""
     m = model_cfg
     total, active = count_params(m)
     n_layers = m.n_blocks * len(m.block_pattern) + m.first_dense  # (the dense prefix's layers are whole layers too)
@@ -84,9 +82,8 @@ def human(n):
 
 
 def measure_peak_flops(dtype, size=1024, repeats=5):
-    """FLOP/s of a `size` square matmul on one device, the fastest of `repeats` (noise only
-    slows): MFU's denominator, measured in this run. Accumulates in float32, bfloat16's
-    fast path (docs/benchmarks.md)."""
+    """FLOP/s of a `size` square matmul on one device, the fastest of `repeats` (noise only slows): MFU's denominator,
+    measured in this run. Accumulates in float32, bfloat16's fast path (docs/benchmarks.md)."""
     a = jnp.ones((size, size), dtype)
     matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     matmul(a, a).block_until_ready()

@@ -1,12 +1,10 @@
 """Save on the signal, everywhere at once.
 
-In --mode train, SIGTERM (TPU maintenance, spot preemption) or SIGINT makes every process
-stop at one agreed step, save there synchronously, print one line and exit with
-PREEMPTED_EXIT_CODE; the same command resumes bit for bit. One process stops after the
-step in flight. Several use JAX's preemption sync manager, which owns SIGTERM (SIGINT is
-re-sent as SIGTERM): its per-step check is local, so the host never waits for a step
-(docs/benchmarks.md); with jax_enable_preemption_service=False, a flag is all-gathered
-every step. A second signal changes nothing.
+In --mode train, SIGTERM (TPU maintenance, spot preemption) or SIGINT makes every process stop at one agreed step,
+save there synchronously, print one line and exit with PREEMPTED_EXIT_CODE; the same command resumes bit for bit. One
+process stops after the step in flight. Several use JAX's preemption sync manager, which owns SIGTERM (SIGINT is
+re-sent as SIGTERM): its per-step check is local, so the host never waits for a step (docs/benchmarks.md); with
+jax_enable_preemption_service=False, a flag is all-gathered every step. A second signal changes nothing.
 """
 
 import os
