@@ -1,4 +1,4 @@
-"""The 1f1b and interleaved executor (--train.pipeline 1f1b | interleaved): (loss,
+"""The 1f1b, interleaved and zb1 executor (--train.pipeline 1f1b | interleaved | zb1): (loss,
 metrics, grads) by running a schedule table tick by tick, with the backward written by
 hand, inside the shard_map step.
 
@@ -15,6 +15,11 @@ dense prefix; its backward tick recomputes them (embed, embed_backward).
 Rings of R slots (R: most microbatches in flight on a stage, pp for 1f1b) keep what a
 backward tick needs: the chunk's input [R + 1, b, T, D] (one trash slot) and each stash
 leaf [R, L, ...].
+
+zb1: the backward is two ops. B runs each block's vjp from the stash for the input
+gradient alone and keeps each block's output gradient in a ring [R, L, b, T, D]; W, a
+later tick, runs the same vjp for the weights alone (jit drops the matmuls the unused
+half needs; W gathers the block's weights again under FSDP).
 
 Interleaved: storage keeps each stage's blocks contiguous, so init, checkpoints, eval and
 the planner do not depend on the schedule; the step moves chunk c to stage c % pp by
