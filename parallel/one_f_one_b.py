@@ -1,4 +1,4 @@
-"""The 1f1b and interleaved executor (--train.pipeline 1f1b | interleaved): (loss,
+"""The 1f1b, interleaved and zb1 executor (--train.pipeline 1f1b | interleaved | zb1): (loss,
 metrics, grads) by running a schedule table tick by tick, with the backward written by
 hand, inside the shard_map step.
 
@@ -16,6 +16,11 @@ Rings of R slots (R: most microbatches in flight on a stage, pp for 1f1b) keep w
 backward tick needs: the chunk's input [R + 1, b, T, D] (one trash slot) and each stash
 leaf [R, L, ...].
 
+zb1: the backward is two ops. B runs each block's vjp from the stash for the input
+gradient alone and keeps each block's output gradient in a ring [R, L, b, T, D]; W, a
+later tick, runs the same vjp for the weights alone (jit drops the matmuls the unused
+half needs; W gathers the block's weights again under FSDP).
+
 Interleaved: storage keeps each stage's blocks contiguous, so init, checkpoints, eval and
 the planner do not depend on the schedule; the step moves chunk c to stage c % pp by
 ppermute, and its gradient back.
@@ -30,7 +35,7 @@ from model import fold_in_rows, remat_block
 from ops.collectives import axis_index, vary, widen, zeros_of
 from parallel import fsdp
 from parallel import step_core as core
-from parallel.schedules import BACKWARD, FIELDS, FORWARD, schedule
+from parallel.schedules import BACKWARD, FIELDS, FORWARD, WEIGHT, schedule
 from utils import PP, TP
 
 MANUAL = True  # runs inside jax.shard_map: every collective written out
@@ -93,6 +98,7 @@ class ScheduledStep:
         self.cfg, self.params, self.graphdef = cfg, params, graphdef
         self.M = t_cfg.microbatches
         self.V = t_cfg.virtual_stages if t_cfg.pipeline == "interleaved" else 1
+        self.split = t_cfg.pipeline == "zb1"  # the backward in two ops, B and W
         self.pp, self.stage = jax.lax.axis_size(PP), axis_index(PP)
         self.sched = schedule(t_cfg.pipeline, self.pp, self.M, self.V)
         self.C = self.pp * self.V
@@ -176,10 +182,12 @@ class ScheduledStep:
         stash = [leaf for leaf, dep in zip(jax.tree.leaves(vjp), self.depends_on_x(w, x_bTD, m, n)) if dep]
         return y, stats, stash
 
-    def unstash_block(self, state, stash, gy, m, n):
+    def unstash_block(self, state, stash, gy, m, n, wrt="both"):
         """Backward of block n from its stash: (gradient of its input, of its weights).
         The vjp's other leaves come from a forward on zeros whose x-dependent part
-        nothing reads (jit's dead-code elimination drops it: no matmul runs again)."""
+        nothing reads (jit's dead-code elimination drops it: no matmul runs again).
+        wrt "input" or "weights" (zb1's B and W): the other is None, and the matmuls
+        only it needs are dropped the same way."""
         w, gather_vjp = jax.vjp(lambda s: self.gathered(s, gy), state)
         (_, sums), vjp, _ = jax.vjp(self.block_fn(m, n), w, jnp.zeros_like(gy), has_aux=True)
         leaves, treedef = jax.tree.flatten(vjp)
@@ -187,7 +195,7 @@ class ScheduledStep:
         vjp = jax.tree.unflatten(treedef, [next(stashed) if dep else leaf
                                            for leaf, dep in zip(leaves, self.depends_on_x(w, gy, m, n))])
         g_w, gx = vjp((gy, self.balance_cotangents(sums)))
-        return gx, gather_vjp(g_w)[0]
+        return (None if wrt == "weights" else gx), (None if wrt == "input" else gather_vjp(g_w)[0])
 
     def run_chunk_stashing(self, chunk, x_bTD, m, c):
         """Forward through chunk c's L blocks: (y, every block's stash [L, ...], stats [L])."""
@@ -214,6 +222,35 @@ class ScheduledStep:
             (_, sums), vjp = jax.vjp(f, chunk, xs_LbTD[0])
             g_chunk, gx = vjp((gy, self.balance_cotangents(sums)))
             return gx, g_chunk
+
+    # --- zb1: the backward in two halves, B (input gradient) then W (weights) ---
+
+    def chunk_stash(self, chunk, x_bTD, stash_L, m, c):
+        """The chunk's stash: as kept by its forward, or under remat stage made again
+        from its input (a forward of the chunk, in B and again in W)."""
+        if self.remat != "stage":
+            return stash_L
+        return self.run_chunk_stashing(chunk, x_bTD, m, c)[1]
+
+    def input_backward_chunk(self, chunk, x_bTD, stash_L, gy, m, c):
+        """B: (gradient of the chunk's input, each block's output gradient [L, ...] for W)."""
+        stash_L = self.chunk_stash(chunk, x_bTD, stash_L, m, c)
+
+        def body(g, state_stash_j):
+            state, stash, j = state_stash_j
+            return self.unstash_block(state, stash, g, m, c * self.L + j, wrt="input")[0], g
+        return jax.lax.scan(body, gy, (chunk, stash_L, jnp.arange(self.L)), reverse=True,
+                            unroll=self.L if self.cfg.model.unroll_blocks else 1)
+
+    def weight_backward_chunk(self, chunk, x_bTD, stash_L, gys_LbTD, m, c):
+        """W: the gradient of the chunk's weights, from the stash and B's output gradients."""
+        stash_L = self.chunk_stash(chunk, x_bTD, stash_L, m, c)
+
+        def body(_, state_stash_gy_j):
+            state, stash, gy, j = state_stash_gy_j
+            return None, self.unstash_block(state, stash, gy, m, c * self.L + j, wrt="weights")[1]
+        return jax.lax.scan(body, None, (chunk, stash_L, gys_LbTD, jnp.arange(self.L)),
+                            unroll=self.L if self.cfg.model.unroll_blocks else 1)[1]
 
     # --- the two ops --------------------------------------------------------
 
@@ -246,17 +283,30 @@ class ScheduledStep:
         return y, x, stash_L, stats_L, sums, gy, g_top
 
     def backward_op(self, x_bTD, stash_L, gy, m, v, c):
-        """B: (gradient to send, of the chunk's weights, of top)."""
-        top = self.top
+        """B: (gradient to send, of the chunk's weights, of top, each block's output
+        gradient). Under zb1 the chunk's weights get theirs in W (zeros here)."""
         chunk = jax.tree.map(lambda w: w[v], self.chunks)
-        gx, g_chunk = self.backward_chunk(chunk, x_bTD[None], stash_L, gy, m, c)
+        if self.split:
+            gx, gys_L = self.input_backward_chunk(chunk, x_bTD, stash_L, gy, m, c)
+            g_chunk = jax.tree.map(jnp.zeros_like, chunk)
+        else:
+            gx, g_chunk = self.backward_chunk(chunk, x_bTD[None], stash_L, gy, m, c)
+            gys_L = None
+        return gx, g_chunk, self.embed_backward_on_first(gx, m, c), gys_L
 
-        def embed_backward(gx):  # the embedding's and prefix's gradient, on the first chunk of stage 0 only
-            x_bTD, vjp = jax.vjp(lambda t: self.embed(t, m), top)  # (recomputing the prefix, as a backward tick does a chunk)
+    def weight_op(self, x_bTD, stash_L, gys_LbTD, m, v, c):
+        """W (zb1): the gradient of the chunk's weights."""
+        chunk = jax.tree.map(lambda w: w[v], self.chunks)
+        return self.weight_backward_chunk(chunk, x_bTD, stash_L, gys_LbTD, m, c)
+
+    def embed_backward_on_first(self, gx, m, c):
+        """The embedding's and prefix's gradient, on the first chunk of stage 0 only (zeros elsewhere)."""
+        top = self.top
+
+        def embed_backward(gx):  # (recomputing the prefix, as a backward tick does a chunk)
+            x_bTD, vjp = jax.vjp(lambda t: self.embed(t, m), top)
             return jax.tree.map(lambda g: g.astype(jnp.float32), vjp(gx.astype(x_bTD.dtype))[0])
-
-        g_top = core.when(c == 0, embed_backward, gx)
-        return gx, g_chunk, g_top
+        return core.when(c == 0, embed_backward, gx)
 
     # --- the loop -----------------------------------------------------------
 
@@ -281,7 +331,9 @@ class ScheduledStep:
             g_chunks=jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), self.chunks),
             g_top=jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), self.top),
             stats=jax.tree.map(lambda z: jnp.stack([z] * self.V), core.empty_stats(stats_aval)),
-            ce=zero_sum, mtp=zero_sum)
+            ce=zero_sum, mtp=zero_sum,
+            # zb1: each block's output gradient, from B until W (slots as the stash's)
+            gys=jnp.zeros((sched.res_slots, self.L) + x0.shape, act_dtype) + x0 if self.split else None)
 
     def tick(self, carry, row_S):
         pp, sched = self.pp, self.sched
@@ -293,8 +345,14 @@ class ScheduledStep:
         # (named_op: planning/hlo_reader.dot_flops(hlo, "forward_op") counts one op's matmuls)
         y, x_in, stash_L, stats_L, (ce, mtp), gy, g_top_f = core.when(op == FORWARD, named_op(self.forward_op), res[res_slot], m, v, c)
         stash_slot = jnp.minimum(res_slot, sched.res_slots - 1)  # (the stash ring has no trash slot)
-        gx, g_chunk, g_top_b = core.when(op == BACKWARD, named_op(self.backward_op), res[res_slot],
-                                         [buf[stash_slot] for buf in carry["stash"]], grads[grad_slot], m, v, c)
+        stash_in = [buf[stash_slot] for buf in carry["stash"]]
+        gx, g_chunk, g_top_b, gys_L = core.when(op == BACKWARD, named_op(self.backward_op), res[res_slot],
+                                                stash_in, grads[grad_slot], m, v, c)
+        gys = carry["gys"]
+        if self.split:  # W: the weight half of a backward that B ran earlier
+            g_chunk_w = core.when(op == WEIGHT, named_op(self.weight_op), res[res_slot], stash_in, gys[stash_slot], m, v, c)
+            g_chunk = jax.tree.map(jnp.add, g_chunk, g_chunk_w)
+            gys = gys.at[stash_slot].set(jnp.where(op == BACKWARD, gys_L.astype(act_dtype), gys[stash_slot]))
         is_f, is_head = op == FORWARD, (op == FORWARD) & (c == self.C - 1)
         write = jnp.where(is_f, res_slot, sched.res_slots)
         res = res.at[write].set(x_in.astype(act_dtype))  # (the embedding's output, on chunk 0: kept for remat stage)
@@ -312,7 +370,7 @@ class ScheduledStep:
         else:
             x_recv, g_recv = y, gx
         return dict(res=res, stash=stash, grads=grads, x_recv=x_recv.astype(act_dtype), g_recv=g_recv.astype(act_dtype),
-                    g_chunks=g_chunks, g_top=g_top, stats=stats, ce=carry["ce"] + ce, mtp=carry["mtp"] + mtp), None
+                    g_chunks=g_chunks, g_top=g_top, stats=stats, ce=carry["ce"] + ce, mtp=carry["mtp"] + mtp, gys=gys), None
 
     def run(self):
         table = jnp.asarray(self.sched.table)

@@ -1,7 +1,8 @@
 """Pipeline schedules as data: which stage does what at every tick.
 
 A schedule says, for every tick and every stage, what that stage does: a forward (F)
-or backward (B) pass of one microbatch through one chunk of blocks, or nothing.
+or backward (B) pass of one microbatch through one chunk of blocks, under zb1 the
+backward's weight half (W) apart from B (then only the input gradient), or nothing.
 
     gpipe        all forwards, then all backwards; M microbatches' activations alive
     1f1b         pp - 1 - s warm-up forwards on stage s, then one forward and one
@@ -11,6 +12,12 @@ or backward (B) pass of one microbatch through one chunk of blocks, or nothing.
                  arXiv:2104.04473, section 2.2): stage s holds chunks s, s + pp, ...,
                  so a microbatch passes every device V times; bubble
                  (pp - 1) / (V M + pp - 1) instead of (pp - 1) / (M + pp - 1)
+    zb1          ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv:
+                 2401.10241): B is the input gradient only, what the previous stage waits
+                 for; each W (the weight gradient) runs later, stage s deferring s of them
+                 so that the cooldown's idle ticks fill. F, B and W take a tick each:
+                 3M + pp - 1 ticks, idle (pp - 1) / (3 M + pp - 1) (needs M >= pp);
+                 at most pp microbatches in flight (F to W) per stage, as 1f1b's stage 0
 
 `schedule(kind, pp, M, V)` builds the table by simulating the stages in lockstep (an op
 waits for its input from the neighbour's previous tick) and gives every in-flight
@@ -24,7 +31,7 @@ import numpy as np
 
 from utils import PIPELINE_SCHEDULES as SCHEDULES  # (one source of truth: the config)
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3  # (BACKWARD: the whole backward, or under zb1 its input half)
 # Fields of one table row: what stage s does at tick t, and where its buffers are.
 FIELDS = ("op", "microbatch", "chunk", "res_slot", "recv_x_slot", "grad_slot", "recv_grad_slot")
 
@@ -36,6 +43,8 @@ def stage_program(kind, pp, M, V, s):
     """The ordered ops [(op, microbatch, local chunk)] of stage s."""
     if kind == "gpipe":
         return [(FORWARD, m, 0) for m in range(M)] + [(BACKWARD, m, 0) for m in reversed(range(M))]
+    if kind == "zb1":
+        return zb1_program(pp, M, s)
     if kind == "1f1b":
         warmup = min(pp - 1 - s, M)
         forwards = [(m, 0) for m in range(M)]
@@ -48,6 +57,23 @@ def stage_program(kind, pp, M, V, s):
     for i in range(len(forwards) - warmup):
         program += [(FORWARD, *forwards[warmup + i]), (BACKWARD, *backwards[i])]
     return program + [(BACKWARD, m, v) for m, v in backwards[len(forwards) - warmup:]]
+
+
+def zb1_program(pp, M, s):
+    """ZB-H1's ops on stage s: pp - 1 - s warm-up forwards, s forward-backward pairs whose
+    W waits, then F B W while forwards remain, B W, and the s deferred Ws last."""
+    ops, f, b, w = [], 0, 0, 0
+    for _ in range(min(pp - 1 - s, M)):
+        ops.append((FORWARD, f, 0))
+        f += 1
+    for _ in range(min(s, M - f)):
+        ops += [(FORWARD, f, 0), (BACKWARD, b, 0)]
+        f, b = f + 1, b + 1
+    while f < M:
+        ops += [(FORWARD, f, 0), (BACKWARD, b, 0), (WEIGHT, w, 0)]
+        f, b, w = f + 1, b + 1, w + 1
+    ops += [op for i in range(b, M) for op in ((BACKWARD, i, 0), (WEIGHT, w + i - b, 0))]
+    return ops + [(WEIGHT, i, 0) for i in range(w + M - b, M)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +112,8 @@ def schedule(kind, pp, M, V=1):
                 continue
             op, m, v = programs[s][position[s]]
             c = v * pp + s
-            need = (FORWARD, m, c - 1) if op == FORWARD else (BACKWARD, m, c + 1) if c < C - 1 else (FORWARD, m, c)
+            need = ((FORWARD, m, c - 1) if op == FORWARD else (BACKWARD, m, c) if op == WEIGHT
+                    else (BACKWARD, m, c + 1) if c < C - 1 else (FORWARD, m, c))
             if (op == FORWARD and c == 0) or done.get(need, t) < t:
                 row[s] = (op, m, v)
         for s in range(pp):
@@ -109,8 +136,8 @@ def schedule(kind, pp, M, V=1):
 
 def assign_slots(table, done, pp, M, V):
     """Give every (microbatch, chunk) on its stage a slot of the saved-activation ring,
-    from when its input exists until its backward tick, and a slot of the gradient
-    ring, from when its output gradient arrives until the same tick. Fills the slot
+    from when its input exists until its backward tick (under zb1 its W tick), and a slot
+    of the gradient ring, from when its output gradient arrives until its backward tick. Fills the slot
     columns of the table in place; a write with nothing to write goes to the last
     slot (a trash slot). Returns (res_slots, grad_slots)."""
     C = pp * V
@@ -118,7 +145,8 @@ def assign_slots(table, done, pp, M, V):
     for m in range(M):
         for c in range(C):
             s, v, end = c % pp, c // pp, done[(BACKWARD, m, c)]
-            res[s].append((done[(FORWARD, m, c - 1)] + 1 if c > 0 else done[(FORWARD, m, c)], end, m, v))
+            res_end = done.get((WEIGHT, m, c), end)
+            res[s].append((done[(FORWARD, m, c - 1)] + 1 if c > 0 else done[(FORWARD, m, c)], res_end, m, v))
             grad[s].append((done[(BACKWARD, m, c + 1)] + 1 if c < C - 1 else done[(FORWARD, m, c)], end, m, v))
 
     def colour(intervals):  # greedy interval colouring: slot -> free from tick
@@ -162,10 +190,10 @@ def assign_slots(table, done, pp, M, V):
 
 def grid(sched):
     """The table as text: one row per stage, one column per tick. F3 = forward of
-    microbatch 3, B3 = its backward, . = idle; with V chunks, F3b = through the
+    microbatch 3, B3 = its backward (zb1: its input gradient), W3 = its weight gradient, . = idle; with V chunks, F3b = through the
     stage's second chunk."""
     V = sched.virtual_stages
-    cells = [[("." if op == IDLE else "FB"[op - 1] + str(m) + ("abcdefghijklmnop"[v] if V > 1 else ""))
+    cells = [[("." if op == IDLE else "FBW"[op - 1] + str(m) + ("abcdefghijklmnop"[v] if V > 1 else ""))
               for op, m, v in sched.table[:, s, :3]] for s in range(sched.pp)]
     width = max(len(c) for row in cells for c in row)
     head = (f"{sched.kind}: pp={sched.pp}, M={sched.microbatches}" + (f", V={V}" if V > 1 else "")

@@ -333,6 +333,8 @@ def scheduled_bubble_factor(cfg, pp):
     each other at every tick (the ppermutes), so a tick lasts as long as its slowest
     op: a tick where one stage runs a backward costs a backward for all of them."""
     sched = schedule_of(cfg, pp)
-    cost = np.array([0, 1, BACKWARD_TICK_COST])[sched.table[..., 0]]  # [ticks, pp]
+    # zb1's B and W ticks: each taken here as half of a whole backward tick (a first model).
+    halves = BACKWARD_TICK_COST / 2 if sched.kind == "zb1" else BACKWARD_TICK_COST
+    cost = np.array([0, 1, halves, halves])[sched.table[..., 0]]  # [ticks, pp]
     useful = cfg.train.microbatches * sched.virtual_stages * (1 + BACKWARD_TICK_COST)
     return float(cost.max(axis=1).sum()) / useful - 1

@@ -79,7 +79,7 @@ def layouts(cfg, n_devices):
         if rows % dp or m.n_blocks % pp:
             continue
         schedules = [("gpipe", cfg.train.virtual_stages)] if pp == 1 else (
-            [(kind, t.virtual_stages) for kind in PIPELINE_SCHEDULES if kind != "interleaved"]
+            [(kind, t.virtual_stages) for kind in PIPELINE_SCHEDULES if kind not in ("interleaved", "zb1")]
             + [("interleaved", v) for v in VIRTUAL_STAGES if m.n_blocks % (pp * v) == 0])
         micro = [d for d in divisors(rows // dp) if pp <= d <= MAX_MICROBATCHES]
         for ep, (kind, v), M, remat in itertools.product(ep_choices, schedules, micro, REMAT_POLICIES):

@@ -21,7 +21,7 @@ from parallel.weights import param_specs
 from test_parallel import RTOL, assert_params_close, assert_same_step, initial_params, mesh_for, one_step, placed_step, tiny_config, token_batch
 from utils import ConfigError, apply_overrides, parse_args
 
-TABLE_CASES = [(kind, pp, M, V) for kind, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
+TABLE_CASES = [(kind, pp, M, V) for kind, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb1", 1))
                for pp in (1, 2, 4, 8) for M in (pp, 2 * pp, 3 * pp)]
 
 
@@ -37,17 +37,20 @@ def test_schedule_table_is_a_valid_pipeline(kind, pp, M, V):
                 key = (int(op), int(m), int(v) * pp + s)
                 assert key not in tick_of, f"{key} twice"
                 tick_of[key] = t
-    assert len(tick_of) == 2 * M * C  # every microbatch through every chunk, both ways
+    split = kind == "zb1"  # the backward as B and a later W
+    assert len(tick_of) == (3 if split else 2) * M * C  # every microbatch through every chunk, both ways
     for m in range(M):
         for c in range(C):
             f, b = tick_of[(pl.FORWARD, m, c)], tick_of[(pl.BACKWARD, m, c)]
             assert f < b
+            if split:
+                assert b < tick_of[(pl.WEIGHT, m, c)]
             if c > 0:
                 assert tick_of[(pl.FORWARD, m, c - 1)] < f
             if c < C - 1:
                 assert tick_of[(pl.BACKWARD, m, c + 1)] < b
     assert sched.bubble() == pytest.approx(rules.formula_bubble(kind, pp, M, V))
-    in_flight = {"gpipe": M, "1f1b": pp}.get(kind)
+    in_flight = {"gpipe": M, "1f1b": pp, "zb1": pp}.get(kind)
     if in_flight is not None:  # 1f1b's whole point: pp microbatches alive, not M
         assert sched.res_slots == min(in_flight, M)
 
@@ -55,7 +58,7 @@ def test_schedule_table_is_a_valid_pipeline(kind, pp, M, V):
 def test_slots_never_hold_two_live_microbatches():
     """Replay the ring buffers of the interleaved table: a slot is written (arrival or
     forward) and read back by the backward of the same (microbatch, chunk)."""
-    for kind, pp, M, V in [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 4)]:
+    for kind, pp, M, V in [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 4), ("zb1", 4, 8, 1), ("zb1", 3, 5, 1)]:
         sched = pl.schedule(kind, pp, M, V)
         C = pp * V
         res = [dict() for _ in range(pp)]
@@ -71,7 +74,7 @@ def test_slots_never_hold_two_live_microbatches():
                     if v * pp + s > 0:
                         assert res[s][res_slot] == (m, v * pp + s)  # the input that arrived is still there
                     res[s][res_slot] = (m, v * pp + s)
-                elif op == pl.BACKWARD:
+                elif op in (pl.BACKWARD, pl.WEIGHT):
                     assert res[s][res_slot] == (m, v * pp + s)
             for s, what in sends.items():  # arrivals are written at the start of the next tick
                 slot = int(sched.table[t + 1, s, 4])
@@ -85,9 +88,24 @@ def tick_done(sched, s, key):
     pp = sched.pp
     for t in range(sched.ticks):
         op, mm, v = sched.table[t, s, :3]
-        if op == pl.BACKWARD and mm == m and v * pp + s == c:
-            return t
+        if op == (pl.WEIGHT if sched.kind == "zb1" else pl.BACKWARD) and mm == m and v * pp + s == c:
+            return t  # (the last op that reads the slot)
     return sched.ticks
+
+
+@pytest.mark.parametrize("pp, M", [(2, 2), (2, 5), (4, 4), (4, 8), (8, 8), (8, 13)])
+def test_zb1_idles_a_third_of_1f1b(pp, M):
+    """Idle ticks per stage: pp - 1 under zb1 (F, B, W a tick each: 3M + pp - 1 ticks),
+    2 (pp - 1) under 1f1b, whose backward tick is B and W together (2M + 2(pp - 1)
+    ticks): counted in F-sized ticks, 3 (pp - 1) against zb1's pp - 1."""
+    for kind, ticks, idle in [("zb1", 3 * M + pp - 1, pp - 1), ("1f1b", 2 * M + 2 * (pp - 1), 2 * (pp - 1))]:
+        sched = pl.schedule(kind, pp, M)
+        assert sched.ticks == ticks
+        assert [int(np.sum(sched.table[:, s, 0] == pl.IDLE)) for s in range(pp)] == [idle] * pp
+        assert sched.bubble() == pytest.approx(rules.formula_bubble(kind, pp, M))
+    ops = pl.schedule("zb1", pp, M).table[..., 0]
+    # every stage runs one W per microbatch (their order against B: test_schedule_table_is_a_valid_pipeline)
+    assert all(np.sum(ops[:, s] == pl.WEIGHT) == M for s in range(pp))
 
 
 def test_grid_shows_the_table():
@@ -166,8 +184,10 @@ def scheduled_grads(cfg, tokens, executor=executor_1f1b):
 
 
 @pytest.mark.parametrize("mesh_shape, kind, M, V", [((2, 2, 2), "1f1b", 4, 1),
-                                                    pytest.param((1, 4, 2), "interleaved", 4, 2, marks=pytest.mark.slow)],
-                         ids=["2x2x2-1f1b", "1x4x2-interleaved"])
+                                                    pytest.param((1, 4, 2), "interleaved", 4, 2, marks=pytest.mark.slow),
+                                                    pytest.param((2, 2, 2), "zb1", 4, 1, marks=pytest.mark.slow),
+                                                    pytest.param((1, 4, 2), "zb1", 5, 1, marks=pytest.mark.slow)],
+                         ids=["2x2x2-1f1b", "1x4x2-interleaved", "2x2x2-zb1", "1x4x2-zb1"])
 def test_hand_written_gradient_equals_autodiff_of_one_device(mesh_shape, kind, M, V):
     """Every gradient leaf (before AdamW, whose first step hides a leaf's scale) against
     autodiff of the plain single-device forward."""
@@ -193,6 +213,17 @@ def test_dense_model_under_1f1b():
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=RTOL)
     np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=RTOL)
     assert_params_close(params, ref_params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape, M", [((2, 2, 2), 4), ((1, 4, 2), 4)], ids=["2x2x2", "1x4x2"])
+def test_zb1_two_steps_equal_one_device(mesh_shape, M):
+    """ZB-H1 (B and W apart) against one device over two steps: losses, grad norm,
+    MoE statistics and every updated weight."""
+    from test_parallel import assert_same_steps
+    from test_parallel import train_steps as run_steps
+
+    assert_same_steps(run_steps(schedule_config(mesh_shape, "zb1", M)), run_steps(tiny_config()))
 
 
 # ---- Bad schedules fail before compiling
@@ -257,7 +288,7 @@ def test_1f1b_temporaries_below_gpipe_and_planner_models_each_schedule():
     from planning import costs
 
     temps = {}
-    for kind in pl.SCHEDULES:
+    for kind in ("gpipe", "1f1b", "interleaved"):  # (zb1's ring of B's output gradients: not in the planner yet)
         cfg = apply_overrides(schedule_config((1, 4, 2), kind, 8), {"train": dict(batch_size=16)})
         step, (params, opt_state, batch) = placed_step(cfg)
         compiled = step.lower(params, opt_state, batch, jax.numpy.asarray(0)).compile()
