@@ -113,6 +113,9 @@ class SamplingRequest(BaseModel):
     logit_bias: Optional[dict[str, float]] = None  # {"token id": bias in [-100, 100]}
     n: int = 1  # choices per prompt, sample i seeded (seed + i) mod 2^32
     best_of: Optional[int] = None  # generate this many (>= n), return the n of highest cumulative log-probability
+    ignore_eos: bool = False  # vLLM's: end-of-text (and a chat's end of turn) does not end the text
+    stop_token_ids: Optional[list[int]] = None  # vLLM's: these tokens end the text too (unshown, as end-of-text)
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
     user: Optional[str] = None
 
 
@@ -222,6 +225,8 @@ def check_settings(req, max_tokens, max_tokens_limit, vocab):
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if not all(stops):  # as many as the client likes (vLLM's rule; OpenAI allows 4)
         raise APIError(400, "stop strings must be non-empty", param="stop")
+    if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
+        raise APIError(400, f"stop_token_ids must be token ids in 0..{vocab - 1}", param="stop_token_ids")
     return stops, check_logit_bias(req.logit_bias, vocab)
 
 
@@ -298,9 +303,9 @@ class Choice:
     (default: end-of-text; a chat adds its template's end of turn) ends it unshown.
     """
 
-    def __init__(self, index, prompt_text, prompt_ids, tokenizer, stops, logprobs, echo, stop_ids=None):
+    def __init__(self, index, prompt_text, prompt_ids, tokenizer, stops, logprobs, echo, stop_ids=None, keep_stop=False):
         self.index, self.prompt_text, self.prompt_ids = index, prompt_text, prompt_ids
-        self.tokenizer, self.stops, self.logprobs, self.echo = tokenizer, stops, logprobs, echo
+        self.tokenizer, self.stops, self.logprobs, self.echo, self.keep_stop = tokenizer, stops, logprobs, echo, keep_stop
         self.stop_ids = {tokenizer.eot_id} if stop_ids is None else set(stop_ids)
         self.ids, self.sent, self.offset = [], "", 0
         self.pending = self.empty_logprobs()
@@ -344,9 +349,10 @@ class Choice:
     def release(self, final):
         """The text now safe to send (all of it when `final`), and whether a stop string ended it."""
         text = self.tokenizer.decode(self.ids)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
-            text, final = text[:min(hits)], True
+            start, end = min(hits)
+            text, final = text[:end if self.keep_stop else start], True
         elif not final:
             text = text.rstrip("\ufffd")
             held = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
@@ -583,7 +589,8 @@ def add_generation_routes(app, server, authorized):
         prompts = tokenize_prompts(req.prompt, s.tokenizer, s.engine.window, s.token_chars)
         check_context([ids for _, ids in prompts], req.max_tokens, s.engine.window, s.slide, "prompt")
         k = req.best_of or req.n  # candidates per prompt
-        choices = [Choice(p * k + j, text, ids, s.tokenizer, stops, req.logprobs, req.echo)
+        stop_ids = ends(req, [s.tokenizer.eot_id])
+        choices = [Choice(p * k + j, text, ids, s.tokenizer, stops, req.logprobs, req.echo, stop_ids, req.include_stop_str_in_output)
                    for p, (text, ids) in enumerate(prompts) for j in range(k)]
         events = submit(s.engine, req, req.max_tokens, choices, bias, want_prompt_logprobs=req.echo and req.logprobs is not None)
         leading = [choice.echo_chunk() for choice in choices] if req.echo and req.logprobs is None else []
@@ -604,7 +611,8 @@ def add_generation_routes(app, server, authorized):
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), room)
         stops, bias = check_settings(req, max_tokens, s.max_tokens_limit, s.engine.vocab)
         check_context([ids], max_tokens, s.engine.window, s.slide, "messages")
-        choices = [Choice(j, text, ids, s.reply_tokenizer, stops, None, False, stop_ids=s.chat.end_ids) for j in range(req.best_of or req.n)]
+        choices = [Choice(j, text, ids, s.reply_tokenizer, stops, None, False, ends(req, s.chat.end_ids), req.include_stop_str_in_output)
+                   for j in range(req.best_of or req.n)]
         events = submit(s.engine, req, max_tokens, choices, bias)
         if req.stream:
             roles = [dict(index=c.index, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None) for c in choices]
@@ -668,6 +676,12 @@ def check_context(prompts_ids, max_tokens, window, slide, param):
 
 
 # ---- A request: its sequences in the engine, its chunks out
+
+
+def ends(req, default_ids):
+    """The token ids that end a choice unshown: the default ends (end-of-text, a chat's end of
+    turn) unless ignore_eos, and stop_token_ids."""
+    return (set() if req.ignore_eos else set(default_ids)) | set(req.stop_token_ids or [])
 
 
 def sample_seed(seed, i):

@@ -362,6 +362,24 @@ def test_stop_strings_have_no_limit_of_four(client):
     stops = ["\u2603", "zzzz", "QQQ", "@@", "~~~", cut]
     out = client.completions.create(**greedy, stop=stops).choices[0]
     assert (out.text, out.finish_reason) == (whole[:at], "stop")
+    kept = client.completions.create(**greedy, stop=stops, extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert (kept.text, kept.finish_reason) == (whole[:at + 2], "stop")
+
+
+def test_vllm_s_ignore_eos_and_stop_token_ids(client):
+    """ignore_eos: a text made to end at once (end-of-text favoured) runs to max_tokens;
+    stop_token_ids: the greedy text ends, unshown, at the first of the ids."""
+    ended = dict(model="chatty", prompt="KING", max_tokens=5, temperature=0, logit_bias={str(BYTES.eot_id): 100})
+    short = client.completions.create(**ended)
+    assert (short.choices[0].text, short.choices[0].finish_reason, short.usage.completion_tokens) == ("", "stop", 1)
+    long = client.completions.create(**ended, extra_body={"ignore_eos": True})
+    assert (long.choices[0].finish_reason, long.usage.completion_tokens) == ("length", 5)
+    ascii_text = {str(t): b for t, b in {**ASCII_ONLY, IM_END: -100.0, BYTES.eot_id: -100.0}.items()}
+    greedy = dict(model="chatty", prompt="KING", max_tokens=30, temperature=0, logit_bias=ascii_text)
+    whole = client.completions.create(**greedy).choices[0].text
+    at = next(i for i in range(5, 30) if whole.index(whole[i]) == i)
+    out = client.completions.create(**greedy, extra_body={"stop_token_ids": [ord(whole[at]), 299]}).choices[0]
+    assert (out.text, out.finish_reason) == (whole[:at], "stop")
 
 
 def test_models_retrieve_tokenize_detokenize_version_and_the_access_log(server, client, hf_chat_model, server_log):
