@@ -11,7 +11,9 @@ logit_bias, stream as server-sent events with the usage last only when
 stream_options.include_usage asks, logprobs and echo, so that evaluation harnesses
 that speak this API can score log-likelihoods), POST /v1/chat/completions (messages
 rendered by the model's chat template, chat.py; the same sampling fields; the reply
-ends at the template's end of turn), GET /v1/models, GET /health, and GET /
+ends at the template's end of turn), n and best_of, vLLM's ignore_eos, stop_token_ids and
+include_stop_str_in_output, GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize,
+POST /detokenize and GET /version, GET /health, and GET /
 (serve.html: type a prompt or chat, watch the text stream in). engine.py does the
 batched decoding; this file turns requests into token ids and tokens back into text,
 stop strings and JSON.
@@ -26,9 +28,10 @@ SGLang) use, so its behaviour under clients such as `openai` and lm-eval is well
 
 Bad input gets an OpenAI-style JSON error ({"error": {"message", "type", "param",
 "code"}}) with a 4xx status, and the server keeps serving: 400 for a body that is not
-UTF-8 JSON, unknown fields, values out of range, fields it cannot honour (best_of,
-suffix: check_settings says why), an empty or too long prompt, chat for a model without
-a template; 413 for a body over 8 MiB (counted as it arrives when chunked); 401 without
+UTF-8 JSON, unknown fields, values out of range, fields it cannot honour (suffix:
+check_settings says why), an empty or too long prompt, prompt + max_tokens over the
+context (unless --serve.slide), a chat message of an unknown role or without content,
+chat for a model without a template; 413 for a body over 8 MiB (counted as it arrives when chunked); 401 without
 the bearer token (when MESHFORMER_API_KEY is set); 404 for another model's
 name; 429 when more sequences wait than --serve.queue. A client that goes away (a
 timeout, a closed tab) cancels its sequences: queued ones leave the queue at once, running
