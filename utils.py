@@ -243,8 +243,8 @@ class ServeConfig:
     slots: int = option(8, "sequences decoded together: the batch of the one compiled decode step")
     max_tokens: int = option(1024, "the largest max_tokens a request may ask for")
     queue: int = option(64, "sequences that may wait for a slot; more get 429")
-    chat_template: str = option("", "a Jinja chat template file, or a Hugging Face directory whose template to use, for "
-                                "/v1/chat/completions (default: the template of --train.init_from hf:DIR, if any)")
+    chat_template: str = option("", "a Jinja file, or a Hugging Face directory, whose chat template to use (default: hf:DIR's)")
+    slide: bool = option(False, "prompt + max_tokens may pass the context: the window slides (vLLM, default: a 400)")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ logit_bias, stream as server-sent events with the usage last only when
 stream_options.include_usage asks, logprobs and echo, so that evaluation harnesses
 that speak this API can score log-likelihoods), POST /v1/chat/completions (messages
 rendered by the model's chat template, chat.py; the same sampling fields; the reply
-ends at the template's end of turn), GET /v1/models, GET /health, and GET /
+ends at the template's end of turn), n and best_of, vLLM's ignore_eos, stop_token_ids and
+include_stop_str_in_output, GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize,
+POST /detokenize and GET /version, GET /health, and GET /
 (serve.html: type a prompt or chat, watch the text stream in). engine.py does the
 batched decoding; this file turns requests into token ids and tokens back into text,
 stop strings and JSON.
@@ -26,9 +28,10 @@ SGLang) use, so its behaviour under clients such as `openai` and lm-eval is well
 
 Bad input gets an OpenAI-style JSON error ({"error": {"message", "type", "param",
 "code"}}) with a 4xx status, and the server keeps serving: 400 for a body that is not
-UTF-8 JSON, unknown fields, values out of range, fields it cannot honour (best_of,
-suffix: check_settings says why), an empty or too long prompt, chat for a model without
-a template; 413 for a body over 8 MiB (counted as it arrives when chunked); 401 without
+UTF-8 JSON, unknown fields, values out of range, fields it cannot honour (suffix:
+check_settings says why), an empty or too long prompt, prompt + max_tokens over the
+context (unless --serve.slide), a chat message of an unknown role or without content,
+chat for a model without a template; 413 for a body over 8 MiB (counted as it arrives when chunked); 401 without
 the bearer token (when MESHFORMER_API_KEY is set); 404 for another model's
 name; 429 when more sequences wait than --serve.queue. A client that goes away (a
 timeout, a closed tab) cancels its sequences: queued ones leave the queue at once, running
@@ -45,6 +48,7 @@ import json
 import os
 import secrets
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -69,7 +73,8 @@ from serving.modes import load_run_params
 from utils import ConfigError
 
 API_KEY_ENV = "MESHFORMER_API_KEY"
-MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_N = 64  # choices per prompt (n, best_of): each takes a slot, so at most --serve.slots decode at once
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's; another is a 400
 MAX_BODY_BYTES = 8 << 20  # far more than --serve.queue prompts of a long context need
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.html")
 
@@ -109,19 +114,22 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None  # {"token id": bias in [-100, 100]}
-    n: int = 1
+    n: int = 1  # choices per prompt, sample i seeded (seed + i) mod 2^32
+    best_of: Optional[int] = None  # generate this many (>= n), return the n of highest cumulative log-probability
+    ignore_eos: bool = False  # vLLM's: end-of-text (and a chat's end of turn) does not end the text
+    stop_token_ids: Optional[list[int]] = None  # vLLM's: these tokens end the text too (unshown, as end-of-text)
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
     user: Optional[str] = None
 
 
 class CompletionRequest(SamplingRequest):
-    """POST /v1/completions. best_of and suffix are OpenAI's fields this server cannot
-    honour: accepted by the schema so that check_settings refuses them saying why."""
+    """POST /v1/completions. suffix is OpenAI's field this server cannot honour: accepted
+    by the schema so that check_settings refuses it saying why."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int = 16  # OpenAI's default
     logprobs: Optional[int] = None
     echo: bool = False
-    best_of: Optional[int] = None
     suffix: Optional[str] = None
 
 
@@ -133,6 +141,24 @@ class ChatMessage(BaseModel):
 
     role: str
     content: Union[str, list[dict], None] = None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the model's template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True  # accepted: this tokenizer adds none to a prompt
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 class ChatRequest(SamplingRequest):
@@ -182,15 +208,15 @@ def check_settings(req, max_tokens, max_tokens_limit, vocab):
         (0 < req.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {req.top_p}"),
         (-2 <= req.frequency_penalty <= 2, "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {req.frequency_penalty}"),
         (-2 <= req.presence_penalty <= 2, "presence_penalty", f"presence_penalty must be in [-2, 2], got {req.presence_penalty}"),
-        (req.n == 1, "n", "n must be 1: send the request (or the prompt, as a list) several times for several completions"),
+        (1 <= req.n <= MAX_N, "n", f"n must be in 1..{MAX_N}, got {req.n}"),
+        (req.best_of is None or req.n <= req.best_of <= MAX_N, "best_of", f"best_of must be in n..{MAX_N} (n = {req.n}), got {req.best_of}"),
+        (not req.stream or req.best_of in (None, req.n), "best_of", "best_of other than n cannot stream: the best are known at the end"),
         (req.seed is None or 0 <= req.seed < 2**32, "seed", "seed must be in 0..2^32-1 (jax.random.key would fold larger ones onto these)"),
         (req.stream or req.stream_options is None, "stream_options", "stream_options is only allowed when stream is true"),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
             (req.logprobs is None or 0 <= req.logprobs <= TOP_LOGPROBS, "logprobs", f"logprobs must be in 0..{TOP_LOGPROBS}, got {req.logprobs}"),
-            (req.best_of in (None, 1), "best_of", "best_of must be 1: this server does not generate several candidates "
-             "to return the most likely one (send the prompt several times and compare their logprobs)"),
             (not req.suffix, "suffix", "suffix is not supported: this model continues a text, it was not trained to fill in the middle"),
         ]
     if isinstance(req, ChatRequest):
@@ -200,8 +226,10 @@ def check_settings(req, max_tokens, max_tokens_limit, vocab):
         if not ok:
             raise APIError(400, message, param=param)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > MAX_STOP_STRINGS or not all(stops):
-        raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    if not all(stops):  # as many as the client likes (vLLM's rule; OpenAI allows 4)
+        raise APIError(400, "stop strings must be non-empty", param="stop")
+    if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
+        raise APIError(400, f"stop_token_ids must be token ids in 0..{vocab - 1}", param="stop_token_ids")
     return stops, check_logit_bias(req.logit_bias, vocab)
 
 
@@ -278,13 +306,13 @@ class Choice:
     (default: end-of-text; a chat adds its template's end of turn) ends it unshown.
     """
 
-    def __init__(self, index, prompt_text, prompt_ids, tokenizer, stops, logprobs, echo, stop_ids=None):
+    def __init__(self, index, prompt_text, prompt_ids, tokenizer, stops, logprobs, echo, stop_ids=None, keep_stop=False):
         self.index, self.prompt_text, self.prompt_ids = index, prompt_text, prompt_ids
-        self.tokenizer, self.stops, self.logprobs, self.echo = tokenizer, stops, logprobs, echo
+        self.tokenizer, self.stops, self.logprobs, self.echo, self.keep_stop = tokenizer, stops, logprobs, echo, keep_stop
         self.stop_ids = {tokenizer.eot_id} if stop_ids is None else set(stop_ids)
         self.ids, self.sent, self.offset = [], "", 0
         self.pending = self.empty_logprobs()
-        self.finished, self.completion_tokens = False, 0
+        self.finished, self.completion_tokens, self.cumulative_logprob = False, 0, 0.0
         self.seq = None
 
     def empty_logprobs(self):
@@ -324,9 +352,10 @@ class Choice:
     def release(self, final):
         """The text now safe to send (all of it when `final`), and whether a stop string ended it."""
         text = self.tokenizer.decode(self.ids)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
-            text, final = text[:min(hits)], True
+            start, end = min(hits)
+            text, final = text[:end if self.keep_stop else start], True
         elif not final:
             text = text.rstrip("\ufffd")
             held = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
@@ -345,6 +374,7 @@ class Choice:
         if kind == "token":
             token, logprob, top_ids, top_logprobs = event[1:]
             self.completion_tokens += 1  # what max_tokens counts, the end-of-text token too
+            self.cumulative_logprob += logprob  # what best_of ranks by
             if token in self.stop_ids:  # end of text (or of turn): the model says it is done
                 return self.finish("stop")
             self.ids.append(token)
@@ -399,10 +429,37 @@ async def disconnected(request):
         pass
 
 
-def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None, chat=None):
+class AccessLog:
+    """ASGI middleware: a line per request on stdout once its response has ended (a stream's
+    too, or its client has gone): client, method, path, status, seconds. uvicorn's own
+    access log is off (--log_level warning) as it logs a stream when it starts."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), [0]
+
+        async def send_seen(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_seen)
+        finally:
+            host, port = scope.get("client") or ("-", 0)
+            print(f'{host}:{port} "{scope["method"]} {scope["path"]} HTTP/{scope.get("http_version", "1.1")}" {status[0] or "-"} '
+                  f"{time.perf_counter() - t0:.3f}s", flush=True)
+
+
+def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None, chat=None, slide=False):
     """The FastAPI app: the page, /health, /v1/models, and the two generation endpoints
     (`chat`: the model's ChatTemplate, or None: chat completions are then a 400)."""
     app = FastAPI(title="meshformer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(AccessLog)
     created = int(time.time())
     with open(PAGE) as f:
         page = f.read()
@@ -438,21 +495,79 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None, chat
                                  waiting=waiting, context=engine.window, max_tokens=max_tokens_limit, auth=api_key is not None,
                                  chat=chat is not None), status_code=200 if ready else 503)
 
+    model_card = dict(id=model_name, object="model", created=created, owned_by="meshformer", max_model_len=engine.window)
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
-        return dict(object="list", data=[dict(id=model_name, object="model", created=created, owned_by="meshformer",
-                                              max_model_len=engine.window)])
+        return dict(object="list", data=[model_card])
 
-    add_generation_routes(app, Server(engine, tokenizer, model_name, max_tokens_limit, chat), authorized)
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str):  # the SDK's models.retrieve
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} is not served here; this server serves {model_name!r}", param="model")
+        return model_card
+
+    server = Server(engine, tokenizer, model_name, max_tokens_limit, chat, slide)
+    add_generation_routes(app, server, authorized)
+    add_token_routes(app, server, authorized)
     return app
+
+
+def add_token_routes(app, server, authorized):
+    """vLLM's POST /tokenize and POST /detokenize, and GET /version."""
+    s, version = server, project_version()
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(request: Request):
+        req = parse_request(await read_body(request), TokenizeRequest)
+        s.check_model(req)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt (a text) or messages (a chat)", param="prompt")
+        if req.messages is not None:
+            if s.chat is None:
+                raise APIError(400, f"{s.model_name!r} has no chat template: tokenize a prompt", param="messages")
+            ids = chat_prompt(req.messages, s.chat, s.tokenizer, s.engine.window, s.token_chars)[1]
+        else:
+            ids = s.tokenizer.encode(req.prompt) if req.prompt else []
+        return dict(count=len(ids), max_model_len=s.engine.window, tokens=ids)
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(request: Request):
+        req = parse_request(await read_body(request), DetokenizeRequest)
+        s.check_model(req)
+        specials = {i: text for text, i in s.chat.specials.items()} if s.chat else {}
+        if any(not 0 <= t < s.tokenizer.vocab_size and t not in specials for t in req.tokens):
+            raise APIError(400, f"tokens holds ids that are no token (the tokenizer's are 0..{s.tokenizer.vocab_size - 1})",
+                           param="tokens")
+        text, run = "", []
+        for t in req.tokens + [None]:  # the template's special tokens as their text, the rest by the tokenizer
+            if t is None or t in specials:
+                text, run = text + s.tokenizer.decode(run) + specials.get(t, ""), []
+            else:
+                run.append(t)
+        return dict(prompt=text)
+
+    @app.get("/version")
+    async def get_version():
+        return dict(version=version)
+
+
+def project_version():
+    """This checkout's commit (the project has no release numbers), or "unknown" outside git."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(PAGE), capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 class Server:
     """What the generation endpoints share: the engine, the tokenizer, the model's name,
-    the max_tokens limit and its chat template (or None)."""
+    the max_tokens limit, its chat template (or None) and --serve.slide."""
 
-    def __init__(self, engine, tokenizer, model_name, max_tokens_limit, chat):
+    def __init__(self, engine, tokenizer, model_name, max_tokens_limit, chat, slide=False):
         self.engine, self.tokenizer, self.model_name, self.max_tokens_limit = engine, tokenizer, model_name, max_tokens_limit
+        self.slide = slide
         self.chat, self.token_chars = chat, max_token_chars(tokenizer)
         self.reply_tokenizer = ReplyTokenizer(tokenizer, chat) if chat is not None else None
 
@@ -475,13 +590,17 @@ def add_generation_routes(app, server, authorized):
         s.check_model(req)
         stops, bias = check_settings(req, req.max_tokens, s.max_tokens_limit, s.engine.vocab)
         prompts = tokenize_prompts(req.prompt, s.tokenizer, s.engine.window, s.token_chars)
-        choices = [Choice(i, text, ids, s.tokenizer, stops, req.logprobs, req.echo) for i, (text, ids) in enumerate(prompts)]
+        check_context([ids for _, ids in prompts], req.max_tokens, s.engine.window, s.slide, "prompt")
+        k = req.best_of or req.n  # candidates per prompt
+        stop_ids = ends(req, [s.tokenizer.eot_id])
+        choices = [Choice(p * k + j, text, ids, s.tokenizer, stops, req.logprobs, req.echo, stop_ids, req.include_stop_str_in_output)
+                   for p, (text, ids) in enumerate(prompts) for j in range(k)]
         events = submit(s.engine, req, req.max_tokens, choices, bias, want_prompt_logprobs=req.echo and req.logprobs is not None)
         leading = [choice.echo_chunk() for choice in choices] if req.echo and req.logprobs is None else []
         head = s.head("text_completion")
         if req.stream:
             return streaming(stream_events(head, req, choices, events, lambda chunk: chunk, leading))
-        return await unless_client_gone(request, completion_response(head, choices, events, leading, req.logprobs))
+        return await unless_client_gone(request, completion_response(head, req, choices, events, leading))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(request: Request):
@@ -490,15 +609,18 @@ def add_generation_routes(app, server, authorized):
         if s.chat is None:
             raise APIError(400, f"{s.model_name!r} has no chat template, so it cannot chat: use /v1/completions, or start the "
                            "server with --serve.chat_template (a Jinja file, or a Hugging Face directory)", param="messages")
-        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), s.max_tokens_limit)
-        stops, bias = check_settings(req, max_tokens, s.max_tokens_limit, s.engine.vocab)
         text, ids = chat_prompt(req.messages, s.chat, s.tokenizer, s.engine.window, s.token_chars)
-        choices = [Choice(0, text, ids, s.reply_tokenizer, stops, None, False, stop_ids=s.chat.end_ids)]
+        room = s.max_tokens_limit if s.slide else min(s.max_tokens_limit, s.engine.window - len(ids))  # vLLM's default: the rest
+        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), room)
+        stops, bias = check_settings(req, max_tokens, s.max_tokens_limit, s.engine.vocab)
+        check_context([ids], max_tokens, s.engine.window, s.slide, "messages")
+        choices = [Choice(j, text, ids, s.reply_tokenizer, stops, None, False, ends(req, s.chat.end_ids), req.include_stop_str_in_output)
+                   for j in range(req.best_of or req.n)]
         events = submit(s.engine, req, max_tokens, choices, bias)
         if req.stream:
-            role = dict(index=0, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None)
-            return streaming(stream_events(s.head("chat.completion.chunk"), req, choices, events, chat_chunk, [role]))
-        return await unless_client_gone(request, chat_response(s.head("chat.completion"), choices, events))
+            roles = [dict(index=c.index, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None) for c in choices]
+            return streaming(stream_events(s.head("chat.completion.chunk"), req, choices, events, chat_chunk, roles))
+        return await unless_client_gone(request, chat_response(s.head("chat.completion"), req, choices, events))
 
 
 def chat_prompt(messages, chat, tokenizer, window, token_chars):
@@ -507,6 +629,7 @@ def chat_prompt(messages, chat, tokenizer, window, token_chars):
     its length before it is tokenized, as tokenize_prompts does)."""
     plain = []
     for i, message in enumerate(messages):
+        check_message(i, message)
         message = message.model_dump(exclude_none=True)
         if isinstance(message.get("content"), list):  # text parts, joined as vLLM joins them for a text template
             if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in message["content"]):
@@ -532,16 +655,54 @@ def chat_prompt(messages, chat, tokenizer, window, token_chars):
     return text, ids
 
 
+def check_message(i, message):
+    """OpenAI's refusals: a role it does not know; a message without content (missing, or
+    null) unless it is the assistant's tool or function call."""
+    if message.role not in ROLES:
+        raise APIError(400, f"messages[{i}].role: {message.role!r} is not a role; the roles are {', '.join(ROLES)}",
+                       param=f"messages.[{i}].role")
+    calls = message.model_extra or {}
+    if message.content is None and not (message.role == "assistant" and (calls.get("tool_calls") or calls.get("function_call"))):
+        said = "is null" if "content" in message.model_fields_set else "is missing"
+        raise APIError(400, f"messages[{i}].content {said}: a {message.role} message needs content (text, or text parts)",
+                       param=f"messages.[{i}].content")
+
+
+def check_context(prompts_ids, max_tokens, window, slide, param):
+    """Each prompt and its max_tokens within the context, else a 400 context_length_exceeded
+    (vLLM's and OpenAI's rule); with --serve.slide the window slides instead."""
+    for ids in prompts_ids:
+        if not slide and len(ids) + max_tokens > window:
+            raise APIError(400, f"this model's maximum context length is {window} tokens, but {len(ids) + max_tokens} were asked "
+                           f"({len(ids)} in the {param}, {max_tokens} in max_tokens): ask for fewer (or start the server with "
+                           "--serve.slide)", param="max_tokens", code="context_length_exceeded")
+
+
 # ---- A request: its sequences in the engine, its chunks out
+
+
+def ends(req, default_ids):
+    """The token ids that end a choice unshown: the default ends (end-of-text, a chat's end of
+    turn) unless ignore_eos, and stop_token_ids."""
+    return (set() if req.ignore_eos else set(default_ids)) | set(req.stop_token_ids or [])
+
+
+def sample_seed(seed, i):
+    """The seed of a request's sample i (of n or best_of, for every prompt alike): seed + i,
+    wrapped into jax.random.key's 0..2^32-1; sample i of a seeded request with n > 1 is the
+    one request with n = 1 and this seed returns."""
+    return (seed + i) % 2**32
 
 
 def submit(engine, req, max_tokens, choices, logit_bias, want_prompt_logprobs=False):
     """An engine Sequence per Choice, queued together; returns the asyncio queue their
-    engine events arrive on as (choice index, event)."""
+    engine events arrive on as (choice index, event). Choice i is sample i % k of its
+    prompt (k = best_of or n)."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    k = req.best_of or req.n
     for choice in choices:
         emit = (lambda i: lambda event: loop.call_soon_threadsafe(events.put_nowait, (i, event)))(choice.index)
-        seed = secrets.randbits(31) if req.seed is None else req.seed
+        seed = secrets.randbits(31) if req.seed is None else sample_seed(req.seed, choice.index % k)
         choice.seq = Sequence(choice.prompt_ids, max_tokens, req.temperature, max(req.top_k, 0), req.top_p, seed, emit,
                               want_prompt_logprobs=want_prompt_logprobs, frequency_penalty=req.frequency_penalty,
                               presence_penalty=req.presence_penalty, logit_bias=logit_bias)
@@ -638,12 +799,27 @@ async def joined_choices(choices, events, leading, logprobs):
     return joined
 
 
-async def completion_response(head, choices, events, leading, logprobs):
-    return dict(head, choices=await joined_choices(choices, events, leading, logprobs), usage=usage(choices))
+def best_of(joined, choices, req):
+    """Of each prompt's best_of candidates, the n of highest cumulative log-probability, best
+    first and numbered anew (vLLM's best_of); all of them when best_of is n. The usage
+    counts every candidate's tokens, as OpenAI's."""
+    k, n = req.best_of or req.n, req.n
+    if k == n:
+        return joined
+    out = []
+    for first in range(0, len(joined), k):
+        ranked = sorted(range(first, first + k), key=lambda i: -choices[i].cumulative_logprob)[:n]
+        out += [dict(joined[i], index=len(out) + rank) for rank, i in enumerate(ranked)]
+    return out
 
 
-async def chat_response(head, choices, events):
-    joined = await joined_choices(choices, events, [], None)
+async def completion_response(head, req, choices, events, leading):
+    joined = best_of(await joined_choices(choices, events, leading, req.logprobs), choices, req)
+    return dict(head, choices=joined, usage=usage(choices))
+
+
+async def chat_response(head, req, choices, events):
+    joined = best_of(await joined_choices(choices, events, [], None), choices, req)
     return dict(head, choices=[dict(index=c["index"], message=dict(role="assistant", content=c["text"]), logprobs=None,
                                     finish_reason=c["finish_reason"]) for c in joined], usage=usage(choices))
 
@@ -677,7 +853,7 @@ def serve_run(cfg):
     tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
     chat = load_chat_template(hf_config.hf_dir(cfg.train.init_from), s.chat_template, tokenizer)
     engine = Engine(model, s.slots, s.queue, tp_devices=jax.devices()[:cfg.mesh.tp])
-    app = make_app(engine, tokenizer, cfg.run.name, s.max_tokens, api_key, chat)
+    app = make_app(engine, tokenizer, cfg.run.name, s.max_tokens, api_key, chat, s.slide)
     print(f"serving {cfg.run.name} on http://{s.host}:{s.port}/ (context {engine.window} tokens"
           f"{', bearer token required' if api_key else ''}; chat {'template: ' + chat.source if chat else 'off: no chat template'})"
           "; /health says loading until compiled", flush=True)

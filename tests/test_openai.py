@@ -97,10 +97,15 @@ def hf_chat_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(hf_chat_model, tmp_path_factory):
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve") / "serve.log"
+
+
+@pytest.fixture(scope="module")
+def server(hf_chat_model, server_log):
     """`python main.py --mode serve --train.init_from hf:DIR`, once /health says ok: its URL."""
-    port, out = free_port(), tmp_path_factory.mktemp("serve")
-    log = open(out / "serve.log", "w+")
+    port, out = free_port(), server_log.parent
+    log = open(server_log, "w+")
     proc = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", "--preset", "tiny", "--model.seq_len", str(WINDOW),
                              "--train.init_from", f"hf:{hf_chat_model[0]}", "--run.name", "chatty", "--run.out_dir", str(out),
                              "--serve.port", str(port), "--serve.slots", "2", "--serve.max_tokens", "48"],
@@ -285,13 +290,15 @@ def test_every_chunk_before_the_usage_says_usage_null(server, client):
 
 
 REFUSED = {  # what the SDK is asked -> the words its BadRequestError carries
-    "best_of": (dict(best_of=2), "best_of must be 1"),
     "suffix": (dict(suffix="THE END"), "suffix is not supported"),
     "stream_options without stream": (dict(stream_options={"include_usage": True}), "stream_options is only allowed when stream"),
     "a penalty out of range": (dict(frequency_penalty=2.5), "frequency_penalty must be in [-2, 2]"),
     "logit_bias of no token": (dict(logit_bias={"300": 1}), "logit_bias: '300' is not a token id in 0..299"),
     "logit_bias over 100": (dict(logit_bias={"65": 101}), "must be in [-100, 100]"),
     "max_tokens over the limit": (dict(max_tokens=49), "max_tokens must be in 0..48"),
+    "a prompt and max_tokens over the context": (dict(prompt="x" * 40, max_tokens=25), "but 65 were asked (40 in the prompt, 25 in max_tokens)"),
+    "n over the limit": (dict(n=65), "n must be in 1..64"),
+    "best_of under n": (dict(n=3, best_of=2), "best_of must be in n..64 (n = 3)"),
     "negative temperature": (dict(temperature=-1), "temperature must be in"),
     "an unknown field": (dict(extra_body={"guided_json": {}}), "unknown field 'guided_json'"),
 }
@@ -302,6 +309,11 @@ CHAT_REFUSED = {
     "a chat longer than the context": (dict(messages=[{"role": "user", "content": "x" * 70}]), "this model's context is 64"),
     "max_completion_tokens over the limit": (dict(max_completion_tokens=100), "max_tokens must be in 0..48"),
     "logprobs": (dict(logprobs=True, top_logprobs=2), "logprobs are not supported on chat completions"),
+    "a role OpenAI does not know": (dict(messages=[{"role": "wizard", "content": "Hi!"}]),
+                                    "messages[0].role: 'wizard' is not a role; the roles are system, developer, user, assistant, tool"),
+    "a message without content": (dict(messages=[MESSAGES[0], {"role": "user"}]), "messages[1].content is missing: a user message needs"),
+    "a message whose content is null": (dict(messages=[{"role": "system", "content": None}]), "messages[0].content is null"),
+    "a prompt and max_tokens over the context": (dict(max_tokens=24), "maximum context length is 64 tokens, but 65 were asked (41 in"),
     "no messages": (dict(messages=[]), "messages is empty"),
 }
 
@@ -321,6 +333,108 @@ def test_what_the_server_cannot_do_is_a_bad_request_error_naming_the_field(clien
     after = client.completions.create(**greedy)
     assert (after.choices[0].text, after.usage) == (before.choices[0].text, before.usage)
     assert client.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=3, logprobs=False).usage.completion_tokens <= 3
+
+
+def test_context_overflow_is_context_length_exceeded_and_a_chat_s_default_fills_the_context(client):
+    """prompt + max_tokens over the 64-token context: a 400 whose code is vLLM's and OpenAI's
+    (completions and chat); a chat without max_tokens gets the rest of the context (23 of
+    41 + 23 = 64 tokens), as vLLM's default."""
+    for call, kwargs in ((client.completions.create, dict(prompt="x" * 40, max_tokens=25)),
+                         (client.chat.completions.create, dict(messages=MESSAGES, max_tokens=24))):
+        with pytest.raises(openai.BadRequestError) as e:
+            call(model="chatty", **kwargs)
+        assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens", e.value.body
+    assert len(client.completions.create(model="chatty", prompt="x" * 40, max_tokens=24, temperature=0).choices[0].text) == 24
+    no_end = {str(IM_END): -100, str(BYTES.eot_id): -100}
+    reply = client.chat.completions.create(model="chatty", messages=MESSAGES, temperature=0, logit_bias=no_end)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.choices[0].finish_reason) == (41, 23, "length")
+
+
+def test_stop_strings_have_no_limit_of_four(client):
+    """Six stop strings (lm-eval sends its `until` strings and end-of-text: five and more): the
+    greedy text ends before the first that occurs, as vLLM's."""
+    ascii_text = {str(t): b for t, b in {**ASCII_ONLY, IM_END: -100.0, BYTES.eot_id: -100.0}.items()}
+    greedy = dict(model="chatty", prompt="KING", max_tokens=30, temperature=0, logit_bias=ascii_text)
+    whole = client.completions.create(**greedy).choices[0].text
+    at = next(i for i in range(12, 28) if whole.find(whole[i:i + 2]) == i)
+    cut = whole[at:at + 2]
+    assert len(whole) == 30 and len(cut) == 2, whole
+    stops = ["\u2603", "zzzz", "QQQ", "@@", "~~~", cut]
+    out = client.completions.create(**greedy, stop=stops).choices[0]
+    assert (out.text, out.finish_reason) == (whole[:at], "stop")
+    kept = client.completions.create(**greedy, stop=stops, extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert (kept.text, kept.finish_reason) == (whole[:at + 2], "stop")
+
+
+def test_vllm_s_ignore_eos_and_stop_token_ids(client):
+    """ignore_eos: a text made to end at once (end-of-text favoured) runs to max_tokens;
+    stop_token_ids: the greedy text ends, unshown, at the first of the ids."""
+    ended = dict(model="chatty", prompt="KING", max_tokens=5, temperature=0, logit_bias={str(BYTES.eot_id): 100})
+    short = client.completions.create(**ended)
+    assert (short.choices[0].text, short.choices[0].finish_reason, short.usage.completion_tokens) == ("", "stop", 1)
+    long = client.completions.create(**ended, extra_body={"ignore_eos": True})
+    assert (long.choices[0].finish_reason, long.usage.completion_tokens) == ("length", 5)
+    ascii_text = {str(t): b for t, b in {**ASCII_ONLY, IM_END: -100.0, BYTES.eot_id: -100.0}.items()}
+    greedy = dict(model="chatty", prompt="KING", max_tokens=30, temperature=0, logit_bias=ascii_text)
+    whole = client.completions.create(**greedy).choices[0].text
+    at = next(i for i in range(5, 30) if whole.index(whole[i]) == i)
+    out = client.completions.create(**greedy, extra_body={"stop_token_ids": [ord(whole[at]), 299]}).choices[0]
+    assert (out.text, out.finish_reason) == (whole[:at], "stop")
+
+
+def test_models_retrieve_tokenize_detokenize_version_and_the_access_log(server, client, hf_chat_model, server_log):
+    """The SDK's models.retrieve (404 for another name); vLLM's /tokenize (a prompt, or a chat
+    rendered as apply_chat_template renders it), /detokenize (special tokens as their text),
+    /version (this checkout's commit); and a line per request in the server's log."""
+    card = client.models.retrieve("chatty")
+    assert (card.id, card.object, card.owned_by, card.model_extra["max_model_len"]) == ("chatty", "model", "meshformer", WINDOW)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert "'gpt-4o' is not served here" in e.value.message
+
+    def post(path, body):
+        request = urllib.request.Request(server + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.load(r)
+
+    assert post("/tokenize", {"prompt": "ROMEO:"}) == {"count": 6, "max_model_len": WINDOW, "tokens": BYTES.encode("ROMEO:")}
+    tok = hf_chat_model[2]
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert post("/tokenize", {"model": "chatty", "messages": MESSAGES})["tokens"] == ids
+    assert post("/detokenize", {"tokens": ids}) == {"prompt": tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)}
+    with urllib.request.urlopen(server + "/version", timeout=60) as r:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        assert json.load(r) == {"version": commit}
+    time.sleep(0.2)
+    lines = server_log.read_text().splitlines()
+    assert any('"GET /v1/models/gpt-4o HTTP/1.1" 404 ' in line for line in lines), lines[-5:]
+    assert sum('"POST /tokenize HTTP/1.1" 200 ' in line for line in lines) == 2 and any(" /version " in line for line in lines)
+
+
+def test_n_samples_are_the_single_requests_with_the_derived_seeds(client):
+    """n=3 with seed 7: three choices, sample i the text of one request with seed 7 + i
+    (serve.sample_seed), for completions (two prompts: choice index = prompt x n + i), chat,
+    and streamed; best_of=3 returns the candidate of highest cumulative log-probability."""
+    sampled = dict(model="chatty", max_tokens=12, temperature=1.0, logit_bias={str(BYTES.eot_id): -100, str(IM_END): -100})
+    single = [client.completions.create(**sampled, prompt="KING", seed=7 + i, logprobs=0).choices[0] for i in range(3)]
+    assert len({c.text for c in single}) == 3, [c.text for c in single]
+    many = client.completions.create(**sampled, prompt="KING", seed=7, n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2] and [c.text for c in many.choices] == [c.text for c in single]
+    assert many.usage.completion_tokens == 36
+    two = client.completions.create(**sampled, prompt=["ROMEO:", "KING"], seed=7, n=2)
+    assert [c.text for c in two.choices][2:] == [c.text for c in single[:2]]
+    streamed = {}
+    for chunk in client.completions.create(**sampled, prompt="KING", seed=7, n=3, stream=True):
+        streamed[chunk.choices[0].index] = streamed.get(chunk.choices[0].index, "") + chunk.choices[0].text
+    assert [streamed[i] for i in range(3)] == [c.text for c in single]
+
+    best = client.completions.create(**sampled, prompt="KING", seed=7, n=1, best_of=3)
+    scores = [sum(c.logprobs.token_logprobs) for c in single]
+    assert [c.text for c in best.choices] == [single[scores.index(max(scores))].text] and best.usage.completion_tokens == 36
+
+    chat = dict(sampled, messages=MESSAGES, max_tokens=8)
+    replies = [client.chat.completions.create(**chat, seed=7 + i).choices[0].message.content for i in range(3)]
+    assert [c.message.content for c in client.chat.completions.create(**chat, seed=7, n=3).choices] == replies and len(set(replies)) == 3
 
 
 # ---- The page offers chat when the model has a template

@@ -60,7 +60,7 @@ def server_process(run, tmp_path_factory):
     """`python main.py --mode serve` on the run, with a bearer token: (process, URL, log)."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run, "--serve.port", str(port),
+    proc = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run, "--serve.slide", "true", "--serve.port", str(port),
                              "--serve.slots", str(SLOTS), "--serve.queue", str(QUEUE), "--serve.max_tokens", str(MAX_TOKENS)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, MESHFORMER_API_KEY=KEY))
     try:
@@ -424,7 +424,7 @@ def test_a_fresh_server_is_ready_when_it_says_so(run, tmp_path):
     port = free_port()
     url, states = f"http://127.0.0.1:{port}", []
     with open(tmp_path / "serve.log", "w+") as log:
-        proc = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run, "--serve.port", str(port),
+        proc = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run, "--serve.slide", "true", "--serve.port", str(port),
                                  "--serve.slots", str(SLOTS), "--serve.queue", str(QUEUE), "--serve.max_tokens", str(MAX_TOKENS),
                                  "--run.compile_cache", str(tmp_path / "jax_cache")],  # cold: every program compiles here
                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, MESHFORMER_API_KEY=KEY))
