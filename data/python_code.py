@@ -26,7 +26,6 @@ import sysconfig
 import zlib
 from pathlib import Path
 
-import numpy as np
 
 from data import shards
 
@@ -56,19 +55,11 @@ def library_files() -> list[tuple[str, Path]]:
 
 def prepare(out_dir: str) -> dict[str, int]:
     """Write the train/val byte-token shards and manifest into out_dir; tokens per split."""
-    tokenizer = shards.get_tokenizer("bytes")
     files = library_files()
-    splits, counts = {}, {}
-    for split in ("train", "val"):
-        picked = [(name, path) for name, path in files if (zlib.crc32(name.encode()) % VAL_EVERY == 0) == (split == "val")]
-        texts = [f"# {name}\n" + path.read_text(encoding="utf-8", errors="replace") for name, path in picked]
-        tokens = np.concatenate([tokenizer.encode(text) + [tokenizer.eot_id] for text in texts])
-        splits[split] = [shards.write_shard(out_dir, f"{split}_{i:06d}.npy", tokens[start:start + SHARD_TOKENS], tokenizer.vocab_size)
-                         for i, start in enumerate(range(0, len(tokens), SHARD_TOKENS))]
-        counts[split] = len(tokens)
-    shards.write_manifest(out_dir, splits, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id,
-                          source=f"Python {platform.python_version()} standard library ({len(files)} .py files)")
-    return counts
+    texts = {split: [f"# {name}\n" + path.read_text(encoding="utf-8", errors="replace") for name, path in files
+                     if (zlib.crc32(name.encode()) % VAL_EVERY == 0) == (split == "val")] for split in ("train", "val")}
+    return shards.write_byte_corpus(out_dir, texts, SHARD_TOKENS,
+                                    source=f"Python {platform.python_version()} standard library ({len(files)} .py files)")
 
 
 def main():

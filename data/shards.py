@@ -172,6 +172,19 @@ def write_manifest(out_dir: str, splits: dict, tokenizer_name: str, vocab_size: 
     return manifest
 
 
+def write_byte_corpus(out_dir: str, texts_by_split: dict, shard_tokens: int, **manifest_extra) -> dict[str, int]:
+    """An embedded corpus's texts (per split) as byte-token shards of shard_tokens each, one end-of-text after every
+    text, and its manifest; the tokens per split."""
+    tokenizer, splits, counts = get_tokenizer("bytes"), {}, {}
+    for split, texts in texts_by_split.items():
+        tokens = np.concatenate([tokenizer.encode(text) + [tokenizer.eot_id] for text in texts])
+        splits[split] = [write_shard(out_dir, f"{split}_{i:06d}.npy", tokens[start:start + shard_tokens], tokenizer.vocab_size)
+                         for i, start in enumerate(range(0, len(tokens), shard_tokens))]
+        counts[split] = len(tokens)
+    write_manifest(out_dir, splits, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id, **manifest_extra)
+    return counts
+
+
 def validate_manifest(manifest: dict, where: str) -> None:
     for key in ("tokenizer", "vocab_size", "dtype", "splits"):
         if key not in manifest:
