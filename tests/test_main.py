@@ -96,7 +96,7 @@ def test_missing_data_is_one_line_that_says_what_to_give(tmp_path):
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert missing.stderr.strip().splitlines() == [f"error: data source {str(tmp_path / 'nowhere')!r} is neither an embedded dataset "
-                                                   "('shakespeare',), an existing directory, nor gs://bucket/prefix"]
+                                                   "('shakespeare', 'code'), an existing directory, nor gs://bucket/prefix"]
 
 
 # ---- Training, resume, sampling
