@@ -243,15 +243,22 @@ def test_dense_model_under_1f1b():
     assert_params_close(params, ref_params)
 
 
+ZERO_BUBBLE_CASES = [((2, 2, 2), "zb1", 4, False), ((1, 4, 2), "zb1", 4, False), ((2, 4, 1), "zb1", 8, False), ((2, 2, 2), "zb1", 4, True),
+                     ((2, 2, 2), "zbv", 4, False), ((1, 4, 2), "zbv", 8, False), ((2, 4, 1), "zbv", 8, False), ((2, 2, 2), "zbv", 4, True)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape, M", [((2, 2, 2), 4), ((1, 4, 2), 4)], ids=["2x2x2", "1x4x2"])
-def test_zb1_two_steps_equal_one_device(mesh_shape, M):
-    """ZB-H1 (B and W apart) against one device over two steps: losses, grad norm,
-    MoE statistics and every updated weight."""
+@pytest.mark.parametrize("mesh_shape, kind, M, expert_parallel", ZERO_BUBBLE_CASES,
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else "ep" if x is True else "" if x is False else str(x))
+def test_zero_bubble_two_steps_equal_one_device(mesh_shape, kind, M, expert_parallel):
+    """ZB-H1 and ZB-V (B and W apart; zbv's V of chunks) against one device over two
+    steps: losses, grad norm, MoE statistics and every updated weight, at pp 2 and 4
+    beside dp and tp, and with the experts split over dp."""
     from test_parallel import assert_same_steps
     from test_parallel import train_steps as run_steps
 
-    assert_same_steps(run_steps(schedule_config(mesh_shape, "zb1", M)), run_steps(tiny_config()))
+    cfg = apply_overrides(schedule_config(mesh_shape, kind, M), {"mesh": dict(expert_parallel=expert_parallel)})
+    assert_same_steps(run_steps(cfg), run_steps(tiny_config()))
 
 
 # ---- Bad schedules fail before compiling
