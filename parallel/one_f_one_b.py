@@ -1,4 +1,4 @@
-"""The 1f1b, interleaved and zb1 executor (--train.pipeline 1f1b | interleaved | zb1): (loss,
+"""The 1f1b, interleaved, zb1 and zbv executor (--train.pipeline 1f1b | interleaved | zb1 | zbv): (loss,
 metrics, grads) by running a schedule table tick by tick, with the backward written by
 hand, inside the shard_map step.
 
@@ -23,7 +23,9 @@ half needs; W gathers the block's weights again under FSDP).
 
 Interleaved: storage keeps each stage's blocks contiguous, so init, checkpoints, eval and
 the planner do not depend on the schedule; the step moves chunk c to stage c % pp by
-ppermute, and its gradient back.
+ppermute, and its gradient back. zbv: zb1's B and W over two chunks per stage in a V
+(schedules.chunk_of), placed the same way; the second chunks' activations travel up the
+stages on ppermutes of their own (send).
 """
 
 import jax

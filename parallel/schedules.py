@@ -18,11 +18,15 @@ backward's weight half (W) apart from B (then only the input gradient), or nothi
                  so that the cooldown's idle ticks fill. F, B and W take a tick each:
                  3M + pp - 1 ticks, idle (pp - 1) / (3 M + pp - 1) (needs M >= pp);
                  at most pp microbatches in flight (F to W) per stage, as 1f1b's stage 0
+    zbv          ZB-V (the same paper's V schedule; torch's ScheduleZBVZeroBubble): zb1's
+                 B and W over two chunks per stage placed in a V, stage s holding chunks
+                 s and 2 pp - 1 - s (the first and last on stage 0). 6M + pp - 1 chunk
+                 ticks, pp - 1 of them idle per stage once M >= 2 pp: (pp - 1) / (6M + pp - 1)
 
 `schedule(kind, pp, M, V)` builds the table by simulating the stages in lockstep (an op
 waits for its input from the neighbour's previous tick) and gives every in-flight
 microbatch a slot of a fixed ring of buffers; `grid` renders it as text.
-parallel/one_f_one_b.py runs 1f1b and interleaved from it; planning/ and benchmarks/ read it.
+parallel/one_f_one_b.py runs all but gpipe from it; planning/ and benchmarks/ read it.
 """
 
 import dataclasses
