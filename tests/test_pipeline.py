@@ -261,6 +261,40 @@ def test_zero_bubble_two_steps_equal_one_device(mesh_shape, kind, M, expert_para
     assert_same_steps(run_steps(cfg), run_steps(tiny_config()))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["zbv"])  # (zb1: the same executor and state; zbv its V of chunks too)
+def test_zero_bubble_kill_and_resume_is_bit_identical(tmp_path, kind):
+    """python main.py under KIND (pp 2 x tp 2, M 4), kill -9 once a checkpoint is complete,
+    the same command again: every step's loss equals the uninterrupted run's, bit for bit."""
+    import signal
+    import subprocess
+    import time
+
+    from test_checkpoint import REPO, complete_steps, main_cmd, main_py, train_losses
+
+    data_cache = str(tmp_path / "data")
+    args = ["--train.steps", "8", "--train.decay_steps", "100", "--train.eval_every", "1000", "--train.checkpoint_every", "2",
+            "--model.dtype", "float32", "--run.cpu_devices", "4", "--mesh.dp", "1", "--mesh.pp", "2", "--mesh.tp", "2",
+            "--train.microbatches", "4", "--train.pipeline", kind]
+    main_py([*args, "--run.name", "straight"], tmp_path, data_cache)
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    proc = subprocess.Popen(main_cmd([*args, "--run.name", "killed"], tmp_path, data_cache), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not (checkpoints.is_dir() and any(s >= 4 for s in complete_steps(checkpoints))):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run finished before the kill"
+    killed_at = max(complete_steps(checkpoints))
+    assert killed_at < 8
+    result = main_py([*args, "--run.name", "killed"], tmp_path, data_cache)
+    assert f"resumed from {checkpoints}/{killed_at}" in result.stdout
+    resumed, _ = train_losses(tmp_path / "killed")
+    straight, _ = train_losses(tmp_path / "straight")
+    assert sorted(resumed) == sorted(straight) == list(range(1, 9))
+    assert [resumed[s] for s in range(1, 9)] == [straight[s] for s in range(1, 9)]
+
+
 # ---- Bad schedules fail before compiling
 
 
