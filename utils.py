@@ -137,7 +137,7 @@ class ModelConfig:
 
 
 # --train.pipeline values: parallel/gpipe.py runs gpipe, parallel/one_f_one_b.py the others (parallel/rules.executor_name).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv")
 GATHER_ONCE = ("auto", "true", "false")  # --train.gather_once: parallel/rules.gathers_once reads it
 SHARDING_MODES = ("manual", "auto")  # --mesh.sharding: parallel/rules.executor_name dispatches on it
 
@@ -192,7 +192,7 @@ class TrainConfig:
     init_from: str = option("", "start from these params (export or checkpoint dir, or hf:DIR, a Hugging Face "
                                 "DeepseekV3-format directory whose architecture the model takes) with a fresh optimizer")
     pipeline: str = option("gpipe", "pipeline schedule over pp: gpipe (all forwards, then all backwards) | 1f1b (one forward, one "
-                                    "backward: pp microbatches alive) | interleaved (1f1b over virtual_stages chunks) | zb1 (ZB-H1: W deferred)")
+                                    "backward: pp alive) | interleaved (1f1b over virtual_stages chunks) | zb1 (ZB-H1: W deferred) | zbv (ZB-V)")
     gather_once: str = option("auto", "pp = 1 with several microbatches (parallel/accumulate.py): all-gather the FSDP-split "
                                       "block weights once per step (true: holds them whole, and their float32 gradient) or "
                                       "per microbatch (false) | auto: once when that costs at most a quarter of the device's memory")

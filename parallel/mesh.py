@@ -130,13 +130,14 @@ def check_config_fits_mesh(cfg, mesh):
     dp, cp, pp, tp = (mesh.shape[a] for a in AXES)
     slices = mesh.shape.get(SLICE, 1)
     m, t = cfg.model, cfg.train
-    V = t.virtual_stages if t.pipeline == "interleaved" else 1
+    V, zbv = t.virtual_stages if t.pipeline == "interleaved" else 2 if t.pipeline == "zbv" else 1, t.pipeline == "zbv"
     if m.n_blocks % (pp * V):
-        raise ConfigError(f"--model.n_blocks ({m.n_blocks}) must be divisible by --mesh.pp x --train.virtual_stages "
+        raise ConfigError(f"--train.pipeline zbv gives each stage two chunks: --model.n_blocks ({m.n_blocks}) must be divisible by 2 x "
+                          f"--mesh.pp ({pp})" if zbv else f"--model.n_blocks ({m.n_blocks}) must be divisible by --mesh.pp x --train.virtual_stages "
                           f"({pp} x {V}): each stage holds {V} chunk(s) of whole blocks" if V > 1 else
                           f"--model.n_blocks ({m.n_blocks}) must be divisible by --mesh.pp ({pp}): each stage holds whole blocks")
-    if t.microbatches < pp:
-        raise ConfigError(f"--train.microbatches ({t.microbatches}) must be >= --mesh.pp ({pp}) to keep every stage busy")
+    if t.microbatches < pp * V ** zbv:
+        raise ConfigError(f"--train.microbatches ({t.microbatches}) must be >= {'2 x ' * zbv}--mesh.pp ({pp}) to keep every stage busy")
     if t.pipeline == "interleaved" and t.microbatches % pp:
         raise ConfigError(f"--train.pipeline interleaved sends microbatches in groups of --mesh.pp: --train.microbatches "
                           f"({t.microbatches}) must be a multiple of {pp}")

@@ -1,4 +1,4 @@
-"""The 1f1b, interleaved and zb1 executor (--train.pipeline 1f1b | interleaved | zb1): (loss,
+"""The 1f1b, interleaved, zb1 and zbv executor (--train.pipeline 1f1b | interleaved | zb1 | zbv): (loss,
 metrics, grads) by running a schedule table tick by tick, with the backward written by
 hand, inside the shard_map step.
 
@@ -23,7 +23,9 @@ half needs; W gathers the block's weights again under FSDP).
 
 Interleaved: storage keeps each stage's blocks contiguous, so init, checkpoints, eval and
 the planner do not depend on the schedule; the step moves chunk c to stage c % pp by
-ppermute, and its gradient back.
+ppermute, and its gradient back. zbv: zb1's B and W over two chunks per stage in a V
+(schedules.chunk_of), placed the same way; the second chunks' activations travel up the
+stages on ppermutes of their own (send).
 """
 
 import jax
@@ -35,7 +37,7 @@ from model import fold_in_rows, remat_block
 from ops.collectives import axis_index, vary, widen, zeros_of
 from parallel import fsdp
 from parallel import step_core as core
-from parallel.schedules import BACKWARD, FIELDS, FORWARD, WEIGHT, schedule
+from parallel.schedules import BACKWARD, FIELDS, FORWARD, WEIGHT, chunk_of, chunks_per_stage, place_of, schedule
 from utils import PP, TP
 
 MANUAL = True  # runs inside jax.shard_map: every collective written out
@@ -68,22 +70,23 @@ def move_chunks(tree_VL, source_of, axis):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
 
 
-def to_chunks(tree_N, V, axis):
-    """Local storage [V L, ...] (stage s's contiguous blocks) -> the chunks stage s runs
-    [V, L, ...]: its v-th chunk is global chunk v pp + s."""
+def to_chunks(tree_N, V, axis, kind="interleaved"):
+    """Local storage [V L, ...] (stage s's contiguous blocks: global chunks V s, ...,
+    V s + V - 1) -> the chunks stage s runs [V, L, ...]: its v-th chunk is global chunk
+    chunk_of(kind, pp, s, v) (v pp + s; under zbv s, then 2 pp - 1 - s)."""
     pp = jax.lax.axis_size(axis)
     tree = jax.tree.map(lambda x: x.reshape(V, x.shape[0] // V, *x.shape[1:]), tree_N)
     if V == 1 or pp == 1:
         return tree
-    return move_chunks(tree, lambda d, v: divmod(v * pp + d, V), axis)
+    return move_chunks(tree, lambda d, v: divmod(chunk_of(kind, pp, d, v), V), axis)
 
 
-def from_chunks(tree_VL, axis):
+def from_chunks(tree_VL, axis, kind="interleaved"):
     """The inverse of to_chunks: [V, L, ...] chunks back to storage order [V L, ...]."""
     pp = jax.lax.axis_size(axis)
     V = jax.tree.leaves(tree_VL)[0].shape[0]
     if V > 1 and pp > 1:
-        tree_VL = move_chunks(tree_VL, lambda d, u: ((d * V + u) % pp, (d * V + u) // pp), axis)
+        tree_VL = move_chunks(tree_VL, lambda d, u: place_of(kind, pp, d * V + u), axis)
     return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree_VL)
 
 
@@ -97,8 +100,9 @@ class ScheduledStep:
         m_cfg, t_cfg = cfg.model, cfg.train
         self.cfg, self.params, self.graphdef = cfg, params, graphdef
         self.M = t_cfg.microbatches
-        self.V = t_cfg.virtual_stages if t_cfg.pipeline == "interleaved" else 1
-        self.split = t_cfg.pipeline == "zb1"  # the backward in two ops, B and W
+        self.kind = t_cfg.pipeline
+        self.V = chunks_per_stage(self.kind, t_cfg.virtual_stages)
+        self.split = self.kind in ("zb1", "zbv")  # the backward in two ops, B and W
         self.pp, self.stage = jax.lax.axis_size(PP), axis_index(PP)
         self.sched = schedule(t_cfg.pipeline, self.pp, self.M, self.V)
         self.C = self.pp * self.V
@@ -109,7 +113,7 @@ class ScheduledStep:
         # Top-level weights gathered once per step; their float32 gradient reduce-scattered once at the end.
         top_local = {k: v for k, v in params.items() if k != "blocks"}
         self.top, self.top_vjp = jax.vjp(lambda t: fsdp.gather_top(t, cfg), top_local)
-        self.chunks = to_chunks(params["blocks"], self.V, PP)  # [V, L, ...]: this stage's chunks
+        self.chunks = to_chunks(params["blocks"], self.V, PP, self.kind)  # [V, L, ...]: this stage's chunks
         self.L = jax.tree.leaves(self.chunks)[0].shape[1]
         self.block_def = nnx.split(self.model_with(self.top).blocks)[0]
         self._x_dependent = None  # depends_on_x's answer, once traced
@@ -327,7 +331,7 @@ class ScheduledStep:
             res=jnp.zeros((sched.res_slots + 1,) + x0.shape, act_dtype) + x0,
             stash=[jnp.stack([z] * sched.res_slots) for z in zeros_of(stash_avals)],  # (no trash slot: see tick)
             grads=jnp.zeros((sched.grad_slots + 1,) + x0.shape, act_dtype) + x0,
-            x_recv=x0, g_recv=x0,
+            x_recv=x0, g_recv=x0, **(dict(x_recv_1=x0, g_recv_1=x0) if self.kind == "zbv" else {}),
             g_chunks=jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), self.chunks),
             g_top=jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), self.top),
             stats=jax.tree.map(lambda z: jnp.stack([z] * self.V), core.empty_stats(stats_aval)),
@@ -337,11 +341,15 @@ class ScheduledStep:
 
     def tick(self, carry, row_S):
         pp, sched = self.pp, self.sched
-        op, m, v, res_slot, recv_x_slot, grad_slot, recv_grad_slot = (row_S[self.stage, i] for i in range(len(FIELDS)))
-        c = v * pp + self.stage
+        op, m, v, res_slot, recv_x_slot, grad_slot, recv_grad_slot, recv_x_slot_1, recv_grad_slot_1 = (
+            row_S[self.stage, i] for i in range(len(FIELDS)))
+        c = chunk_of(self.kind, pp, self.stage, v)  # the global chunk
         act_dtype = jnp.dtype(self.cfg.model.dtype)
         res = carry["res"].at[recv_x_slot].set(carry["x_recv"])  # what the previous stage sent last tick
         grads = carry["grads"].at[recv_grad_slot].set(carry["g_recv"])  # what the next stage sent
+        if self.kind == "zbv":  # and what came for the second chunk, on the V's way back up
+            res = res.at[recv_x_slot_1].set(carry["x_recv_1"])
+            grads = grads.at[recv_grad_slot_1].set(carry["g_recv_1"])
         # (named_op: planning/hlo_reader.dot_flops(hlo, "forward_op") counts one op's matmuls)
         y, x_in, stash_L, stats_L, (ce, mtp), gy, g_top_f = core.when(op == FORWARD, named_op(self.forward_op), res[res_slot], m, v, c)
         stash_slot = jnp.minimum(res_slot, sched.res_slots - 1)  # (the stash ring has no trash slot)
@@ -363,14 +371,27 @@ class ScheduledStep:
         g_chunks = jax.tree.map(lambda acc, g: acc.at[v].add(g.astype(jnp.float32)), carry["g_chunks"], g_chunk)
         g_top = jax.tree.map(lambda acc, f, g: acc + f + g, carry["g_top"], g_top_f, g_top_b)
         stats = core.add_stats_at(carry["stats"], stats_L, v, is_f)  # (no forward: its zeros add nothing)
-        if pp > 1:  # activations to the next stage, gradients to the previous one
-            forward_pairs = [(i, (i + 1) % pp) for i in range(pp if self.V > 1 else pp - 1)]
-            x_recv = jax.lax.ppermute(y, PP, forward_pairs)
-            g_recv = jax.lax.ppermute(gx, PP, [(j, i) for i, j in forward_pairs])
-        else:
-            x_recv, g_recv = y, gx
-        return dict(res=res, stash=stash, grads=grads, x_recv=x_recv.astype(act_dtype), g_recv=g_recv.astype(act_dtype),
+        sent = {k: x.astype(act_dtype) for k, x in self.send(y, gx).items()}
+        return dict(res=res, stash=stash, grads=grads, **sent,
                     g_chunks=g_chunks, g_top=g_top, stats=stats, ce=carry["ce"] + ce, mtp=carry["mtp"] + mtp, gys=gys), None
+
+    def send(self, y, gx):
+        """The tick's output activation to the next chunk's stage, its input gradient to the
+        previous chunk's: x_recv and g_recv (a ring down the stages, or a line), under zbv
+        also x_recv_1 and g_recv_1 for the second chunks (the V: chunk 0 goes down, chunk 1
+        comes up, the last stage hands its own chunk 0's output to its chunk 1). Every
+        stage sends on every channel; the table says which arrivals are kept."""
+        pp = self.pp
+        if pp == 1:
+            return dict(x_recv=y, g_recv=gx) if self.kind != "zbv" else dict(x_recv=y, g_recv=gx, x_recv_1=y, g_recv_1=gx)
+        down = [(i, (i + 1) % pp) for i in range(pp if self.V > 1 and self.kind != "zbv" else pp - 1)]
+        up = [(j, i) for i, j in down]
+        sent = dict(x_recv=jax.lax.ppermute(y, PP, down), g_recv=jax.lax.ppermute(gx, PP, up))
+        if self.kind == "zbv":
+            last = self.stage == pp - 1
+            sent = dict(x_recv=sent["x_recv"], g_recv=jnp.where(last, gx, sent["g_recv"]),
+                        x_recv_1=jnp.where(last, y, jax.lax.ppermute(y, PP, up)), g_recv_1=jax.lax.ppermute(gx, PP, down))
+        return sent
 
     def run(self):
         table = jnp.asarray(self.sched.table)
@@ -380,10 +401,10 @@ class ScheduledStep:
             carry = widen(carry, out)
         carry, _ = jax.lax.scan(self.tick, carry, table)
 
-        g_blocks = from_chunks(carry["g_chunks"], PP)
+        g_blocks = from_chunks(carry["g_chunks"], PP, self.kind)
         g_top_local = self.top_vjp(jax.tree.map(lambda g, w: g.astype(w.dtype), carry["g_top"], self.top))[0]
         grads = {**g_top_local, "blocks": jax.tree.map(lambda g, w: g.astype(w.dtype), g_blocks, self.params["blocks"])}
-        stats_N = from_chunks(carry["stats"], PP)
+        stats_N = from_chunks(carry["stats"], PP, self.kind)
         return core.loss_and_metrics(carry["ce"], stats_N, self.cfg, carry["mtp"]), grads
 
 

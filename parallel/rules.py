@@ -33,6 +33,6 @@ def gathers_once(cfg, held_bytes, memory_bytes):
 
 
 def formula_bubble(kind, pp, M, V=1):
-    """The textbook bubble: (pp - 1) / (V M + pp - 1) (V = 1 for gpipe and 1f1b; zb1: 3 M, its F, B and W ticks)."""
-    V = V if kind == "interleaved" else 3 if kind == "zb1" else 1
+    """The textbook bubble: (pp - 1) / (V M + pp - 1) (V = 1 for gpipe and 1f1b; zb1: 3 M, its F, B, W ticks; zbv: 6 M)."""
+    V = V if kind == "interleaved" else {"zb1": 3, "zbv": 6}.get(kind, 1)
     return (pp - 1) / (V * M + pp - 1)

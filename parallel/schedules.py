@@ -18,11 +18,15 @@ backward's weight half (W) apart from B (then only the input gradient), or nothi
                  so that the cooldown's idle ticks fill. F, B and W take a tick each:
                  3M + pp - 1 ticks, idle (pp - 1) / (3 M + pp - 1) (needs M >= pp);
                  at most pp microbatches in flight (F to W) per stage, as 1f1b's stage 0
+    zbv          ZB-V (the same paper's V schedule; torch's ScheduleZBVZeroBubble): zb1's
+                 B and W over two chunks per stage placed in a V, stage s holding chunks
+                 s and 2 pp - 1 - s (the first and last on stage 0). 6M + pp - 1 chunk
+                 ticks, pp - 1 of them idle per stage once M >= 2 pp: (pp - 1) / (6M + pp - 1)
 
 `schedule(kind, pp, M, V)` builds the table by simulating the stages in lockstep (an op
 waits for its input from the neighbour's previous tick) and gives every in-flight
 microbatch a slot of a fixed ring of buffers; `grid` renders it as text.
-parallel/one_f_one_b.py runs 1f1b and interleaved from it; planning/ and benchmarks/ read it.
+parallel/one_f_one_b.py runs all but gpipe from it; planning/ and benchmarks/ read it.
 """
 
 import dataclasses
@@ -33,7 +37,10 @@ from utils import PIPELINE_SCHEDULES as SCHEDULES  # (one source of truth: the c
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3  # (BACKWARD: the whole backward, or under zb1 its input half)
 # Fields of one table row: what stage s does at tick t, and where its buffers are.
-FIELDS = ("op", "microbatch", "chunk", "res_slot", "recv_x_slot", "grad_slot", "recv_grad_slot")
+# recv_*_slot: where what arrives at the tick's start is kept; under zbv, the *_1 columns
+# hold what arrives for the stage's second chunk (from the stage above: the V's way back up).
+FIELDS = ("op", "microbatch", "chunk", "res_slot", "recv_x_slot", "grad_slot", "recv_grad_slot", "recv_x_slot_1",
+          "recv_grad_slot_1")
 
 
 # ---- The table
@@ -45,6 +52,8 @@ def stage_program(kind, pp, M, V, s):
         return [(FORWARD, m, 0) for m in range(M)] + [(BACKWARD, m, 0) for m in reversed(range(M))]
     if kind == "zb1":
         return zb1_program(pp, M, s)
+    if kind == "zbv":
+        return zbv_program(pp, M, s)
     if kind == "1f1b":
         warmup = min(pp - 1 - s, M)
         forwards = [(m, 0) for m in range(M)]
@@ -76,6 +85,53 @@ def zb1_program(pp, M, s):
     return ops + [(WEIGHT, i, 0) for i in range(w + M - b, M)]
 
 
+def zbv_program(pp, M, s):
+    """ZB-V's ops on stage s (local chunk 0 is global chunk s, chunk 1 is 2 pp - 1 - s), as
+    torch's ScheduleZBVZeroBubble orders them: 2 (pp - s) - 1 forwards of chunk 0, s pairs
+    of forwards (chunk 1, chunk 0), pp - s F B W of chunk 1, then F B W of chunk 0 and of
+    chunk 1 in turn while forwards remain; the cooldown runs the Bs first (s of each
+    chunk, then chunk 0's with a W after each) and the remaining Ws last."""
+    ops, f, b = [], [0, 0], [0, 0]
+
+    def add(op, v):
+        count = f if op == FORWARD else b
+        ops.append((op, count[v], v))
+        count[v] += op != WEIGHT
+    for _ in range(min(2 * (pp - s) - 1, M)):
+        add(FORWARD, 0)
+    for _ in range(s):
+        add(FORWARD, 1)
+        if f[0] < M:
+            add(FORWARD, 0)
+    for _ in range(pp - s):
+        if f[1] < M:
+            add(FORWARD, 1)
+        if b[1] < f[1]:
+            add(BACKWARD, 1)
+            ops.append((WEIGHT, b[1] - 1, 1))
+    while f[1] < f[0] or f[0] < M:
+        if f[0] < M:
+            add(FORWARD, 0)
+        add(BACKWARD, 0)
+        ops.append((WEIGHT, b[0] - 1, 0))
+        add(FORWARD, 1)
+        add(BACKWARD, 1)
+        ops.append((WEIGHT, b[1] - 1, 1))
+    w = list(b)
+    for _ in range(s):
+        if b[0] < M:
+            add(BACKWARD, 0)
+        if b[1] < M:
+            add(BACKWARD, 1)
+    for _ in range(pp - s):
+        if b[0] < M:
+            add(BACKWARD, 0)
+            ops.append((WEIGHT, w[0], 0))
+            w[0] += 1
+    ops += [(WEIGHT, i, 1) for i in range(w[1], b[1])]
+    return ops + [(WEIGHT, i, 0) for i in range(w[0], b[0])]
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     kind: str
@@ -95,12 +151,33 @@ class Schedule:
         return float(np.mean(self.table[..., 0] == IDLE))
 
 
+def chunks_per_stage(kind, V):
+    """Chunks each stage holds: V interleaved, 2 under zbv, else 1."""
+    return V if kind == "interleaved" else 2 if kind == "zbv" else 1
+
+
+def chunk_of(kind, pp, s, v):
+    """The global chunk that stage s runs as its v-th: v pp + s (a loop over the stages,
+    V times), under zbv s then 2 pp - 1 - s (a V: down the stages and back up, the first
+    and last chunk on stage 0). Works on traced s and v too."""
+    if kind == "zbv":
+        return s + v * (2 * pp - 1 - 2 * s)
+    return v * pp + s
+
+
+def place_of(kind, pp, c):
+    """(stage, local chunk) of global chunk c: the inverse of chunk_of."""
+    if kind == "zbv":
+        return (c, 0) if c < pp else (2 * pp - 1 - c, 1)
+    return c % pp, c // pp
+
+
 def schedule(kind, pp, M, V=1):
     """Simulate the stages' programs in lockstep; return the Schedule."""
     if kind not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {kind!r}")
-    V = V if kind == "interleaved" else 1
-    C = pp * V  # chunks; global chunk c = v * pp + s lives on stage s = c % pp
+    V = chunks_per_stage(kind, V)
+    C = pp * V  # chunks: global chunk_of(kind, pp, s, v) is stage s's v-th
     programs = [stage_program(kind, pp, M, V, s) for s in range(pp)]
     done = {}  # (op, m, c) -> tick
     position, last_tick, t = [0] * pp, [-1] * pp, 0
@@ -111,7 +188,7 @@ def schedule(kind, pp, M, V=1):
             if position[s] == len(programs[s]):
                 continue
             op, m, v = programs[s][position[s]]
-            c = v * pp + s
+            c = chunk_of(kind, pp, s, v)
             need = ((FORWARD, m, c - 1) if op == FORWARD else (BACKWARD, m, c) if op == WEIGHT
                     else (BACKWARD, m, c + 1) if c < C - 1 else (FORWARD, m, c))
             if (op == FORWARD and c == 0) or done.get(need, t) < t:
@@ -119,7 +196,7 @@ def schedule(kind, pp, M, V=1):
         for s in range(pp):
             if row[s][0] != IDLE:
                 op, m, v = row[s]
-                done[(op, m, v * pp + s)] = t
+                done[(op, m, chunk_of(kind, pp, s, v))] = t
                 position[s] += 1
                 last_tick[s] = t
         if all(r[0] == IDLE for r in row):
@@ -130,11 +207,11 @@ def schedule(kind, pp, M, V=1):
     for t, row in enumerate(rows):
         for s, (op, m, v) in enumerate(row):
             table[t, s, :3] = (op, m, v)
-    res_slots, grad_slots = assign_slots(table, done, pp, M, V)
+    res_slots, grad_slots = assign_slots(table, done, kind, pp, M, V)
     return Schedule(kind, pp, M, V, table, res_slots, grad_slots)
 
 
-def assign_slots(table, done, pp, M, V):
+def assign_slots(table, done, kind, pp, M, V):
     """Give every (microbatch, chunk) on its stage a slot of the saved-activation ring,
     from when its input exists until its backward tick (under zb1 its W tick), and a slot
     of the gradient ring, from when its output gradient arrives until its backward tick. Fills the slot
@@ -144,7 +221,7 @@ def assign_slots(table, done, pp, M, V):
     res, grad = [[] for _ in range(pp)], [[] for _ in range(pp)]  # per stage: (start, end, m, v)
     for m in range(M):
         for c in range(C):
-            s, v, end = c % pp, c // pp, done[(BACKWARD, m, c)]
+            (s, v), end = place_of(kind, pp, c), done[(BACKWARD, m, c)]
             res_end = done.get((WEIGHT, m, c), end)
             res[s].append((done[(FORWARD, m, c - 1)] + 1 if c > 0 else done[(FORWARD, m, c)], res_end, m, v))
             grad[s].append((done[(BACKWARD, m, c + 1)] + 1 if c < C - 1 else done[(FORWARD, m, c)], end, m, v))
@@ -174,17 +251,16 @@ def assign_slots(table, done, pp, M, V):
             if op != IDLE:
                 table[t, s, 3] = res_of[s][(m, v)][0]
                 table[t, s, 5] = grad_of[s][(m, v)][0]
+    second = kind == "zbv"  # zbv's second chunk: its arrivals in columns 7 and 8
     for s in range(pp):
         for (m, v), (slot, start) in res_of[s].items():
-            if v * pp + s > 0:  # an activation that arrives from the previous stage at `start`
-                table[start, s, 4] = slot
+            if chunk_of(kind, pp, s, v) > 0:  # an activation that arrives from the previous chunk's stage at `start`
+                table[start, s, 7 if second and v else 4] = slot
         for (m, v), (slot, start) in grad_of[s].items():
-            if v * pp + s < C - 1:  # a gradient that arrives from the next stage at `start`
-                table[start, s, 6] = slot
-    table[..., 3] = np.where(table[..., 3] < 0, n_res, table[..., 3])
-    table[..., 4] = np.where(table[..., 4] < 0, n_res, table[..., 4])
-    table[..., 5] = np.where(table[..., 5] < 0, n_grad, table[..., 5])
-    table[..., 6] = np.where(table[..., 6] < 0, n_grad, table[..., 6])
+            if chunk_of(kind, pp, s, v) < C - 1:  # a gradient that arrives from the next chunk's stage at `start`
+                table[start, s, 8 if second and v else 6] = slot
+    for column, trash in zip(range(3, 9), (n_res, n_res, n_grad, n_grad, n_res, n_grad)):
+        table[..., column] = np.where(table[..., column] < 0, trash, table[..., column])
     return n_res, n_grad
 
 

@@ -311,6 +311,8 @@ def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False)
     out = {f"saved: {'each chunk' if m.remat == 'stage' else 'each block'}'s input, {sched.res_slots} slots in flight (+1 spare)":
            (sched.res_slots + 1) * saved_per_slot * x_bytes,
            f"incoming gradients, {sched.grad_slots} slots (+1 spare), and the tick's sends and receipts": (sched.grad_slots + 5) * x_bytes}
+    if sched.kind in SPLIT_BACKWARD:  # zb1 / zbv: B keeps each block's output gradient for W (the executor's gys ring)
+        out[f"zero bubble: each block's output gradient from B until W, {sched.res_slots} slots"] = sched.res_slots * blocks_per_chunk * x_bytes
     recomputed_block = recomputed_block_bytes(cfg, mesh_shape, s, fused)
     block_phase = blocks_per_chunk * per_block if m.remat == "stage" else recomputed_block
     loss_phase = 2 * tokens * s.V * F32 + tokens * (norm_bytes(s.D) + s.D * s.c)
@@ -326,6 +328,11 @@ def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False)
 # Cost of a backward tick in forward passes of the same chunk: the backward itself (2)
 # and the forward it recomputes from the saved input (1).
 BACKWARD_TICK_COST = 3
+# zb1 / zbv split it: B (the input gradient) and W (the weights') each recompute the
+# forward from the stash and run their half of the vjp, 2 forwards each: W's extra work
+# is the recompute done again (1 forward of the chunk per microbatch).
+SPLIT_BACKWARD = ("zb1", "zbv")
+HALF_TICK_COST = (BACKWARD_TICK_COST - 2) + 1
 
 
 def scheduled_bubble_factor(cfg, pp):
@@ -333,8 +340,8 @@ def scheduled_bubble_factor(cfg, pp):
     each other at every tick (the ppermutes), so a tick lasts as long as its slowest
     op: a tick where one stage runs a backward costs a backward for all of them."""
     sched = schedule_of(cfg, pp)
-    # zb1's B and W ticks: each taken here as half of a whole backward tick (a first model).
-    halves = BACKWARD_TICK_COST / 2 if sched.kind == "zb1" else BACKWARD_TICK_COST
+    # zb1 / zbv: B and W, each HALF_TICK_COST (their sum above a whole backward: W's recompute)
+    halves = HALF_TICK_COST if sched.kind in SPLIT_BACKWARD else BACKWARD_TICK_COST
     cost = np.array([0, 1, halves, halves])[sched.table[..., 0]]  # [ticks, pp]
     useful = cfg.train.microbatches * sched.virtual_stages * (1 + BACKWARD_TICK_COST)
     return float(cost.max(axis=1).sum()) / useful - 1

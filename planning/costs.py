@@ -33,6 +33,8 @@ from parallel.weights import check_divisible, is_stacked, is_trained, param_spec
 from planning.activations import (
     BACKWARD_TICK_COST,
     F32,
+    HALF_TICK_COST,
+    SPLIT_BACKWARD,
     accumulates,
     activation_bytes,
     local_sizes,
@@ -369,9 +371,11 @@ def step_time(cfg, mesh_shape, hw, peak, efficiency, store, once=False):
         # tick counts a forward of a chunk, a backward (recompute + vjp: 3 forwards) and,
         # in the forward's, the head and its gradient (3 forwards of the output layer).
         # An upper bound on what a device runs (the step time above counts the table).
+        # zb1 / zbv: three conds a tick, the forward's, B's and W's (HALF_TICK_COST each).
         forward = body / n_devices / (4 * t.microbatches * sched.virtual_stages)
         head_forward = 2 * s.V * m.d_model * s.b * s.T
-        device_flops = ticks * ((1 + BACKWARD_TICK_COST) * forward + 3 * head_forward)
+        backward = 2 * HALF_TICK_COST if t.pipeline in SPLIT_BACKWARD else BACKWARD_TICK_COST
+        device_flops = ticks * ((1 + backward) * forward + 3 * head_forward)
     return dict(compute=compute, bubble=bubble, head=head_s, prefix_imbalance=imbalance, model_flops=model_flops, executed_flops=executed,
                 device_flops=device_flops, collective_bytes=buffers), comm
 
@@ -388,7 +392,7 @@ def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick, once=Fals
     # FSDP: every tick gathers every local block (and the backward pass reduce-scatters
     # its gradient, the same bytes); under remat the recompute gathers again. The
     # embedding and final norm are gathered once per step.
-    passes = 2 if m.remat in KEEP_GATHERED and t.pipeline == "gpipe" else 3
+    passes = 2 if m.remat in KEEP_GATHERED and t.pipeline == "gpipe" else 4 if t.pipeline in SPLIT_BACKWARD else 3  # (W gathers again)
     comm = {}
     # The same collectives' buffers as the TPU compiler's optimized HLO counts them
     # (hlo_reader.collectives): an all-gather's output, the rest their output; per
@@ -433,10 +437,11 @@ def collectives(cfg, mesh_shape, hw, store, s, ticks, blocks_per_tick, once=Fals
         buffer_bytes = (ticks * layers_here + t.microbatches * m.first_dense) * per_layer + embedding  # (prefix: stage 0, every microbatch)
         comm["tp all-reduce of activations"] = 2 * (tp - 1) / tp * buffer_bytes / collective_bw(hw, mesh_shape, ("tp",))
         add_buffer("all-reduce", ("tp",), buffer_bytes)
-    if pp > 1:  # one microbatch activation to the next stage per tick, and its gradient back
-        comm["pp ppermute of activations"] = 2 * ticks * x_bytes / hw.p2p_bw
-        add_buffer("collective-permute", ("pp",), 2 * ticks * x_bytes)
-    if t.pipeline == "interleaved":  # each chunk to the stage that runs it and its gradient back, once per step
+    if pp > 1:  # one microbatch activation to the next stage per tick, and its gradient back (zbv: both ways, 4)
+        sends = 4 if t.pipeline == "zbv" else 2
+        comm["pp ppermute of activations"] = sends * ticks * x_bytes / hw.p2p_bw
+        add_buffer("collective-permute", ("pp",), sends * ticks * x_bytes)
+    if t.pipeline in ("interleaved", "zbv"):  # each chunk to the stage that runs it and its gradient back, once per step
         # (V x V ppermutes of a chunk's float32 storage shard each way: one_f_one_b.move_chunks)
         moved = 2 * schedule_of(cfg, pp).virtual_stages * store["block_params_untiled"]
         comm["pp ppermute of the chunks and their gradients"] = moved / hw.p2p_bw

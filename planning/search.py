@@ -79,11 +79,12 @@ def layouts(cfg, n_devices):
         if rows % dp or m.n_blocks % pp:
             continue
         schedules = [("gpipe", cfg.train.virtual_stages)] if pp == 1 else (
-            [(kind, t.virtual_stages) for kind in PIPELINE_SCHEDULES if kind not in ("interleaved", "zb1")]
-            + [("interleaved", v) for v in VIRTUAL_STAGES if m.n_blocks % (pp * v) == 0])
+            [(kind, t.virtual_stages) for kind in PIPELINE_SCHEDULES if kind not in ("interleaved", "zbv")]
+            + [("interleaved", v) for v in VIRTUAL_STAGES if m.n_blocks % (pp * v) == 0]
+            + [("zbv", t.virtual_stages)] * (m.n_blocks % (2 * pp) == 0))
         micro = [d for d in divisors(rows // dp) if pp <= d <= MAX_MICROBATCHES]
         for ep, (kind, v), M, remat in itertools.product(ep_choices, schedules, micro, REMAT_POLICIES):
-            if kind == "interleaved" and M % pp:
+            if (kind == "interleaved" and M % pp) or (kind == "zbv" and M < 2 * pp):
                 continue
             yield apply_overrides(cfg, {"mesh": dict(mesh, expert_parallel=ep),
                                         "train": dict(pipeline=kind, virtual_stages=v, microbatches=M),

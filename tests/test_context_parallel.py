@@ -29,7 +29,8 @@ from utils import CP, PRESETS, Config, ConfigError, MeshConfig, apply_overrides,
 SEQ_LEN, ROUTING_GROUP = 256, 16  # a routing group must divide T / (2 cp) = 16 at cp 8
 
 
-def v3_config(dp=1, cp=1, pp=1, tp=1, optimizer="adamw", pipeline="gpipe", slices=1, expert_parallel=False, sharding="manual", **model):
+def v3_config(dp=1, cp=1, pp=1, tp=1, optimizer="adamw", pipeline="gpipe", slices=1, expert_parallel=False, sharding="manual", microbatches=None,
+              **model):
     """The deepseek_v3 preset with the real checkpoints' options (test_executors), narrower
     (D 64) and shorter in vocabulary, a dense layer first and 4 blocks in a loop (2 chunks
     per stage for interleaved on pp 2), with the aux loss weighted (the preset's 0 would
@@ -41,8 +42,8 @@ def v3_config(dp=1, cp=1, pp=1, tp=1, optimizer="adamw", pipeline="gpipe", slice
                  **REAL_CHECKPOINT_OPTIONS | dict(rope_original_len=64)) | model
     return apply_overrides(cfg, {"model": model, "mesh": dict(dp=dp, cp=cp, pp=pp, tp=tp, slices=slices, expert_parallel=expert_parallel,
                                               sharding=sharding),
-                                 "train": dict(batch_size=4, microbatches=2 if pp > 1 else 1, optimizer=optimizer, pipeline=pipeline,
-                                               virtual_stages=2)})
+                                 "train": dict(batch_size=4, microbatches=microbatches or (2 if pp > 1 else 1), optimizer=optimizer,
+                                               pipeline=pipeline, virtual_stages=2)})
 
 
 @functools.cache
@@ -102,6 +103,8 @@ CASES = [pytest.param(dict(dp=2, cp=2, tp=2), id="dp2xcp2xtp2", marks=pytest.mar
          pytest.param(dict(cp=2, pp=2, tp=2, pipeline="1f1b", remat="layer"), id="cp2xpp2xtp2-1f1b-remat-layer", marks=pytest.mark.slow),
          pytest.param(dict(cp=2, pp=2, tp=2, pipeline="interleaved", remat="stage"), id="cp2xpp2xtp2-interleaved-stage",
                       marks=pytest.mark.slow),
+         pytest.param(dict(cp=2, pp=2, tp=2, pipeline="zb1"), id="cp2xpp2xtp2-zb1", marks=pytest.mark.slow),
+         pytest.param(dict(cp=2, pp=2, tp=2, pipeline="zbv", microbatches=4), id="cp2xpp2xtp2-zbv", marks=pytest.mark.slow),
          pytest.param(dict(dp=2, cp=2, tp=2, sharding="auto"), id="dp2xcp2xtp2-auto", marks=pytest.mark.slow),
          pytest.param(dict(dp=2, cp=2, tp=2, expert_parallel=True), id="dp2xcp2xtp2-ep", marks=pytest.mark.slow),
          pytest.param(dict(cp=2, tp=2, slices=2), id="2slices-cp2xtp2", marks=pytest.mark.slow)]

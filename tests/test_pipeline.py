@@ -21,8 +21,11 @@ from parallel.weights import param_specs
 from test_parallel import RTOL, assert_params_close, assert_same_step, initial_params, mesh_for, one_step, placed_step, tiny_config, token_batch
 from utils import ConfigError, apply_overrides, parse_args
 
+SPLIT = ("zb1", "zbv")  # the schedules whose backward is B and a later W
+
 TABLE_CASES = [(kind, pp, M, V) for kind, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb1", 1))
                for pp in (1, 2, 4, 8) for M in (pp, 2 * pp, 3 * pp)]
+TABLE_CASES += [("zbv", pp, M, 2) for pp in (1, 2, 3, 4, 8) for M in (2 * pp, 2 * pp + 1, 3 * pp)]  # (zbv needs M >= 2 pp)
 
 
 @pytest.mark.parametrize("kind, pp, M, V", TABLE_CASES)
@@ -34,10 +37,10 @@ def test_schedule_table_is_a_valid_pipeline(kind, pp, M, V):
         for s in range(pp):
             op, m, v = sched.table[t, s, :3]
             if op != pl.IDLE:
-                key = (int(op), int(m), int(v) * pp + s)
+                key = (int(op), int(m), pl.chunk_of(kind, pp, s, int(v)))  # (zbv: chunks s and 2 pp - 1 - s on stage s)
                 assert key not in tick_of, f"{key} twice"
                 tick_of[key] = t
-    split = kind == "zb1"  # the backward as B and a later W
+    split = kind in SPLIT  # the backward as B and a later W
     assert len(tick_of) == (3 if split else 2) * M * C  # every microbatch through every chunk, both ways
     for m in range(M):
         for c in range(C):
@@ -50,15 +53,16 @@ def test_schedule_table_is_a_valid_pipeline(kind, pp, M, V):
             if c < C - 1:
                 assert tick_of[(pl.BACKWARD, m, c + 1)] < b
     assert sched.bubble() == pytest.approx(rules.formula_bubble(kind, pp, M, V))
-    in_flight = {"gpipe": M, "1f1b": pp, "zb1": pp}.get(kind)
+    in_flight = {"gpipe": M, "1f1b": pp, "zb1": pp, "zbv": 2 * pp + 2}.get(kind)
     if in_flight is not None:  # 1f1b's whole point: pp microbatches alive, not M
-        assert sched.res_slots == min(in_flight, M)
+        assert sched.res_slots <= in_flight
 
 
 def test_slots_never_hold_two_live_microbatches():
     """Replay the ring buffers of the interleaved table: a slot is written (arrival or
     forward) and read back by the backward of the same (microbatch, chunk)."""
-    for kind, pp, M, V in [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 4), ("zb1", 4, 8, 1), ("zb1", 3, 5, 1)]:
+    for kind, pp, M, V in [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 4), ("zb1", 4, 8, 1), ("zb1", 3, 5, 1),
+                           ("zbv", 4, 8, 2), ("zbv", 3, 7, 2), ("zbv", 2, 4, 2)]:
         sched = pl.schedule(kind, pp, M, V)
         C = pp * V
         res = [dict() for _ in range(pp)]
@@ -66,18 +70,23 @@ def test_slots_never_hold_two_live_microbatches():
             sends = {}
             for s in range(pp):
                 op, m, v, res_slot = sched.table[t, s, :4]
-                if op == pl.FORWARD and v * pp + s < C - 1:
-                    sends[(s + 1) % pp] = (m, v * pp + s + 1)
+                c = pl.chunk_of(kind, pp, s, int(v))
+                if op == pl.FORWARD and c < C - 1:
+                    to, to_v = pl.place_of(kind, pp, c + 1)
+                    column = 7 if kind == "zbv" and to_v == 1 else 4  # (zbv's second chunk: its own arrival column)
+                    assert (to, column) not in sends
+                    sends[(to, column)] = (int(m), c + 1)
             for s in range(pp):
                 op, m, v, res_slot = (int(x) for x in sched.table[t, s, :4])
+                c = pl.chunk_of(kind, pp, s, v)
                 if op == pl.FORWARD:
-                    if v * pp + s > 0:
-                        assert res[s][res_slot] == (m, v * pp + s)  # the input that arrived is still there
-                    res[s][res_slot] = (m, v * pp + s)
+                    if c > 0:
+                        assert res[s][res_slot] == (m, c)  # the input that arrived is still there
+                    res[s][res_slot] = (m, c)
                 elif op in (pl.BACKWARD, pl.WEIGHT):
-                    assert res[s][res_slot] == (m, v * pp + s)
-            for s, what in sends.items():  # arrivals are written at the start of the next tick
-                slot = int(sched.table[t + 1, s, 4])
+                    assert res[s][res_slot] == (m, c)
+            for (s, column), what in sends.items():  # arrivals are written at the start of the next tick
+                slot = int(sched.table[t + 1, s, column])
                 assert slot < sched.res_slots
                 assert res[s].get(slot) is None or tick_done(sched, s, res[s][slot]) <= t
                 res[s][slot] = what
@@ -88,7 +97,7 @@ def tick_done(sched, s, key):
     pp = sched.pp
     for t in range(sched.ticks):
         op, mm, v = sched.table[t, s, :3]
-        if op == (pl.WEIGHT if sched.kind == "zb1" else pl.BACKWARD) and mm == m and v * pp + s == c:
+        if op == (pl.WEIGHT if sched.kind in SPLIT else pl.BACKWARD) and mm == m and pl.chunk_of(sched.kind, pp, s, int(v)) == c:
             return t  # (the last op that reads the slot)
     return sched.ticks
 
@@ -106,6 +115,23 @@ def test_zb1_idles_a_third_of_1f1b(pp, M):
     ops = pl.schedule("zb1", pp, M).table[..., 0]
     # every stage runs one W per microbatch (their order against B: test_schedule_table_is_a_valid_pipeline)
     assert all(np.sum(ops[:, s] == pl.WEIGHT) == M for s in range(pp))
+
+
+@pytest.mark.parametrize("pp, M", [(1, 2), (2, 4), (2, 5), (3, 6), (4, 8), (4, 9), (8, 16), (8, 24)])
+def test_zbv_idles_half_of_zb1(pp, M):
+    """ZB-V (two chunks per stage in a V, F, B and W a chunk-sized tick each): 6 M + pp - 1
+    ticks, pp - 1 of them idle on every stage once M >= 2 pp, so in zb1's stage-sized
+    ticks (pp - 1) / 2 idle against zb1's pp - 1; stage 0 runs the first and last chunk."""
+    sched = pl.schedule("zbv", pp, M)
+    assert sched.ticks == 6 * M + pp - 1
+    assert [int(np.sum(sched.table[:, s, 0] == pl.IDLE)) for s in range(pp)] == [pp - 1] * pp
+    assert sched.bubble() == pytest.approx(rules.formula_bubble("zbv", pp, M)) == pytest.approx((pp - 1) / (6 * M + pp - 1))
+    if pp > 1:
+        assert sched.bubble() < pl.schedule("zb1", pp, M).bubble()
+    assert [pl.place_of("zbv", pp, c) for c in (0, 2 * pp - 1)] == [(0, 0), (0, 1)]
+    assert all(pl.place_of("zbv", pp, pl.chunk_of("zbv", pp, s, v)) == (s, v) for s in range(pp) for v in range(2))
+    ops = sched.table[..., 0]
+    assert all(np.sum(ops[:, s] == op) == 2 * M for s in range(pp) for op in (pl.FORWARD, pl.BACKWARD, pl.WEIGHT))
 
 
 def test_grid_shows_the_table():
@@ -186,8 +212,10 @@ def scheduled_grads(cfg, tokens, executor=executor_1f1b):
 @pytest.mark.parametrize("mesh_shape, kind, M, V", [((2, 2, 2), "1f1b", 4, 1),
                                                     pytest.param((1, 4, 2), "interleaved", 4, 2, marks=pytest.mark.slow),
                                                     pytest.param((2, 2, 2), "zb1", 4, 1, marks=pytest.mark.slow),
-                                                    pytest.param((1, 4, 2), "zb1", 5, 1, marks=pytest.mark.slow)],
-                         ids=["2x2x2-1f1b", "1x4x2-interleaved", "2x2x2-zb1", "1x4x2-zb1"])
+                                                    pytest.param((1, 4, 2), "zb1", 5, 1, marks=pytest.mark.slow),
+                                                    pytest.param((2, 2, 2), "zbv", 4, 2, marks=pytest.mark.slow),
+                                                    pytest.param((1, 4, 2), "zbv", 8, 2, marks=pytest.mark.slow)],
+                         ids=["2x2x2-1f1b", "1x4x2-interleaved", "2x2x2-zb1", "1x4x2-zb1", "2x2x2-zbv", "1x4x2-zbv"])
 def test_hand_written_gradient_equals_autodiff_of_one_device(mesh_shape, kind, M, V):
     """Every gradient leaf (before AdamW, whose first step hides a leaf's scale) against
     autodiff of the plain single-device forward."""
@@ -217,15 +245,56 @@ def test_dense_model_under_1f1b():
     assert_params_close(params, ref_params)
 
 
+ZERO_BUBBLE_CASES = [((2, 2, 2), "zb1", 4, False), ((1, 4, 2), "zb1", 4, False), ((2, 4, 1), "zb1", 8, False), ((2, 2, 2), "zb1", 4, True),
+                     ((2, 2, 2), "zbv", 4, False), ((1, 4, 2), "zbv", 8, False), ((2, 4, 1), "zbv", 8, False), ((2, 2, 2), "zbv", 4, True)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape, M", [((2, 2, 2), 4), ((1, 4, 2), 4)], ids=["2x2x2", "1x4x2"])
-def test_zb1_two_steps_equal_one_device(mesh_shape, M):
-    """ZB-H1 (B and W apart) against one device over two steps: losses, grad norm,
-    MoE statistics and every updated weight."""
+@pytest.mark.parametrize("mesh_shape, kind, M, expert_parallel", ZERO_BUBBLE_CASES,
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else "ep" if x is True else "" if x is False else str(x))
+def test_zero_bubble_two_steps_equal_one_device(mesh_shape, kind, M, expert_parallel):
+    """ZB-H1 and ZB-V (B and W apart; zbv's V of chunks) against one device over two
+    steps: losses, grad norm, MoE statistics and every updated weight, at pp 2 and 4
+    beside dp and tp, and with the experts split over dp."""
     from test_parallel import assert_same_steps
     from test_parallel import train_steps as run_steps
 
-    assert_same_steps(run_steps(schedule_config(mesh_shape, "zb1", M)), run_steps(tiny_config()))
+    cfg = apply_overrides(schedule_config(mesh_shape, kind, M), {"mesh": dict(expert_parallel=expert_parallel)})
+    assert_same_steps(run_steps(cfg), run_steps(tiny_config()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["zbv"])  # (zb1: the same executor and state; zbv its V of chunks too)
+def test_zero_bubble_kill_and_resume_is_bit_identical(tmp_path, kind):
+    """python main.py under KIND (pp 2 x tp 2, M 4), kill -9 once a checkpoint is complete,
+    the same command again: every step's loss equals the uninterrupted run's, bit for bit."""
+    import signal
+    import subprocess
+    import time
+
+    from test_checkpoint import REPO, complete_steps, main_cmd, main_py, train_losses
+
+    data_cache = str(tmp_path / "data")
+    args = ["--train.steps", "8", "--train.decay_steps", "100", "--train.eval_every", "1000", "--train.checkpoint_every", "2",
+            "--model.dtype", "float32", "--run.cpu_devices", "4", "--mesh.dp", "1", "--mesh.pp", "2", "--mesh.tp", "2",
+            "--train.microbatches", "4", "--train.pipeline", kind]
+    main_py([*args, "--run.name", "straight"], tmp_path, data_cache)
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    proc = subprocess.Popen(main_cmd([*args, "--run.name", "killed"], tmp_path, data_cache), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not (checkpoints.is_dir() and any(s >= 4 for s in complete_steps(checkpoints))):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run finished before the kill"
+    killed_at = max(complete_steps(checkpoints))
+    assert killed_at < 8
+    result = main_py([*args, "--run.name", "killed"], tmp_path, data_cache)
+    assert f"resumed from {checkpoints}/{killed_at}" in result.stdout
+    resumed, _ = train_losses(tmp_path / "killed")
+    straight, _ = train_losses(tmp_path / "straight")
+    assert sorted(resumed) == sorted(straight) == list(range(1, 9))
+    assert [resumed[s] for s in range(1, 9)] == [straight[s] for s in range(1, 9)]
 
 
 # ---- Bad schedules fail before compiling
@@ -235,6 +304,9 @@ def test_zb1_two_steps_equal_one_device(mesh_shape, M):
     ((1, 4, 1), dict(pipeline="interleaved", virtual_stages=4, microbatches=4), r"--mesh\.pp x --train\.virtual_stages"),
     ((1, 4, 1), dict(pipeline="1f1b", microbatches=2), r"--train\.microbatches \(2\) must be >= --mesh\.pp"),
     ((1, 4, 1), dict(pipeline="interleaved", microbatches=6), r"multiple of 4"),
+    ((1, 8, 1), dict(pipeline="zbv", microbatches=16), r"--train\.pipeline zbv gives each stage two chunks: --model\.n_blocks \(8\) must be "
+                                                       r"divisible by 2 x --mesh\.pp \(8\)"),
+    ((1, 2, 1), dict(pipeline="zbv", microbatches=3), r"--train\.microbatches \(3\) must be >= 2 x --mesh\.pp \(2\)"),
 ])
 def test_bad_schedule_config_raises_clear_error(mesh_shape, train, message):
     cfg = apply_overrides(tiny_config(mesh_shape), {"train": train})
