@@ -131,16 +131,14 @@ def one_device():
 
 
 @pytest.mark.parametrize("mesh_shape, train", [((2, 1, 2), {}), ((2, 2, 2), {}),
-                                               pytest.param((1, 2, 1), dict(pipeline="1f1b", microbatches=4),
-                                                            marks=pytest.mark.slow)],
+                                               ((1, 2, 1), dict(pipeline="1f1b", microbatches=4))],
                          ids=["dp2xtp2", "dp2xpp2xtp2", "pp2-1f1b"])
 def test_sft_two_steps_equal_one_device(one_device, mesh_shape, train):
     cfg = apply_overrides(sft_config(mesh_shape), {"train": train})
     assert_same_steps(sft_train_steps(cfg, sft_batch(cfg)[0]), one_device)
 
 
-@pytest.mark.slow
-def test_sft_two_steps_under_context_parallel_equal_one_device(one_device):
+def test_sft_two_steps_under_context_parallel_equal_one_device():
     cfg = apply_overrides(sft_config(), {"mesh": dict(cp=2), "model": dict(routing_group=4)})
     reference = sft_train_steps(apply_overrides(sft_config(), {"model": dict(routing_group=4)}), sft_batch(cfg)[0])
     assert_same_steps(sft_train_steps(cfg, sft_batch(cfg)[0]), reference)
