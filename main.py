@@ -114,7 +114,9 @@ def train(cfg):
     os.makedirs(run_dir, exist_ok=True)
     with Preemption() as preemption:
         mesh = make_mesh(cfg.mesh)
-        if cfg.data.mixture:
+        if cfg.train.objective != "lm":  # (only sft imports conversations and the chat templates)
+            data = __import__("data.conversations").conversations.open_conversations(cfg, jax.process_index())
+        elif cfg.data.mixture:
             from data.mixture import open_mixture  # (only a mixture imports the mixing)
             data = open_mixture(cfg, jax.process_index())
         else:

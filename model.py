@@ -780,6 +780,11 @@ def padded_vocab(vocab_size, multiple):
     return multiple * math.ceil(vocab_size / multiple)
 
 
+def unmasked(tokens):
+    """Token ids of rows where a target the loss skips is stored as ~id < 0 (sft: data/conversations.py)."""
+    return jnp.maximum(tokens, ~tokens)
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg, rngs):
         self.cfg = cfg
@@ -835,7 +840,7 @@ class Transformer(nnx.Module):
         dtype, through the dense prefix. `stream`: a layout constraint on the residual
         stream (parallel/auto.py's), applied after each part."""
         stream = stream or (lambda x: x)
-        x_BTD = stream(self.embed(local_inputs(tokens_BT1, held_positions(angles)), axes).astype(self.cfg.dtype))
+        x_BTD = stream(self.embed(local_inputs(unmasked(tokens_BT1), held_positions(angles)), axes).astype(self.cfg.dtype))
         return x_BTD if self.prefix is None else stream(self.run_prefix(x_BTD, angles, axes, keys_B, remat))
 
     def logits(self, x_BTD, norm=None):
@@ -885,18 +890,19 @@ class Transformer(nnx.Module):
         total = jnp.zeros((), jnp.float32)
         for k, module in enumerate(self.mtp, start=1):
             depth_keys_B = None if keys_B is None else fold_in_rows(keys_B, MTP_RNG_SALT + k)
-            h_BTD = module(h_BTD, self.embed(tokens_at(padded_BT, chunk_positions_T, k, T), axes), angles, axes,
+            h_BTD = module(h_BTD, self.embed(unmasked(tokens_at(padded_BT, chunk_positions_T, k, T)), axes), angles, axes,
                            depth_keys_B)  # token i+k at i
             valid_BT = jnp.broadcast_to(positions_T < T - k, (B, positions_T.shape[0]))
-            total += self.loss_sum(h_BTD, tokens_at(padded_BT, chunk_positions_T, k + 1, T), axes, norm=module.final_norm,
-                                   mask_BT=valid_BT)
+            targets_BT = tokens_at(padded_BT, chunk_positions_T, k + 1, T)
+            total += self.loss_sum(h_BTD, unmasked(targets_BT), axes, norm=module.final_norm, mask_BT=valid_BT & (targets_BT >= 0))
         return total
 
     def head_sums(self, y_BTD, tokens_BT1, angles, axes=ONE_DEVICE, keys_B=None):
         """What the last pipeline stage does to the blocks' output y_BTD of rows tokens_BT1
         [B, T + 1]: (summed cross-entropy of the next tokens, summed MTP cross-entropy over
         its depths; 0 without MTP). Every executor's loss head."""
-        ce = self.loss_sum(y_BTD, local_targets(tokens_BT1, held_positions(angles)), axes)
+        targets_BT = local_targets(tokens_BT1, held_positions(angles))  # (a target < 0 is skipped: unmasked)
+        ce = self.loss_sum(y_BTD, unmasked(targets_BT), axes, mask_BT=targets_BT >= 0)
         if self.mtp is None:
             return ce, jnp.zeros((), jnp.float32)
         return ce, self.mtp_loss_sum(y_BTD, tokens_BT1, angles, axes, keys_B)

@@ -89,6 +89,8 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
         rng = core.dropout_rng(cfg, step)
         # per_slice / reduce_over_slices: the gradient crosses slices once, here, not per layer
         (_, metrics), grads = grads_of.value_and_grad(core.per_slice(params), tokens_bT1, graphdef, cfg, rng)
+        if cfg.train.objective != "lm":  # sft: a mean over the trained targets only
+            metrics, grads = importlib.import_module("parallel.objectives").per_target(metrics, grads, tokens_bT1, cfg)
         grads = core.reduce_over_slices(grads, jnp.dtype(cfg.model.grad_reduce_dtype))
         # the layout of these shards, for the optimizers that need whole matrices (Muon)
         return core.apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_specs)
@@ -119,7 +121,8 @@ def make_eval_step(graphdef, cfg, mesh, params):
     forward = executor("auto" if cfg.mesh.sharding == "auto" else "gpipe")
 
     def eval_fn(params, tokens_bT1):
-        return forward.loss(params, tokens_bT1, graphdef, cfg, None)[1]["loss"]
+        loss = forward.loss(params, tokens_bT1, graphdef, cfg, None)[1]["loss"]
+        return loss if cfg.train.objective == "lm" else loss * importlib.import_module("parallel.objectives").target_scale(tokens_bT1, cfg)
 
     return jax.jit(partition(eval_fn, forward.MANUAL, mesh, in_specs=(specs_of(params), batch_spec()), out_specs=P()))
 

@@ -48,13 +48,14 @@ class ChatTemplate:
         names = sorted(self.specials, key=len, reverse=True)  # longest first: one special may start another
         self.split_pattern = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
 
-    def render(self, messages):
+    def render(self, messages, add_generation_prompt=True):
         """The prompt text of `messages` (dicts with role and content), ready for the
-        assistant's reply."""
+        assistant's reply (add_generation_prompt false: the conversation as it stands, for
+        training on it: data/conversations.py)."""
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return self.compiled.render(messages=messages, add_generation_prompt=True, tools=None, documents=None,
-                                        **self.variables)
+            return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                        documents=None, **self.variables)
         except jinja2.TemplateError as e:
             raise TemplateRefused(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
         except (TypeError, ValueError, KeyError, AttributeError) as e:

@@ -1,0 +1,198 @@
+"""Supervised fine-tuning (--train.objective sft): the loss counts the assistant's tokens
+only, the step equals a plain masked reference and one device on every mesh, and bad
+conversations are one-line errors (8 fake CPU devices, float32)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from data.conversations import open_conversations
+from model import unmasked
+from parallel import gpipe, objectives, optimizers
+from parallel.mesh import batch_spec, global_batch, named, specs_of
+from parallel.steps import make_train_step, partition
+from parallel.weights import param_specs
+from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, mesh_for, tiny_config
+from utils import Config, ConfigError, apply_overrides, parse_args
+
+
+def sft_config(mesh_shape=(1, 1, 1), **train):
+    cfg = apply_overrides(tiny_config(mesh_shape), {"train": dict(objective="sft", **train)})
+    return apply_overrides(cfg, {"data": dict(conversations="plays")})
+
+
+def sft_batch(cfg, seed=0):
+    """Rows as data/conversations.py lays them out: a prompt (targets skipped), a reply
+    (targets counted), then padding (skipped): ~id where the loss skips the target."""
+    B, T1 = cfg.train.batch_size, cfg.model.seq_len + 1
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, cfg.model.vocab_size, (B, T1)).astype(np.int32)
+    position = np.arange(T1)
+    prompt_end = rng.integers(2, T1 // 2, (B, 1))
+    reply_end = prompt_end + rng.integers(2, T1 // 2, (B, 1))
+    trained = (position >= prompt_end) & (position < reply_end)
+    return np.where(trained, ids, ~ids), trained
+
+
+def sft_train_steps(cfg, tokens, n_steps=2):
+    """train_steps (tests/test_parallel.py) on the SFT rows `tokens`."""
+    mesh = mesh_for(cfg)
+    graphdef, host_params = initial_params(cfg.model)
+    params = jax.device_put(host_params, named(mesh, param_specs(host_params, cfg.mesh.expert_parallel)))
+    optimizer = optimizers.make_optimizer(cfg.train)
+    opt_state = optimizers.init_opt_state(optimizer, params, mesh)
+    step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    batch = global_batch(mesh, tokens, cfg.train.batch_size)
+    all_metrics, opt_states = [], []
+    for s in range(n_steps):
+        params, opt_state, metrics = step(params, opt_state, batch, jnp.asarray(s))
+        all_metrics.append(jax.device_get(metrics))
+        opt_states.append(jax.tree.map(np.asarray, opt_state))
+    return all_metrics, opt_states, jax.tree.map(np.asarray, params)
+
+
+# ---- The loss head: a skipped target's label changes nothing
+
+
+def test_skipped_labels_change_no_gradient():
+    """head_sums (every executor's loss head) with the same hidden states: relabelling
+    every skipped target (prompt, padding) leaves the loss and every gradient bit for bit;
+    relabelling one counted target moves them."""
+    cfg = sft_config()
+    graphdef, host_params = initial_params(cfg.model)
+    tokens, trained = sft_batch(cfg)
+    y_BTD = jax.random.normal(jax.random.key(1), (tokens.shape[0], cfg.model.seq_len, cfg.model.d_model))
+
+    def head(params, y_BTD, tokens_BT1):  # (the angles matter only to MTP and cp: neither here)
+        return nnx.merge(graphdef, params).head_sums(y_BTD, tokens_BT1, None)[0]
+
+    grad_of = jax.jit(jax.value_and_grad(head, argnums=(0, 1)))
+    ce, grads = grad_of(host_params, y_BTD, tokens)
+    relabelled = np.where(trained, tokens, ~((unmasked(tokens) + 7) % cfg.model.vocab_size))
+    assert (relabelled != tokens).sum() > tokens.size // 3  # premise: most labels changed
+    ce2, grads2 = grad_of(host_params, y_BTD, relabelled)
+    assert float(ce) == float(ce2)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads2)):
+        np.testing.assert_array_equal(a, b)
+    b, t = np.argwhere(trained[:, 1:])[0]
+    counted = tokens.copy()
+    counted[b, t + 1] = (counted[b, t + 1] + 1) % cfg.model.vocab_size
+    ce3, grads3 = grad_of(host_params, y_BTD, counted)
+    assert float(ce3) != float(ce) and not np.array_equal(grads3[1], grads[1])
+
+
+# ---- The step against a plain masked reference, and on a mesh against one device
+
+
+def reference_loss(model, tokens_BT1, cfg):
+    """The plain single-device forward: mean cross-entropy over the counted targets, plus
+    the balance loss, the whole scaled as parallel/objectives.py says."""
+    inputs, targets = unmasked(tokens_BT1[:, :-1]), tokens_BT1[:, 1:]
+    logits_BTV, stats_N = model(inputs)
+    logp_BT = jnp.take_along_axis(jax.nn.log_softmax(logits_BTV, axis=-1), unmasked(targets)[..., None], -1)[..., 0]
+    count = jnp.sum(targets >= 0)
+    ce = -jnp.sum(jnp.where(targets >= 0, logp_BT, 0.0)) / count
+    n_moe = cfg.model.n_blocks * cfg.model.block_pattern.count("M")
+    aux = jnp.sum(stats_N["aux_loss_sum"]) / (tokens_BT1.shape[0] * n_moe)
+    return ce + cfg.model.aux_loss_weight * aux * targets.size / count, ce
+
+
+def test_sft_step_equals_the_masked_reference():
+    """The sharded step's loss and gradients (GPipe's, rescaled by objectives.per_target)
+    are the plain forward's, whose loss reads the counted targets only."""
+    cfg = sft_config((2, 1, 2))
+    mesh = mesh_for(cfg)
+    graphdef, host_params = initial_params(cfg.model)
+    params = jax.device_put(host_params, named(mesh, param_specs(host_params, False)))
+    tokens, _ = sft_batch(cfg, seed=2)
+    specs = specs_of(params)
+
+    def sharded(params, tokens_bT1):
+        (_, metrics), grads = gpipe.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
+        metrics, grads = objectives.per_target(metrics, grads, tokens_bT1, cfg)
+        return metrics["loss"], grads
+
+    ce, grads = jax.jit(partition(sharded, True, mesh, (specs, batch_spec()), (jax.P(), specs)))(
+        params, global_batch(mesh, tokens, cfg.train.batch_size))
+    (_, ref_ce), ref_grads = jax.jit(jax.value_and_grad(
+        lambda p: reference_loss(nnx.merge(graphdef, p), jnp.asarray(tokens), cfg), has_aux=True))(host_params)
+    np.testing.assert_allclose(ce, ref_ce, rtol=RTOL)
+    assert_params_close(jax.device_get(grads), ref_grads)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    cfg = sft_config()
+    return sft_train_steps(cfg, sft_batch(cfg)[0])
+
+
+@pytest.mark.parametrize("mesh_shape, train", [((2, 1, 2), {}), ((2, 2, 2), {}),
+                                               ((1, 2, 1), dict(pipeline="1f1b", microbatches=4))],
+                         ids=["dp2xtp2", "dp2xpp2xtp2", "pp2-1f1b"])
+def test_sft_two_steps_equal_one_device(one_device, mesh_shape, train):
+    cfg = apply_overrides(sft_config(mesh_shape), {"train": train})
+    assert_same_steps(sft_train_steps(cfg, sft_batch(cfg)[0]), one_device)
+
+
+def test_sft_two_steps_under_context_parallel_equal_one_device():
+    cfg = apply_overrides(sft_config(), {"mesh": dict(cp=2), "model": dict(routing_group=4)})
+    reference = sft_train_steps(apply_overrides(sft_config(), {"model": dict(routing_group=4)}), sft_batch(cfg)[0])
+    assert_same_steps(sft_train_steps(cfg, sft_batch(cfg)[0]), reference)
+
+
+# ---- Conversations: the plays, and bad data as one line each
+
+
+def write_jsonl(path, conversations):
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    return str(path)
+
+
+def conversations_config(source, template="", seq_len=128):
+    cfg = apply_overrides(Config(), {"train": dict(objective="sft"), "data": dict(conversations=source),
+                                     "serve": dict(chat_template=template)})
+    return apply_overrides(cfg, {"model": dict(seq_len=seq_len)})
+
+
+def test_play_conversations_train_the_reply_and_its_end_only():
+    data = open_conversations(conversations_config("plays"))
+    row = data.batch("train", 0, 4, 128, seed=0)[0]
+    text = bytes(unmasked(row)[unmasked(row) < 256].astype(np.uint8)).decode()
+    assert text.startswith("USER:\n") and "\n\nASSISTANT:\n" in text
+    reply = text.split("ASSISTANT:\n", 1)[1]
+    counted = row[row >= 0]
+    assert bytes(counted[:-1].astype(np.uint8)).decode() == reply and counted[-1] == 256  # the reply, then end-of-text
+    assert len(data.rows["val"]) > 100 and len(data.rows["train"]) > 10 * len(data.rows["val"])
+    np.testing.assert_array_equal(data.batch("train", 3, 4, 128, seed=0), data.batch("train", 3, 4, 128, seed=0))
+
+
+REFUSING = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+            "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "user", "content": "hi"}], "no assistant message"),
+    ([{"role": "user", "content": "hi " * 60}, {"role": "assistant", "content": "ho"}], r"more than --model.seq_len \+ 1"),
+    ([{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "ho"}], "refuses it: unknown role narrator"),
+], ids=["no-assistant", "too-long", "refused-role"])
+def test_bad_conversations_are_one_line_errors(tmp_path, messages, message):
+    template = tmp_path / "chat.jinja"
+    template.write_text(REFUSING)
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]
+    path = write_jsonl(tmp_path / "c.jsonl", [good, good, messages])
+    with pytest.raises(ConfigError, match=message) as error:
+        open_conversations(conversations_config(path, str(template)))
+    assert "c.jsonl line 3" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_sft_flags_are_checked():
+    with pytest.raises(ConfigError, match="--data.conversations"):
+        parse_args(["--train.objective", "sft"])
+    with pytest.raises(ConfigError, match="must be lm, or sft"):
+        parse_args(["--train.objective", "dpo", "--data.conversations", "plays"])
+    assert parse_args(["--train.objective", "sft", "--data.conversations", "plays"]).train.objective == "sft"
