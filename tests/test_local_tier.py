@@ -1,6 +1,7 @@
 """The local checkpoint tier (runtime/local_tier.py): a run killed with SIGKILL resumes from the newest local step
 (newer than the persistent tier's) with the losses of an uninterrupted run, bit for bit; goodput counts the steps redone;
-a truncated local checkpoint is skipped with a line naming it. main.py runs as a subprocess, one CPU device."""
+a truncated local checkpoint is skipped with a line naming it. main.py runs as a subprocess: one CPU device, then two
+processes x 4 fake devices (tests/test_multiprocess.py's helpers) of which one is SIGKILLed."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import sys
 import time
 
 import pytest
+from test_multiprocess import RUN_TIMEOUT_S, start_processes, stop_all, train_losses, wait_for_training
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["--log.progress", "false", "--log.plots", "false", "--sample.num_samples", "0", "--log.every", "1"]
@@ -101,3 +103,46 @@ def test_a_truncated_local_checkpoint_is_skipped_with_a_line_naming_it(killed, r
     assert os.path.isdir(f"{where}.unreadable")
     got = losses(run_dir)
     assert [got[s] for s in range(41, STEPS + 1)] == [reference[s] for s in range(41, STEPS + 1)]
+
+
+# ---- Two processes x 4 fake devices (mesh dp 2 x pp 2 x tp 2): SIGKILL of process 1
+
+
+MP_STEPS, MP_KILL_AFTER = 16, 12
+MP_FLAGS = ["--train.steps", str(MP_STEPS), "--train.checkpoint_every", "100", "--train.eval_every", "1000", "--dist.timeout_s", "20"]
+
+
+def finish(procs, tmp_path):
+    try:
+        for p in procs:
+            p.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        stop_all(procs)
+    outputs = [(tmp_path / f"p{i}.out").read_text() + (tmp_path / f"p{i}.err").read_text() for i in range(2)]
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} failed:\n{outputs[i][-4000:]}"
+    return outputs
+
+
+@pytest.mark.slow
+def test_two_processes_one_killed_resume_from_the_local_tier_bit_for_bit(tmp_path_factory):
+    straight_dir = tmp_path_factory.mktemp("mp_straight")
+    finish(start_processes(straight_dir, tmp_path_factory, MP_FLAGS), straight_dir)
+    straight = train_losses(straight_dir / "runs" / "two" / "metrics.jsonl")
+
+    tmp_path = tmp_path_factory.mktemp("mp_killed")
+    metrics = tmp_path / "runs" / "two" / "metrics.jsonl"
+    procs = start_processes(tmp_path, tmp_path_factory, [*MP_FLAGS, *LOCAL])
+    try:
+        wait_for_training(metrics, procs, min_step=MP_KILL_AFTER)
+        procs[1].send_signal(signal.SIGKILL)  # a lost host: no signal, no save
+        procs[0].wait(timeout=120)  # the survivor stops on the broken collective (--dist.timeout_s)
+    finally:
+        stop_all(procs)
+    local = tmp_path / "runs" / "two" / "local"
+    assert sorted(os.listdir(local / "process_1")) == ["10", "5"], "the kill landed after step 15"
+    outputs = finish(start_processes(tmp_path, tmp_path_factory, [*MP_FLAGS, *LOCAL]), tmp_path)
+    assert f"resumed from step 10 of the local tier ({local}/process_0/10 on each process" in outputs[0]
+    got = train_losses(metrics)
+    assert sorted(got) == list(range(1, MP_STEPS + 1))
+    assert [got[s] for s in range(11, MP_STEPS + 1)] == [straight[s] for s in range(11, MP_STEPS + 1)]  # bit for bit
