@@ -94,6 +94,7 @@ class Run:
     clock: goodput.PhaseClock  # where the wall time goes
     preemption: Preemption
     reporter: "Reporter" = None
+    local: object = None  # the local checkpoint tier (runtime/local_tier.py), with --train.local_checkpoint_every
 
 
 @dataclasses.dataclass
@@ -126,8 +127,8 @@ def train(cfg):
         if cfg.model.quant != "none" and (note := quant_note(cfg, mesh)):
             print(note, flush=True)
         describe_model(cfg, mesh)
-        graphdef, optimizer, state, manager = init_or_resume(cfg, mesh, run_dir, hf_source)
-        run = Run(cfg, mesh, data, process_rows(mesh, cfg.train.batch_size), manager, clock, preemption)
+        graphdef, optimizer, state, manager, local = init_or_resume(cfg, mesh, run_dir, hf_source)
+        run = Run(cfg, mesh, data, process_rows(mesh, cfg.train.batch_size), manager, clock, preemption, local=local)
         log = start_log(cfg, run_dir, state, clock)
         first_batch = train_batch(run, state.step)
         with clock.phase("compile"):
@@ -171,8 +172,8 @@ def describe_model(cfg, mesh):
 
 
 def init_or_resume(cfg, mesh, run_dir, hf_source):
-    """(graphdef, optimizer, TrainState, checkpoint manager): fresh state, then the run's latest
-    checkpoint (or --train.resume_step's), or else --train.init_from's params (`hf_source`: hf:DIR)."""
+    """(graphdef, optimizer, TrainState, checkpoint manager, local tier or None): fresh state, then the run's latest checkpoint
+    in either tier (or --train.resume_step's), or else --train.init_from's params (`hf_source`: hf:DIR)."""
     init_from = hf_source or cfg.train.init_from
     if init_from:
         checkpoint.find_params_source(init_from)  # a wrong path fails before anything compiles
@@ -181,19 +182,25 @@ def init_or_resume(cfg, mesh, run_dir, hf_source):
     align_processes("before_restore", cfg.dist.timeout_s)  # (the manager's first collective follows)
     manager = checkpoint.checkpoint_manager(run_dir, cfg.train.keep_checkpoints, log=say)
     resume_step = None if cfg.train.resume_step < 0 else cfg.train.resume_step
-    restored = checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, cfg.run.seed, log=say,
-                                             train_cfg=cfg.train, data_cfg=cfg.data)
+    local = None
+    if cfg.train.local_checkpoint_every:
+        from runtime.local_tier import LocalTier  # (only a run with the local tier imports it)
+        local = LocalTier(cfg, run_dir)
+    restored = local and local.restore(params, opt_state, manager.latest_step(), log=say)
+    restored = restored or checkpoint.restore_checkpoint(manager, params, opt_state, cfg.model, resume_step, cfg.run.seed,
+                                                         log=say, train_cfg=cfg.train, data_cfg=cfg.data)
     if restored is not None:
         params, opt_state, meta = restored
         state = TrainState(params, opt_state, meta["step"], meta.get("wandb_id"))
-        say(f"resumed from {run_dir}/checkpoints/{state.step}"
+        persistent = local.persistent_line(state.step, manager.directory) if local else f"resumed from {run_dir}/checkpoints/{state.step}"
+        say(meta.get("resumed_from", persistent)
             + (" (--train.init_from ignored: this run already has checkpoints)" if cfg.train.init_from else ""))
         if hf_source is not None:
             hf_source.close()
     elif cfg.train.init_from:
         state.params = checkpoint.restore_params(init_from, params, cfg.model, log=say)
         say(f"initialised params from {cfg.train.init_from} (fresh optimizer)")
-    return graphdef, optimizer, state, manager
+    return graphdef, optimizer, state, manager, local
 
 
 def start_log(cfg, run_dir, state, clock):
@@ -270,6 +277,10 @@ def train_loop(run, state, train_step, eval_step, first_batch):
             with clock.phase("checkpoint"):
                 save_checkpoint(run, state, done, wait=stop)
             reporter.log.write(clock.row(done, "preempted" if stop else "checkpoint"))
+            reporter.restart_clock()
+        elif run.local and done % cfg.train.local_checkpoint_every == 0:
+            reporter.flush()  # (only a finite loss is saved)
+            run.local.save(run, state, done)
             reporter.restart_clock()
         if stop:
             clock.watch.close()

@@ -188,6 +188,8 @@ class TrainConfig:
                                               "the function that sampling computes")
     checkpoint_every: int = option(500, "checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
+    local_checkpoint_every: int = option(0, "local tier: every process saves its own shards every N steps (runtime/local_tier.py); 0 = off")
+    local_checkpoint_dir: str = option("", "the local tier's directory (a local or RAM disk), process_<i>/ in it; empty = <run_dir>/local")
     resume_step: int = option(-1, "resume from this checkpoint step; -1 = the latest")
     init_from: str = option("", "start from these params (export or checkpoint dir, or hf:DIR, a Hugging Face "
                                 "DeepseekV3-format directory whose architecture the model takes) with a fresh optimizer")

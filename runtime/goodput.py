@@ -81,7 +81,7 @@ class PhaseClock:
     def resume(self, rows, step, reason):
         """Continue the totals of a run resumed from checkpoint `step`, whose metrics.jsonl rows (before the cut back to `step`)
         are `rows`. Returns the `restart` row to log, or None when the rows do not say when the run stopped (e.g. a fresh run)."""
-        base = [r for r in rows if r.get("event") in ("checkpoint", "preempted") and r["step"] <= step]
+        base = [r for r in rows if r.get("event") in ("checkpoint", "local_checkpoint", "preempted") and r["step"] <= step]
         if not base:
             return None
         base = base[-1]  # the totals up to the checkpoint resumed from (or just before it)
