@@ -179,6 +179,9 @@ def clock_report(p, clock, kernels_found, top=12):
                                         lambda op: hlo_reader.model_part(op.op_name, MODEL_PARTS))
     lines += [f"    {part:<42}{s * 1e3:>10.1f} ms {s / step:6.1%}   (matmul fusions {matmul_part.get(part, 0) * 1e3:.1f} ms)"
               for part, s in by_part.items()]
+    unnamed = hlo_reader.seconds_by([op for op in clock["ops"] if hlo_reader.model_part(op.op_name, MODEL_PARTS) == "other"],
+                                    lambda op: op.op_name.rsplit("/", 1)[-1] or "(no op_name)")
+    lines.append("    other, by the op it was: " + ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in list(unnamed.items())[:8]))
     lines += ["", "  the costliest ops outside the matmul fusions (ms per step = runs x one run):"]
     others = sorted((op for op in clock["ops"] if op.kind != "matmul fusions"), key=lambda op: -op.step_seconds)
     lines += [f"    {op.step_seconds * 1e3:8.2f} ms {op.runs:>4} x {op.name:<28} {op.kind:<22} {short_op_name(op.op_name)}"
