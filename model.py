@@ -9,8 +9,7 @@ experts are read off the weight shapes), so the same code runs on one device and
 `jax.shard_map`. Its only collectives are tensor- and expert-parallel, over the axes
 one small value names (ops/collectives.Axes; by default one device, none). FSDP, the
 pipeline and data parallelism are applied from outside (parallel/): a block gets its
-weights through apply_blocks's `loop`. The parts wear jax.named_scope names (attention,
-router, moe_experts, ...) that planner.py --tpu tells the compiler's time apart by.
+weights through apply_blocks's `loop`. Named scopes mark the parts planner.py --tpu times.
 
 Shape legend (suffixes of names):
   B batch          T time (queries)    S time (keys) or tokens in a routing group
@@ -292,18 +291,22 @@ class MLAttention(nnx.Module):
             max_logit_H = kernel("blockwise").max_logits(*jax.lax.stop_gradient((q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR)),
                                                          q_pos_T, k_pos_S, self.softmax_scale, self.block)
         else:
-            # Heads-major layout: each product a batch of plain 2-D matmuls (2x faster on CPU
-            # than einsums over [B, T, H, K]: docs/benchmarks.md).
-            q_nope_BHTK, v_BHSK = q_nope_BTHK.transpose(0, 2, 1, 3), v_BSHK.transpose(0, 2, 1, 3)
-            scores_BHTS = self.core_matmul(q_nope_BHTK, k_nope_BSHK.transpose(0, 2, 3, 1))
-            # The RoPE key is shared by every head: rows (h, t) of one sequence meet the same keys.
-            q_rope_BNR = q_rope_BTHR.transpose(0, 2, 1, 3).reshape(B, -1, q_rope_BTHR.shape[-1])
-            scores_BHTS += self.core_matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1)).reshape(scores_BHTS.shape)
-            causal_TS = jnp.tril(jnp.ones((T, T), bool)) if chunks is None else k_pos_S[None, :] <= q_pos_T[:, None]
-            scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
-            max_logit_H = jnp.max(jax.lax.stop_gradient(scores_BHTS), axis=(0, 2, 3))
-            probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
-            out_BTHK = self.core_matmul(probs_BHTS, v_BHSK).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
+            # Checkpointed: the backward takes the [T, S] scores again, not kept per layer (docs/pods.md)
+            @jax.checkpoint
+            def scores_to_out(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK):
+                # Heads-major layout: each product a batch of plain 2-D matmuls (2x faster on CPU
+                # than einsums over [B, T, H, K]: docs/benchmarks.md).
+                q_nope_BHTK, v_BHSK = q_nope_BTHK.transpose(0, 2, 1, 3), v_BSHK.transpose(0, 2, 1, 3)
+                scores_BHTS = self.core_matmul(q_nope_BHTK, k_nope_BSHK.transpose(0, 2, 3, 1))
+                # The RoPE key is shared by every head: rows (h, t) of one sequence meet the same keys.
+                q_rope_BNR = q_rope_BTHR.transpose(0, 2, 1, 3).reshape(B, -1, q_rope_BTHR.shape[-1])
+                scores_BHTS += self.core_matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1)).reshape(scores_BHTS.shape)
+                causal_TS = jnp.tril(jnp.ones((T, T), bool)) if chunks is None else k_pos_S[None, :] <= q_pos_T[:, None]
+                scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
+                probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
+                out_BTHK = self.core_matmul(probs_BHTS, v_BHSK).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
+                return out_BTHK, jnp.max(jax.lax.stop_gradient(scores_BHTS), axis=(0, 2, 3))
+            out_BTHK, max_logit_H = scores_to_out(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK)
         # Tensor parallel: each device holds H/tp heads, so this is a partial sum over
         # heads; the psum (an all-reduce over `tp`) completes it (Megatron, row-parallel).
         return psum(self.project(out_BTHK, self.wo_HKD[...], 2, in_axis=axes.tp), axes.tp), max_logit_H.astype(jnp.float32)
