@@ -72,9 +72,9 @@ def attention_bytes(s):
     token here (ops/context_parallel.py)."""
     kv = s.Tk // s.T
     latent_q = norm_bytes(s.Q) + s.Q * s.c if s.Q else s.D * s.c  # q_norm internals, q_BTQ; full-rank: a 4th user of x
-    # matmul: scores_BHTS (float32), probs (compute dtype), softmax max/sum; blockwise keeps
-    # only the log-sum-exp (float32) of each query and head: its blocks live inside its loops
-    scores = s.H * s.Tk * (F32 + s.c) + 2 * s.H * F32 if not s.block else s.H * F32
+    # matmul: none of its scores (under jax.checkpoint the backward takes them again: model.py);
+    # blockwise keeps only the log-sum-exp (float32) of each query and head: its blocks live inside its loops
+    scores = 0 if not s.block else s.H * F32
     if s.splash:
         scores = splash_residual_bytes(s)
     return (norm_bytes(s.D) + 3 * s.D * s.c  # attn_norm; its output, kept by each of the 3 down-projections
@@ -126,9 +126,9 @@ def matmul_output_bytes(s, kind, m, itemsize=F32):
     float32 (model.project accumulates in float32 and casts after; on TPU the cast is
     fused into the matmul: itemsize = the compute dtype's)."""
     kv = s.Tk // s.T  # under cp: keys and values up-projected from the whole sequence's latent
-    scores = 2 * s.H * s.Tk if not (s.block or s.splash) else 0  # blockwise: one block of them at a time, inside its loops
+    # (no score products: matmul attention's sit under its own jax.checkpoint, blockwise's in its loops)
     attention = (s.Q + s.H * s.K + s.H * s.R + s.A + s.R + 2 * s.H * s.K * kv  # down, up and RoPE projections
-                 + scores + s.H * s.K + s.D)  # two score products, probs x values, output projection
+                 + s.H * s.K + s.D)  # probs x values, output projection
     if kind == "M":
         ffn = s.E + s.E * s.C / s.S * (2 * s.Fe + s.D) + (2 * s.Fs + s.D if m.n_shared else 0)  # router, experts, shared
     else:
