@@ -307,9 +307,10 @@ def compiled_layout(cfg, tpu_name):
     by_kind = {}
     for (kind, _, over), row in hlo_reader.collectives(hlo, shape).items():
         by_kind[f"{kind} over {over}"] = by_kind.get(f"{kind} over {over}", 0) + row["bytes"]
+    ov = hlo_reader.overlap(hlo, shape)
     return dict(tpu=tpu, log=logged, fits=tpu_compile.fits(tpu, logged, HARDWARE[pod.hardware].memory_bytes),
                 hbm=HARDWARE[pod.hardware].memory_bytes, dot_flops=hlo_reader.dot_flops(hlo), collective_bytes=by_kind,
-                overlap=hlo_reader.overlap(hlo, shape), seconds=compiled["seconds"]["train"])
+                overlap=ov, seconds=compiled["seconds"]["train"], clock=compiler_clock(hlo, HARDWARE[pod.hardware], ov))
 
 
 def compiled_report(rank, r, c):
@@ -332,6 +333,9 @@ def compiled_report(rank, r, c):
     total = ov["overlapped"] + ov["exposed"]
     lines.append(f"  the compiled schedule overlaps {ov['overlapped'] / 2**20:.1f} MiB of it with matmul work and leaves "
                  f"{ov['exposed'] / 2**20:.1f} MiB exposed ({ov['exposed'] / max(total, 1):.0%})")
+    clock = c["clock"]
+    lines.append(f"  {'step on the compiler clock':<34}{r.step_s * 1e3:>11.1f} ms{clock['step_s'] * 1e3:>12.1f} ms"
+                 f"   (compute {clock['compute_s'] * 1e3:.1f} ms + collectives exposed {clock['exposed_s'] * 1e3:.1f} ms)")
     return lines
 
 

@@ -762,8 +762,9 @@ def test_planner_dot_flops_and_collective_bytes_are_the_compilers(time_cases, na
 def test_tpu_search_compiles_the_top_layout_and_prints_the_compilers_figures_beside_the_planners():
     """planner.py --tpu v4-64 --search on the scaled-down moe1b: the best layout is
     compiled; its block says whether the compiler fits it, the compiler's bytes, dot FLOPs
-    and collectives beside the planner's, and what of the communication the schedule
-    overlaps; the last line names a layout the compiler did not reject."""
+    and collectives beside the planner's, what of the communication the schedule
+    overlaps and its step on the compiler's clock; the last line names a layout the
+    compiler did not reject."""
     import io
     import re
     from contextlib import redirect_stdout
@@ -776,7 +777,7 @@ def test_tpu_search_compiles_the_top_layout_and_prints_the_compilers_figures_bes
     block = text[text.index("the top 1 compiled for v4-64"):]
     assert re.search(r"compiled in \d+ s: fits \(", block), block
     for row in ("bytes per device", "dot FLOPs per device (lockstep)", "collectives, all",
-                "the compiled schedule overlaps"):
+                "the compiled schedule overlaps", "step on the compiler clock"):
         assert row in block, row
     last = re.fullmatch(r'best_step_ms=[0-9.e+-]+ preset_step_ms=[0-9.e+-]+ best_flags="([^"]+)"', text.splitlines()[-1])
     first = re.search(r"^rank 1: (.*)$", block, re.M).group(1)
