@@ -122,13 +122,14 @@ def layer_bytes(s, kind, m):
 
 
 def matmul_output_bytes(s, kind, m, itemsize=F32):
-    """What remat block_dots keeps of a layer, per token: every matmul's output, in
+    """What remat block_dots keeps of a layer, per token: every matmul's output (matmul
+    attention's score products too: the compiled step keeps them under its checkpoint), in
     float32 (model.project accumulates in float32 and casts after; on TPU the cast is
     fused into the matmul: itemsize = the compute dtype's)."""
     kv = s.Tk // s.T  # under cp: keys and values up-projected from the whole sequence's latent
-    # (no score products: matmul attention's sit under its own jax.checkpoint, blockwise's in its loops)
+    scores = 2 * s.H * s.Tk if not (s.block or s.splash) else 0  # blockwise: one block of them at a time, inside its loops
     attention = (s.Q + s.H * s.K + s.H * s.R + s.A + s.R + 2 * s.H * s.K * kv  # down, up and RoPE projections
-                 + s.H * s.K + s.D)  # probs x values, output projection
+                 + scores + s.H * s.K + s.D)  # two score products, probs x values, output projection
     if kind == "M":
         ffn = s.E + s.E * s.C / s.S * (2 * s.Fe + s.D) + (2 * s.Fs + s.D if m.n_shared else 0)  # router, experts, shared
     else:
