@@ -9,7 +9,7 @@ experts are read off the weight shapes), so the same code runs on one device and
 `jax.shard_map`. Its only collectives are tensor- and expert-parallel, over the axes
 one small value names (ops/collectives.Axes; by default one device, none). FSDP, the
 pipeline and data parallelism are applied from outside (parallel/): a block gets its
-weights through apply_blocks's `loop`.
+weights through apply_blocks's `loop`. Named scopes mark the parts planner.py --tpu times.
 
 Shape legend (suffixes of names):
   B batch          T time (queries)    S time (keys) or tokens in a routing group
@@ -88,6 +88,7 @@ class RMSNorm(nnx.Module):
         self.scale_D = nnx.Param(jnp.ones((dim,), jnp.float32))
         self.eps = eps
 
+    @jax.named_scope("rms_norm")
     def __call__(self, x_BTD):
         x = x_BTD.astype(ACC_DTYPE)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
@@ -106,6 +107,7 @@ class DenseFFN(nnx.Module):
         self.w_up_DF = init_normal(rngs, (d_model, d_hidden), d_model)
         self.w_down_FD = init_normal(rngs, (d_hidden, d_model), d_hidden, out_scale)
 
+    @jax.named_scope("dense_ffn")
     def __call__(self, x_BTD, axes=ONE_DEVICE):  # a partial sum over F when F is split
         column, row = dict(quant_mode=self.quant_mode, out_axis=axes.tp), dict(quant_mode=self.quant_mode, in_axis=axes.tp)
         up_BTF = project(x_BTD, self.w_up_DF[...], **column)
@@ -260,6 +262,7 @@ class MLAttention(nnx.Module):
         rank's chunks of it (angles a SequenceChunks: ops/context_parallel.py)."""
         return self.with_max_logits(x_BTD, angles, axes)[0]
 
+    @jax.named_scope("attention")
     def with_max_logits(self, x_BTD, angles, axes=ONE_DEVICE):
         """(the attention's output, each local head's largest logit [H], float32): a
         score after the softmax scale, over this device's queries and every visible key,
@@ -288,18 +291,22 @@ class MLAttention(nnx.Module):
             max_logit_H = kernel("blockwise").max_logits(*jax.lax.stop_gradient((q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR)),
                                                          q_pos_T, k_pos_S, self.softmax_scale, self.block)
         else:
-            # Heads-major layout: each product a batch of plain 2-D matmuls (2x faster on CPU
-            # than einsums over [B, T, H, K]: docs/benchmarks.md).
-            q_nope_BHTK, v_BHSK = q_nope_BTHK.transpose(0, 2, 1, 3), v_BSHK.transpose(0, 2, 1, 3)
-            scores_BHTS = self.core_matmul(q_nope_BHTK, k_nope_BSHK.transpose(0, 2, 3, 1))
-            # The RoPE key is shared by every head: rows (h, t) of one sequence meet the same keys.
-            q_rope_BNR = q_rope_BTHR.transpose(0, 2, 1, 3).reshape(B, -1, q_rope_BTHR.shape[-1])
-            scores_BHTS += self.core_matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1)).reshape(scores_BHTS.shape)
-            causal_TS = jnp.tril(jnp.ones((T, T), bool)) if chunks is None else k_pos_S[None, :] <= q_pos_T[:, None]
-            scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
-            max_logit_H = jnp.max(jax.lax.stop_gradient(scores_BHTS), axis=(0, 2, 3))
-            probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
-            out_BTHK = self.core_matmul(probs_BHTS, v_BHSK).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
+            # Checkpointed: the backward takes the [T, S] scores again, not kept per layer (docs/pods.md)
+            @jax.checkpoint
+            def scores_to_out(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK):
+                # Heads-major layout: each product a batch of plain 2-D matmuls (2x faster on CPU
+                # than einsums over [B, T, H, K]: docs/benchmarks.md).
+                q_nope_BHTK, v_BHSK = q_nope_BTHK.transpose(0, 2, 1, 3), v_BSHK.transpose(0, 2, 1, 3)
+                scores_BHTS = self.core_matmul(q_nope_BHTK, k_nope_BSHK.transpose(0, 2, 3, 1))
+                # The RoPE key is shared by every head: rows (h, t) of one sequence meet the same keys.
+                q_rope_BNR = q_rope_BTHR.transpose(0, 2, 1, 3).reshape(B, -1, q_rope_BTHR.shape[-1])
+                scores_BHTS += self.core_matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1)).reshape(scores_BHTS.shape)
+                causal_TS = jnp.tril(jnp.ones((T, T), bool)) if chunks is None else k_pos_S[None, :] <= q_pos_T[:, None]
+                scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
+                probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
+                out_BTHK = self.core_matmul(probs_BHTS, v_BHSK).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
+                return out_BTHK, jnp.max(jax.lax.stop_gradient(scores_BHTS), axis=(0, 2, 3))
+            out_BTHK, max_logit_H = scores_to_out(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK)
         # Tensor parallel: each device holds H/tp heads, so this is a partial sum over
         # heads; the psum (an all-reduce over `tp`) completes it (Megatron, row-parallel).
         return psum(self.project(out_BTHK, self.wo_HKD[...], 2, in_axis=axes.tp), axes.tp), max_logit_H.astype(jnp.float32)
@@ -509,6 +516,7 @@ class MoE(nnx.Module):
         self.w_down_EFD = init_normal(rngs, (E, F, D), F, residual_scale(cfg))
         self.shared = DenseFFN(D, cfg.n_shared * F, "swiglu", rngs, residual_scale(cfg), cfg.quant) if cfg.n_shared else None
 
+    @jax.named_scope("router")
     def route(self, x_GSD):
         """top_k_routing of each group: (gates_GSX, experts_GSX, probs_GSE)."""
         bias_E = None if self.router_bias_E is None else self.router_bias_E[...]
@@ -516,6 +524,7 @@ class MoE(nnx.Module):
                                   topk_groups=self.topk_groups, routed_scale=self.routed_scale, norm_topk=self.norm_topk)
         return jax.vmap(route, (0, None))(x_GSD, self.router_DE[...])
 
+    @jax.named_scope("moe_experts")
     def expert_ffn(self, x_GECD, axes=ONE_DEVICE):
         """SwiGLU of each local expert on its buffer of tokens.
 
@@ -533,6 +542,7 @@ class MoE(nnx.Module):
         y_END = expert_matmul(hidden_ENF, self.w_down_EFD[...], "in")
         return y_END.reshape(E, G, C, D).transpose(1, 0, 2, 3)
 
+    @jax.named_scope("moe_dispatch_combine")
     def routed_with_capacity(self, x_GSD, gates_GSX, experts_GSX, n_experts, axes=ONE_DEVICE):
         G, S, D = x_GSD.shape
         capacity = expert_capacity(S, self.top_k, n_experts, self.capacity_factor)
@@ -571,6 +581,7 @@ class MoE(nnx.Module):
         dropped = jnp.sum(~kept_GSX)
         return y_GSD, tokens_per_expert_GE, dropped
 
+    @jax.named_scope("moe_dispatch_combine")
     def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts, axes=ONE_DEVICE, grouped_kernel=None):
         """No capacity: all (token, choice) pairs sorted by expert, a grouped matmul
         (grouped_kernel: ragged_dot or megablox gmm; default --model.moe_kernel) over each
@@ -591,6 +602,7 @@ class MoE(nnx.Module):
         x_ND = x_GSD.reshape(G * S, D)[token_of_pair[order]]
         tokens_per_expert_E = jnp.zeros((n_local + 1,), jnp.int32).at[local_N].add(1)[:n_local]
 
+        @jax.named_scope("moe_experts")
         def matmul(x_NI, w_EIO, tp_splits):
             if self.quant_mode != "none":
                 return kernel("quant").quantized_grouped_matmul(x_NI, w_EIO, tokens_per_expert_E, self.quant_mode, axes.tp, tp_splits)
@@ -811,6 +823,7 @@ class Transformer(nnx.Module):
         # for the same reason. Not stacked (no N dim): it runs on the first pipeline stage only.
         self.prefix = nnx.List([Layer(cfg, "D", rngs) for _ in range(cfg.first_dense)]) if cfg.first_dense else None
 
+    @jax.named_scope("embedding")
     def embed(self, tokens_BT, axes=ONE_DEVICE):
         """Vocab-parallel lookup: each tp device holds rows [offset, offset + V/tp) and
         contributes the rows it has (zeros elsewhere); a psum assembles the vectors."""
@@ -897,6 +910,7 @@ class Transformer(nnx.Module):
             total += self.loss_sum(h_BTD, unmasked(targets_BT), axes, norm=module.final_norm, mask_BT=valid_BT & (targets_BT >= 0))
         return total
 
+    @jax.named_scope("loss_heads")
     def head_sums(self, y_BTD, tokens_BT1, angles, axes=ONE_DEVICE, keys_B=None):
         """What the last pipeline stage does to the blocks' output y_BTD of rows tokens_BT1
         [B, T + 1]: (summed cross-entropy of the next tokens, summed MTP cross-entropy over

@@ -25,11 +25,16 @@ main.py flag, plus:
                       tpu_bytes_per_device=<int> planner_bytes_per_device=<int> fits=<true|false>
                       collective_bytes=<int> exposed_bytes=<int> dot_flops_per_device=<int>
                       planner_dot_flops_per_device=<int> low_precision_dot_flops_per_device=<int>
+                      compiler_step_ms=<float> compiler_compute_ms=<float>
                       (one line; the train step's collectives and those left exposed, bytes
                       per device per step, and its dot FLOPs per device per step, compiled
                       and planned, and the compiled ones whose operands are int8 / fp8
                       (--model.quant); loops by their trips, a conditional at its costliest
-                      branch)
+                      branch; the step on the compiler's clock: its ops' estimated_cycles
+                      at the chip's clock and the Pallas kernels at their roofline, + the
+                      collectives its schedule leaves exposed, by kind of op and by the
+                      model's parts above the line)
+    --hlo-out PATH    with --tpu: write the compiled train step's optimized HLO text there
 
     --search          rank every layout of the model and batch on these devices (mesh,
                       expert parallelism, schedule, microbatches, remat; planning/search.py)

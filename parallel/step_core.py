@@ -264,6 +264,7 @@ def global_grad_norm(grads, specs):
     return jnp.sqrt(total)
 
 
+@jax.named_scope("optimizer")
 def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_specs):
     """Clip to the global norm, run the optimizer on the local shards (laid out as
     `param_specs`), QK-clip, move the router biases by the step's load. Returns (params,

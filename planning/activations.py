@@ -72,9 +72,9 @@ def attention_bytes(s):
     token here (ops/context_parallel.py)."""
     kv = s.Tk // s.T
     latent_q = norm_bytes(s.Q) + s.Q * s.c if s.Q else s.D * s.c  # q_norm internals, q_BTQ; full-rank: a 4th user of x
-    # matmul: scores_BHTS (float32), probs (compute dtype), softmax max/sum; blockwise keeps
-    # only the log-sum-exp (float32) of each query and head: its blocks live inside its loops
-    scores = s.H * s.Tk * (F32 + s.c) + 2 * s.H * F32 if not s.block else s.H * F32
+    # matmul: none of its scores (under jax.checkpoint the backward takes them again: model.py);
+    # blockwise keeps only the log-sum-exp (float32) of each query and head: its blocks live inside its loops
+    scores = 0 if not s.block else s.H * F32
     if s.splash:
         scores = splash_residual_bytes(s)
     return (norm_bytes(s.D) + 3 * s.D * s.c  # attn_norm; its output, kept by each of the 3 down-projections
@@ -122,7 +122,8 @@ def layer_bytes(s, kind, m):
 
 
 def matmul_output_bytes(s, kind, m, itemsize=F32):
-    """What remat block_dots keeps of a layer, per token: every matmul's output, in
+    """What remat block_dots keeps of a layer, per token: every matmul's output (matmul
+    attention's score products too: the compiled step keeps them under its checkpoint), in
     float32 (model.project accumulates in float32 and casts after; on TPU the cast is
     fused into the matmul: itemsize = the compute dtype's)."""
     kv = s.Tk // s.T  # under cp: keys and values up-projected from the whole sequence's latent

@@ -16,7 +16,8 @@ BOOLEAN_FLAGS = ("search",)  # planner flags that take no value
 def split_planner_flags(argv):
     """Pull out the planner's own flags; the rest are main.py's config flags."""
     own, rest, i = {"hardware": "tpu-v5p", "devices": "0", "efficiency": str(DEFAULT_EFFICIENCY), "json": "", "tpu": "",
-                    "search": "", "top": "10", "compile": "3"}, [], 0
+                    "search": "", "top": "10", "compile": "3",
+                    "hlo-out": ""}, [], 0
     while i < len(argv):
         name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
         if name in BOOLEAN_FLAGS and "=" not in argv[i]:
@@ -71,7 +72,7 @@ def main(argv, usage=""):
         if own["search"]:
             return print("\n".join(search_main(cfg, own, devices, efficiency)))
         p = plan(cfg, devices, own["hardware"], efficiency)
-        tpu_lines = report.tpu_check(cfg, own["tpu"], p) if own["tpu"] else []
+        tpu_lines = report.tpu_check(cfg, own["tpu"], p, own["hlo-out"]) if own["tpu"] else []
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
     print("\n".join(report.report(p)))

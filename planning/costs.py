@@ -74,13 +74,23 @@ class Hardware:
     p2p_bw: float  # bytes/s one way to one neighbour (pipeline ppermute)
     node_size: int = 0  # devices per NVLink domain; 0 = one interconnect for the whole slice
     cross_node_bw: float = 0.0  # bytes/s per device between nodes
+    clock_hz: float = 0.0  # TPU: the TensorCore clock, the unit of the compiler's estimated_cycles
+    hbm_bw: float = 0.0  # bytes/s of HBM per device (a Pallas kernel's roofline)
 
 
+# TPU clocks: the bf16 peak over 2 FLOPs per cycle of each MXU cell, the MXUs as the Cloud
+# TPU system-architecture pages give them: v4 2 TensorCores x 4 MXUs of 128x128 (275 TFLOP/s:
+# 1.05 GHz, the TPU v4 paper's clock), v5e 1 x 4 of 128x128 (197: 1.5 GHz), v5p 2 x 4 of
+# 128x128 (459: 1.75 GHz). v6e (918): its page says 2 MXUs of 256x256 (3.5 GHz), but the
+# compiler estimates an 8192^3 bf16 matmul at 369K FLOPs per cycle, more than 2 such MXUs
+# do (262K); with 4 (Google's "4.7x v5e per chip": 4x the MXU area at 1.75/1.5 the clock)
+# it is 1.75 GHz. The same matmul's estimate is 88-93% of these peaks on v4, v5e and v5p.
+# HBM: 1200, 819, 2765 and 1638 GB/s on the same pages.
 HARDWARE = {
-    "tpu-v4": Hardware("TPU v4", 275e12, 32 * GiB, ring_bw=100 * GB, p2p_bw=50 * GB),
-    "tpu-v5e": Hardware("TPU v5e", 197e12, 16 * GiB, ring_bw=100 * GB, p2p_bw=50 * GB),
-    "tpu-v5p": Hardware("TPU v5p", 459e12, 95 * GiB, ring_bw=200 * GB, p2p_bw=100 * GB),
-    "tpu-v6e": Hardware("TPU v6e", 918e12, 32 * GiB, ring_bw=224 * GB, p2p_bw=112 * GB),
+    "tpu-v4": Hardware("TPU v4", 275e12, 32 * GiB, ring_bw=100 * GB, p2p_bw=50 * GB, clock_hz=1.05e9, hbm_bw=1200 * GB),
+    "tpu-v5e": Hardware("TPU v5e", 197e12, 16 * GiB, ring_bw=100 * GB, p2p_bw=50 * GB, clock_hz=1.5e9, hbm_bw=819 * GB),
+    "tpu-v5p": Hardware("TPU v5p", 459e12, 95 * GiB, ring_bw=200 * GB, p2p_bw=100 * GB, clock_hz=1.75e9, hbm_bw=2765 * GB),
+    "tpu-v6e": Hardware("TPU v6e", 918e12, 32 * GiB, ring_bw=224 * GB, p2p_bw=112 * GB, clock_hz=1.75e9, hbm_bw=1638 * GB),
     "h100": Hardware("H100 SXM", 989e12, 80 * GiB, ring_bw=450 * GB, p2p_bw=450 * GB, node_size=8, cross_node_bw=50 * GB),
     "h200": Hardware("H200 SXM", 989e12, 141 * GiB, ring_bw=450 * GB, p2p_bw=450 * GB, node_size=8, cross_node_bw=50 * GB),
     "cpu": Hardware("CPU (this machine, 2 cores)", 0.0, 24 * GiB, ring_bw=10 * GB, p2p_bw=10 * GB),

@@ -1,10 +1,11 @@
 """Read an optimized HLO module (`compiled.as_text()`: the TPU compiler's, on this CPU,
 or XLA:CPU's): its computations and loops, every collective and the mesh axes it spans,
-the dot FLOPs of its matmuls and Pallas kernels, and which collectives the scheduled
-program runs beside matmul work. Text in, numbers out: nothing here compiles.
+the dot FLOPs of its matmuls and Pallas kernels, which collectives the scheduled
+program runs beside matmul work, and the step's time by the compiler's own cost model. Text in, numbers out: nothing here compiles.
 planning/tpu_compile.py compiles the steps and prints these figures beside the planner's.
 """
 
+import json
 import math
 import re
 from collections import defaultdict
@@ -548,3 +549,150 @@ def collectives(hlo, mesh_shape):
             row["count"] += op.runs
             row["bytes"] += op.runs * nbytes * (op.group_size if op.kind == "reduce-scatter" else 1)
     return dict(table)
+
+
+# ---- The compiler's clock
+#
+# The TPU compiler's cost model (the one its scheduler uses) writes its estimate of an
+# op's run time into the op's backend_config, "estimated_cycles", in the chip's clock
+# cycles: on every fusion and on many a lone op (copy, broadcast, slice). A Pallas
+# kernel (tpu_custom_call) carries none; Mosaic writes a cost_estimate (flops,
+# bytes_accessed) instead, timed here at its roofline on the chip. Per step an op
+# counts once per run of its computation: a loop's body by its trips and its condition
+# once more, a conditional at its costliest branch only (each device runs one branch),
+# and never inside a fused computation (the fusion's own estimate covers it).
+
+CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+KERNEL_COST = re.compile(r'"cost_estimate":\{([^{}]*)\}')
+OP_NAME = re.compile(r'op_name="([^"]*)"')
+COMPUTE_KINDS = ("matmul fusions", "other fusions", "copies and transposes", "kernels", "other ops")
+LAYOUT_OPS = ("copy", "transpose", "copy-start", "copy-done")
+
+
+@dataclass(frozen=True)
+class Chip:
+    clock_hz: float  # the TensorCore's clock: estimated_cycles' unit
+    peak_flops: float  # dense bf16 FLOP/s (a kernel's roofline)
+    hbm_bytes_per_s: float  # HBM bandwidth (a kernel's roofline)
+
+
+@dataclass(frozen=True)
+class TimedOp:
+    name: str  # the instruction's name
+    kind: str  # one of COMPUTE_KINDS
+    seconds: float  # one run, on the compiler's clock
+    runs: int  # per step
+    op_name: str  # its metadata's op_name: the jax.named_scope path of what it computes
+
+    @property
+    def step_seconds(self):
+        return self.seconds * self.runs
+
+
+def kernel_seconds(line, chip):
+    """A Pallas kernel's time from Mosaic's cost_estimate: max(flops / peak, bytes /
+    HBM bandwidth); None when it carries none."""
+    cost = KERNEL_COST.search(line)
+    if not cost:
+        return None
+    fields = {k: float(v) for k, v in json.loads("{" + cost.group(1) + "}").items()}
+    return max(fields.get("flops", 0) / chip.peak_flops, fields.get("bytes_accessed", 0) / chip.hbm_bytes_per_s)
+
+
+def compute_kind(op, line, comps, matmul_of):
+    """Which of COMPUTE_KINDS an op is: a fusion by what it fuses (a dot or convolution:
+    matmul; nothing but copies, transposes and bookkeeping: a layout change)."""
+    if op == "custom-call":
+        return "kernels"
+    if op in ("dot", "convolution"):
+        return "matmul fusions"
+    if op in LAYOUT_OPS:
+        return "copies and transposes"
+    if op != "fusion":
+        return "other ops"
+    fused = re.search(r"calls=%([^\s,}]+)", line).group(1)
+    if matmul_of.get(fused):
+        return "matmul fusions"
+    inner = {INSTRUCTION.match(f).group(2) for f in comps.get(fused, []) if INSTRUCTION.match(f)}
+    return "copies and transposes" if inner <= set(LAYOUT_OPS + BOOKKEEPING_OPS + ("reshape",)) else "other fusions"
+
+
+def own_timed_ops(lines, comps, matmul_of, chip):
+    """[(name, kind, seconds, op_name)] of one computation's ops that carry an estimate."""
+    out = []
+    for line in lines:
+        m = INSTRUCTION.match(line)
+        if not m:
+            continue
+        cycles = CYCLES.search(line)
+        seconds = int(cycles.group(1)) / chip.clock_hz if cycles else None
+        if seconds is None and 'custom_call_target="tpu_custom_call"' in line:
+            seconds = kernel_seconds(line, chip)
+        if seconds is not None:
+            name = re.match(r"^\s*(?:ROOT )?%(\S+) =", line).group(1)
+            op_name = OP_NAME.search(line)
+            out.append((name, compute_kind(m.group(2), line, comps, matmul_of), seconds, op_name.group(1) if op_name else ""))
+    return out
+
+
+def scheduled_callees(line, comps):
+    """[(computation, runs per run of this instruction)] that an instruction runs, a
+    conditional's branches as one list [(branch, 1), ...] (it runs one); a fusion's
+    computation is not among them."""
+    loop = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
+    if loop:
+        trips = trip_count(line, comps.get(loop.group(1), []))
+        return [(loop.group(2), trips), (loop.group(1), trips + 1)]
+    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+    if branches:
+        return [[(c.strip().lstrip("%"), 1) for c in branches.group(1).split(",")]]
+    m = INSTRUCTION.match(line)
+    if m and m.group(2) == "fusion":
+        return []
+    return [(c, 1) for c in re.findall(r"(?:calls|to_apply)=%([^\s,}]+)", line)]
+
+
+def timed_ops(hlo, chip):
+    """[TimedOp] of an optimized TPU module: every op that carries the compiler's
+    estimate (or a Pallas kernel's cost_estimate), with its runs per step; those of a
+    conditional's branches other than its costliest are left out."""
+    comps, entry = split_computations(hlo)
+    matmul_of = calls_matmul(comps)
+    own = {name: own_timed_ops(lines, comps, matmul_of, chip) for name, lines in comps.items()}
+    callees = {name: [c for line in lines for c in scheduled_callees(line, comps)] for name, lines in comps.items()}
+    memo = {}
+
+    def total(name):  # seconds of one run of a computation, all it runs included
+        if name not in memo:
+            memo[name] = 0.0
+            memo[name] = sum(s for _, _, s, _ in own.get(name, [])) + sum(
+                max(total(b) for b, _ in c) if isinstance(c, list) else total(c[0]) * c[1] for c in callees.get(name, []))
+        return memo[name]
+
+    runs = defaultdict(int)
+
+    def visit(name, times):
+        runs[name] += times
+        for c in callees.get(name, []):
+            callee, n = max(c, key=lambda b: total(b[0])) if isinstance(c, list) else c
+            visit(callee, times * n)
+
+    visit(entry, 1)
+    return [TimedOp(name, kind, seconds, runs[comp], op_name)
+            for comp, ops in own.items() for name, kind, seconds, op_name in ops if runs.get(comp)]
+
+
+def seconds_by(ops, key):
+    """{key(op): seconds per step} of TimedOps, costliest first."""
+    out = defaultdict(float)
+    for op in ops:
+        out[key(op)] += op.step_seconds
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def model_part(op_name, parts):
+    """The innermost of `parts` (jax.named_scope names) on an op_name's path, "other"
+    when none is: jit(train_step)/transpose(jvp())/while/body/attention/dot_general ->
+    attention."""
+    steps = re.split(r"[/()]", op_name)
+    return next((s for s in reversed(steps) if s in parts), "other")

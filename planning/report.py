@@ -3,10 +3,11 @@
 """
 
 import json
+import re
 
 from parallel.mesh import make_mesh
 from planning import hlo_reader, tpu_compile
-from planning.costs import HARDWARE, GiB, plan, plan_config
+from planning.costs import DCN_BW_PER_CHIP, HARDWARE, GiB, plan, plan_config
 from runtime.flops import human
 from utils import PRESETS, Config, apply_overrides
 
@@ -76,9 +77,11 @@ def exposed_share(p):
     return sum(p["comm_exposed"].values()) / total if total else 0.0
 
 
-def tpu_check(cfg, tpu_name, p):
+def tpu_check(cfg, tpu_name, p, hlo_out=""):
     """Compile the train and eval steps for a TPU slice (tpu_compile.py); print the
-    compiler's bytes beside the plan's, the collectives, and the contract's last line."""
+    compiler's bytes beside the plan's, the collectives, the step on the compiler's
+    clock, and the contract's last line. hlo_out: a path to write the compiled train
+    step's optimized HLO text to."""
     pod = tpu_compile.pod_type(tpu_name)
     mesh = make_mesh(cfg.mesh, tpu_compile.pod_devices(tpu_name, cfg.mesh.slices))
     compiled = tpu_compile.compile_steps(plan_config(cfg), mesh, hardware=pod.hardware)
@@ -102,12 +105,87 @@ def tpu_check(cfg, tpu_name, p):
     lines += [f"exposed: the compiler's schedule {compiled_share:.1%} of the collective bytes; the planner's model "
               f"{exposed_share(p):.1%} of the communication time (predicted step {p['step_s_predicted'] * 1e3:.4g} ms, "
               f"serial {p['step_s_serial'] * 1e3:.4g} ms)", ""]
+    if hlo_out:
+        with open(hlo_out, "w") as f:
+            f.write(train_hlo)
+    clock = compiler_clock(train_hlo, HARDWARE[pod.hardware], ov)
+    lines += clock_report(p, clock, found) + [""]
     fits = tpu_compile.fits(tpu, compiled["log"]["train"], hbm)
     lines.append(f"tpu_bytes_per_device={tpu['total']} planner_bytes_per_device={p['total_bytes']} fits={str(fits).lower()} "
                  f"collective_bytes={ov['overlapped'] + ov['exposed']} exposed_bytes={ov['exposed']} "
                  f"dot_flops_per_device={hlo_reader.dot_flops(train_hlo)} "
                  f"planner_dot_flops_per_device={round(p['times']['device_flops'])} "
-                 f"low_precision_dot_flops_per_device={hlo_reader.low_precision_dot_flops(train_hlo)}")
+                 f"low_precision_dot_flops_per_device={hlo_reader.low_precision_dot_flops(train_hlo)} "
+                 f"compiler_step_ms={clock['step_s'] * 1e3:.6g} compiler_compute_ms={clock['compute_s'] * 1e3:.6g}")
+    return lines
+
+
+# ---- The compiler's clock: the train step as the TPU compiler's cost model times it
+
+# The jax.named_scope names of the model's parts (model.py) and of the update (parallel/step_core.py)
+MODEL_PARTS = ("attention", "rms_norm", "router", "moe_dispatch_combine", "moe_experts", "dense_ffn", "embedding",
+               "loss_heads", "optimizer")
+
+
+def exposed_collective_seconds(ov, hw):
+    """The collective bytes the compiled schedule leaves exposed (hlo_reader.overlap) at
+    the planner's rates: a ring collective at ring_bw (an all-reduce moves its bytes
+    twice), a collective-permute at p2p_bw, what crosses slices at DCN_BW_PER_CHIP."""
+    total = 0.0
+    for (kind, over), row in ov["by kind"].items():
+        bw = DCN_BW_PER_CHIP if hlo_reader.crosses_slices(over) else hw.p2p_bw if kind == "collective-permute" else hw.ring_bw
+        total += row["exposed"] * (2 if kind == "all-reduce" else 1) / bw
+    return total
+
+
+def compiler_clock(hlo, hw, ov):
+    """{"ops": [hlo_reader.TimedOp], "compute_s", "exposed_s", "step_s"}: the step on the
+    compiler's clock, compute (every op's estimated cycles over its runs, the kernels at
+    their roofline) plus the collectives its schedule leaves exposed."""
+    ops = hlo_reader.timed_ops(hlo, hlo_reader.Chip(hw.clock_hz, hw.peak_flops, hw.hbm_bw))
+    compute = sum(op.step_seconds for op in ops)
+    exposed = exposed_collective_seconds(ov, hw)
+    return dict(ops=ops, compute_s=compute, exposed_s=exposed, step_s=compute + exposed)
+
+
+def short_op_name(op_name, width=90):
+    """An op_name without the jit(...)/ prefix, its tail kept when too long."""
+    name = op_name.split("/", 1)[-1]
+    return name if len(name) <= width else "..." + name[-width + 3:]
+
+
+def clock_report(p, clock, kernels_found, top=12):
+    """Lines: the planner's step beside the compiler's clock, by kind of op, by the
+    model's parts (MODEL_PARTS), and the costliest ops outside the matmuls."""
+    t, step = p["times"], clock["step_s"]
+    planner_compute = t["compute"] + t.get("bubble", 0) + t.get("head", 0)
+    lines = ["the train step on the compiler's clock (each op's estimated_cycles x its runs per step, Pallas kernels at "
+             "their roofline; per device):",
+             f"  {'':<44}{'planner':>10}{'compiler':>11}",
+             f"  {'compute':<44}{planner_compute * 1e3:>7.1f} ms{clock['compute_s'] * 1e3:>8.1f} ms",
+             f"  {'communication exposed':<44}{(p['step_s_predicted'] - planner_compute) * 1e3:>7.1f} ms"
+             f"{clock['exposed_s'] * 1e3:>8.1f} ms   (the compiler's: its schedule's exposed bytes at the planner's rates)",
+             f"  {'step':<44}{p['step_s_predicted'] * 1e3:>7.1f} ms{step * 1e3:>8.1f} ms", "", "  by kind of op:"]
+    by_kind = hlo_reader.seconds_by(clock["ops"], lambda op: op.kind)
+    rows = [(kind, by_kind.get(kind, 0.0)) for kind in hlo_reader.COMPUTE_KINDS] + [("collectives exposed", clock["exposed_s"])]
+    lines += [f"    {name:<42}{s * 1e3:>10.1f} ms {s / step:6.1%}" for name, s in rows]
+    timed = {re.sub(r"\.\d+$", "", op.name) for op in clock["ops"] if op.kind == "kernels"}
+    untimed = sorted(set(kernels_found) - timed)
+    if untimed:
+        lines.append(f"    (not counted: Pallas kernels with no cost estimate: {', '.join(untimed)})")
+    lines += ["", "  by the model's part (jax.named_scope on the op's path; the innermost named):"]
+    by_part = hlo_reader.seconds_by(clock["ops"], lambda op: hlo_reader.model_part(op.op_name, MODEL_PARTS))
+    matmul_part = hlo_reader.seconds_by([op for op in clock["ops"] if op.kind == "matmul fusions"],
+                                        lambda op: hlo_reader.model_part(op.op_name, MODEL_PARTS))
+    lines += [f"    {part:<42}{s * 1e3:>10.1f} ms {s / step:6.1%}   (matmul fusions {matmul_part.get(part, 0) * 1e3:.1f} ms)"
+              for part, s in by_part.items()]
+    unnamed = hlo_reader.seconds_by([op for op in clock["ops"] if hlo_reader.model_part(op.op_name, MODEL_PARTS) == "other"],
+                                    lambda op: op.op_name.rsplit("/", 1)[-1] or "(no op_name)")
+    lines.append("    other, by the op it was: " + ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in list(unnamed.items())[:8]))
+    lines += ["", "  the costliest ops outside the matmul fusions (ms per step = runs x one run):"]
+    others = sorted((op for op in clock["ops"] if op.kind != "matmul fusions"), key=lambda op: -op.step_seconds)
+    lines += [f"    {op.step_seconds * 1e3:8.2f} ms {op.runs:>4} x {op.name:<28} {op.kind:<22} {short_op_name(op.op_name)}"
+              for op in others[:top]]
     return lines
 
 
@@ -229,9 +307,10 @@ def compiled_layout(cfg, tpu_name):
     by_kind = {}
     for (kind, _, over), row in hlo_reader.collectives(hlo, shape).items():
         by_kind[f"{kind} over {over}"] = by_kind.get(f"{kind} over {over}", 0) + row["bytes"]
+    ov = hlo_reader.overlap(hlo, shape)
     return dict(tpu=tpu, log=logged, fits=tpu_compile.fits(tpu, logged, HARDWARE[pod.hardware].memory_bytes),
                 hbm=HARDWARE[pod.hardware].memory_bytes, dot_flops=hlo_reader.dot_flops(hlo), collective_bytes=by_kind,
-                overlap=hlo_reader.overlap(hlo, shape), seconds=compiled["seconds"]["train"])
+                overlap=ov, seconds=compiled["seconds"]["train"], clock=compiler_clock(hlo, HARDWARE[pod.hardware], ov))
 
 
 def compiled_report(rank, r, c):
@@ -254,6 +333,9 @@ def compiled_report(rank, r, c):
     total = ov["overlapped"] + ov["exposed"]
     lines.append(f"  the compiled schedule overlaps {ov['overlapped'] / 2**20:.1f} MiB of it with matmul work and leaves "
                  f"{ov['exposed'] / 2**20:.1f} MiB exposed ({ov['exposed'] / max(total, 1):.0%})")
+    clock = c["clock"]
+    lines.append(f"  {'step on the compiler clock':<34}{r.step_s * 1e3:>11.1f} ms{clock['step_s'] * 1e3:>12.1f} ms"
+                 f"   (compute {clock['compute_s'] * 1e3:.1f} ms + collectives exposed {clock['exposed_s'] * 1e3:.1f} ms)")
     return lines
 
 

@@ -361,18 +361,23 @@ def test_full_moe1b_compiles_fits_and_the_planner_is_within_15_percent(devices_o
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["moonlight"])  # (deepseek_v2_lite scaled down is the same program but for
 # its softmax scores and YaRN, neither of which moves a byte: its full size in docs/planning.md)
-def test_planner_tpu_prints_the_compiler_beside_the_planner(preset):
-    """`planner.py --preset moonlight --tpu v4-64`, scaled down in
+def test_planner_tpu_prints_the_compiler_beside_the_planner(preset, tmp_path):
+    """`planner.py --preset moonlight --tpu v4-64 --hlo-out F`, scaled down in
     width, depth, experts and vocabulary: the real train and eval steps compile, fit, and
     the compiler's bytes print beside the planner's, the arguments (params, optimizer
     state, batch: the untied head and the dense first layer among them) equal to the byte;
-    the collectives table has the pipeline's sends over pp and Muon's all-to-alls."""
+    the collectives table has the pipeline's sends over pp and Muon's all-to-alls; the
+    step on the compiler's clock is F's estimated cycles over their runs at v4's clock,
+    told apart by the model's parts."""
     import io
     import re
     from contextlib import redirect_stdout
-    out = io.StringIO()
+
+    from planning import report
+    out, hlo_path = io.StringIO(), tmp_path / "train.hlo"
     with redirect_stdout(out):
-        cli.main(["--preset", preset, "--tpu", "v4-64", *[f"--model.{k}={v}" for k, v in SMALL_REAL.items()]])
+        cli.main(["--preset", preset, "--tpu", "v4-64", "--hlo-out", str(hlo_path),
+                  *[f"--model.{k}={v}" for k, v in SMALL_REAL.items()]])
     text = out.getvalue()
     arguments = re.search(r"^arguments \(params \+ optimizer \+ batch\) +([0-9.]+) GiB +([0-9.]+) GiB +1\.00$", text, re.M)
     assert arguments and arguments.group(1) == arguments.group(2), text
@@ -383,11 +388,19 @@ def test_planner_tpu_prints_the_compiler_beside_the_planner(preset):
     last = re.fullmatch(r"tpu_bytes_per_device=(\d+) planner_bytes_per_device=(\d+) fits=true "
                         r"collective_bytes=(\d+) exposed_bytes=(\d+) "
                         r"dot_flops_per_device=(\d+) planner_dot_flops_per_device=(\d+) "
-                        r"low_precision_dot_flops_per_device=0", text.splitlines()[-1])
+                        r"low_precision_dot_flops_per_device=0 "
+                        r"compiler_step_ms=([0-9.e+-]+) compiler_compute_ms=([0-9.e+-]+)", text.splitlines()[-1])
     assert last and int(last.group(1)) > 0 and int(last.group(2)) > 0, text.splitlines()[-1]
     assert 0 < int(last.group(4)) <= int(last.group(3)), text.splitlines()[-1]
     assert int(last.group(5)) > 0 and int(last.group(6)) > 0, text.splitlines()[-1]
     assert "the compiled train step's schedule (per step, per device)" in text
+    v4 = costs.HARDWARE["tpu-v4"]
+    ops = hlo_reader.timed_ops(hlo_path.read_text(), hlo_reader.Chip(1.05e9, v4.peak_flops, v4.hbm_bw))
+    cycles_ms = sum(op.step_seconds for op in ops) * 1e3
+    assert cycles_ms > 0 and float(last.group(8)) == pytest.approx(cycles_ms, rel=0.02)
+    assert float(last.group(7)) >= float(last.group(8))
+    parts = {op.op_name and hlo_reader.model_part(op.op_name, report.MODEL_PARTS) for op in ops}
+    assert {"attention", "router", "moe_experts", "rms_norm", "loss_heads", "optimizer"} <= parts, parts
 
 
 # ---- What the compiled schedule overlaps (hlo_reader.overlap) and the dot FLOPs it runs
@@ -749,8 +762,9 @@ def test_planner_dot_flops_and_collective_bytes_are_the_compilers(time_cases, na
 def test_tpu_search_compiles_the_top_layout_and_prints_the_compilers_figures_beside_the_planners():
     """planner.py --tpu v4-64 --search on the scaled-down moe1b: the best layout is
     compiled; its block says whether the compiler fits it, the compiler's bytes, dot FLOPs
-    and collectives beside the planner's, and what of the communication the schedule
-    overlaps; the last line names a layout the compiler did not reject."""
+    and collectives beside the planner's, what of the communication the schedule
+    overlaps and its step on the compiler's clock; the last line names a layout the
+    compiler did not reject."""
     import io
     import re
     from contextlib import redirect_stdout
@@ -763,7 +777,7 @@ def test_tpu_search_compiles_the_top_layout_and_prints_the_compilers_figures_bes
     block = text[text.index("the top 1 compiled for v4-64"):]
     assert re.search(r"compiled in \d+ s: fits \(", block), block
     for row in ("bytes per device", "dot FLOPs per device (lockstep)", "collectives, all",
-                "the compiled schedule overlaps"):
+                "the compiled schedule overlaps", "step on the compiler clock"):
         assert row in block, row
     last = re.fullmatch(r'best_step_ms=[0-9.e+-]+ preset_step_ms=[0-9.e+-]+ best_flags="([^"]+)"', text.splitlines()[-1])
     first = re.search(r"^rank 1: (.*)$", block, re.M).group(1)
