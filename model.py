@@ -1,15 +1,12 @@
-"""The model: a Mixture-of-Experts transformer with Multi-head Latent Attention
-(DeepSeek-V2/V3: MLA, shared + routed experts, V3 routing, multi-token prediction),
-configured by utils.ModelConfig. Read top to bottom: the pieces, RoPE, MLA attention,
-routing and the MoE layer, Layer and Block, MTP, the Transformer, the loop over the
-blocks, decoding.
+"""The model: a Mixture-of-Experts transformer with Multi-head Latent Attention (DeepSeek-V2/V3: MLA, shared + routed
+experts, V3 routing, multi-token prediction), configured by utils.ModelConfig. Read top to bottom: the pieces, RoPE,
+MLA attention, routing and the MoE layer, Layer and Block, MTP, the Transformer, the loop over the blocks, decoding.
 
-Every layer is written for the *local* shard of its weights (heads, hidden units and
-experts are read off the weight shapes), so the same code runs on one device and inside
-`jax.shard_map`. Its only collectives are tensor- and expert-parallel, over the axes
-one small value names (ops/collectives.Axes; by default one device, none). FSDP, the
-pipeline and data parallelism are applied from outside (parallel/): a block gets its
-weights through apply_blocks's `loop`. Named scopes mark the parts planner.py --tpu times.
+Every layer is written for the *local* shard of its weights (heads, hidden units and experts are read off the weight
+shapes), so the same code runs on one device and inside `jax.shard_map`. Its only collectives are tensor- and
+expert-parallel, over the axes one small value names (ops/collectives.Axes; by default one device, none). FSDP, the
+pipeline and data parallelism are applied from outside (parallel/): a block gets its weights through apply_blocks's
+`loop`. Named scopes mark the parts planner.py --tpu times.
 
 Shape legend (suffixes of names):
   B batch          T time (queries)    S time (keys) or tokens in a routing group
@@ -54,10 +51,9 @@ def init_normal(rngs, shape, fan_in, scale=1.0):
 
 
 def residual_scale(cfg):
-    """Output projections of residual branches start small, 1/sqrt(2 x layers) (GPT-2),
-    so the residual stream does not grow with depth. (Not zero: a zero projection
-    would give every weight before it a zero gradient at step 0.) The dense prefix's
-    layers count too."""
+    """Output projections of residual branches start small, 1/sqrt(2 x layers) (GPT-2), so the residual stream does
+    not grow with depth. (Not zero: a zero projection would give every weight before it a zero gradient at step 0.)
+    The dense prefix's layers count too."""
     return 1.0 / math.sqrt(2 * (cfg.n_blocks * len(cfg.block_pattern) + cfg.first_dense))
 
 
@@ -96,9 +92,8 @@ class RMSNorm(nnx.Module):
 
 
 class DenseFFN(nnx.Module):
-    """SwiGLU (Shazeer 2020) or GELU MLP. Under tensor parallelism F is split: the up
-    projections are column-parallel and the down projection row-parallel, so one psum
-    at the end (the caller's) completes the output."""
+    """SwiGLU (Shazeer 2020) or GELU MLP. Under tensor parallelism F is split: the up projections are column-parallel
+    and the down projection row-parallel, so one psum at the end (the caller's) completes the output."""
 
     def __init__(self, d_model, d_hidden, activation, rngs, out_scale, quant_mode="none"):
         self.activation, self.quant_mode = activation, quant_mode
@@ -264,10 +259,9 @@ class MLAttention(nnx.Module):
 
     @jax.named_scope("attention")
     def with_max_logits(self, x_BTD, angles, axes=ONE_DEVICE):
-        """(the attention's output, each local head's largest logit [H], float32): a
-        score after the softmax scale, over this device's queries and every visible key,
-        read off the forward's scores under stop_gradient (QK-clip's input; the step
-        reduces it over the mesh)."""
+        """(the attention's output, each local head's largest logit [H], float32): a score after the softmax scale,
+        over this device's queries and every visible key, read off the forward's scores under stop_gradient (QK-clip's
+        input; the step reduces it over the mesh)."""
         B, T, _ = x_BTD.shape
         chunks, angles = (angles, angles.angles) if isinstance(angles, SequenceChunks) else (None, angles)
         q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles, axes)
@@ -324,10 +318,9 @@ class MLAttention(nnx.Module):
         return out_BTHW[..., :K]
 
     def decode(self, x_BTD, angles, cache, start):
-        """Attend T new tokens at positions start..start+T-1 to the latent cache (kv_BSA,
-        k_rope_BSR), S its fixed length. The key up-projection is absorbed into the query
-        (q . W_uk c = (W_uk^T q) . c): scores are taken against the latent. `start`: one
-        position for all rows, or one per row [B] (the server's slots)."""
+        """Attend T new tokens at positions start..start+T-1 to the latent cache (kv_BSA, k_rope_BSR), S its fixed
+        length. The key up-projection is absorbed into the query (q . W_uk c = (W_uk^T q) . c): scores are taken
+        against the latent. `start`: one position for all rows, or one per row [B] (the server's slots)."""
         kv_cache_BSA, rope_cache_BSR = cache
         q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles)
         kv_BTA, k_rope_BTR = self.latents(x_BTD, angles)
@@ -359,10 +352,9 @@ def write_at(cache_BSX, new_BTX, start):
 
 
 class RouterBias(nnx.Variable):
-    """A per-expert bias added to the routing scores for the top-k *selection* only
-    (DeepSeek-V3's aux-loss-free balancing, arXiv:2412.19437 section 2.1.2). Train state
-    but not a trained weight: no gradient reaches it (it only picks indices) and the
-    optimizer leaves it alone; `balanced_bias` moves it after every step."""
+    """A per-expert bias added to the routing scores for the top-k *selection* only (DeepSeek-V3's aux-loss-free
+    balancing, arXiv:2412.19437 section 2.1.2). Train state but not a trained weight: no gradient reaches it (it only
+    picks indices) and the optimizer leaves it alone; `balanced_bias` moves it after every step."""
 
 
 def has_router_bias(cfg):
@@ -385,11 +377,10 @@ def limit_to_top_groups(choice_SE, n_groups, topk_groups):
 
 
 def top_k_routing(x_SD, router_DE, top_k, score, bias_E=None, n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True):
-    """Router: (gates_SX, experts_SX, probs_SE) for each token's top_k experts. Gates sum to
-    1 (norm_topk; else the raw scores, V2's; with top_k = 1 the raw score, Switch's), times
-    routed_scale; probs_SE (normalised scores) feed the load-balance loss. bias_E shifts only
-    the scores that select (V3); n_groups > 1 limits the choice to topk_groups groups.
-    In float32: a tie broken differently in bfloat16 would send a token elsewhere."""
+    """Router: (gates_SX, experts_SX, probs_SE) for each token's top_k experts. Gates sum to 1 (norm_topk; else the
+    raw scores, V2's; with top_k = 1 the raw score, Switch's), times routed_scale; probs_SE (normalised scores) feed
+    the load-balance loss. bias_E shifts only the scores that select (V3); n_groups > 1 limits the choice to
+    topk_groups groups. In float32: a tie broken differently in bfloat16 would send a token elsewhere."""
     logits_SE = jnp.dot(x_SD.astype(ACC_DTYPE), router_DE.astype(ACC_DTYPE))
     if score == "softmax":
         scores_SE = jax.nn.softmax(logits_SE, axis=-1)
@@ -419,9 +410,8 @@ def balanced_bias(bias_NE, tokens_per_expert_NE, rate):
 
 
 def balance_router_biases(blocks, tokens_per_expert_NLE, rate, block_pattern):
-    """blocks (a pure dict of stacked block params) with every MoE layer's
-    router_bias_E moved by `balanced_bias`; MoE layer l of a block is the l-th "M" of
-    its pattern."""
+    """blocks (a pure dict of stacked block params) with every MoE layer's router_bias_E moved by `balanced_bias`; MoE
+    layer l of a block is the l-th "M" of its pattern."""
     layers = dict(blocks["layers"])
     for moe_layer, i in enumerate(i for i, kind in enumerate(block_pattern) if kind == "M"):
         ffn = dict(layers[i]["ffn"])
@@ -445,11 +435,10 @@ def expert_capacity(group_size, top_k, n_experts, capacity_factor):
 
 
 def assign_slots(experts_SX, n_experts, capacity):
-    """Give every (token, choice) a slot in its expert's buffer, or drop it: (slot_SX,
-    e * capacity + position or n_experts * capacity when dropped; kept_SX; tokens_per_expert_E,
-    the demand). Priority is token order, so a drop at position t never depends on later
-    tokens: the model stays causal (choice-major priority would leak the future). A stable
-    sort: no [S, E, C] one-hot."""
+    """Give every (token, choice) a slot in its expert's buffer, or drop it: (slot_SX, e * capacity + position or
+    n_experts * capacity when dropped; kept_SX; tokens_per_expert_E, the demand). Priority is token order, so a drop
+    at position t never depends on later tokens: the model stays causal (choice-major priority would leak the future).
+    A stable sort: no [S, E, C] one-hot."""
     S, X = experts_SX.shape
     experts_N = experts_SX.reshape(-1)  # token-major order
     order = jnp.argsort(experts_N, stable=True)
@@ -583,11 +572,10 @@ class MoE(nnx.Module):
 
     @jax.named_scope("moe_dispatch_combine")
     def routed_dropless(self, x_GSD, gates_GSX, experts_GSX, n_experts, axes=ONE_DEVICE, grouped_kernel=None):
-        """No capacity: all (token, choice) pairs sorted by expert, a grouped matmul
-        (grouped_kernel: ragged_dot or megablox gmm; default --model.moe_kernel) over each
-        expert's run. Under expert parallelism every device gathers the ep devices' groups,
-        runs its own experts' pairs (the others' come out 0) and a psum_scatter hands each
-        device its groups' sums: nothing dropped, for an all-gather of ep x the tokens."""
+        """No capacity: all (token, choice) pairs sorted by expert, a grouped matmul (grouped_kernel: ragged_dot or
+        megablox gmm; default --model.moe_kernel) over each expert's run. Under expert parallelism every device
+        gathers the ep devices' groups, runs its own experts' pairs (the others' come out 0) and a psum_scatter hands
+        each device its groups' sums: nothing dropped, for an all-gather of ep x the tokens."""
         tokens_per_expert_GE = jax.vmap(lambda e: jnp.zeros((n_experts,), jnp.int32).at[e.reshape(-1)].add(1))(experts_GSX)
         ep_axis = axes.ep
         expert_parallel = ep_axis is not None and not is_auto_axis(ep_axis) and bool(live_axes(ep_axis))
@@ -657,10 +645,9 @@ class MoE(nnx.Module):
 
 
 def fold_in_rows(keys_B, data):
-    """fold_in for a batch of keys, one per sequence: the dropout keys of a row are
-    derived from (seed, step, global row) by parallel/step_core.dropout_rows, then from
-    the block, the layer and the branch here. So a mask never depends on the mesh or the
-    pipeline schedule, only on what it masks."""
+    """fold_in for a batch of keys, one per sequence: the dropout keys of a row are derived from (seed, step, global
+    row) by parallel/step_core.dropout_rows, then from the block, the layer and the branch here. So a mask never
+    depends on the mesh or the pipeline schedule, only on what it masks."""
     return jax.vmap(jax.random.fold_in, (0, None))(keys_B, data)
 
 
@@ -686,10 +673,9 @@ class Layer(nnx.Module):
         self.dropout = cfg.dropout
 
     def drop(self, x_BTD, keys_B, positions_T):
-        """Dropout on a residual branch's output. The mask of row b at global position t
-        is drawn from fold_in(key of row b, t): every tp device holds the same residual
-        stream and the same keys, so it draws the same mask, and a position's mask is the
-        same on whichever cp rank holds it."""
+        """Dropout on a residual branch's output. The mask of row b at global position t is drawn from fold_in(key of
+        row b, t): every tp device holds the same residual stream and the same keys, so it draws the same mask, and a
+        position's mask is the same on whichever cp rank holds it."""
         if self.dropout == 0 or keys_B is None:
             return x_BTD
         draw_D = lambda key, t: jax.random.bernoulli(jax.random.fold_in(key, t), 1 - self.dropout, x_BTD.shape[-1:])  # noqa: E731
@@ -726,11 +712,10 @@ class Block(nnx.Module):
         self.balancing = cfg.router_bias_rate > 0 and "M" in cfg.block_pattern  # (a frozen bias needs no loads)
 
     def __call__(self, x_BTD, angles, axes=ONE_DEVICE, rng=None, remat_layers=False):
-        """Returns x_BTD and the MoE statistics of this block's MoE layers, summed
-        (with bias balancing also each MoE layer's own tokens_per_expert_LE), with
-        max_logit_LH: each layer's largest attention logit per local head (a max, not a
-        sum, wherever statistics are combined: parallel/step_core.add_stats).
-        remat_layers: keep only each layer's input for the backward pass."""
+        """Returns x_BTD and the MoE statistics of this block's MoE layers, summed (with bias balancing also each MoE
+        layer's own tokens_per_expert_LE), with max_logit_LH: each layer's largest attention logit per local head (a
+        max, not a sum, wherever statistics are combined: parallel/step_core.add_stats). remat_layers: keep only each
+        layer's input for the backward pass."""
         stats, tokens_per_expert_LE, max_logit_LH = empty_moe_stats(self.n_experts, self.sequence_loss), [], []
         run_layer = lambda layer, x_BTD, rng: layer(x_BTD, angles, axes, rng)  # noqa: E731
         if remat_layers:
@@ -758,11 +743,10 @@ class Block(nnx.Module):
 
 
 class MTPModule(nnx.Module):
-    """Depth k of sequential multi-token prediction: h'_i = W_h RMSNorm(h^{k-1}_i) + W_e
-    RMSNorm(Emb(t_{i+k})) (V3's M_k in two D x D halves), one extra block, and token i+k+1
-    predicted through the shared output layer with its own final norm. The block has dense
-    FFNs only (V3's has an MoE, whose routing would need its own balancing; MTP is dropped
-    after training)."""
+    """Depth k of sequential multi-token prediction: h'_i = W_h RMSNorm(h^{k-1}_i) + W_e RMSNorm(Emb(t_{i+k})) (V3's
+    M_k in two D x D halves), one extra block, and token i+k+1 predicted through the shared output layer with its own
+    final norm. The block has dense FFNs only (V3's has an MoE, whose routing would need its own balancing; MTP is
+    dropped after training)."""
 
     def __init__(self, cfg, rngs):
         D = cfg.d_model
@@ -848,18 +832,16 @@ class Transformer(nnx.Module):
         return x_BTD
 
     def embed_and_prefix(self, tokens_BT1, angles, axes=ONE_DEVICE, keys_B=None, remat="none", stream=None):
-        """What the first pipeline stage does to rows of tokens [B, T + 1] (inputs and
-        targets): this device's inputs (under cp, its chunks') embedded, in the compute
-        dtype, through the dense prefix. `stream`: a layout constraint on the residual
-        stream (parallel/auto.py's), applied after each part."""
+        """What the first pipeline stage does to rows of tokens [B, T + 1] (inputs and targets): this device's inputs
+        (under cp, its chunks') embedded, in the compute dtype, through the dense prefix. `stream`: a layout
+        constraint on the residual stream (parallel/auto.py's), applied after each part."""
         stream = stream or (lambda x: x)
         x_BTD = stream(self.embed(local_inputs(unmasked(tokens_BT1), held_positions(angles)), axes).astype(self.cfg.dtype))
         return x_BTD if self.prefix is None else stream(self.run_prefix(x_BTD, angles, axes, keys_B, remat))
 
     def logits(self, x_BTD, norm=None):
-        """Output layer: the tied embedding, or the separate head (the local vocabulary
-        rows under tp, either way: vocab-parallel logits).
-        `norm`: the final norm to apply (an MTP depth has its own)."""
+        """Output layer: the tied embedding, or the separate head (the local vocabulary rows under tp, either way:
+        vocab-parallel logits). `norm`: the final norm to apply (an MTP depth has its own)."""
         # Scaled by 1/sqrt(D): the normed x has norm sqrt(D), so a logit is the row's
         # norm (embed_row_norm at init) times cos(x, row): ~N(0, norm^2/D) at init.
         # A model imported from Hugging Face (final_norm_folded) has that factor in its
@@ -890,11 +872,10 @@ class Transformer(nnx.Module):
         return jnp.sum(ce_BT if mask_BT is None else jnp.where(mask_BT, ce_BT, 0.0))
 
     def mtp_loss_sum(self, h_BTD, tokens_BT1, angles, axes=ONE_DEVICE, keys_B=None):
-        """Summed cross-entropy of every MTP depth from the main model's last hidden state
-        h_BTD (before the final norm) of inputs tokens_BT1[:, :-1]. Depth k at position i
-        predicts token i+k+1; positions i >= T-k run on padding and are masked out. Under
-        cp h_BTD holds this rank's chunks and tokens_BT1 whole rows (targets read across
-        a chunk's end)."""
+        """Summed cross-entropy of every MTP depth from the main model's last hidden state h_BTD (before the final
+        norm) of inputs tokens_BT1[:, :-1]. Depth k at position i predicts token i+k+1; positions i >= T-k run on
+        padding and are masked out. Under cp h_BTD holds this rank's chunks and tokens_BT1 whole rows (targets read
+        across a chunk's end)."""
         B, T1 = tokens_BT1.shape
         T = T1 - 1
         positions_T = token_positions(angles, T)
@@ -938,11 +919,10 @@ class Transformer(nnx.Module):
 
 
 def remat_block(fn, remat, prefix=False):
-    """fn with what its backward pass keeps set by --model.remat: block, each call's input
-    (its insides recomputed); block_dots, its matmul outputs; none, layer and stage,
-    everything (layer is applied inside the block, stage by the executors around all of a
-    stage's blocks). prefix: fn is a dense prefix layer, which keeps its input under
-    layer and stage too."""
+    """fn with what its backward pass keeps set by --model.remat: block, each call's input (its insides recomputed);
+    block_dots, its matmul outputs; none, layer and stage, everything (layer is applied inside the block, stage by the
+    executors around all of a stage's blocks). prefix: fn is a dense prefix layer, which keeps its input under layer
+    and stage too."""
     if remat == "block" or prefix and remat in ("layer", "stage"):
         return jax.checkpoint(fn)
     if remat == "block_dots":
@@ -951,10 +931,9 @@ def remat_block(fn, remat, prefix=False):
 
 
 def scan_blocks(run_block, block_state, x_BTD, remat, unroll):
-    """The blocks in order with lax.scan (one compiled body whatever N is), each block's
-    weights used as they are stored. run_block(x, weights, index) -> (x, stats).
-    Unrolled, XLA sees every block at once (faster on CPU: docs/benchmarks.md); rolled,
-    the compile time does not grow with depth."""
+    """The blocks in order with lax.scan (one compiled body whatever N is), each block's weights used as they are
+    stored. run_block(x, weights, index) -> (x, stats). Unrolled, XLA sees every block at once (faster on CPU:
+    docs/benchmarks.md); rolled, the compile time does not grow with depth."""
     body = remat_block(lambda x_BTD, state_and_index: run_block(x_BTD, *state_and_index), remat)
     n_blocks = jax.tree.leaves(block_state)[0].shape[0]
     return jax.lax.scan(body, x_BTD, (block_state, jnp.arange(n_blocks)), unroll=n_blocks if unroll else 1)
@@ -980,9 +959,8 @@ def apply_blocks(blocks, x_BTD, angles, axes=ONE_DEVICE, rng=None, remat="none",
 
 
 def init_cache(cfg, batch, max_len, dtype=jnp.float32):
-    """Per layer of the dense prefix, then per layer of the block pattern: (kv latent
-    [N, B, S, A], RoPE key [N, B, S, R]), N = 1 for a prefix layer (so every entry has
-    the same layout: rows are dim 1, positions dim 2)."""
+    """Per layer of the dense prefix, then per layer of the block pattern: (kv latent [N, B, S, A], RoPE key [N, B, S,
+    R]), N = 1 for a prefix layer (so every entry has the same layout: rows are dim 1, positions dim 2)."""
     def entry(n):
         shape = (n, batch, max_len)
         return jnp.zeros(shape + (cfg.kv_latent,), dtype), jnp.zeros(shape + (cfg.rope_dim,), dtype)

@@ -1,11 +1,10 @@
 """FSDP for the shard_map executors: the weights gathered for use, packed, prefetched.
 
-Each weight is stored split over the axes that do not split it for compute (its FSDP dim,
-parallel/weights.py); before use its shards are cast to the compute dtype and all-gathered
-(gather_for_use), whose transpose reduce-scatters the gradient. Top-level weights are
-gathered once per step (gather_top); a block's just before it runs, by the loop given to
-model.apply_blocks (block_loop): where used, or fetched beside the previous block in one
-packed all-gather per group of axes (prefetching_loop), to hide behind its matmuls.
+Each weight is stored split over the axes that do not split it for compute (its FSDP dim, parallel/weights.py); before
+use its shards are cast to the compute dtype and all-gathered (gather_for_use), whose transpose reduce-scatters the
+gradient. Top-level weights are gathered once per step (gather_top); a block's just before it runs, by the loop given
+to model.apply_blocks (block_loop): where used, or fetched beside the previous block in one packed all-gather per
+group of axes (prefetching_loop), to hide behind its matmuls.
 """
 
 import functools
@@ -23,29 +22,26 @@ from utils import AXES, CP, DP, PP, TP
 
 
 def gather_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype=jnp.float32, whole_stack=False):
-    """Local weights cast to the compute `dtype` (first: half the bytes in bfloat16) with
-    their FSDP dim all-gathered. The backward reduce-scatters each gradient
-    (scatter_by_all_to_all) to the shard's owner, summed over every device that used it.
+    """Local weights cast to the compute `dtype` (first: half the bytes in bfloat16) with their FSDP dim all-gathered.
+    The backward reduce-scatters each gradient (scatter_by_all_to_all) to the shard's owner, summed over every device
+    that used it.
 
-    Gradients are reduced in `reduce_dtype` (--model.grad_reduce_dtype): TPU and GPU,
-    unlike XLA:CPU, sum bfloat16 partial gradients in bfloat16. So weights replicated over
-    an axis (norm scales) are typed as varying over it before the cast (autodiff's psum
-    then sums reduce_dtype values), and all but one_block weights come out in the wider of
-    dtype and reduce_dtype (users cast them), their gradient summed over microbatches unrounded.
-    one_block: one block's weights, sliced out of the stack (no N dim).
-    whole_stack: all blocks' stacked weights [N, ...] at once (parallel/accumulate.py)."""
+    Gradients are reduced in `reduce_dtype` (--model.grad_reduce_dtype): TPU and GPU, unlike XLA:CPU, sum bfloat16
+    partial gradients in bfloat16. So weights replicated over an axis (norm scales) are typed as varying over it
+    before the cast (autodiff's psum then sums reduce_dtype values), and all but one_block weights come out in the
+    wider of dtype and reduce_dtype (users cast them), their gradient summed over microbatches unrounded. one_block:
+    one block's weights, sliced out of the stack (no N dim). whole_stack: all blocks' stacked weights [N, ...] at once
+    (parallel/accumulate.py)."""
     fetched, unpack = fetch_for_use(params, expert_parallel, dtype, one_block, reduce_dtype, whole_stack)
     return unpack(fetched)
 
 
 def fetch_for_use(params, expert_parallel, dtype, one_block=False, reduce_dtype=jnp.float32, whole_stack=False,
                   pack=False):
-    """gather_for_use in two parts, (fetched, unpack): `fetched` (arrays) is what the
-    collectives bring, unpack(fetched) the local work after them, so a loop can fetch the
-    next block in one step and unpack it in the next. unpack serves every block of the
-    same shapes.
-    pack (one_block): weights gathered over the same axes go as one buffer (gather_packed),
-    since the TPU schedule hides one collective per loop step (docs/parallelism.md)."""
+    """gather_for_use in two parts, (fetched, unpack): `fetched` (arrays) is what the collectives bring,
+    unpack(fetched) the local work after them, so a loop can fetch the next block in one step and unpack it in the
+    next. unpack serves every block of the same shapes. pack (one_block): weights gathered over the same axes go as
+    one buffer (gather_packed), since the TPU schedule hides one collective per loop step (docs/parallelism.md)."""
     out_dtype = jnp.dtype(dtype) if one_block else jnp.promote_types(dtype, reduce_dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     out, packs = [None] * len(leaves), {}
@@ -122,10 +118,9 @@ def _gather_weight_bwd(axes, dim, dtype, reduce_dtype, out_dtype, like, g):
 
 
 def scatter_by_all_to_all(g, axes, scatter_dimension):
-    """psum_scatter(g, axes, scatter_dimension, tiled=True) as an all-to-all of g's n slices
-    and a local sum, the same bytes as a ring reduce-scatter: libtpu keeps an all-to-all and
-    runs it beside matmuls, but lowers a reduce-scatter over a 3-D chip group to an
-    all-reduce (twice the bytes) and never overlaps it (docs/parallelism.md)."""
+    """psum_scatter(g, axes, scatter_dimension, tiled=True) as an all-to-all of g's n slices and a local sum, the same
+    bytes as a ring reduce-scatter: libtpu keeps an all-to-all and runs it beside matmuls, but lowers a reduce-scatter
+    over a 3-D chip group to an all-reduce (twice the bytes) and never overlaps it (docs/parallelism.md)."""
     n, dim = jax.lax.axis_size(axes), scatter_dimension
     g_n = g.reshape(g.shape[:dim] + (n, g.shape[dim] // n) + g.shape[dim + 1:])
     return jnp.sum(jax.lax.all_to_all(g_n, axes, dim, dim, tiled=True), axis=dim)
@@ -138,10 +133,9 @@ gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
 
 
 def gather_top(params, cfg):
-    """The weights outside the blocks (embedding, dense prefix, final norm, MTP), gathered
-    once per step in the reduce dtype, typed as varying over pp: only some stages use them
-    (inside a cond), and a psum there would hang, so the pcast's transpose sums their
-    gradient over the stages outside it."""
+    """The weights outside the blocks (embedding, dense prefix, final norm, MTP), gathered once per step in the reduce
+    dtype, typed as varying over pp: only some stages use them (inside a cond), and a psum there would hang, so the
+    pcast's transpose sums their gradient over the stages outside it."""
     m = cfg.model
     top = {k: v for k, v in params.items() if k != "blocks"}
     top = gather_for_use(top, cfg.mesh.expert_parallel, jnp.dtype(m.dtype), reduce_dtype=jnp.dtype(m.grad_reduce_dtype))
@@ -162,10 +156,9 @@ def fetch_block(block_params, cfg, pack=True):
 
 
 def prefetches_gathers(cfg, passes):
-    """Does block_loop fetch block i + 1 beside block i (prefetching_loop)? Yes where a
-    gather crosses devices (dp, cp or tp > 1), the block loop runs once per microbatch
-    (`passes` == 1: accumulation, one-tick GPipe; a pipeline's ticks keep gathering where
-    used) and remat keeps each gathered block for the backward anyway (none, layer, stage)."""
+    """Does block_loop fetch block i + 1 beside block i (prefetching_loop)? Yes where a gather crosses devices (dp, cp
+    or tp > 1), the block loop runs once per microbatch (`passes` == 1: accumulation, one-tick GPipe; a pipeline's
+    ticks keep gathering where used) and remat keeps each gathered block for the backward anyway (none, layer, stage)."""
     return (passes == 1 and cfg.model.remat in ("none", "layer", "stage")
             and any(jax.lax.axis_size(a) > 1 for a in (DP, CP, TP)))
 

@@ -36,10 +36,9 @@ def layer_axes(cfg):
 
 
 def when(pred, fn, *args):
-    """fn(*args) where pred holds; zeros of the same types elsewhere, computing nothing.
-    A Python bool pred takes no cond: XLA:CPU inlines a constant-predicate cond, whose
-    collectives then clash with the step's ("Id can't be larger than the number of
-    participating threads")."""
+    """fn(*args) where pred holds; zeros of the same types elsewhere, computing nothing. A Python bool pred takes no
+    cond: XLA:CPU inlines a constant-predicate cond, whose collectives then clash with the step's ("Id can't be larger
+    than the number of participating threads")."""
     if isinstance(pred, bool):
         return fn(*args) if pred else zeros_of(jax.eval_shape(fn, *args))
     avals = jax.eval_shape(fn, *args)
@@ -126,10 +125,9 @@ def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
 
 
 def dropout_rng(cfg, step):
-    """The step's dropout key from (seed, step), alike on every device (None without
-    dropout); masks come per global row (dropout_rows), then per block, layer and branch,
-    so every mesh and executor takes the same steps. No per-tp-rank keys: dropout masks
-    only the residual stream, which tp devices hold whole."""
+    """The step's dropout key from (seed, step), alike on every device (None without dropout); masks come per global
+    row (dropout_rows), then per block, layer and branch, so every mesh and executor takes the same steps. No
+    per-tp-rank keys: dropout masks only the residual stream, which tp devices hold whole."""
     if cfg.model.dropout == 0:
         return None
     return jax.random.fold_in(jax.random.key(cfg.run.seed), step)
@@ -266,9 +264,8 @@ def global_grad_norm(grads, specs):
 
 @jax.named_scope("optimizer")
 def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_specs):
-    """Clip to the global norm, run the optimizer on the local shards (laid out as
-    `param_specs`), QK-clip, move the router biases by the step's load. Returns (params,
-    opt_state, metrics with grad_norm and router biases)."""
+    """Clip to the global norm, run the optimizer on the local shards (laid out as `param_specs`), QK-clip, move the
+    router biases by the step's load. Returns (params, opt_state, metrics with grad_norm and router biases)."""
     grad_norm = global_grad_norm(grads, param_specs)
     clip = cfg.train.grad_clip
     if clip > 0:
@@ -294,12 +291,11 @@ def apply_gradients(params, opt_state, grads, metrics, cfg, optimizer, param_spe
 
 
 def qk_clip(params, max_logit_NLH, tau):
-    """After the update: each head whose largest logit of the step (max_logit_NLH, per
-    block, layer and head) exceeded tau has its logits scaled by gamma = tau / max_logit;
-    other heads stay bit for bit. As in K2: the per-head content weights wq_up_QHK (wq_DHK)
-    and wk_up_AHK by sqrt(gamma) each, the rotary query wq_rope_QHR (wq_rope_DHR) by gamma;
-    the shared rotary key, down-projections and norms untouched (they move every head).
-    Not the dense prefix nor MTP. Works on local shards or global arrays; no state."""
+    """After the update: each head whose largest logit of the step (max_logit_NLH, per block, layer and head) exceeded
+    tau has its logits scaled by gamma = tau / max_logit; other heads stay bit for bit. As in K2: the per-head content
+    weights wq_up_QHK (wq_DHK) and wk_up_AHK by sqrt(gamma) each, the rotary query wq_rope_QHR (wq_rope_DHR) by gamma;
+    the shared rotary key, down-projections and norms untouched (they move every head). Not the dense prefix nor MTP.
+    Works on local shards or global arrays; no state."""
     gamma_NLH = jnp.where(max_logit_NLH > tau, tau / max_logit_NLH, 1.0)
     layers = dict(params["blocks"]["layers"])
     for i, layer in layers.items():
