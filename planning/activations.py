@@ -213,6 +213,15 @@ def recomputed_block_bytes(cfg, mesh_shape, s, fused):
     return SPLIT_MESH_RECOMPUTE_FRACTION * per_block if math.prod(mesh_shape.values()) > 1 else per_block
 
 
+def loss_phase(s, rows, fused):
+    """{name: bytes} of the loss of one microbatch of `rows` tokens: float32 logits [rows, V/tp] and their
+    gradient, and the normed input. The TPU compiler (fused) recomputes the logits inside the fusion that
+    writes their gradient: moe1b's step at dp 8 x pp 2 x tp 2 on a v4-64 holds one float32 [8, 1024, 50176]
+    there, not two (XLA:CPU holds both)."""
+    name = "loss: float32 logits' gradient (the logits fused into it)" if fused else "loss: float32 logits + their gradient"
+    return {name: (1 if fused else 2) * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)}
+
+
 def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
     """{component: bytes} of activations at the peak of the train step, per device.
 
@@ -224,7 +233,8 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
       remat stage: the stage's input per tick.
     On top of that, the peak is the larger of two phases, which never overlap:
       loss: float32 logits [b, T, V/tp] of one microbatch and their gradient
-        (parallel.last_stage_loss_sums recomputes them per microbatch);
+        (parallel.last_stage_loss_sums recomputes them per microbatch); fused (the TPU
+        compiler), the gradient alone (loss_phase);
       block backward: remat block and layer recompute one block (its intermediates; XLA
         recomputes all of a block's layers together), stage all of a tick's blocks;
         remat none and block_dots work through one block's cotangents
@@ -272,8 +282,7 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
         kept = {"none": layer_bytes(s, "D", m), "block_dots": matmul_output_bytes(s, "D", m)}.get(m.remat, s.D * s.c)
         out[f"dense prefix (stage 0): {m.first_dense} layer(s), every microbatch"] = held * m.first_dense * tokens * kept
     rows = tokens  # the loss takes one microbatch at a time
-    loss_phase = 2 * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)
-    phases = {"loss: float32 logits + their gradient": loss_phase,
+    phases = {**loss_phase(s, rows, fused),
               "backward through one " + ("stage" if m.remat == "stage" else "block")
         + (" (+ a copy of one tick's)" if m.remat in ("none", "block_dots") and ticks > 1 and blocks_here > 1 else ""): block_phase}
     peak = max(phases, key=phases.get)
@@ -316,8 +325,7 @@ def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False)
         out[f"zero bubble: each block's output gradient from B until W, {sched.res_slots} slots"] = sched.res_slots * blocks_per_chunk * x_bytes
     recomputed_block = recomputed_block_bytes(cfg, mesh_shape, s, fused)
     block_phase = blocks_per_chunk * per_block if m.remat == "stage" else recomputed_block
-    loss_phase = 2 * tokens * s.V * F32 + tokens * (norm_bytes(s.D) + s.D * s.c)
-    phases = {"loss: float32 logits + their gradient": loss_phase,
+    phases = {**loss_phase(s, tokens, fused),
               "backward tick of one " + ("chunk" if m.remat == "stage" else "block") + " (recomputed)": block_phase}
     if m.first_dense:  # stage 0's first backward tick also recomputes the dense prefix and walks back through it
         phases["backward tick of the dense prefix (recomputed)"] = block_phase + tokens * m.first_dense * layer_bytes(s, "D", m)
