@@ -401,12 +401,14 @@ def token_bytes(tokenizer, skip):
 
 
 class Grammar:
-    """A compiled response_format over one vocabulary: start state, and masks cached per state."""
+    """A compiled response_format over one vocabulary: its start state, the fewest tokens of a
+    complete document (`shortest`), and masks cached per state."""
 
     CACHED_STATES = 4096
 
     def __init__(self, node, trie):
         self.start, self.trie, self.cache = start_state(node), trie, OrderedDict()
+        self.shortest = min_bytes(self.start)
 
     def allowed(self, stack):
         hit = self.cache.get(stack)
@@ -420,11 +422,15 @@ class Grammar:
 class Guide:
     """One sequence's place in its grammar. mask(left) -> the bool [vocab] row of the tokens
     it may take with `left` tokens to go (end ids only once the document is complete);
+    bias_row(left) -> the logit bias that enforces it over `bias_V` (the request's logit_bias);
     take(token) moves on."""
 
-    def __init__(self, grammar, vocab, end_ids):
-        self.grammar, self.vocab, self.state = grammar, vocab, grammar.start
+    def __init__(self, grammar, vocab, end_ids, bias_V):
+        self.grammar, self.vocab, self.state, self.bias_V = grammar, vocab, grammar.start, bias_V
         self.end_ids = [t for t in end_ids if 0 <= t < vocab]
+
+    def bias_row(self, left):
+        return np.where(self.mask(left), self.bias_V, -np.inf).astype(np.float32)
 
     def mask(self, left):
         mask_V = np.zeros(self.vocab, bool)
@@ -437,12 +443,46 @@ class Guide:
             mask_V[self.end_ids] = True
         return mask_V
 
-    def done(self):
-        return self.state is None or min_bytes(self.state) == 0
-
     def take(self, token):
         if token in self.end_ids or self.state is None:
             self.state = None
             return
         for b in self.grammar.trie.bytes_of.get(token, b"\xff"):  # a token outside the trie: no document goes on
             self.state = advance(self.state, b) if self.state is not None else None
+
+
+# ---- response_format -> a Grammar, for one served vocabulary
+
+
+class Grammars:
+    """The server's grammars: the vocabulary's trie (built at the first guided request) and
+    the compiled response_formats, the most recent CACHED kept."""
+
+    CACHED = 64
+
+    def __init__(self, tokenizer, special_ids):
+        self.tokenizer, self.special_ids, self.trie, self.cache = tokenizer, set(special_ids), None, OrderedDict()
+
+    def for_format(self, response_format):
+        """OpenAI's response_format ({"type": "text" | "json_object" | "json_schema", "json_schema":
+        {"name", "schema", "strict"}}) -> its Grammar, or None for plain text; SchemaRefused
+        saying what is wrong."""
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            node = ("any-object", MAX_DEPTH)
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise SchemaRefused('json_schema must be {"name": ..., "schema": {...}}: its schema is missing')
+            node = compile_schema(spec["schema"])
+        else:
+            raise SchemaRefused(f"type must be text, json_object or json_schema, got {json.dumps(kind)}")
+        if self.trie is None:
+            self.trie = TokenTrie(token_bytes(self.tokenizer, self.special_ids))
+        if node not in self.cache:
+            self.cache[node] = Grammar(node, self.trie)
+            if len(self.cache) > self.CACHED:
+                self.cache.popitem(last=False)
+        return self.cache[node]
