@@ -77,6 +77,7 @@ class Engine:
     """
 
     def __init__(self, model, slots, queue_limit, tp_devices=None):
+        self.metrics = None  # a metrics.Metrics the loop reports to, once the app sets it
         self.decoder = Decoder(model, slots, tp_devices)
         self.window, self.buckets, self.n_slots, self.queue_limit = self.decoder.window, self.decoder.buckets, slots, queue_limit
         self.vocab = self.decoder.vocab  # the token ids it samples (logit_bias may name any of them)
@@ -96,6 +97,8 @@ class Engine:
                 raise QueueFull(f"{len(self.waiting)} sequences are already waiting for a slot (--serve.queue {self.queue_limit})")
             for seq in seqs:
                 seq.engine = self
+                if self.metrics is not None:
+                    self.metrics.submitted(seq)
             self.waiting.extend(seqs)
             self.wakeup.notify()
 
@@ -178,6 +181,8 @@ class Engine:
                     seq.emit(("done", "cancelled"))
                     continue
                 self.slots[i] = Slot(seq)
+            if self.metrics is not None:
+                self.metrics.admitted(seq)
             prompt = self.decoder.start(i, seq.prompt_ids, seq.seed, seq.temperature, seq.top_k, seq.top_p, **seq.penalties)
             if seq.want_prompt_logprobs:
                 n = len(seq.prompt_ids)
@@ -202,6 +207,8 @@ class Engine:
             slot.generated += 1
             if slot.seq.guide is not None:
                 slot.seq.guide.take(token)
+            if self.metrics is not None:
+                self.metrics.token(slot.seq)
             slot.seq.emit(("token", token, float(logprob_S[i]), top_id_SN[i], top_logprob_SN[i]))
             if slot.generated >= slot.seq.max_tokens:
                 self.finish(i, "length")

@@ -12,7 +12,8 @@ stream_options.include_usage asks, logprobs and echo, so that evaluation harness
 that speak this API can score log-likelihoods), POST /v1/chat/completions (messages
 rendered by the model's chat template, chat.py; the same sampling fields; the reply
 ends at the template's end of turn), n and best_of, vLLM's ignore_eos, stop_token_ids and
-include_stop_str_in_output, GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize,
+include_stop_str_in_output, response_format (json_object, json_schema: structured.py), GET /metrics
+(Prometheus: metrics.py), GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize,
 POST /detokenize and GET /version, GET /health, and GET /
 (serve.html: type a prompt or chat, watch the text stream in). engine.py does the
 batched decoding; this file turns requests into token ids and tokens back into text,
@@ -58,7 +59,7 @@ from typing import Optional, Union
 import jax
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from flax import nnx
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
@@ -69,6 +70,7 @@ from runtime.devices import stop_now
 from runtime.sampling import TOP_LOGPROBS, bias_row, host_params
 from serving.chat import ReplyTokenizer, TemplateRefused, load_chat_template
 from serving.engine import Engine, QueueFull, Sequence
+from serving.metrics import Metrics
 from serving.modes import load_run_params
 from serving.structured import Grammars, Guide, SchemaRefused
 from utils import ConfigError
@@ -436,8 +438,8 @@ class AccessLog:
     too, or its client has gone): client, method, path, status, seconds. uvicorn's own
     access log is off (--log_level warning) as it logs a stream when it starts."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, metrics=None):
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -452,6 +454,8 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_seen)
         finally:
+            if self.metrics is not None:
+                self.metrics.requests.labels(scope["path"], str(status[0] or "-")).inc()
             host, port = scope.get("client") or ("-", 0)
             print(f'{host}:{port} "{scope["method"]} {scope["path"]} HTTP/{scope.get("http_version", "1.1")}" {status[0] or "-"} '
                   f"{time.perf_counter() - t0:.3f}s", flush=True)
@@ -461,7 +465,8 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None, chat
     """The FastAPI app: the page, /health, /v1/models, and the two generation endpoints
     (`chat`: the model's ChatTemplate, or None: chat completions are then a 400)."""
     app = FastAPI(title="meshformer", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(AccessLog)
+    engine.metrics = metrics = Metrics(engine)
+    app.add_middleware(AccessLog, metrics=metrics)
     created = int(time.time())
     with open(PAGE) as f:
         page = f.read()
@@ -485,6 +490,11 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None, chat
     @app.get("/", response_class=HTMLResponse)
     async def index():
         return page
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        """The figures of metrics.Metrics, in Prometheus' text format."""
+        return Response(metrics.text(), media_type=metrics.content_type)
 
     @app.get("/health")
     async def health():

@@ -443,6 +443,53 @@ def test_n_samples_are_the_single_requests_with_the_derived_seeds(client):
 # ---- The page offers chat when the model has a template
 
 
+# ---- Operations
+
+
+def scrape(url):
+    """/metrics parsed by prometheus_client's own text parser: {(sample name, labels): value}."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in parser.text_string_to_metric_families(text) for sample in family.samples}
+
+
+@pytest.mark.slow
+def test_metrics_count_the_requests_of_a_16_stream_load(server, client):
+    """GET /metrics, read by Prometheus' text parser while 16 streams run (2 slots: some wait)
+    and after: the counters grew by exactly the requests, prompt tokens and tokens sent."""
+    import concurrent.futures
+
+    completions = ("meshformer:requests_total", (("path", "/v1/completions"), ("status", "200")))
+    before = scrape(server)
+
+    def one(i):
+        chunks = list(client.completions.create(model="chatty", prompt=f"Stream {i}:", max_tokens=12, temperature=1, seed=i,
+                                                stream=True, stream_options={"include_usage": True}))
+        return chunks[-1].usage
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(one, i) for i in range(16)]
+        during = []
+        while not all(f.done() for f in futures):
+            during.append(scrape(server))
+            time.sleep(0.2)
+        usages = [f.result() for f in futures]
+    after = scrape(server)
+    busy = [m[("meshformer:num_requests_running", ())] + m[("meshformer:num_requests_waiting", ())] for m in during]
+    assert max(busy) > 2 and max(m[("meshformer:num_requests_running", ())] for m in during) == 2, busy
+
+    def grew(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew(*completions) == 16
+    assert grew("meshformer:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert grew("meshformer:generation_tokens_total") == sum(u.completion_tokens for u in usages) > 16
+    assert grew("meshformer:time_to_first_token_seconds_count") == 16
+    assert grew("meshformer:time_per_output_token_seconds_count") == sum(u.completion_tokens - 1 for u in usages)
+
+
 # ---- Structured output
 
 CARD = {"type": "object", "properties": {"n": {"type": "string", "maxLength": 5}, "a": {"type": "integer", "minimum": 0, "maximum": 99},
