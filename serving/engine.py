@@ -12,6 +12,7 @@ The engine deals in token ids; serve.py turns them into text, stop strings and H
 """
 
 import collections
+import functools
 import threading
 import traceback
 
@@ -21,6 +22,12 @@ import numpy as np
 from runtime.sampling import Decoder
 
 # ---- Sequences and the engine
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def set_row(bias_SV, slot, bias_V):
+    """Row `slot` of the logit bias becomes bias_V (a guided slot's mask, each step)."""
+    return bias_SV.at[slot].set(bias_V)
 
 
 class QueueFull(Exception):
@@ -33,10 +40,11 @@ class Sequence:
     (only with want_prompt_logprobs), ("token", id, logprob, top_id_N, top_logprob_N)
     per token, and last ("done", "length" | "cancelled" | "error: ...").
     `penalties`: sampling.Decoder.start's frequency_penalty, presence_penalty and
-    logit_bias ({token id: bias})."""
+    logit_bias ({token id: bias}). `guide`: a structured.Guide whose mask every token obeys."""
 
-    def __init__(self, prompt_ids, max_tokens, temperature, top_k, top_p, seed, emit, want_prompt_logprobs=False, **penalties):
-        self.prompt_ids, self.max_tokens, self.emit = list(prompt_ids), max_tokens, emit
+    def __init__(self, prompt_ids, max_tokens, temperature, top_k, top_p, seed, emit, want_prompt_logprobs=False, guide=None,
+                 **penalties):
+        self.prompt_ids, self.max_tokens, self.emit, self.guide = list(prompt_ids), max_tokens, emit, guide
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
         self.penalties = penalties
         self.want_prompt_logprobs = want_prompt_logprobs
@@ -69,6 +77,7 @@ class Engine:
     """
 
     def __init__(self, model, slots, queue_limit, tp_devices=None):
+        self.metrics = None  # a metrics.Metrics the loop reports to, once the app sets it
         self.decoder = Decoder(model, slots, tp_devices)
         self.window, self.buckets, self.n_slots, self.queue_limit = self.decoder.window, self.decoder.buckets, slots, queue_limit
         self.vocab = self.decoder.vocab  # the token ids it samples (logit_bias may name any of them)
@@ -88,6 +97,8 @@ class Engine:
                 raise QueueFull(f"{len(self.waiting)} sequences are already waiting for a slot (--serve.queue {self.queue_limit})")
             for seq in seqs:
                 seq.engine = self
+                if self.metrics is not None:
+                    self.metrics.submitted(seq)
             self.waiting.extend(seqs)
             self.wakeup.notify()
 
@@ -113,6 +124,7 @@ class Engine:
         """Compile every step now (no request waits for a compile), then serve.
         Sequences submitted meanwhile wait in the queue."""
         self.decoder.warm_up()
+        self.decoder.bias_SV = set_row(self.decoder.bias_SV, np.int32(0), np.zeros(self.vocab, np.float32))  # compiled now too
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self.thread.start()
         self.ready.set()
@@ -169,6 +181,8 @@ class Engine:
                     seq.emit(("done", "cancelled"))
                     continue
                 self.slots[i] = Slot(seq)
+            if self.metrics is not None:
+                self.metrics.admitted(seq)
             prompt = self.decoder.start(i, seq.prompt_ids, seq.seed, seq.temperature, seq.top_k, seq.top_p, **seq.penalties)
             if seq.want_prompt_logprobs:
                 n = len(seq.prompt_ids)
@@ -177,7 +191,11 @@ class Engine:
                 self.finish(i, "length")
 
     def step(self):
-        """Sample every busy slot's next token, hand it out, then decode them all."""
+        """Sample every busy slot's next token (guided ones within their masks), hand it out, then decode them all."""
+        for i, slot in enumerate(self.slots):
+            if slot is not None and slot.seq.guide is not None:
+                left = slot.seq.max_tokens - slot.generated
+                self.decoder.bias_SV = set_row(self.decoder.bias_SV, np.int32(i), slot.seq.guide.bias_row(left))
         token_S, logprob_S, top_id_SN, top_logprob_SN = self.decoder.sample()
         for i, slot in enumerate(self.slots):
             if slot is None:
@@ -187,6 +205,10 @@ class Engine:
                 continue
             token = int(token_S[i])
             slot.generated += 1
+            if slot.seq.guide is not None:
+                slot.seq.guide.take(token)
+            if self.metrics is not None:
+                self.metrics.token(slot.seq)
             slot.seq.emit(("token", token, float(logprob_S[i]), top_id_SN[i], top_logprob_SN[i]))
             if slot.generated >= slot.seq.max_tokens:
                 self.finish(i, "length")

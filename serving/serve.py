@@ -12,7 +12,8 @@ stream_options.include_usage asks, logprobs and echo, so that evaluation harness
 that speak this API can score log-likelihoods), POST /v1/chat/completions (messages
 rendered by the model's chat template, chat.py; the same sampling fields; the reply
 ends at the template's end of turn), n and best_of, vLLM's ignore_eos, stop_token_ids and
-include_stop_str_in_output, GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize,
+include_stop_str_in_output, response_format (json_object, json_schema: structured.py), GET /metrics
+(Prometheus: metrics.py), GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize,
 POST /detokenize and GET /version, GET /health, and GET /
 (serve.html: type a prompt or chat, watch the text stream in). engine.py does the
 batched decoding; this file turns requests into token ids and tokens back into text,
@@ -58,7 +59,7 @@ from typing import Optional, Union
 import jax
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from flax import nnx
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
@@ -66,10 +67,12 @@ from starlette.exceptions import HTTPException
 from dataset import get_tokenizer
 from hf import config as hf_config
 from runtime.devices import stop_now
-from runtime.sampling import TOP_LOGPROBS, host_params
+from runtime.sampling import TOP_LOGPROBS, bias_row, host_params
 from serving.chat import ReplyTokenizer, TemplateRefused, load_chat_template
 from serving.engine import Engine, QueueFull, Sequence
+from serving.metrics import Metrics
 from serving.modes import load_run_params
+from serving.structured import Grammars, Guide, SchemaRefused
 from utils import ConfigError
 
 API_KEY_ENV = "MESHFORMER_API_KEY"
@@ -119,6 +122,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False  # vLLM's: end-of-text (and a chat's end of turn) does not end the text
     stop_token_ids: Optional[list[int]] = None  # vLLM's: these tokens end the text too (unshown, as end-of-text)
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
+    response_format: Optional[dict] = None  # {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}
     user: Optional[str] = None
 
 
@@ -434,8 +438,8 @@ class AccessLog:
     too, or its client has gone): client, method, path, status, seconds. uvicorn's own
     access log is off (--log_level warning) as it logs a stream when it starts."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, metrics=None):
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -450,6 +454,8 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_seen)
         finally:
+            if self.metrics is not None:
+                self.metrics.requests.labels(scope["path"], str(status[0] or "-")).inc()
             host, port = scope.get("client") or ("-", 0)
             print(f'{host}:{port} "{scope["method"]} {scope["path"]} HTTP/{scope.get("http_version", "1.1")}" {status[0] or "-"} '
                   f"{time.perf_counter() - t0:.3f}s", flush=True)
@@ -459,7 +465,8 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None, chat
     """The FastAPI app: the page, /health, /v1/models, and the two generation endpoints
     (`chat`: the model's ChatTemplate, or None: chat completions are then a 400)."""
     app = FastAPI(title="meshformer", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(AccessLog)
+    engine.metrics = metrics = Metrics(engine)
+    app.add_middleware(AccessLog, metrics=metrics)
     created = int(time.time())
     with open(PAGE) as f:
         page = f.read()
@@ -483,6 +490,11 @@ def make_app(engine, tokenizer, model_name, max_tokens_limit, api_key=None, chat
     @app.get("/", response_class=HTMLResponse)
     async def index():
         return page
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        """The figures of metrics.Metrics, in Prometheus' text format."""
+        return Response(metrics.text(), media_type=metrics.content_type)
 
     @app.get("/health")
     async def health():
@@ -570,6 +582,22 @@ class Server:
         self.slide = slide
         self.chat, self.token_chars = chat, max_token_chars(tokenizer)
         self.reply_tokenizer = ReplyTokenizer(tokenizer, chat) if chat is not None else None
+        self.grammars = Grammars(tokenizer, chat.specials.values() if chat is not None else [tokenizer.eot_id])
+
+    def grammar(self, req, max_tokens):
+        """The request's response_format as a structured.Grammar (None: plain text), or a 400."""
+        if req.response_format is None:
+            return None
+        try:
+            grammar = self.grammars.for_format(req.response_format)
+        except SchemaRefused as e:
+            raise APIError(400, f"response_format: {e}", param="response_format") from None
+        if grammar is not None and req.ignore_eos:
+            raise APIError(400, "ignore_eos cannot go with response_format: a guided reply ends when its JSON does", param="ignore_eos")
+        if grammar is not None and max_tokens < grammar.shortest:
+            raise APIError(400, f"max_tokens {max_tokens} is too few for response_format: its shortest JSON is {grammar.shortest} "
+                           "tokens", param="max_tokens")
+        return grammar
 
     def check_model(self, req):
         if req.model is not None and req.model != self.model_name:
@@ -593,9 +621,11 @@ def add_generation_routes(app, server, authorized):
         check_context([ids for _, ids in prompts], req.max_tokens, s.engine.window, s.slide, "prompt")
         k = req.best_of or req.n  # candidates per prompt
         stop_ids = ends(req, [s.tokenizer.eot_id])
+        grammar = s.grammar(req, req.max_tokens)
         choices = [Choice(p * k + j, text, ids, s.tokenizer, stops, req.logprobs, req.echo, stop_ids, req.include_stop_str_in_output)
                    for p, (text, ids) in enumerate(prompts) for j in range(k)]
-        events = submit(s.engine, req, req.max_tokens, choices, bias, want_prompt_logprobs=req.echo and req.logprobs is not None)
+        events = submit(s.engine, req, req.max_tokens, choices, bias, want_prompt_logprobs=req.echo and req.logprobs is not None,
+                        grammar=grammar)
         leading = [choice.echo_chunk() for choice in choices] if req.echo and req.logprobs is None else []
         head = s.head("text_completion")
         if req.stream:
@@ -614,9 +644,10 @@ def add_generation_routes(app, server, authorized):
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), room)
         stops, bias = check_settings(req, max_tokens, s.max_tokens_limit, s.engine.vocab)
         check_context([ids], max_tokens, s.engine.window, s.slide, "messages")
+        grammar = s.grammar(req, max_tokens)
         choices = [Choice(j, text, ids, s.reply_tokenizer, stops, None, False, ends(req, s.chat.end_ids), req.include_stop_str_in_output)
                    for j in range(req.best_of or req.n)]
-        events = submit(s.engine, req, max_tokens, choices, bias)
+        events = submit(s.engine, req, max_tokens, choices, bias, grammar=grammar)
         if req.stream:
             roles = [dict(index=c.index, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None) for c in choices]
             return streaming(stream_events(s.head("chat.completion.chunk"), req, choices, events, chat_chunk, roles))
@@ -694,17 +725,18 @@ def sample_seed(seed, i):
     return (seed + i) % 2**32
 
 
-def submit(engine, req, max_tokens, choices, logit_bias, want_prompt_logprobs=False):
-    """An engine Sequence per Choice, queued together; returns the asyncio queue their
-    engine events arrive on as (choice index, event). Choice i is sample i % k of its
-    prompt (k = best_of or n)."""
+def submit(engine, req, max_tokens, choices, logit_bias, want_prompt_logprobs=False, grammar=None):
+    """An engine Sequence per Choice (each with its own structured.Guide when `grammar`),
+    queued together; returns the asyncio queue their engine events arrive on as (choice
+    index, event). Choice i is sample i % k of its prompt (k = best_of or n)."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     k = req.best_of or req.n
     for choice in choices:
         emit = (lambda i: lambda event: loop.call_soon_threadsafe(events.put_nowait, (i, event)))(choice.index)
         seed = secrets.randbits(31) if req.seed is None else sample_seed(req.seed, choice.index % k)
+        guide = None if grammar is None else Guide(grammar, engine.vocab, choice.stop_ids, bias_row(logit_bias, engine.vocab))
         choice.seq = Sequence(choice.prompt_ids, max_tokens, req.temperature, max(req.top_k, 0), req.top_p, seed, emit,
-                              want_prompt_logprobs=want_prompt_logprobs, frequency_penalty=req.frequency_penalty,
+                              want_prompt_logprobs=want_prompt_logprobs, guide=guide, frequency_penalty=req.frequency_penalty,
                               presence_penalty=req.presence_penalty, logit_bias=logit_bias)
     try:
         engine.submit([c.seq for c in choices])

@@ -315,6 +315,9 @@ CHAT_REFUSED = {
     "a message whose content is null": (dict(messages=[{"role": "system", "content": None}]), "messages[0].content is null"),
     "a prompt and max_tokens over the context": (dict(max_tokens=24), "maximum context length is 64 tokens, but 65 were asked (41 in"),
     "no messages": (dict(messages=[]), "messages is empty"),
+    "a schema keyword the guide cannot honour": (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "^a"}}}), "response_format: schema: the keyword 'pattern' is not supported"),
+    "max_tokens under the shortest JSON": (dict(response_format={"type": "json_object"}, max_tokens=1), "max_tokens 1 is too few"),
 }
 
 
@@ -438,6 +441,91 @@ def test_n_samples_are_the_single_requests_with_the_derived_seeds(client):
 
 
 # ---- The page offers chat when the model has a template
+
+
+# ---- Operations
+
+
+def scrape(url):
+    """/metrics parsed by prometheus_client's own text parser: {(sample name, labels): value}."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in parser.text_string_to_metric_families(text) for sample in family.samples}
+
+
+@pytest.mark.slow
+def test_metrics_count_the_requests_of_a_16_stream_load(server, client):
+    """GET /metrics, read by Prometheus' text parser while 16 streams run (2 slots: some wait)
+    and after: the counters grew by exactly the requests, prompt tokens and tokens sent."""
+    import concurrent.futures
+
+    completions = ("meshformer:requests_total", (("path", "/v1/completions"), ("status", "200")))
+    before = scrape(server)
+
+    def one(i):
+        chunks = list(client.completions.create(model="chatty", prompt=f"Stream {i}:", max_tokens=12, temperature=1, seed=i,
+                                                stream=True, stream_options={"include_usage": True}))
+        return chunks[-1].usage
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(one, i) for i in range(16)]
+        during = []
+        while not all(f.done() for f in futures):
+            during.append(scrape(server))
+            time.sleep(0.2)
+        usages = [f.result() for f in futures]
+    after = scrape(server)
+    busy = [m[("meshformer:num_requests_running", ())] + m[("meshformer:num_requests_waiting", ())] for m in during]
+    assert max(busy) > 2 and max(m[("meshformer:num_requests_running", ())] for m in during) == 2, busy
+
+    def grew(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew(*completions) == 16
+    assert grew("meshformer:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert grew("meshformer:generation_tokens_total") == sum(u.completion_tokens for u in usages) > 16
+    assert grew("meshformer:time_to_first_token_seconds_count") == 16
+    assert grew("meshformer:time_per_output_token_seconds_count") == sum(u.completion_tokens - 1 for u in usages)
+
+
+# ---- Structured output
+
+CARD = {"type": "object", "properties": {"n": {"type": "string", "maxLength": 5}, "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "t": {"type": "array", "items": {"enum": ["x", "yz"]}, "maxItems": 3}, "b": {"type": "boolean"}},
+        "required": ["n", "a", "t", "b"], "additionalProperties": False}
+
+
+def test_json_schema_replies_parse_and_validate_at_temperature_1(client):
+    """response_format json_schema: 20 chats sampled at temperature 1 from a model that knows
+    no JSON all parse and validate (jsonschema), within 40 tokens; the same chats without it
+    do not parse. json_object streamed: an object. The SDK's parse() with a pydantic model."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pydantic = pytest.importorskip("pydantic")
+    card = {"type": "json_schema", "json_schema": {"name": "card", "schema": CARD, "strict": True}}
+    texts = []
+    for i in range(20):
+        chat = dict(model="chatty", messages=[{"role": "user", "content": f"C{i}"}], temperature=1, max_tokens=40, seed=i)
+        reply = client.chat.completions.create(**chat, response_format=card).choices[0]
+        jsonschema.validate(json.loads(reply.message.content), CARD)
+        texts.append(reply.message.content)
+        plain = client.chat.completions.create(**chat).choices[0].message.content
+        with pytest.raises(ValueError):
+            json.loads(plain)
+    assert len(set(texts)) == 20, texts
+    stream = client.chat.completions.create(model="chatty", messages=[{"role": "user", "content": "Obj"}], temperature=1, max_tokens=30,
+                                            seed=3, response_format={"type": "json_object"}, stream=True)
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in stream)), dict)
+
+    class Card(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=4)
+        age: int = pydantic.Field(ge=0, le=120)
+        ok: bool
+
+    parsed = client.chat.completions.parse(model="chatty", messages=[{"role": "user", "content": "P"}], temperature=1, max_tokens=40,
+                                           seed=1, response_format=Card).choices[0].message.parsed
+    assert isinstance(parsed, Card) and 0 <= parsed.age <= 120 and len(parsed.name) <= 4
 
 
 @pytest.mark.slow
