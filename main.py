@@ -115,10 +115,8 @@ def train(cfg):
     os.makedirs(run_dir, exist_ok=True)
     with Preemption() as preemption:
         mesh = make_mesh(cfg.mesh)
-        if cfg.train.objective == "dpo":  # (only sft and dpo import conversations and the chat templates)
-            data = __import__("data.preferences").preferences.open_preferences(cfg, jax.process_index())
-        elif cfg.train.objective == "sft":
-            data = __import__("data.conversations").conversations.open_conversations(cfg, jax.process_index())
+        if cfg.train.objective != "lm":  # (only sft and dpo import conversations and the chat templates)
+            data = __import__("data.preferences").preferences.open_objective_data(cfg, jax.process_index())
         elif cfg.data.mixture:
             from data.mixture import open_mixture  # (only a mixture imports the mixing)
             data = open_mixture(cfg, jax.process_index())

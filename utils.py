@@ -199,8 +199,7 @@ class TrainConfig:
                                       "block weights once per step (true: holds them whole, and their float32 gradient) or "
                                       "per microbatch (false) | auto: once when that costs at most a quarter of the device's memory")
     virtual_stages: int = option(2, "interleaved: chunks of blocks per stage (V); a microbatch passes every stage V times")
-    objective: str = option("lm", "lm (every next token) | sft (the assistant's tokens of --data.conversations: parallel/objectives.py) | "
-                                  "dpo (--data.preferences against a frozen reference: parallel/dpo.py)")
+    objective: str = option("lm", "lm (every next token) | sft (--data.conversations) | dpo (--data.preferences: parallel/dpo.py)")
     dpo_beta: float = option(0.1, "--train.objective dpo: beta, the strength of the pull towards the reference (DPO's KL weight)")
 
 
@@ -529,8 +528,7 @@ def validate_model(cfg):
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
         ((t.objective, bool(cfg.data.conversations), bool(cfg.data.preferences)) in (("lm", 0, 0), ("sft", 1, 0), ("dpo", 0, 1)),
-         f"--train.objective must be lm, or sft with --data.conversations PATH|plays, or dpo with --data.preferences PATH|plays (got "
-         f"{t.objective!r}, {cfg.data.conversations!r}, {cfg.data.preferences!r})"),
+         "--train.objective must be lm, or sft with --data.conversations PATH|plays, or dpo with --data.preferences PATH|plays"),
         (t.optimizer in ("muon", "adamw"), f"--train.optimizer must be muon or adamw, got {t.optimizer!r}"),
         (t.qk_clip >= 0, f"--train.qk_clip must be >= 0 (a logit bound; 0 = off), got {t.qk_clip}"),
         (0 <= t.muon_momentum < 1, f"--train.muon_momentum must be in [0, 1), got {t.muon_momentum}"),

@@ -23,7 +23,8 @@ import os
 
 import numpy as np
 
-from data.conversations import PLAYS, VAL_EVERY, ConversationData, as_row, chat_template, encode_conversation, play_conversations
+from data.conversations import (PLAYS, VAL_EVERY, ConversationData, as_row, chat_template, encode_conversation, open_conversations,
+                                play_conversations)
 from data.shards import get_tokenizer
 from utils import ConfigError
 
@@ -113,3 +114,8 @@ def open_preferences(cfg, process_index=0):
         print(f"preferences {source}: {len(pairs['train']):,} train pairs, {len(pairs['val']):,} held out, rows of {row_len} "
               f"tokens, template {chat.source}", flush=True)
     return PreferenceData(pairs, tokenizer)
+
+
+def open_objective_data(cfg, process_index=0):
+    """What --train.objective sft (conversations) or dpo (preference pairs) trains on: main.py's one door to both."""
+    return (open_preferences if cfg.train.objective == "dpo" else open_conversations)(cfg, process_index)
