@@ -115,8 +115,8 @@ def train(cfg):
     os.makedirs(run_dir, exist_ok=True)
     with Preemption() as preemption:
         mesh = make_mesh(cfg.mesh)
-        if cfg.train.objective != "lm":  # (only sft imports conversations and the chat templates)
-            data = __import__("data.conversations").conversations.open_conversations(cfg, jax.process_index())
+        if cfg.train.objective != "lm":  # (only sft and dpo import conversations and the chat templates)
+            data = __import__("data.preferences").preferences.open_objective_data(cfg, jax.process_index())
         elif cfg.data.mixture:
             from data.mixture import open_mixture  # (only a mixture imports the mixing)
             data = open_mixture(cfg, jax.process_index())
@@ -385,7 +385,7 @@ class Reporter:
             moe_NE = load_NE[load_NE.sum(-1) > 0]
             if len(moe_NE):  # imbalance: the busiest expert's share over the uniform one, mean over MoE blocks
                 row["load_max_over_mean"] = round(float(np.mean(moe_NE.max(-1) * moe_NE.shape[-1])), 4)
-            for extra in ("seq_aux_loss", "mtp_loss"):  # with --model.seq_aux_loss_weight / --model.mtp_depth
+            for extra in ("seq_aux_loss", "mtp_loss", "dpo_margin", "dpo_accuracy"):  # with --model.seq_aux_loss_weight / mtp_depth, dpo
                 if extra in metrics:
                     row[extra] = float(metrics[extra])
             if "router_bias_NLE" in metrics:  # [MoE layer (block-major), expert]

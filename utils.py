@@ -199,7 +199,8 @@ class TrainConfig:
                                       "block weights once per step (true: holds them whole, and their float32 gradient) or "
                                       "per microbatch (false) | auto: once when that costs at most a quarter of the device's memory")
     virtual_stages: int = option(2, "interleaved: chunks of blocks per stage (V); a microbatch passes every stage V times")
-    objective: str = option("lm", "lm (every next token) | sft (the assistant's tokens of --data.conversations: parallel/objectives.py)")
+    objective: str = option("lm", "lm (every next token) | sft (--data.conversations) | dpo (--data.preferences: parallel/dpo.py)")
+    dpo_beta: float = option(0.1, "--train.objective dpo: beta, the strength of the pull towards the reference (DPO's KL weight)")
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,7 @@ class DataConfig:
     tokenizer: str = option("bytes", "bytes | a tiktoken encoding name; must match the data's manifest")
     encoding_file: str = option("", "local .tiktoken file for the tokenizer (when it cannot be downloaded)")
     conversations: str = option("", "--train.objective sft: JSONL of {\"messages\": [...]}, or plays (data/conversations.py)")
+    preferences: str = option("", "--train.objective dpo: JSONL of {\"prompt\", \"chosen\", \"rejected\"}, or plays (data/preferences.py)")
 
 
 @dataclass(frozen=True)
@@ -525,8 +527,8 @@ def validate_model(cfg):
         *context_parallel_checks(cfg),
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0, "--train.steps must be >= 0, --train.batch_size and --train.microbatches > 0"),
         (t.batch_size % t.microbatches == 0, f"--train.batch_size ({t.batch_size}) must be divisible by --train.microbatches ({t.microbatches})"),
-        (t.objective in ("lm", "sft") and (t.objective == "lm") != bool(cfg.data.conversations),
-         f"--train.objective must be lm, or sft with --data.conversations PATH|plays (got {t.objective!r}, {cfg.data.conversations!r})"),
+        ((t.objective, bool(cfg.data.conversations), bool(cfg.data.preferences)) in (("lm", 0, 0), ("sft", 1, 0), ("dpo", 0, 1)),
+         "--train.objective must be lm, or sft with --data.conversations PATH|plays, or dpo with --data.preferences PATH|plays"),
         (t.optimizer in ("muon", "adamw"), f"--train.optimizer must be muon or adamw, got {t.optimizer!r}"),
         (t.qk_clip >= 0, f"--train.qk_clip must be >= 0 (a logit bound; 0 = off), got {t.qk_clip}"),
         (0 <= t.muon_momentum < 1, f"--train.muon_momentum must be in [0, 1), got {t.muon_momentum}"),

@@ -187,15 +187,16 @@ def epoch_order(seed, epoch, n):
     return np.random.default_rng([seed, epoch, 2]).permutation(n)
 
 
-def chat_template(cfg, tokenizer):
-    """The ChatTemplate conversations are rendered with (the module docstring says which)."""
+def chat_template(cfg, tokenizer, plays=None):
+    """The ChatTemplate conversations are rendered with (the module docstring says which);
+    plays: whether the data is the plays (default: --data.conversations plays)."""
     from serving.chat import load_chat_template
     init_from = cfg.train.init_from
     hf_dir = init_from[len(HF_PREFIX):] if init_from.startswith(HF_PREFIX) else None
-    flag = cfg.serve.chat_template or (PLAY_TEMPLATE if cfg.data.conversations == PLAYS and not hf_dir else "")
+    flag = cfg.serve.chat_template or (PLAY_TEMPLATE if (plays or cfg.data.conversations == PLAYS) and not hf_dir else "")
     chat = load_chat_template(hf_dir, flag, tokenizer)
     if chat is None:
-        raise ConfigError("--train.objective sft needs a chat template: give --serve.chat_template (a Jinja file or a Hugging "
+        raise ConfigError(f"--train.objective {cfg.train.objective} needs a chat template: give --serve.chat_template (a Jinja file or a Hugging "
                           "Face directory), or --train.init_from hf:DIR of a model that has one")
     return chat
 

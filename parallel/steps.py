@@ -81,7 +81,9 @@ def partition(fn, manual, mesh, in_specs, out_specs):
 
 def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
     """One jitted function over the mesh: loss, grads, clip, the optimizer, the router
-    biases. Donates the old params and optimizer state (updated in place)."""
+    biases. Donates the old params and optimizer state (updated in place). DPO's: parallel/dpo.py."""
+    if cfg.train.objective == "dpo":
+        return importlib.import_module("parallel.dpo").make_dpo_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     grads_of = executor_of(cfg)
     param_specs, opt_specs = specs_of(params), specs_of(opt_state)
 
