@@ -4,21 +4,25 @@ Every N steps each process writes the shards it holds (params and optimizer stat
 directory, <--train.local_checkpoint_dir, default <run_dir>/local>/process_<i>/<step>/: shards.npz (one member per
 distinct shard, named leaf<k>@<start>:<stop>,...) and meta.json (the persistent tier's meta: step, seed, data position,
 resolved config, each array's fingerprint). The device-to-host copy blocks the loop; the file write runs in a thread,
-into <step>.tmp, renamed to <step> once complete; the KEEP newest steps are kept. The persistent tier
+into <step>.tmp, renamed to <step> once complete; the KEEP newest steps are kept. With several processes the same
+thread then writes a replica of that step into its peer's directory, process_<(i+1)%n>/peer_<i>/<step>/ (the same
+tmp-then-rename), so a process whose own directory is gone (a host replaced) reads its shards from there. The persistent tier
 (runtime/checkpoint.py, --train.checkpoint_every) is unchanged, and a step it saves is not saved here too.
 
 On restart every process lists its complete local steps newer than the persistent tier's latest; the newest one that
 every process holds, reads and whose fingerprints match (all_processes_agree) is restored onto the current mesh, which
 must give every process the shards it wrote (the same mesh and process count; else the persistent tier is used). A step
-that fails to read is moved aside (<step>.unreadable) with a line naming it, and the previous one tried. Local steps
+that fails to read, in the process's own directory and in its peer's replica, is moved aside (<step>.unreadable) with a
+line naming it, and the previous one tried; a process that reads the replica says so in a line. Local steps
 newer than the one resumed are deleted, so a later restart never picks a step of an abandoned attempt.
 
 Orbax's emergency manager (orbax.checkpoint.experimental.emergency.checkpoint_manager, orbax-checkpoint 0.12.8) is not
 used: with one replica along its replica axis (one slice, the default and the 2-process test's mesh) it drops the local
 directory and is the persistent manager alone; with several it needs every slice to hold a whole copy of the state and
 restores a lost process's shards by broadcasting from another slice. Here a process's shards are its own (FSDP, tp, pp
-split the state over processes), so it would give no local tier on the meshes this repo runs. Replication to a peer
-process is not done here yet (docs/checkpoints.md says what it needs).
+split the state over processes), so it would give no local tier on the meshes this repo runs. The replica reaches the peer's directory through the
+file system: on one machine, or with --train.local_checkpoint_dir on storage every host mounts; on a pod whose hosts'
+local disks are private it would need a transfer between processes, which is not done here (docs/checkpoints.md).
 """
 
 import json
@@ -64,12 +68,22 @@ class LocalTier:
 
     def __init__(self, cfg, run_dir):
         root = cfg.train.local_checkpoint_dir or os.path.join(run_dir, "local")
-        self.directory = os.path.abspath(os.path.join(root, f"process_{jax.process_index()}"))
-        os.makedirs(self.directory, exist_ok=True)
+        i, n = jax.process_index(), jax.process_count()
+        self.directory = os.path.abspath(os.path.join(root, f"process_{i}"))
+        # this process's replica, in its peer's directory (None with one process: no peer)
+        self.replica = os.path.abspath(os.path.join(root, f"process_{(i + 1) % n}", f"peer_{i}")) if n > 1 else None
+        for where in (self.directory, self.replica):
+            if where:
+                os.makedirs(where, exist_ok=True)
         self.cfg, self.writer, self.error = cfg, None, None
 
-    def complete_steps(self):
-        return sorted((int(n) for n in os.listdir(self.directory) if n.isdigit()), reverse=True)
+    def complete_steps(self, directory=None):
+        directory = directory or self.directory
+        return sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True)
+
+    def copies(self, step):
+        """The complete copies of local `step` this process can read: its own, then its peer's replica."""
+        return [os.path.join(d, str(step)) for d in (self.directory, self.replica) if d and step in self.complete_steps(d)]
 
     # ---- Saving
 
@@ -97,24 +111,30 @@ class LocalTier:
 
     def _write(self, step, shards, meta):
         try:
-            final, tmp = os.path.join(self.directory, str(step)), os.path.join(self.directory, f"{step}.tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            np.savez(os.path.join(tmp, "shards.npz"), **shards)
-            with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump(meta, f)
-            shutil.rmtree(final, ignore_errors=True)  # the same step of an abandoned attempt
-            os.rename(tmp, final)
-            for old in self.complete_steps()[KEEP:]:
-                shutil.rmtree(os.path.join(self.directory, str(old)), ignore_errors=True)
+            for directory in (self.directory, self.replica):
+                if directory:
+                    self._write_into(directory, step, shards, meta)
         except Exception as e:  # raised by the next save's wait()
             self.error = e
+
+    def _write_into(self, directory, step, shards, meta):
+        final, tmp = os.path.join(directory, str(step)), os.path.join(directory, f"{step}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        np.savez(os.path.join(tmp, "shards.npz"), **shards)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
+        shutil.rmtree(final, ignore_errors=True)  # the same step of an abandoned attempt
+        os.rename(tmp, final)
+        for old in self.complete_steps(directory)[KEEP:]:
+            shutil.rmtree(os.path.join(directory, str(old)), ignore_errors=True)
 
     # ---- Restoring
 
     def agreed_steps(self, newer_than):
         """The local steps newer than `newer_than` that every process holds, newest first."""
-        mine = [s for s in self.complete_steps() if s > newer_than][:LISTED]
+        held = set(self.complete_steps()).union(self.complete_steps(self.replica) if self.replica else [])
+        mine = sorted((s for s in held if s > newer_than), reverse=True)[:LISTED]
         if jax.process_count() == 1:
             return mine
         from jax.experimental import multihost_utils
@@ -125,9 +145,27 @@ class LocalTier:
         common = set(everyone[0].tolist()).intersection(*(set(row.tolist()) for row in everyone[1:])) - {-1}
         return sorted(common, reverse=True)
 
-    def read(self, step, template):
-        """(restored tree shaped like `template`, meta) of local `step`; raises for a damaged file or another mesh."""
-        where = os.path.join(self.directory, str(step))
+    def read_a_copy(self, step, template):
+        """read() of this process's own copy of `step`, else of its peer's replica (with a line saying so); raises the
+        first copy's error when none reads."""
+        errors = []
+        for where in self.copies(step):
+            try:
+                tree, meta = self.read(where, template)
+            except Exception as e:
+                errors.append(e)
+                continue
+            if not where.startswith(self.directory + os.sep):
+                why = f"its own copy failed: {errors[0]}" if errors else f"{self.directory} holds no step {step}"
+                # every process that reads a replica says so (`log` prints on the main process only)
+                print(f"process {jax.process_index()} reads local step {step} from its peer's replica {where} ({why})",
+                      flush=True)
+            return tree, meta
+        raise errors[0] if errors else FileNotFoundError(f"no copy of local step {step}")
+
+    def read(self, where, template):
+        """(restored tree shaped like `template`, meta) of the local step in `where`; raises for a damaged file or another
+        mesh."""
         with open(os.path.join(where, "meta.json")) as f:
             meta = json.load(f)
         leaves, treedef = jax.tree.flatten(template)
@@ -168,7 +206,7 @@ class LocalTier:
         for step in self.agreed_steps(newer_than):
             t0, tree, meta, error = time.perf_counter(), None, None, RuntimeError("it failed on another process")
             try:
-                tree, meta = self.read(step, template)
+                tree, meta = self.read_a_copy(step, template)
             except Exception as e:
                 error = e
             if all_processes_agree(tree is not None):
@@ -187,18 +225,19 @@ class LocalTier:
         return None
 
     def set_aside(self, step, error, log):
-        where = os.path.join(self.directory, str(step))
         if isinstance(error, RuntimeError) and str(error) == "it failed on another process":
             log(f"skipping local checkpoint step {step}: it failed on another process")
             return
-        os.rename(where, f"{where}.unreadable")
-        print(f"skipping the local checkpoint {where} ({type(error).__name__}: {str(error)[:300]}); moved to "
-              f"{where}.unreadable, trying the previous step", flush=True)
+        for where in self.copies(step):
+            os.rename(where, f"{where}.unreadable")
+            print(f"skipping the local checkpoint {where} ({type(error).__name__}: {str(error)[:300]}); moved to "
+                  f"{where}.unreadable, trying the previous step", flush=True)
 
     def drop_newer_than(self, step):
-        for s in self.complete_steps():
-            if s > step:
-                shutil.rmtree(os.path.join(self.directory, str(s)), ignore_errors=True)
+        for directory in (self.directory, self.replica):
+            for s in self.complete_steps(directory) if directory else []:
+                if s > step:
+                    shutil.rmtree(os.path.join(directory, str(s)), ignore_errors=True)
 
     def persistent_line(self, step, directory):
         """The one line of a resume from the persistent tier while the local tier is on."""
