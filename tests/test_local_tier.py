@@ -113,7 +113,7 @@ def test_a_truncated_local_checkpoint_is_skipped_with_a_line_naming_it(killed, r
 
 
 MP_STEPS, MP_KILL_AFTER = 16, 12
-MP_FLAGS = ["--train.steps", str(MP_STEPS), "--train.checkpoint_every", "100", "--train.eval_every", "1000", "--dist.timeout_s", "20"]
+MP_FLAGS = ["--train.steps", str(MP_STEPS), "--train.checkpoint_every", "100", "--train.eval_every", "1000", "--dist.timeout_s", "60"]
 
 
 def finish(procs, tmp_path):
@@ -140,7 +140,7 @@ def mp_killed(tmp_path_factory):
     try:
         wait_for_training(tmp_path / "runs" / "two" / "metrics.jsonl", procs, min_step=MP_KILL_AFTER)
         procs[1].send_signal(signal.SIGKILL)  # a lost host: no signal, no save
-        procs[0].wait(timeout=120)  # the survivor stops on the broken collective (--dist.timeout_s)
+        procs[0].wait(timeout=240)  # the survivor stops on the broken collective (--dist.timeout_s)
     finally:
         stop_all(procs)
     local = tmp_path / "runs" / "two" / "local"
@@ -182,17 +182,13 @@ def test_a_replaced_host_resumes_from_its_peers_replica_bit_for_bit(mp_killed, t
 
 @pytest.mark.slow
 def test_one_process_whose_local_directory_is_gone_resumes_from_the_persistent_tier(reference, tmp_path, data_cache):
-    """One process has no peer: with its local directory deleted, the persistent tier's step 40, with one line."""
+    """One process has no peer: a run lost after step 55's local save (its final checkpoint removed) on a host replaced
+    (its local directory deleted) resumes from the persistent tier's step 40, with one line saying so."""
     out = tmp_path / "gone"
     persistent_40 = ["--train.checkpoint_every", "40"]
-    proc = subprocess.Popen(main_cmd(out, data_cache, *LOCAL, *persistent_40), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while proc.poll() is None and time.time() < deadline and 43 not in losses(out / "run"):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert sorted(os.listdir(out / "run" / "local" / "process_0")) != []
+    subprocess.run(main_cmd(out, data_cache, *LOCAL, *persistent_40), cwd=REPO, check=True, capture_output=True, timeout=600)
+    assert sorted(os.listdir(out / "run" / "local" / "process_0")) == ["50", "55"]
+    shutil.rmtree(out / "run" / "checkpoints" / str(STEPS))
     shutil.rmtree(out / "run" / "local")
     result = subprocess.run(main_cmd(out, data_cache, *LOCAL, *persistent_40), cwd=REPO, capture_output=True, text=True,
                             timeout=600)
@@ -227,7 +223,7 @@ def test_watch_restarts_a_kill_9_from_local_step_45_bit_for_bit(repo, sshd, tmp_
     cmd = ["bash", str(repo / "launcher.sh"), "--hosts", str(hosts), *SSH_OPTIONS, "--watch", "--poll", "1",
            "--max-restarts", "1", "--name", "lw", "--port", str(free_port()), "--remote-dir", str(remote),
            "--python", sys.executable, "--", *TRAIN_FLAGS, *data_flags(tmp_path_factory), *WATCH_FLAGS, *LOCAL,
-           "--run.cpu_devices", "4", "--run.out_dir", str(runs), "--dist.timeout_s", "20"]
+           "--run.cpu_devices", "4", "--run.out_dir", str(runs), "--dist.timeout_s", "60"]
     said = tmp_path / "launcher.out"
     proc = subprocess.Popen(cmd, cwd=repo, env=ssh_env(sshd), stdout=open(said, "w"), stderr=subprocess.STDOUT)
     try:
