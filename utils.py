@@ -201,6 +201,9 @@ class TrainConfig:
     virtual_stages: int = option(2, "interleaved: chunks of blocks per stage (V); a microbatch passes every stage V times")
     objective: str = option("lm", "lm (every next token) | sft (--data.conversations) | dpo (--data.preferences: parallel/dpo.py)")
     dpo_beta: float = option(0.1, "--train.objective dpo: beta, the strength of the pull towards the reference (DPO's KL weight)")
+    lora_rank: int = option(0, "LoRA: adapters of this rank train beside the frozen base weights (parallel/lora.py); 0 = off")
+    lora_alpha: float = option(16.0, "LoRA: the adapters' delta A @ B is scaled by alpha / rank")
+    lora_targets: str = option("", "LoRA: attention | experts (dense, shared and routed FFNs) | all; empty = attention")
 
 
 @dataclass(frozen=True)

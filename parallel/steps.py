@@ -50,6 +50,8 @@ def executor_of(cfg):
 def init_train_state(cfg, mesh):
     """Fresh params (same values on every mesh) and optimizer state, in their shards:
     (graphdef, params, optimizer, opt_state)."""
+    if cfg.train.lora_rank or cfg.train.lora_targets:  # (only LoRA imports the adapters)
+        return importlib.import_module("parallel.lora").init_train_state(cfg, mesh)
     graphdef, params = init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
     optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
@@ -84,6 +86,8 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
     biases. Donates the old params and optimizer state (updated in place). DPO's: parallel/dpo.py."""
     if cfg.train.objective == "dpo":
         return importlib.import_module("parallel.dpo").make_dpo_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    if "lora" in params:
+        return importlib.import_module("parallel.lora").make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     grads_of = executor_of(cfg)
     param_specs, opt_specs = specs_of(params), specs_of(opt_state)
 
@@ -123,6 +127,7 @@ def make_eval_step(graphdef, cfg, mesh, params):
     forward = executor("auto" if cfg.mesh.sharding == "auto" else "gpipe")
 
     def eval_fn(params, tokens_bT1):
+        params = importlib.import_module("parallel.lora").merged(params, cfg.train) if "lora" in params else params
         loss = forward.loss(params, tokens_bT1, graphdef, cfg, None)[1]["loss"]
         return loss if cfg.train.objective == "lm" else loss * importlib.import_module("parallel.objectives").target_scale(tokens_bT1, cfg)
 
