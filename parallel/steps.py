@@ -32,7 +32,7 @@ from parallel import optimizers, rules
 from parallel import step_core as core
 from parallel.mesh import batch_spec, global_batch, live_spec, named, specs_of
 from parallel.weights import init_params
-from utils import PP, ConfigError, apply_overrides
+from utils import apply_overrides
 
 EXECUTORS = {"auto": "auto", rules.ACCUMULATE: "accumulate", "gpipe": "gpipe", "1f1b": "one_f_one_b"}  # name -> module
 
@@ -58,12 +58,6 @@ def init_train_state(cfg, mesh):
     return graphdef, params, optimizer, opt_state
 
 
-def check_auto_mesh(mesh):
-    if mesh.shape[PP] > 1:
-        raise ConfigError(f"--mesh.sharding auto does not pipeline (--mesh.pp {mesh.shape[PP]}): "
-                          "use --mesh.pp 1, or --mesh.sharding manual for pipeline stages")
-
-
 def partition(fn, manual, mesh, in_specs, out_specs):
     """fn as one program over the mesh: a shard_map (manual), or a global program that
     the compiler partitions (its outputs in out_specs' shardings)."""
@@ -77,7 +71,6 @@ def partition(fn, manual, mesh, in_specs, out_specs):
         def on_live_axes(*args):
             return sharded(*jax.reshard(args, named(mesh, live)))
         return on_live_axes
-    check_auto_mesh(mesh)
     return jax.sharding.auto_axes(fn, out_sharding=named(mesh, out_specs))
 
 
