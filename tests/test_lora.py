@@ -47,6 +47,7 @@ def test_init_logits_equal_the_base_model_exactly():
     assert np.abs(params["lora"]["a"]["blocks"]["layers"][0]["attn"]["wq_up_QHK"]).max() > 0  # A is random, B zero
 
 
+@pytest.mark.slow
 def test_a_step_moves_the_adapters_only_and_equals_one_device():
     ref = lora_steps(lora_config(), n_steps=2)
     _, initial, params, opt_state, metrics = ref
