@@ -105,6 +105,7 @@ def test_merged_weights_equal_the_unmerged_forward():
     (dict(lora_rank=-2), "--train.lora_rank must be > 0"),
     (dict(lora_rank=4, lora_targets="mlp"), "--train.lora_targets must be one of attention, experts, all, got 'mlp'"),
     (dict(lora_rank=4, qk_clip=50.0), "--train.qk_clip rescales the base weights"),
+    (dict(lora_rank=4, objective="dpo"), "--train.objective dpo does not train LoRA adapters here"),
 ])
 def test_bad_configs_are_one_line_errors(train, message):
     cfg = apply_overrides(tiny_config(), {"train": train})
