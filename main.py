@@ -198,7 +198,8 @@ def init_or_resume(cfg, mesh, run_dir, hf_source):
         if hf_source is not None:
             hf_source.close()
     elif cfg.train.init_from:
-        state.params = checkpoint.restore_params(init_from, params, cfg.model, log=say)
+        base = {k: v for k, v in params.items() if k != "lora"}  # (LoRA's adapters start fresh)
+        state.params = dict(params, **checkpoint.restore_params(init_from, base, cfg.model, log=say))
         say(f"initialised params from {cfg.train.init_from} (fresh optimizer)")
     return graphdef, optimizer, state, manager, local
 

@@ -201,6 +201,9 @@ class TrainConfig:
     virtual_stages: int = option(2, "interleaved: chunks of blocks per stage (V); a microbatch passes every stage V times")
     objective: str = option("lm", "lm (every next token) | sft (--data.conversations) | dpo (--data.preferences: parallel/dpo.py)")
     dpo_beta: float = option(0.1, "--train.objective dpo: beta, the strength of the pull towards the reference (DPO's KL weight)")
+    lora_rank: int = option(0, "LoRA: adapters of this rank train beside the frozen base weights (parallel/lora.py); 0 = off")
+    lora_alpha: float = option(16.0, "LoRA: the adapters' delta A @ B is scaled by alpha / rank")
+    lora_targets: str = option("", "LoRA: attention | experts (dense, shared and routed FFNs) | all; empty = attention")
 
 
 @dataclass(frozen=True)
@@ -389,7 +392,7 @@ def help_text():
 def parse_args(argv):
     """argv -> Config. Unknown flags and bad values raise ConfigError with a hint."""
     fields = config_fields()
-    preset, mode, overrides = "shakespeare", "train", {}
+    chosen, overrides = {"preset": "shakespeare", "mode": "train"}, {}  # --preset and --mode
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -413,22 +416,19 @@ def parse_args(argv):
                 value, i = argv[i + 1], i + 1
             else:
                 raise ConfigError(f"--{name} needs a value")
-        if name == "preset":
-            if value not in PRESETS:
-                raise ConfigError(f"unknown preset {value!r}; choose one of {', '.join(PRESETS)}")
-            preset = value
-        elif name == "mode":
-            if value not in MODES:
-                raise ConfigError(f"unknown mode {value!r}; choose one of {', '.join(MODES)}")
-            mode = value
+        if name in chosen:
+            choices = PRESETS if name == "preset" else MODES
+            if value not in choices:
+                raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+            chosen[name] = value
         else:
             section, f, kind = fields[name]
             overrides.setdefault(section, {})[f.name] = parse_value(name, value, kind)
         i += 1
-    cfg = apply_overrides(Config(preset=preset, mode=mode), PRESETS[preset])
+    cfg = apply_overrides(Config(**chosen), PRESETS[chosen["preset"]])
     cfg = apply_overrides(cfg, overrides)
     if not cfg.run.name:
-        cfg = apply_overrides(cfg, {"run": {"name": preset}})
+        cfg = apply_overrides(cfg, {"run": {"name": chosen["preset"]}})
     validate_model(cfg)
     return cfg
 

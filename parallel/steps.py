@@ -32,7 +32,7 @@ from parallel import optimizers, rules
 from parallel import step_core as core
 from parallel.mesh import batch_spec, global_batch, live_spec, named, specs_of
 from parallel.weights import init_params
-from utils import PP, ConfigError, apply_overrides
+from utils import apply_overrides
 
 EXECUTORS = {"auto": "auto", rules.ACCUMULATE: "accumulate", "gpipe": "gpipe", "1f1b": "one_f_one_b"}  # name -> module
 
@@ -50,16 +50,12 @@ def executor_of(cfg):
 def init_train_state(cfg, mesh):
     """Fresh params (same values on every mesh) and optimizer state, in their shards:
     (graphdef, params, optimizer, opt_state)."""
+    if cfg.train.lora_rank or cfg.train.lora_targets:  # (only LoRA imports the adapters)
+        return importlib.import_module("parallel.lora").init_train_state(cfg, mesh)
     graphdef, params = init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
     optimizer = optimizers.make_optimizer(cfg.train)
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     return graphdef, params, optimizer, opt_state
-
-
-def check_auto_mesh(mesh):
-    if mesh.shape[PP] > 1:
-        raise ConfigError(f"--mesh.sharding auto does not pipeline (--mesh.pp {mesh.shape[PP]}): "
-                          "use --mesh.pp 1, or --mesh.sharding manual for pipeline stages")
 
 
 def partition(fn, manual, mesh, in_specs, out_specs):
@@ -75,7 +71,6 @@ def partition(fn, manual, mesh, in_specs, out_specs):
         def on_live_axes(*args):
             return sharded(*jax.reshard(args, named(mesh, live)))
         return on_live_axes
-    check_auto_mesh(mesh)
     return jax.sharding.auto_axes(fn, out_sharding=named(mesh, out_specs))
 
 
@@ -84,6 +79,8 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
     biases. Donates the old params and optimizer state (updated in place). DPO's: parallel/dpo.py."""
     if cfg.train.objective == "dpo":
         return importlib.import_module("parallel.dpo").make_dpo_step(graphdef, cfg, mesh, optimizer, params, opt_state)
+    if "lora" in params:
+        return importlib.import_module("parallel.lora").make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     grads_of = executor_of(cfg)
     param_specs, opt_specs = specs_of(params), specs_of(opt_state)
 
@@ -123,6 +120,7 @@ def make_eval_step(graphdef, cfg, mesh, params):
     forward = executor("auto" if cfg.mesh.sharding == "auto" else "gpipe")
 
     def eval_fn(params, tokens_bT1):
+        params = importlib.import_module("parallel.lora").merged(params, cfg.train) if "lora" in params else params
         loss = forward.loss(params, tokens_bT1, graphdef, cfg, None)[1]["loss"]
         return loss if cfg.train.objective == "lm" else loss * importlib.import_module("parallel.objectives").target_scale(tokens_bT1, cfg)
 

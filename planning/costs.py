@@ -554,6 +554,16 @@ def gathers_once(cfg, pp, hw_name, store):
 
 
 
+def lora_optimizer_bytes(params, train_key, expert_parallel, mesh_shape, tiled):
+    """--train.lora_rank: AdamW's mu and nu (float32) of the adapters only, one device's shards (parallel/lora.py lays
+    them out as their base weights); the frozen base has no optimizer state."""
+    from parallel import lora  # (only a LoRA plan imports the adapters)
+    counts = 2 * array_bytes((), 4, tiled)  # Adam's and the schedule's step counts
+    return counts + sum(2 * shard_bytes(shape, F32, spec, mesh_shape, tiled)
+                        for _, *adapters, _ in lora.adapter_layout(params, train_key, expert_parallel)
+                        for shape, spec in (adapters[:2], adapters[2:]))
+
+
 @lru_cache(maxsize=4096)
 def storage(model_key, train_key, mesh_items, expert_parallel, tiled):
     """What a layout's bytes and FSDP traffic take from its mesh alone, once per mesh (the
@@ -576,7 +586,8 @@ def storage(model_key, train_key, mesh_items, expert_parallel, tiled):
     top_bytes = max(c, 4 if model_key.grad_reduce_dtype == "float32" else 2)
     return dict(
         c=c, params=layout_bytes(params, ep, mesh_shape, tiled=tiled),
-        optimizer=layout_bytes(optimizer_shapes(model_key, train_key), ep, mesh_shape, tiled=tiled),
+        optimizer=(lora_optimizer_bytes(params, train_key, ep, mesh_shape, tiled) if train_key.lora_rank else
+                   layout_bytes(optimizer_shapes(model_key, train_key), ep, mesh_shape, tiled=tiled)),
         gradients=layout_bytes(params, ep, mesh_shape, itemsize=F32, tiled=tiled),
         block_gradients=layout_bytes(blocks, ep, mesh_shape, itemsize=F32, tiled=tiled),
         block_params_untiled=layout_bytes(blocks, ep, mesh_shape),
@@ -586,7 +597,7 @@ def storage(model_key, train_key, mesh_items, expert_parallel, tiled):
         fsdp=bool(fsdp_traffic(params, ep, mesh_shape, c, one_block=False)),
         block_traffic=fsdp_traffic(blocks, ep, mesh_shape, c, one_block=True),
         top_traffic=fsdp_traffic(top, ep, mesh_shape, c, one_block=False),
-        muon=muon_cost(params, ep, mesh_shape, tiled) if train_key.optimizer == "muon" else None)
+        muon=muon_cost(params, ep, mesh_shape, tiled) if train_key.optimizer == "muon" and not train_key.lora_rank else None)
 
 
 def plan_config(cfg):

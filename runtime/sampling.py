@@ -274,6 +274,7 @@ def host_params(params):
 def samples_from_params(cfg, params, graphdef, n):
     """n samples of the --sample.* settings with seeds --sample.seed, +1, ... (as `--mode sample` prints)."""
     tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.encoding_file)
+    params = __import__("parallel.lora").lora.merged(params, cfg.train) if "lora" in params else params
     model = nnx.merge(graphdef, host_params(params))
     s = cfg.sample
     return [generate(model, tokenizer, s.prompt, s.max_tokens, s.temperature, s.top_k, s.seed + i,

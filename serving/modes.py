@@ -34,12 +34,17 @@ def load_run_params(cfg, devices=None, check=None):
             raise ConfigError(f"no run at {run_dir} (missing config.json): train first, or pass --run.name/--run.out_dir")
         with open(config_path) as f:
             saved = config_from_dict(json.load(f))
-        cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data)})
+        lora = {k: v for k, v in vars(saved.train).items() if k.startswith("lora_")}  # a LoRA run's adapters are merged below
+        cfg = apply_overrides(cfg, {"model": vars(saved.model), "data": vars(saved.data), "train": lora})
     if check is not None:
         check(cfg)
     mesh = make_mesh(cfg.mesh, devices)
-    graphdef, params = init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
     source = hf_source or cfg.train.init_from or run_dir
+    if hf_source is None and cfg.train.lora_rank and not cfg.train.init_from:  # a LoRA run: base + adapters, merged
+        from parallel import lora
+        graphdef, params, _, _ = lora.init_train_state(cfg, mesh)
+        return cfg, graphdef, lora.merged(checkpoint.restore_params(source, params, cfg.model), cfg.train)
+    graphdef, params = init_params(cfg.model, mesh, cfg.mesh.expert_parallel, cfg.run.seed)
     return cfg, graphdef, checkpoint.restore_params(source, params, cfg.model)
 
 
