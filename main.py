@@ -95,6 +95,7 @@ class Run:
     preemption: Preemption
     reporter: "Reporter" = None
     local: object = None  # the local checkpoint tier (runtime/local_tier.py), with --train.local_checkpoint_every
+    tasks: object = None  # --eval.tasks' harness tasks (runtime/harness.py): params -> {eval/<task>/<metric>: score}
 
 
 @dataclasses.dataclass
@@ -129,6 +130,8 @@ def train(cfg):
         describe_model(cfg, mesh)
         graphdef, optimizer, state, manager, local = init_or_resume(cfg, mesh, run_dir, hf_source)
         run = Run(cfg, mesh, data, process_rows(mesh, cfg.train.batch_size), manager, clock, preemption, local=local)
+        if cfg.eval.tasks:  # (only a run with tasks imports the harness, and lm-eval)
+            run.tasks = __import__("runtime.harness").harness.TaskEval(cfg, mesh, run.rows, state.params)
         log = start_log(cfg, run_dir, state, clock)
         first_batch = train_batch(run, state.step)
         with clock.phase("compile"):
@@ -268,6 +271,7 @@ def train_loop(run, state, train_step, eval_step, first_batch):
             with clock.phase("eval"):
                 evaluate = functools.partial(steps.evaluate, eval_step, state.params, cfg=cfg, mesh=run.mesh, rows=run.rows)
                 vals = run.data.evaluate(evaluate) if cfg.data.mixture else {"val_loss": evaluate(run.data)}
+                vals.update(run.tasks(state.params) if run.tasks else {})
             reporter.log.write(dict(step=done, **vals))
             if is_main_process():
                 reporter.progress.write(f"step {done}: val_loss {vals['val_loss']:.4f}")

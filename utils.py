@@ -214,6 +214,13 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    tasks: str = option("", "lm-evaluation-harness tasks (TASK,...) scored every --train.eval_every steps on the mesh: docs/evaluation.md")
+    include_path: str = option("", "a directory of task YAML files of your own, for --eval.tasks")
+    limit: int = option(0, "score only the first N documents of each task; 0 = all")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     every: int = option(10, "log train metrics every N steps")
     wandb: bool = option(False, "log to Weights & Biases (WANDB_MODE=offline works without a key)")
@@ -259,6 +266,7 @@ class Config:
     dist: DistConfig = DistConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     sample: SampleConfig = SampleConfig()
     serve: ServeConfig = ServeConfig()
