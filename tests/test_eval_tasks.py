@@ -1,0 +1,123 @@
+"""--eval.tasks: lm-evaluation-harness tasks scored inside the training loop (runtime/harness.py) give the scores the
+harness gets through the server (`--mode serve`, its local-completions client) for the same checkpoint: a multiple-choice
+task's accuracy and a perplexity task's word and byte perplexities and bits per byte.
+
+Both tasks are local files written here (nothing is downloaded); every item fits the tiny preset's 16-token window
+(the server refuses a longer prompt), so both sides score the same tokens in one window.
+"""
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OFFLINE = dict(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1")
+CONTEXTS = ["ROMEO: my ", "JULIET: O ", "Good night", "What light", "To be, or ", "First Citiz"]
+CHOICES = ["love", "dead", "sir,", "good"]
+DOCS = ["To be, or no", "What light?", "Good night, good", "ROMEO: I am"]
+
+
+def write_tasks(task_dir):
+    """A multiple-choice task (t_mc) and a perplexity one (t_ppl), from JSON lines beside their YAML."""
+    task_dir.mkdir()
+    items = [dict(context=c, choices=CHOICES[i % 4:] + CHOICES[:i % 4], answer=i % 4) for i, c in enumerate(CONTEXTS)]
+    (task_dir / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    (task_dir / "docs.jsonl").write_text("".join(json.dumps(dict(text=t)) + "\n" for t in DOCS))
+    common = "dataset_path: json\ndataset_kwargs:\n  data_files:\n"
+    (task_dir / "t_mc.yaml").write_text(f"""task: t_mc
+{common}    validation: {task_dir / 'items.jsonl'}
+validation_split: validation
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+""")
+    (task_dir / "t_ppl.yaml").write_text(f"""task: t_ppl
+{common}    test: {task_dir / 'docs.jsonl'}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+""")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def served_scores(run_args, hf_dir, task_dir, out_dir):
+    """lm_eval local-completions against `--mode serve` of the run: {eval/<task>/<metric>: score}."""
+    port = free_port()
+    with open(out_dir.parent / "serve.log", "w+") as log:
+        server = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run_args, "--serve.port", str(port)],
+                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    log.seek(0)
+                    assert server.poll() is None and time.time() < deadline, log.read()[-3000:]
+                    time.sleep(0.5)
+            cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
+                   f"model=r,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer_backend=huggingface,tokenizer={hf_dir},"
+                   "num_concurrent=1,max_retries=1,max_length=16", "--tasks", "t_mc,t_ppl", "--include_path", str(task_dir),
+                   "--output_path", str(out_dir), "--batch_size", "1"]
+            result = subprocess.run(cmd, cwd=str(out_dir.parent), capture_output=True, text=True, timeout=600,
+                                    env=dict(os.environ, **OFFLINE))
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    (results_file,) = glob.glob(str(out_dir / "**" / "results_*.json"), recursive=True)
+    with open(results_file) as f:
+        results = json.load(f)["results"]
+    return {f"eval/{task}/{metric.removesuffix(',none')}": value for task, scores in results.items()
+            for metric, value in scores.items() if isinstance(value, (int, float)) and "stderr" not in metric}
+
+
+@pytest.mark.slow
+def test_in_loop_task_scores_equal_lm_eval_through_the_server(tmp_path):
+    task_dir = tmp_path / "tasks"
+    write_tasks(task_dir)
+    run_args = ["--preset", "tiny", "--run.out_dir", str(tmp_path / "runs"), "--run.name", "r", "--data.cache_dir",
+                str(tmp_path / "cache"), "--log.progress", "false", "--log.plots", "false", "--sample.num_samples", "0",
+                "--model.dtype", "float32"]
+    train = ["--train.steps", "20", "--train.eval_every", "20", "--eval.tasks", "t_mc,t_ppl", "--eval.include_path", str(task_dir)]
+    for extra in (train, ["--mode", "export_hf", "--export.dtype", "float32"]):
+        result = subprocess.run([sys.executable, "main.py", *run_args, *extra], cwd=REPO, capture_output=True, text=True,
+                                timeout=900, env=dict(os.environ, **OFFLINE))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "runs" / "r" / "metrics.jsonl") as f:
+        (in_loop,) = [row for row in map(json.loads, f) if "eval/t_mc/acc" in row]
+    assert in_loop["step"] == 20
+    served = served_scores(run_args, tmp_path / "runs" / "r" / "hf", task_dir, tmp_path / "out_served")
+    print({key: (in_loop.get(key), value) for key, value in served.items()})
+    assert {k for k in in_loop if k.startswith("eval/")} == set(served) - {"eval/t_mc/sample_len", "eval/t_ppl/sample_len"}
+    assert in_loop["eval/t_mc/acc"] == served["eval/t_mc/acc"]
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert in_loop[f"eval/t_ppl/{metric}"] == pytest.approx(served[f"eval/t_ppl/{metric}"], rel=1e-4), metric
+    assert 1 < in_loop["eval/t_ppl/byte_perplexity"] < 200  # trained a little: well under a uniform guess over 256 bytes
