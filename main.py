@@ -138,7 +138,7 @@ def train(cfg):
             train_step = compile_train_step(cfg, mesh, graphdef, optimizer, state, first_batch)
         eval_step = steps.make_eval_step(graphdef, cfg, mesh, state.params)
         align_processes("compiled", cfg.dist.timeout_s)  # the first step sets up its collectives
-        run.reporter = Reporter(cfg, log, make_progress(cfg, state.step), manager, mesh, data)
+        run.reporter = Reporter(cfg, log, state.step, manager, mesh, data)
         start_step = state.step
         stopped = train_loop(run, state, train_step, eval_step, first_batch)
         run.reporter.progress.close()
@@ -337,8 +337,9 @@ class Reporter:
     """Reads finished steps' metrics on the host: progress bar, metrics.jsonl, wandb;
     stops the run loudly on a non-finite loss."""
 
-    def __init__(self, cfg, log, progress, manager, mesh, data):
-        self.cfg, self.log, self.progress, self.manager, self.data = cfg, log, progress, manager, data
+    def __init__(self, cfg, log, start_step, manager, mesh, data):
+        self.cfg, self.log, self.manager, self.data = cfg, log, manager, data
+        self.progress = progress.make_progress(cfg.train.steps, start_step, cfg.log.every, cfg.log.progress and is_main_process())
         self.schedule = lr_schedule(cfg.train)
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
         self.flops_per_step = flops.flops_per_token(cfg.model) * self.tokens_per_step
@@ -398,10 +399,6 @@ class Reporter:
             row.update(self.data.train_row(step) if self.cfg.data.mixture else {})  # tokens/<name>: data/mixture.py
             row["time"] = round(time.time(), 3)  # wall clock: goodput's last sign of life if the run dies
             self.log.write(row)
-
-
-def make_progress(cfg, start_step):
-    return progress.make_progress(cfg.train.steps, start_step, cfg.log.every, cfg.log.progress and is_main_process())
 
 
 def show_sharding(batch, params):
