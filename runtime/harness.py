@@ -6,7 +6,8 @@ over the training mesh: GPipe's forward under shard_map (the eval step's, parall
 dropout) on the current params in their training shardings, with a loss head that keeps each row's own sums instead of
 the batch's. A request is one row of [seq_len + 1] tokens: context then continuation, left-aligned, the continuation's
 targets scored and every other target skipped (stored as ~id, as sft's prompts are: model.unmasked). So the scores are
-the ones lm-eval gets from the server or the Hugging Face export for the same params (tests/test_eval_tasks.py).
+the ones lm-eval gets from the server or the Hugging Face export for the same params, on any mesh (dp, cp, pp, tp,
+expert parallelism: tests/test_eval_tasks.py).
 
 Kinds: multiple choice and other log-likelihood tasks (`loglikelihood`), perplexity ones (`loglikelihood_rolling`: the
 document in disjoint windows of seq_len, lm-eval's own windowing). Generation tasks are refused before training starts.

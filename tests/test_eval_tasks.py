@@ -152,7 +152,7 @@ def test_tasks_png_plots_each_tasks_scores_against_tokens_seen(tmp_path):
 
 
 def mesh_scores(mesh_shape, pairs, expert_parallel=False):
-    """MeshLM.score_rows of `pairs` on a tiny model over a (dp, pp, tp) mesh of fake CPU devices."""
+    """MeshLM.score_rows of `pairs` on a tiny model over a (dp, cp, pp, tp) mesh of fake CPU devices."""
     import jax
 
     from parallel.mesh import make_mesh, process_rows
@@ -160,11 +160,11 @@ def mesh_scores(mesh_shape, pairs, expert_parallel=False):
     from runtime.harness import MeshLM
     from utils import PRESETS, Config, apply_overrides
 
-    dp, pp, tp = mesh_shape
+    dp, cp, pp, tp = mesh_shape
     cfg = apply_overrides(apply_overrides(Config(), PRESETS["tiny"]), {
         "model": dict(vocab_size=257, dtype="float32"), "train": dict(batch_size=4),
-        "mesh": dict(dp=dp, pp=pp, tp=tp, expert_parallel=expert_parallel)})
-    mesh = make_mesh(cfg.mesh, jax.devices()[:dp * pp * tp])
+        "mesh": dict(dp=dp, cp=cp, pp=pp, tp=tp, expert_parallel=expert_parallel)})
+    mesh = make_mesh(cfg.mesh, jax.devices()[:dp * cp * pp * tp])
     _, params = init_params(cfg.model, mesh, expert_parallel, cfg.run.seed)
     return cfg, params, MeshLM(cfg, mesh, process_rows(mesh, cfg.train.batch_size), params).score_rows(pairs)
 
@@ -192,19 +192,19 @@ def reference_scores(cfg, params, pairs):
     return out
 
 
+@pytest.mark.slow
 def test_row_scores_on_any_mesh_equal_a_plain_forward():
     """Nine requests (more than one batch of 4, one longer than the window: its context's start is cut) scored over
-    1 device and over dp 2 x pp 2 x tp 2: each request's log-likelihood equals the one-device forward's."""
+    1 device, dp 2 x pp 2 x tp 2, and dp 2 x cp 2 x tp 2 with expert parallelism: each request's log-likelihood equals
+    the one-device forward's, and so does whether it is the greedy continuation."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     lengths = [(1, 1), (3, 4), (10, 5), (15, 1), (2, 14), (20, 6), (5, 5), (8, 2), (1, 15)]
     pairs = [(rng.integers(0, 256, c).tolist(), rng.integers(0, 256, n).tolist()) for c, n in lengths]
-    pairs[0] = ([65], [66])
-    cfg, params, one = mesh_scores((1, 1, 1), pairs)
-    _, _, eight = mesh_scores((2, 2, 2), pairs)
+    cfg, params, one = mesh_scores((1, 1, 1, 1), pairs)
     reference = reference_scores(cfg, params, pairs)
-    np.testing.assert_allclose([s for s, _ in one], [s for s, _ in reference], rtol=1e-5)
-    np.testing.assert_allclose([s for s, _ in eight], [s for s, _ in reference], rtol=1e-5)
-    assert [g for _, g in one] == [g for _, g in eight] == [g for _, g in reference]
+    for scores in (one, mesh_scores((2, 1, 2, 2), pairs)[2], mesh_scores((2, 2, 1, 2), pairs, expert_parallel=True)[2]):
+        np.testing.assert_allclose([s for s, _ in scores], [s for s, _ in reference], rtol=1e-5)
+        assert [g for _, g in scores] == [g for _, g in reference]
     assert len({round(s, 3) for s, _ in one}) == len(pairs)  # varied, real scores
