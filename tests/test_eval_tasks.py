@@ -208,3 +208,21 @@ def test_row_scores_on_any_mesh_equal_a_plain_forward():
         np.testing.assert_allclose([s for s, _ in scores], [s for s, _ in reference], rtol=1e-5)
         assert [g for _, g in scores] == [g for _, g in reference]
     assert len({round(s, 3) for s, _ in one}) == len(pairs)  # varied, real scores
+
+
+@pytest.mark.slow  # (lm-eval indexes its thousands of task files, twice)
+def test_unknown_and_generation_tasks_stop_before_training_in_one_line(tmp_path):
+    from runtime.harness import TaskEval
+    from utils import ConfigError, parse_args
+
+    write_tasks(tmp_path / "tasks")
+    ppl = (tmp_path / "tasks" / "t_ppl.yaml").read_text().split("metric_list")[0]
+    generation = ppl.replace("task: t_ppl", "task: t_gen").replace("loglikelihood_rolling", "generate_until")
+    (tmp_path / "tasks" / "t_gen.yaml").write_text(generation + "generation_kwargs:\n  until: [\"\\n\"]\nmetric_list:\n  - metric: exact_match\n")
+    for tasks, says in (("t_mc,nope", "--eval.tasks: no task ['nope'] in lm-eval's tasks or --eval.include_path"),
+                        ("t_gen", "--eval.tasks: t_gen is a generate_until task; in the loop only loglikelihood, multiple_choice, "
+                                  "loglikelihood_rolling tasks run")):
+        cfg = parse_args(["--eval.tasks", tasks, "--eval.include_path", str(tmp_path / "tasks")])
+        with pytest.raises(ConfigError) as error:
+            TaskEval(cfg, mesh=None, rows=None, params=None)  # (refused before the model is touched)
+        assert str(error.value).startswith(says) and "\n" not in str(error.value)
