@@ -2,12 +2,13 @@
 task files of your own) scored every --train.eval_every steps, as rows `eval/<task>/<metric>` in metrics.jsonl.
 
 The harness talks to an `LM` (lm_eval.api.model); here it is `MeshLM`, whose log-likelihoods come from one jitted program
-over the training mesh: GPipe's forward under shard_map (the eval step's, parallel/steps.make_eval_step: dropless, no
-dropout) on the current params in their training shardings, with a loss head that keeps each row's own sums instead of
-the batch's. A request is one row of [seq_len + 1] tokens: context then continuation, left-aligned, the continuation's
-targets scored and every other target skipped (stored as ~id, as sft's prompts are: model.unmasked). So the scores are
-the ones lm-eval gets from the server or the Hugging Face export for the same params, on any mesh (dp, cp, pp, tp,
-expert parallelism: tests/test_eval_tasks.py).
+over the training mesh: GPipe's forward under shard_map (the eval step's under manual sharding, parallel/steps.py's
+make_eval_step: dropless, no dropout; under --mesh.sharding auto too, on the same storage shardings) on the current
+params in their training shardings, with a loss head that keeps each row's own sums instead of the batch's. A request is
+one row of [seq_len + 1] tokens: context then continuation, left-aligned, the continuation's targets scored and every
+other target skipped (stored as ~id, as sft's prompts are: model.unmasked). So the scores are the ones lm-eval gets from
+the server or the Hugging Face export for the same params, on any mesh (dp, cp, pp, tp, expert parallelism) and process
+count (tests/test_eval_tasks.py).
 
 Kinds: multiple choice and other log-likelihood tasks (`loglikelihood`), perplexity ones (`loglikelihood_rolling`: the
 document in disjoint windows of seq_len, lm-eval's own windowing). Generation tasks are refused before training starts.
@@ -22,7 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dataset import get_tokenizer
-from model import Transformer, held_positions, local_targets
+from model import Transformer, held_positions, local_targets, unmasked
 from ops.collectives import axis_index, pmax, psum
 from parallel import fsdp, gpipe
 from parallel import step_core as core
@@ -55,7 +56,7 @@ class RowHead:
     def head_sums(self, y_bTD, tokens_bT1, angles, axes, keys_b=None):
         targets_bT = local_targets(tokens_bT1, held_positions(angles))
         scored_bT = targets_bT >= 0
-        targets_bT = jnp.maximum(targets_bT, ~targets_bT)
+        targets_bT = unmasked(targets_bT)
         # Vocab-parallel as model.loss_sum: logits [b, T, V/tp] are never gathered; max and sum of exps reduced over tp.
         logits_bTV = self.model.logits(y_bTD)
         V_local = logits_bTV.shape[-1]

@@ -226,3 +226,32 @@ def test_unknown_and_generation_tasks_stop_before_training_in_one_line(tmp_path)
         with pytest.raises(ConfigError) as error:
             TaskEval(cfg, mesh=None, rows=None, params=None)  # (refused before the model is touched)
         assert str(error.value).startswith(says) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_two_processes_score_the_tasks_as_one_process_does(tmp_path):
+    """dp 2 x pp 2 x tp 2 over 2 processes x 4 devices and over 1 process x 8: the same eval row, bit for bit (each process
+    runs the harness on the same requests and feeds the rows its devices hold)."""
+    write_tasks(tmp_path / "tasks")
+    common = ["--preset", "tiny", "--model.dtype", "float32", "--mesh.dp", "2", "--mesh.pp", "2", "--mesh.tp", "2",
+              "--train.microbatches", "2", "--train.batch_size", "8", "--train.steps", "2", "--train.eval_every", "2",
+              "--train.eval_batches", "1", "--eval.tasks", "t_mc,t_ppl", "--eval.include_path", str(tmp_path / "tasks"),
+              "--sample.num_samples", "0", "--log.plots", "false", "--log.progress", "false",
+              "--data.cache_dir", str(tmp_path / "cache"), "--run.out_dir", str(tmp_path / "runs"), "--dist.timeout_s", "300"]
+    env = dict(os.environ, **OFFLINE)
+    one = subprocess.run([sys.executable, "main.py", *common, "--run.cpu_devices", "8", "--run.name", "one"], cwd=REPO,
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = ["--run.cpu_devices", "4", "--run.name", "two", "--dist.coordinator", f"127.0.0.1:{free_port()}", "--dist.num_processes", "2"]
+    procs = [subprocess.Popen([sys.executable, "main.py", *common, *two, "--dist.process_id", str(i)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+
+    def eval_row(name):
+        with open(tmp_path / "runs" / name / "metrics.jsonl") as f:
+            (row,) = [row for row in map(json.loads, f) if "eval/t_mc/acc" in row]
+        return row
+
+    assert eval_row("one") == eval_row("two")
+    assert {"eval/t_mc/acc", "eval/t_ppl/bits_per_byte"} <= set(eval_row("two"))
