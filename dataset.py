@@ -38,7 +38,7 @@ from data.shards import (  # noqa: F401
     write_manifest,
     write_shard,
 )
-from utils import apply_overrides
+from utils import ConfigError, apply_overrides
 
 log = logging.getLogger(__name__)
 
@@ -274,14 +274,14 @@ def prepare_embedded(name: str, cache_dir: str, process_index: int = 0) -> str:
 
 
 def check_tokenizer(data: TokenData, model_vocab_size: int, tokenizer_name: str) -> None:
-    """Raise ValueError unless the data was tokenized with `tokenizer_name` and the model's vocabulary is at least the data's."""
+    """ConfigError (one line: the flag to change) unless `tokenizer_name` made the data and the model's vocabulary holds its."""
     if data.tokenizer_name != tokenizer_name:
-        raise ValueError(f"the data was tokenized with {data.tokenizer_name!r} but the model is configured for {tokenizer_name!r}: "
-                         f"set the tokenizer to {data.tokenizer_name!r} or point the data source at shards made with "
-                         f"{tokenizer_name!r} (data/tokenize.py --encoding).")
+        raise ConfigError(f"the data was tokenized with {data.tokenizer_name!r} but --data.tokenizer is {tokenizer_name!r}: "
+                          f"pass --data.tokenizer {data.tokenizer_name} or point --data.source at shards made with "
+                          f"{tokenizer_name!r} (data/tokenize.py --encoding)")
     if model_vocab_size < data.vocab_size:
-        raise ValueError(f"the data's vocabulary has {data.vocab_size} ids but the model only {model_vocab_size}: "
-                         f"set the model's vocab size to at least {data.vocab_size}.")
+        raise ConfigError(f"the data's vocabulary has {data.vocab_size} ids but --model.vocab_size is {model_vocab_size}: "
+                          f"pass --model.vocab_size {data.vocab_size} or more (or 0: the data's)")
 
 
 def resolve_vocab(cfg, data):

@@ -95,6 +95,7 @@ class Run:
     preemption: Preemption
     reporter: "Reporter" = None
     local: object = None  # the local checkpoint tier (runtime/local_tier.py), with --train.local_checkpoint_every
+    tasks: object = None  # --eval.tasks' harness tasks (runtime/harness.py): params -> {eval/<task>/<metric>: score}
 
 
 @dataclasses.dataclass
@@ -129,13 +130,15 @@ def train(cfg):
         describe_model(cfg, mesh)
         graphdef, optimizer, state, manager, local = init_or_resume(cfg, mesh, run_dir, hf_source)
         run = Run(cfg, mesh, data, process_rows(mesh, cfg.train.batch_size), manager, clock, preemption, local=local)
+        if cfg.eval.tasks:  # (only a run with tasks imports the harness, and lm-eval)
+            run.tasks = __import__("runtime.harness").harness.TaskEval(cfg, mesh, run.rows, state.params)
         log = start_log(cfg, run_dir, state, clock)
         first_batch = train_batch(run, state.step)
         with clock.phase("compile"):
             train_step = compile_train_step(cfg, mesh, graphdef, optimizer, state, first_batch)
         eval_step = steps.make_eval_step(graphdef, cfg, mesh, state.params)
         align_processes("compiled", cfg.dist.timeout_s)  # the first step sets up its collectives
-        run.reporter = Reporter(cfg, log, make_progress(cfg, state.step), manager, mesh, data)
+        run.reporter = Reporter(cfg, log, state.step, manager, mesh, data)
         start_step = state.step
         stopped = train_loop(run, state, train_step, eval_step, first_batch)
         run.reporter.progress.close()
@@ -269,6 +272,7 @@ def train_loop(run, state, train_step, eval_step, first_batch):
             with clock.phase("eval"):
                 evaluate = functools.partial(steps.evaluate, eval_step, state.params, cfg=cfg, mesh=run.mesh, rows=run.rows)
                 vals = run.data.evaluate(evaluate) if cfg.data.mixture else {"val_loss": evaluate(run.data)}
+                vals.update(run.tasks(state.params) if run.tasks else {})
             reporter.log.write(dict(step=done, **vals))
             if is_main_process():
                 reporter.progress.write(f"step {done}: val_loss {vals['val_loss']:.4f}")
@@ -334,8 +338,9 @@ class Reporter:
     """Reads finished steps' metrics on the host: progress bar, metrics.jsonl, wandb;
     stops the run loudly on a non-finite loss."""
 
-    def __init__(self, cfg, log, progress, manager, mesh, data):
-        self.cfg, self.log, self.progress, self.manager, self.data = cfg, log, progress, manager, data
+    def __init__(self, cfg, log, start_step, manager, mesh, data):
+        self.cfg, self.log, self.manager, self.data = cfg, log, manager, data
+        self.progress = progress.make_progress(cfg.train.steps, start_step, cfg.log.every, cfg.log.progress and is_main_process())
         self.schedule = lr_schedule(cfg.train)
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
         self.flops_per_step = flops.flops_per_token(cfg.model) * self.tokens_per_step
@@ -395,10 +400,6 @@ class Reporter:
             row.update(self.data.train_row(step) if self.cfg.data.mixture else {})  # tokens/<name>: data/mixture.py
             row["time"] = round(time.time(), 3)  # wall clock: goodput's last sign of life if the run dies
             self.log.write(row)
-
-
-def make_progress(cfg, start_step):
-    return progress.make_progress(cfg.train.steps, start_step, cfg.log.every, cfg.log.progress and is_main_process())
 
 
 def show_sharding(batch, params):

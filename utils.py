@@ -40,6 +40,7 @@ HF_PREFIX = "hf:"  # --train.init_from hf:DIR: a Hugging Face checkpoint directo
 # config is checked without importing the kernels.
 MOE_KERNELS = ("auto", "ragged_dot", "gmm")
 QUANT_MODES = ("none", "int8", "fp8")
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}  # a boolean flag's values
 SPLASH_LANES = 128  # the splash kernel's lanes (jax's splash_attention_kernel.NUM_LANES): a block is a multiple
 
 # ---- Config sections
@@ -219,6 +220,13 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    tasks: str = option("", "lm-evaluation-harness tasks (TASK,...) scored every --train.eval_every steps on the mesh: docs/evaluation.md")
+    include_path: str = option("", "a directory of task YAML files of your own, for --eval.tasks")
+    limit: int = option(0, "score only the first N documents of each task; 0 = all")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     every: int = option(10, "log train metrics every N steps")
     wandb: bool = option(False, "log to Weights & Biases (WANDB_MODE=offline works without a key)")
@@ -264,6 +272,7 @@ class Config:
     dist: DistConfig = DistConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     sample: SampleConfig = SampleConfig()
     serve: ServeConfig = ServeConfig()
@@ -363,12 +372,9 @@ def config_fields():
 
 def parse_value(flag, text, kind):
     if kind is bool:
-        lowered = str(text).lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"--{flag} expects true or false, got {text!r}")
+        if str(text).lower() not in BOOL_WORDS:
+            raise ConfigError(f"--{flag} expects true or false, got {text!r}")
+        return BOOL_WORDS[str(text).lower()]
     try:
         return kind(text)
     except ValueError:
@@ -392,7 +398,7 @@ def help_text():
 def parse_args(argv):
     """argv -> Config. Unknown flags and bad values raise ConfigError with a hint."""
     fields = config_fields()
-    chosen, overrides = {"preset": "shakespeare", "mode": "train"}, {}  # --preset and --mode
+    top, overrides = {"preset": "shakespeare", "mode": "train"}, {}  # --preset and --mode, the flags without a section
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -402,33 +408,33 @@ def parse_args(argv):
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: flags look like --section.field=value (see --help)")
         name, has_value, value = arg[2:].partition("=")
-        known = name in fields or name in ("preset", "mode")
+        known = name in fields or name in top
         if not known:
-            close = difflib.get_close_matches(name, list(fields) + ["preset", "mode"], n=3)
+            close = difflib.get_close_matches(name, list(fields) + list(top), n=3)
             hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else "; see --help"
             raise ConfigError(f"unknown flag --{name}{hint}")
         kind = fields[name][2] if name in fields else str
         if not has_value:
             next_is_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            if kind is bool and not (next_is_value and argv[i + 1].lower() in ("true", "false", "1", "0", "yes", "no", "on", "off")):
+            if kind is bool and not (next_is_value and argv[i + 1].lower() in BOOL_WORDS):
                 value = "true"  # a boolean flag given alone means true
             elif next_is_value:
                 value, i = argv[i + 1], i + 1
             else:
                 raise ConfigError(f"--{name} needs a value")
-        if name in chosen:
+        if name in top:
             choices = PRESETS if name == "preset" else MODES
             if value not in choices:
                 raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
-            chosen[name] = value
+            top[name] = value
         else:
             section, f, kind = fields[name]
             overrides.setdefault(section, {})[f.name] = parse_value(name, value, kind)
         i += 1
-    cfg = apply_overrides(Config(**chosen), PRESETS[chosen["preset"]])
+    cfg = apply_overrides(Config(**top), PRESETS[top["preset"]])
     cfg = apply_overrides(cfg, overrides)
     if not cfg.run.name:
-        cfg = apply_overrides(cfg, {"run": {"name": chosen["preset"]}})
+        cfg = apply_overrides(cfg, {"run": {"name": top["preset"]}})
     validate_model(cfg)
     return cfg
 

@@ -1,6 +1,7 @@
 """Plots of a run: PNGs from <run_dir>/metrics.jsonl and config.json, drawn at the end of training (main.py) or by
 `python utils.py plot RUN_DIR`; without pyplot, so no global backend or figure state changes."""
 
+import importlib
 import json
 import math
 import os
@@ -282,16 +283,16 @@ def draw_goodput(fig, rows, cfg):
     return {"seconds": drawn, "steps": line_data(line)}
 
 
-def draw_sources(fig, rows, cfg):
-    """A mixture's validation loss and tokens per source (runtime/source_plots.py); nothing for a run on one source."""
-    if not cfg["data"].get("mixture"):
-        return None
-    from runtime import source_plots  # (only a mixture's run imports it)
-    return source_plots.draw_sources(fig, rows, cfg)
+def drawn_by(module, flag):
+    """A plot of runtime/<module>.py's `draw`, imported only for a run whose config sets `flag` (section, field)."""
+    def draw(fig, rows, cfg):
+        return importlib.import_module(f"runtime.{module}").draw(fig, rows, cfg) if cfg.get(flag[0], {}).get(flag[1]) else None
+    return draw
 
 
 PLOTS = {"loss.png": draw_loss, "load_balance.png": draw_load_balance, "expert_load.png": draw_expert_load,
-         "router_bias.png": draw_router_bias, "speed.png": draw_speed, "goodput.png": draw_goodput, "sources.png": draw_sources}
+         "router_bias.png": draw_router_bias, "speed.png": draw_speed, "goodput.png": draw_goodput,
+         "sources.png": drawn_by("source_plots", ("data", "mixture")), "tasks.png": drawn_by("task_plots", ("eval", "tasks"))}
 
 
 def plot_run(run_dir):

@@ -18,7 +18,7 @@ def drawn_xy(line):
     return [float(x) for x in line.get_xdata()], [float(y) for y in line.get_ydata()]
 
 
-def draw_sources(fig, rows, cfg):
+def draw(fig, rows, cfg):
     """Left: val_loss and val_loss/<name>; right: tokens/<name> (cumulative). The lines drawn, by panel and source."""
     from matplotlib.ticker import FuncFormatter
 

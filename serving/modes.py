@@ -4,6 +4,7 @@ export_hf, and the server's loading (serving/serve.py). main.py trains one.
 Every process runs these; only process 0 prints (say) and writes shared files.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -100,14 +101,21 @@ def export_hf_run(cfg):
 
 def eval_run(cfg):
     """Validation loss of the run's latest params on the current mesh: what training's
-    eval would print, on any mesh (the reshard check)."""
+    eval would print, on any mesh (the reshard check). A run trained on --data.mixture
+    prints one val_loss/<name>= line per source, as its eval rows, then the mixture's val_loss=."""
     cfg, graphdef, params = load_run_params(cfg)
     mesh = make_mesh(cfg.mesh)
     check_config_fits_mesh(cfg, mesh)
-    data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
+    if cfg.data.mixture:
+        from data.mixture import open_mixture
+        data = open_mixture(cfg, jax.process_index())
+    else:
+        data = open_data(cfg.data.source, cfg.data.cache_dir, cfg.data.cache_max_gb, jax.process_index())
     eval_step = steps.make_eval_step(graphdef, cfg, mesh, params)
-    val = steps.evaluate(eval_step, params, data, cfg, mesh, process_rows(mesh, cfg.train.batch_size))
-    say(f"val_loss={val!r}")
+    evaluate = functools.partial(steps.evaluate, eval_step, params, cfg=cfg, mesh=mesh, rows=process_rows(mesh, cfg.train.batch_size))
+    vals = data.evaluate(evaluate) if cfg.data.mixture else {"val_loss": evaluate(data)}
+    data.close()
+    say("\n".join(f"{key}={value!r}" for key, value in sorted(vals.items(), key=lambda kv: kv[0] == "val_loss")))
 
 
 MODES = {"sample": sample_run, "eval": eval_run, "export": export_run, "export_hf": export_hf_run}  # --mode -> its function

@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO))  # import the repo's modules wherever pytest runs 
 import dataset  # noqa: E402
 from data import shakespeare  # noqa: E402
 from data import tokenize as tokenize_script  # noqa: E402
+from utils import ConfigError  # noqa: E402
 
 # A synthetic data set whose every token is distinct, so a window is known by its first
 # token: shard i holds BASES[i] + arange(SIZES[i]). The 10-token shard has no window.
@@ -215,10 +216,20 @@ def test_check_tokenizer(synthetic):
     data = open_local(synthetic)
     dataset.check_tokenizer(data, VOCAB, "synthetic")
     dataset.check_tokenizer(data, VOCAB + 96, "synthetic")  # a padded model vocabulary is fine
-    with pytest.raises(ValueError, match="tokenized with 'synthetic' but the model is configured for 'bytes'"):
+    with pytest.raises(ConfigError, match="tokenized with 'synthetic' but --data.tokenizer is 'bytes': pass --data.tokenizer synthetic"):
         dataset.check_tokenizer(data, VOCAB, "bytes")
-    with pytest.raises(ValueError, match="at least 100000"):
+    with pytest.raises(ConfigError, match="--model.vocab_size is 257: pass --model.vocab_size 100000 or more"):
         dataset.check_tokenizer(data, 257, "synthetic")
+
+
+def test_a_tokenizer_mismatch_is_one_line_that_names_the_flag(synthetic, tmp_path):
+    """Shards made by another tokenizer than --data.tokenizer's: main.py prints the one line, no traceback."""
+    run = subprocess.run([sys.executable, "main.py", "--data.source", str(synthetic), "--run.out_dir", str(tmp_path / "runs")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == ["error: the data was tokenized with 'synthetic' but --data.tokenizer is 'bytes': pass "
+                                               "--data.tokenizer synthetic or point --data.source at shards made with 'bytes' "
+                                               "(data/tokenize.py --encoding)"]
 
 
 # ---- The embedded default

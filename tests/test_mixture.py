@@ -247,3 +247,20 @@ def test_the_code_corpus_is_the_standard_librarys_python(embedded_cache):
     text = bytes(next(data.eval_batches(1, 64, 255)).reshape(-1).clip(0, 255).astype(np.uint8)).decode("utf-8", "replace")
     assert "def " in text and "import " in text
     assert data.windows_per_shard("val", 255) and sum(data.windows_per_shard("train", 255)) > 10 * sum(data.windows_per_shard("val", 255))
+
+
+@pytest.mark.slow
+def test_mode_eval_of_a_mixture_run_prints_each_sources_val_loss_as_its_eval_rows(embedded_cache, tmp_path):
+    """--mode eval on a run trained on a mixture: one val_loss/<name>= line per source, then the mixture's val_loss=, the
+    numbers of the run's last eval row (the same params, eval set and mesh)."""
+    flags = ["--preset", "tiny", "--data.mixture", MIX, "--data.cache_dir", str(embedded_cache), "--train.steps", "4",
+             "--train.eval_every", "4", "--train.eval_batches", "1", "--model.dtype", "float32", "--sample.num_samples", "0",
+             "--log.plots", "false", "--log.progress", "false", "--run.out_dir", str(tmp_path), "--run.name", "mix"]
+    for mode in ("train", "eval"):
+        done = subprocess.run([sys.executable, "main.py", *flags, "--mode", mode], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    printed = dict(line.split("=", 1) for line in done.stdout.strip().splitlines()[-3:])
+    (row,) = [row for row in map(json.loads, (tmp_path / "mix" / "metrics.jsonl").read_text().splitlines()) if "val_loss" in row]
+    assert list(printed) == ["val_loss/shakespeare", "val_loss/code", "val_loss"]  # val_loss= stays the last line
+    assert {k: float(v) for k, v in printed.items()} == pytest.approx({k: row[k] for k in printed}, rel=1e-6)
+    assert abs(row["val_loss/shakespeare"] - row["val_loss/code"]) > 0.01  # two sources, two numbers
