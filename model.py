@@ -129,11 +129,10 @@ def rope_frequencies(cfg):
     return cfg.rope_theta ** (-jnp.arange(0, cfg.rope_dim, 2, dtype=jnp.float32) / cfg.rope_dim)
 
 
-# YaRN (Peng et al. 2023, arXiv:2309.00071), as DeepSeek-V2/V3 and transformers define it:
-# on rope_factor x the trained context, pairs turning fewer than beta_slow times over it are
-# interpolated (frequency / factor), pairs turning more than beta_fast times keep theirs,
-# those between ramp linearly; queries' and keys' RoPE parts are scaled by
-# yarn_attention_factor, the softmax by yarn_mscale(factor, mscale_all_dim)^2.
+# YaRN (Peng et al. 2023, arXiv:2309.00071), as DeepSeek-V2/V3 and transformers define it: on rope_factor x the
+# trained context, pairs turning fewer than beta_slow times over it are interpolated (frequency / factor), pairs
+# turning more than beta_fast times keep theirs, those between ramp linearly; queries' and keys' RoPE parts are scaled
+# by yarn_attention_factor, the softmax by yarn_mscale(factor, mscale_all_dim)^2.
 
 
 def yarn_mscale(factor, mscale=1.0):
@@ -364,10 +363,9 @@ def has_router_bias(cfg):
 
 
 def limit_to_top_groups(choice_SE, n_groups, topk_groups):
-    """Group-limited routing (DeepSeek-V2 section 2.1.3, V3's node-limited routing): each
-    token keeps only the experts of its topk_groups best of n_groups contiguous groups (a
-    group's score: the sum of its two highest biased scores, as V3 and transformers), the
-    others -inf. With n_groups = dp under expert parallelism a group is one device's experts."""
+    """Group-limited routing (DeepSeek-V2 section 2.1.3, V3's node-limited routing): each token keeps only the experts
+    of its topk_groups best of n_groups contiguous groups (a group's score: the sum of its two highest biased scores, as
+    V3 and transformers), the others -inf. With n_groups = dp under expert parallelism a group is one device's experts."""
     S, E = choice_SE.shape
     by_group_SPE = choice_SE.reshape(S, n_groups, E // n_groups)
     group_score_SP = jnp.sum(jax.lax.top_k(by_group_SPE, 2)[0], axis=-1)
@@ -547,9 +545,8 @@ class MoE(nnx.Module):
         if ep_axis is None or not (is_auto_axis(ep_axis) or live_axes(ep_axis)):  # one expert group: nothing to send
             y_GECD = self.expert_ffn(x_GECD, axes)
         elif is_auto_axis(ep_axis):
-            # Automatic sharding (parallel/auto.py): only say that each expert's slots
-            # should sit where the expert lives (experts over ep_axis, every group);
-            # the compiler inserts the dispatch there and back.
+            # Automatic sharding (parallel/auto.py): only say that each expert's slots should sit where the expert
+            # lives (experts over ep_axis, every group); the compiler inserts the dispatch there and back.
             by_expert = jax.sharding.PartitionSpec(None, ep_axis)
             x_GECD = jax.lax.with_sharding_constraint(x_GECD, by_expert)
             y_GECD = jax.lax.with_sharding_constraint(self.expert_ffn(x_GECD, axes), by_expert)
@@ -842,10 +839,9 @@ class Transformer(nnx.Module):
     def logits(self, x_BTD, norm=None):
         """Output layer: the tied embedding, or the separate head (the local vocabulary rows under tp, either way:
         vocab-parallel logits). `norm`: the final norm to apply (an MTP depth has its own)."""
-        # Scaled by 1/sqrt(D): the normed x has norm sqrt(D), so a logit is the row's
-        # norm (embed_row_norm at init) times cos(x, row): ~N(0, norm^2/D) at init.
-        # A model imported from Hugging Face (final_norm_folded) has that factor in its
-        # final norm's scale, HF's weight as it was: x 1/sqrt(D) does not round-trip.
+        # Scaled by 1/sqrt(D): the normed x has norm sqrt(D), so a logit is the row's norm (embed_row_norm at init)
+        # times cos(x, row): ~N(0, norm^2/D) at init. A model imported from Hugging Face (final_norm_folded) has that
+        # factor in its final norm's scale, HF's weight as it was: x 1/sqrt(D) does not round-trip.
         if norm is None and self.cfg.final_norm_folded:
             x_BTD = self.final_norm(x_BTD)
         else:

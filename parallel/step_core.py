@@ -218,9 +218,8 @@ def balance_sums(stats):
 
 
 def sum_cotangents(cfg, tp):
-    """d loss / d (one device's sums), for a backward written by hand: loss_and_metrics
-    is linear in the sums, so these are constants. The 1/tp of the two balance losses
-    is loss_and_metrics' pmean over tp. Keys: ce, aux, seq_aux, mtp."""
+    """d loss / d (one device's sums), for a backward written by hand: loss_and_metrics is linear in the sums, so these
+    are constants. The 1/tp of the two balance losses is loss_and_metrics' pmean over tp. Keys: ce, aux, seq_aux, mtp."""
     m, t = cfg.model, cfg.train
     n_tokens = t.batch_size * m.seq_len
     n_moe = n_moe_layers(m)

@@ -20,11 +20,10 @@ from model import Transformer
 from parallel.mesh import axes_of, named
 from utils import AXES, DP, PP, TP, ConfigError
 
-# Per dim of a weight, its split (`Weight.dims`): TP over tp for compute (Megatron); EXPERT
-# over dp under expert parallelism (E/dp experts each); FSDP for storage only (ZeRO-3), over
-# every axis that does not split the weight for compute, all-gathered before use; None whole.
-# So each weight is held once: wq_down_DQ (whole on every tp device) over dp x tp, the
-# embedding (used by every stage) over dp x pp.
+# Per dim of a weight, its split (`Weight.dims`): TP over tp for compute (Megatron); EXPERT over dp under expert
+# parallelism (E/dp experts each); FSDP for storage only (ZeRO-3), over every axis that does not split the weight for
+# compute, all-gathered before use; None whole. So each weight is held once: wq_down_DQ (whole on every tp device)
+# over dp x tp, the embedding (used by every stage) over dp x pp.
 FSDP, EXPERT = "fsdp", "expert"
 
 # The config field that sets each shape letter, for errors about sizes.
