@@ -101,23 +101,27 @@ def as_row(ids, trained, row_len, eot_id):
 # ---- Sources: a JSONL file, the plays
 
 
-def read_jsonl(path):
-    """[(where, messages)] of a JSONL file of {"messages": [...]} lines."""
+def jsonl_records(path, flag, lines_of):
+    """(where, record) of each non-blank line of a JSONL file; ConfigError (one line) for a missing file or a line
+    that is not JSON. `flag` and `lines_of` (what a line holds) name them in the message."""
     if not os.path.isfile(path):
-        raise ConfigError(f"--data.conversations {path}: no such file (give a JSONL file of {{\"messages\": [...]}} lines, or plays)")
-    out = []
+        raise ConfigError(f"{flag} {path}: no such file (give a JSONL file of {lines_of} lines, or plays)")
     with open(path) as f:
         for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not JSON ({e.msg})") from None
-            if not isinstance(record, dict) or "messages" not in record:
-                raise ConfigError(f"{where}: expected an object with \"messages\"")
-            out.append((where, record["messages"]))
+            if line.strip():
+                try:
+                    yield f"{path} line {n}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path} line {n}: not JSON ({e.msg})") from None
+
+
+def read_jsonl(path):
+    """[(where, messages)] of a JSONL file of {"messages": [...]} lines."""
+    out = []
+    for where, record in jsonl_records(path, "--data.conversations", '{"messages": [...]}'):
+        if not isinstance(record, dict) or "messages" not in record:
+            raise ConfigError(f"{where}: expected an object with \"messages\"")
+        out.append((where, record["messages"]))
     if not out:
         raise ConfigError(f"--data.conversations {path}: the file holds no conversation")
     return out

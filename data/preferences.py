@@ -18,12 +18,10 @@ batch holds batch_size / 2 pairs. Held out: the plays of shakespeare.VAL_PLAYS; 
 file, every conversations.VAL_EVERY-th pair.
 """
 
-import json
-import os
 
 import numpy as np
 
-from data.conversations import (PLAYS, VAL_EVERY, ConversationData, as_row, chat_template, encode_conversation, open_conversations,
+from data.conversations import (PLAYS, VAL_EVERY, ConversationData, as_row, chat_template, encode_conversation, jsonl_records, open_conversations,
                                 play_conversations)
 from data.shards import get_tokenizer
 from utils import ConfigError
@@ -41,26 +39,15 @@ def play_preferences():
 
 def read_preferences(path):
     """[(where, prompt messages, chosen, rejected)] of a JSONL file; ConfigError (one line) for a bad line."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"--data.preferences {path}: no such file (give a JSONL file of {{\"prompt\", \"chosen\", \"rejected\"}} "
-                          "lines, or plays)")
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not JSON ({e.msg})") from None
-            if not (isinstance(record, dict) and all(isinstance(record.get(k), str) for k in ("chosen", "rejected"))
-                    and isinstance(record.get("prompt"), (str, list))):
-                raise ConfigError(f"{where}: expected {{\"prompt\": a string or a list of messages, \"chosen\": a string, "
-                                  "\"rejected\": a string}")
-            prompt = record["prompt"]
-            out.append((where, [dict(role="user", content=prompt)] if isinstance(prompt, str) else prompt,
-                        record["chosen"], record["rejected"]))
+    for where, record in jsonl_records(path, "--data.preferences", '{"prompt", "chosen", "rejected"}'):
+        if not (isinstance(record, dict) and all(isinstance(record.get(k), str) for k in ("chosen", "rejected"))
+                and isinstance(record.get("prompt"), (str, list))):
+            raise ConfigError(f"{where}: expected {{\"prompt\": a string or a list of messages, \"chosen\": a string, "
+                              "\"rejected\": a string}")
+        prompt = record["prompt"]
+        out.append((where, [dict(role="user", content=prompt)] if isinstance(prompt, str) else prompt,
+                    record["chosen"], record["rejected"]))
     if not out:
         raise ConfigError(f"--data.preferences {path}: the file holds no pair")
     return out
