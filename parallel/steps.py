@@ -79,7 +79,7 @@ def make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state):
     biases. Donates the old params and optimizer state (updated in place). DPO's: parallel/dpo.py."""
     if cfg.train.objective == "dpo":
         return importlib.import_module("parallel.dpo").make_dpo_step(graphdef, cfg, mesh, optimizer, params, opt_state)
-    if "lora" in params:
+    if cfg.train.lora_rank or cfg.train.lora_targets:  # (params holds params["lora"])
         return importlib.import_module("parallel.lora").make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     grads_of = executor_of(cfg)
     param_specs, opt_specs = specs_of(params), specs_of(opt_state)

@@ -160,12 +160,6 @@ def test_bad_sharding_mode_is_a_clear_error(argv, message):
         parse_args(argv)
 
 
-def test_auto_step_refuses_a_pipeline_mesh():
-    cfg = config((2, 2, 2), "auto")  # built without the command line's check
-    with pytest.raises(ConfigError, match=r"--mesh\.pp 1"):
-        make_train_step(None, cfg, mesh_for(cfg), None, None, None)
-
-
 def test_collective_table_counts_loops_axes_and_bytes():
     """A program with known collectives: 5 trips of a loop with a psum over tp (f32[4, 8]),
     one all-gather over dp (to f32[8, 8]) and one ppermute along dp."""

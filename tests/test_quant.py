@@ -240,9 +240,13 @@ def test_quantization_changes_the_step():
     """The quantized step runs most of its dot FLOPs (its matmuls forward and backward, not
     the router's, the output layer's) with int8 operands, the plain step none of the same
     FLOPs; its first loss stays near the plain one. (From the compiled program: at init the
-    losses differ by 5.5e-6 on Intel Xeon, over 1e-5 on AMD EPYC: rounding luck, not proof.)"""
+    losses differ by 5.5e-6 on Intel Xeon, over 1e-5 on AMD EPYC: rounding luck, not proof.)
+    Attention's checkpointed scores are the exception: the int8 backward takes one [T, S]
+    product more per layer (tiny: 180.4M FLOPs against 172.0M; without the checkpoint equal)."""
     (hlo, metrics), (plain_hlo, plain_metrics) = compiled_first_step(tiny_config(quant="int8")), compiled_first_step(tiny_config())
-    assert hlo_reader.dot_flops(hlo) == hlo_reader.dot_flops(plain_hlo) > 0
+    outside_attention = [hlo_reader.dot_flops(h) - hlo_reader.dot_flops(h, "attention/") for h in (hlo, plain_hlo)]
+    assert outside_attention[0] == outside_attention[1] > 0
+    assert 1 <= hlo_reader.dot_flops(hlo, "attention/") / hlo_reader.dot_flops(plain_hlo, "attention/") < 1.06
     assert hlo_reader.low_precision_dot_flops(hlo) > 0.6 * hlo_reader.dot_flops(hlo)  # (tiny: 70%)
     assert hlo_reader.low_precision_dot_flops(plain_hlo) == 0
     assert abs(metrics["loss"] / plain_metrics["loss"] - 1) < 1e-2
