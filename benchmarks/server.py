@@ -4,6 +4,9 @@ every slot busy (engine.py, no HTTP in between).
     python benchmarks/server.py --preset shakespeare --serve.slots 8
     python benchmarks/server.py --preset tiny --serve.slots 16 --tokens 64
                                    # last line: tokens_per_sec_1=... tokens_per_sec_all=...
+    python benchmarks/server.py --preset tiny --serve.slots 8 --guided json_object
+                                   # also timed under response_format's masks (serving/structured.py);
+                                   # last line gains guided_tokens_per_sec_1=... guided_tokens_per_sec_all=...
 
 The model is the preset's, freshly initialised (decode speed does not depend on what
 the weights hold). Each sequence has an 8-token prompt and generates --tokens tokens
@@ -27,24 +30,30 @@ import threading
 import time
 
 import jax
+import numpy as np
 from flax import nnx
 
 from benchmarks.step import split_own_flags  # noqa: E402
 from parallel.mesh import make_mesh
 from parallel.weights import init_params
+from data.shards import BYTE_EOT_ID, Tokenizer  # noqa: E402
 from serving.engine import Engine, Sequence  # noqa: E402
+from serving.structured import Grammars, Guide  # noqa: E402
 from utils import ConfigError, apply_overrides, parse_args  # noqa: E402
 
 PROMPT_TOKENS = 8
 
 
 def split_bench_flags(argv):
-    own, rest = split_own_flags(argv, {"tokens": "0", "repeats": "3"})
-    return int(own["tokens"]), int(own["repeats"]), rest
+    own, rest = split_own_flags(argv, {"tokens": "0", "repeats": "3", "guided": ""})
+    if own["guided"] not in ("", "json_object"):
+        sys.exit(f"error: --guided takes json_object (a response_format of any JSON object), got {own['guided']!r}")
+    return int(own["tokens"]), int(own["repeats"]), own["guided"], rest
 
 
-def timed_run(engine, n_sequences, tokens):
-    """Decode tokens/s of n sequences generated together."""
+def timed_run(engine, n_sequences, tokens, grammar=None):
+    """Decode tokens/s of n sequences generated together (each under `grammar`'s masks
+    when given: the byte vocabulary's, a JSON document's worth of tokens or up to `tokens`)."""
     times, done = [[] for _ in range(n_sequences)], threading.Semaphore(0)
 
     def emit(i):
@@ -55,7 +64,11 @@ def timed_run(engine, n_sequences, tokens):
                 done.release()
         return on_event
 
-    engine.submit([Sequence(list(range(1, PROMPT_TOKENS + 1)), tokens, 0.8, 40, 1.0, i, emit(i)) for i in range(n_sequences)])
+    def guide():
+        return None if grammar is None else Guide(grammar, engine.vocab, [BYTE_EOT_ID], np.zeros(engine.vocab, np.float32))
+
+    engine.submit([Sequence(list(range(1, PROMPT_TOKENS + 1)), tokens, 0.8, 40, 1.0, i, emit(i), guide=guide())
+                   for i in range(n_sequences)])
     for _ in range(n_sequences):
         done.acquire()
     decoded = sum(len(t) - 1 for t in times)
@@ -63,7 +76,7 @@ def timed_run(engine, n_sequences, tokens):
 
 
 def main(argv):
-    tokens, repeats, rest = split_bench_flags(argv)
+    tokens, repeats, guided, rest = split_bench_flags(argv)
     try:
         cfg = parse_args(rest)
     except ConfigError as e:
@@ -84,9 +97,18 @@ def main(argv):
         results[n] = max(timed_run(engine, n, tokens) for _ in range(repeats))
         print(f"decode with {n:>3} of {cfg.serve.slots} slots busy: {results[n]:10.1f} tokens/s "
               f"({1000 * n / results[n]:.2f} ms per step)", flush=True)
+    last = f"tokens_per_sec_1={results[1]:.1f} tokens_per_sec_all={results[cfg.serve.slots]:.1f}"
+    if guided:  # the same runs, every token drawn under the grammar's mask (computed on the host)
+        grammar = Grammars(Tokenizer("bytes"), []).for_format({"type": guided})
+        timed_run(engine, cfg.serve.slots, min(tokens, 8), grammar)  # masks of the first states
+        for n in (1, cfg.serve.slots):
+            guided_n = max(timed_run(engine, n, tokens, grammar) for _ in range(repeats))
+            print(f"guided ({guided}) with {n:>3} of {cfg.serve.slots} slots busy: {guided_n:10.1f} tokens/s "
+                  f"({guided_n / results[n]:.2f}x unguided)", flush=True)
+            last += f" guided_tokens_per_sec_{'1' if n == 1 else 'all'}={guided_n:.1f}"
     engine.stop()
     print(f"batching: {results[cfg.serve.slots] / results[1]:.2f}x the tokens/s of one sequence")
-    print(f"tokens_per_sec_1={results[1]:.1f} tokens_per_sec_all={results[cfg.serve.slots]:.1f}")
+    print(last)
 
 
 if __name__ == "__main__":

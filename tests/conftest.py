@@ -26,11 +26,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-# The files whose tests take longest (whole-file times, from --durations), run first.
+# The files whose tests take longest (whole-file times, from --durations: 2026-12-06), run first.
 # pytest.ini hands out whole files to the two workers (--dist loadfile) in collection
 # order, so one of these started last would run on alone after the other worker is done.
-LONGEST_FIRST = ["test_tpu_compile.py", "test_pipeline.py", "test_parallel.py", "test_main.py", "test_hf.py",
-                 "test_checkpoint.py", "test_routing.py", "test_model.py"]
+LONGEST_FIRST = ["test_tpu_compile.py", "test_context_parallel.py", "test_local_tier.py", "test_preemption.py",
+                 "test_executors.py", "test_pipeline.py", "test_hf.py", "test_hf_real.py", "test_eval_tasks.py",
+                 "test_main.py", "test_multiprocess.py", "test_docs.py", "test_harness.py", "test_tokenize_ray.py",
+                 "test_planner.py", "test_model.py", "test_launch.py", "test_prefix.py", "test_serve.py"]
 
 
 def pytest_collection_modifyitems(items):
