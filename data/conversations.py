@@ -205,6 +205,12 @@ def chat_template(cfg, tokenizer, plays=None):
     return chat
 
 
+def train_and_val(records):
+    """{"train", "val"}: every VAL_EVERY-th record held out (a file too short for both: all in each)."""
+    val = [r for i, r in enumerate(records) if i % VAL_EVERY == VAL_EVERY - 1]
+    return dict(train=[r for i, r in enumerate(records) if i % VAL_EVERY != VAL_EVERY - 1] or records, val=val or records)
+
+
 def open_conversations(cfg, process_index=0):
     """The ConversationData of --data.conversations, tokenized for cfg.model.seq_len. A
     conversation longer than a row is a ConfigError (the plays keep only those that fit)."""
@@ -214,9 +220,7 @@ def open_conversations(cfg, process_index=0):
     if source == PLAYS:
         splits = play_conversations()
     else:
-        records = read_jsonl(source)
-        val = [r for i, r in enumerate(records) if i % VAL_EVERY == VAL_EVERY - 1]
-        splits = dict(train=[r for i, r in enumerate(records) if i % VAL_EVERY != VAL_EVERY - 1] or records, val=val or records)
+        splits = train_and_val(read_jsonl(source))
     rows = {}
     for split, conversations in splits.items():
         table = []

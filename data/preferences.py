@@ -21,8 +21,8 @@ file, every conversations.VAL_EVERY-th pair.
 
 import numpy as np
 
-from data.conversations import (PLAYS, VAL_EVERY, ConversationData, as_row, chat_template, encode_conversation, jsonl_records, open_conversations,
-                                play_conversations)
+from data.conversations import (PLAYS, ConversationData, as_row, chat_template, encode_conversation, jsonl_records, open_conversations,
+                                play_conversations, train_and_val)
 from data.shards import get_tokenizer
 from utils import ConfigError
 
@@ -78,9 +78,7 @@ def open_preferences(cfg, process_index=0):
     if source == PLAYS:
         splits = play_preferences()
     else:
-        records = read_preferences(source)
-        val = [r for i, r in enumerate(records) if i % VAL_EVERY == VAL_EVERY - 1]
-        splits = dict(train=[r for i, r in enumerate(records) if i % VAL_EVERY != VAL_EVERY - 1] or records, val=val or records)
+        splits = train_and_val(read_preferences(source))
     pairs = {}
     for split, records in splits.items():
         table = []
