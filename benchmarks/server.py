@@ -34,9 +34,9 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.step import split_own_flags  # noqa: E402
+from data.shards import BYTE_EOT_ID, Tokenizer  # noqa: E402
 from parallel.mesh import make_mesh
 from parallel.weights import init_params
-from data.shards import BYTE_EOT_ID, Tokenizer  # noqa: E402
 from serving.engine import Engine, Sequence  # noqa: E402
 from serving.structured import Grammars, Guide  # noqa: E402
 from utils import ConfigError, apply_overrides, parse_args  # noqa: E402
