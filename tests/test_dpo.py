@@ -2,8 +2,6 @@
 two steps on a dp x tp mesh equal one device, the plays' pairs are what data/preferences.py
 says, and its flags are checked (8 fake CPU devices, float32)."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,7 +10,7 @@ from model import unmasked
 from parallel import dpo
 from parallel.mesh import global_batch
 from parallel.steps import init_train_state, make_train_step
-from test_parallel import assert_same_steps, mesh_for, tiny_config
+from test_parallel import assert_same_steps, mesh_for, run_steps, tiny_config
 from test_sft import sft_batch
 from utils import Config, ConfigError, apply_overrides, parse_args
 
@@ -38,12 +36,7 @@ def dpo_steps(cfg, tokens, n_steps=2):
     graphdef, params, optimizer, opt_state = init_train_state(cfg, mesh)
     step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     batch = global_batch(mesh, tokens, cfg.train.batch_size)
-    all_metrics, opt_states = [], []
-    for s in range(n_steps):
-        params, opt_state, metrics = step(params, opt_state, batch, jnp.asarray(s))
-        all_metrics.append(jax.device_get(metrics))
-        opt_states.append(jax.tree.map(np.asarray, opt_state))
-    return all_metrics, opt_states, jax.tree.map(np.asarray, params)
+    return run_steps(step, params, opt_state, batch, n_steps)
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,11 @@ def train_steps(cfg, n_steps=2):
     barely see a gradient's scale: Adam's first step is about lr x sign(g), and its
     later ones m / sqrt(v) are blind to a factor on a whole leaf."""
     step, (params, opt_state, batch) = placed_step(cfg)
+    return run_steps(step, params, opt_state, batch, n_steps)
+
+
+def run_steps(step, params, opt_state, batch, n_steps):
+    """n_steps of a jitted train step from (params, opt_state): train_steps's three results."""
     all_metrics, opt_states = [], []
     for s in range(n_steps):
         params, opt_state, metrics = step(params, opt_state, batch, jnp.asarray(s))

@@ -16,7 +16,7 @@ from parallel import gpipe, objectives, optimizers
 from parallel.mesh import batch_spec, global_batch, named, specs_of
 from parallel.steps import make_train_step, partition
 from parallel.weights import param_specs
-from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, mesh_for, tiny_config
+from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, mesh_for, run_steps, tiny_config
 from utils import Config, ConfigError, apply_overrides, parse_args
 
 
@@ -47,12 +47,7 @@ def sft_train_steps(cfg, tokens, n_steps=2):
     opt_state = optimizers.init_opt_state(optimizer, params, mesh)
     step = make_train_step(graphdef, cfg, mesh, optimizer, params, opt_state)
     batch = global_batch(mesh, tokens, cfg.train.batch_size)
-    all_metrics, opt_states = [], []
-    for s in range(n_steps):
-        params, opt_state, metrics = step(params, opt_state, batch, jnp.asarray(s))
-        all_metrics.append(jax.device_get(metrics))
-        opt_states.append(jax.tree.map(np.asarray, opt_state))
-    return all_metrics, opt_states, jax.tree.map(np.asarray, params)
+    return run_steps(step, params, opt_state, batch, n_steps)
 
 
 # ---- The loss head: a skipped target's label changes nothing
