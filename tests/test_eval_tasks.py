@@ -9,21 +9,15 @@ Both tasks are local files written here (nothing is downloaded); every item fits
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OFFLINE = dict(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1")
+from test_harness import OFFLINE, REPO, free_port, serving  # noqa: E402
 CONTEXTS = ["ROMEO: my ", "JULIET: O ", "Good night", "What light", "To be, or ", "First Citiz"]
 CHOICES = ["love", "dead", "sir,", "good"]
 DOCS = ["To be, or no", "What light?", "Good night, good", "ROMEO: I am"]
@@ -60,38 +54,18 @@ metric_list:
 """)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served_scores(run_args, hf_dir, task_dir, out_dir):
     """lm_eval local-completions against `--mode serve` of the run: {eval/<task>/<metric>: score}."""
-    port = free_port()
-    with open(out_dir.parent / "serve.log", "w+") as log:
-        server = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run_args, "--serve.port", str(port)],
-                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 300
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    log.seek(0)
-                    assert server.poll() is None and time.time() < deadline, log.read()[-3000:]
-                    time.sleep(0.5)
-            cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
-                   f"model=r,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer_backend=huggingface,tokenizer={hf_dir},"
-                   "num_concurrent=1,max_retries=1,max_length=16", "--tasks", "t_mc,t_ppl", "--include_path", str(task_dir),
-                   "--output_path", str(out_dir), "--batch_size", "1"]
-            result = subprocess.run(cmd, cwd=str(out_dir.parent), capture_output=True, text=True, timeout=600,
-                                    env=dict(os.environ, **OFFLINE))
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+    with serving(run_args, out_dir.parent / "serve.log") as port:
+        cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
+               f"model=r,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer_backend=huggingface,tokenizer={hf_dir},"
+               "num_concurrent=1,max_retries=1,max_length=16", "--tasks", "t_mc,t_ppl", "--include_path", str(task_dir),
+               "--output_path", str(out_dir), "--batch_size", "1"]
+        result = subprocess.run(cmd, cwd=str(out_dir.parent), capture_output=True, text=True, timeout=600,
+                                env=dict(os.environ, **OFFLINE))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     (results_file,) = glob.glob(str(out_dir / "**" / "results_*.json"), recursive=True)
     with open(results_file) as f:
         results = json.load(f)["results"]

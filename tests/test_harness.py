@@ -10,6 +10,7 @@ from elsewhere in the split, so that context + continuation fits the tiny preset
 16-token window, which the server enforces.
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -37,6 +38,30 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(run_args, log_path):
+    """`python main.py --mode serve` of the run, its output in log_path: yields its port once
+    /health answers (within 300 s), and stops it after."""
+    port = free_port()
+    with open(log_path, "w+") as log:
+        server = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run_args, "--serve.port", str(port)],
+                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    log.seek(0)
+                    assert server.poll() is None and time.time() < deadline, log.read()[-3000:]
+                    time.sleep(0.5)
+            yield port
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
 
 
 def write_task(cache_dir, out_dir):
@@ -110,26 +135,10 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_the_hf_export(tmp_path, pr
     hf_dir = tmp_path / "runs" / "r" / "hf"
     task_dir = write_task(cache, tmp_path)
 
-    port = free_port()
-    with open(tmp_path / "serve.log", "w+") as log:
-        server = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run_args, "--serve.port", str(port)],
-                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 300
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    log.seek(0)
-                    assert server.poll() is None and time.time() < deadline, log.read()[-3000:]
-                    time.sleep(0.5)
-            served = lm_eval("local-completions", f"model=r,base_url=http://127.0.0.1:{port}/v1/completions,"
-                             f"tokenizer_backend=huggingface,tokenizer={hf_dir},num_concurrent=1,max_retries=1",
-                             task_dir, tmp_path / "out_served")
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+    with serving(run_args, tmp_path / "serve.log") as port:
+        served = lm_eval("local-completions", f"model=r,base_url=http://127.0.0.1:{port}/v1/completions,"
+                         f"tokenizer_backend=huggingface,tokenizer={hf_dir},num_concurrent=1,max_retries=1",
+                         task_dir, tmp_path / "out_served")
     remote = ",trust_remote_code=True" if (hf_dir / "modeling_meshformer.py").exists() else ""  # (the deepseek_v3 preset's DM blocks)
     exported = lm_eval("hf", f"pretrained={hf_dir},dtype=float32{remote}", task_dir, tmp_path / "out_hf", "--device", "cpu")
 
