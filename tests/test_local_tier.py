@@ -14,7 +14,7 @@ import time
 
 import pytest
 from test_launch import SSH_OPTIONS, hosts_file, launcher, needs_ssh_and_tmux, repo, ssh_env, sshd  # noqa: F401  (fixtures)
-from test_multiprocess import (RUN_TIMEOUT_S, TRAIN_FLAGS, data_flags, free_port, start_processes, stop_all, train_losses,
+from test_multiprocess import (RUN_TIMEOUT_S, TRAIN_FLAGS, data_flags, finish_processes, free_port, start_processes, stop_all, train_losses,
                                wait_for_training)
 from test_preemption import host_python
 
@@ -116,24 +116,12 @@ MP_STEPS, MP_KILL_AFTER = 16, 12
 MP_FLAGS = ["--train.steps", str(MP_STEPS), "--train.checkpoint_every", "100", "--train.eval_every", "1000", "--dist.timeout_s", "60"]
 
 
-def finish(procs, tmp_path):
-    try:
-        for p in procs:
-            p.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        stop_all(procs)
-    outputs = [(tmp_path / f"p{i}.out").read_text() + (tmp_path / f"p{i}.err").read_text() for i in range(2)]
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{outputs[i][-4000:]}"
-    return outputs
-
-
 @pytest.fixture(scope="module")
 def mp_killed(tmp_path_factory):
     """(the straight 2-process run's {step: loss}, the dir of a 2-process run with the local tier whose process 1 was
     SIGKILLed after step 12: local steps 5 and 10 on each process, and each one's replica in its peer's directory)."""
     straight_dir = tmp_path_factory.mktemp("mp_straight")
-    finish(start_processes(straight_dir, tmp_path_factory, MP_FLAGS), straight_dir)
+    finish_processes(start_processes(straight_dir, tmp_path_factory, MP_FLAGS), straight_dir)
     straight = train_losses(straight_dir / "runs" / "two" / "metrics.jsonl")
     tmp_path = tmp_path_factory.mktemp("mp_killed")
     procs = start_processes(tmp_path, tmp_path_factory, [*MP_FLAGS, *LOCAL])
@@ -156,7 +144,7 @@ def mp_resume(mp_killed, tmp_path_factory, name, damage=lambda local: None):
     shutil.copytree(killed_dir, tmp_path, dirs_exist_ok=True)
     local = tmp_path / "runs" / "two" / "local"
     damage(local)
-    outputs = finish(start_processes(tmp_path, tmp_path_factory, [*MP_FLAGS, *LOCAL]), tmp_path)
+    outputs = finish_processes(start_processes(tmp_path, tmp_path_factory, [*MP_FLAGS, *LOCAL]), tmp_path)
     got = train_losses(tmp_path / "runs" / "two" / "metrics.jsonl")
     assert sorted(got) == list(range(1, MP_STEPS + 1))
     assert [got[s] for s in range(11, MP_STEPS + 1)] == [straight[s] for s in range(11, MP_STEPS + 1)]  # bit for bit
@@ -210,7 +198,7 @@ WATCH_FLAGS = ["--train.steps", str(WATCH_STEPS), "--train.checkpoint_every", "1
 def straight_120(tmp_path_factory):
     """Two processes, 120 steps, never stopped, without the local tier: {step: loss}."""
     out = tmp_path_factory.mktemp("straight_120")
-    finish(start_processes(out, tmp_path_factory, WATCH_FLAGS), out)
+    finish_processes(start_processes(out, tmp_path_factory, WATCH_FLAGS), out)
     return train_losses(out / "runs" / "two" / "metrics.jsonl")
 
 

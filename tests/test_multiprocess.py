@@ -122,11 +122,9 @@ def stop_all(procs):
             p.wait()
 
 
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    """Two processes x 4 devices, trained to the end: their output files and run dir."""
-    tmp_path = tmp_path_factory.mktemp("two_processes")
-    procs = start_processes(tmp_path, tmp_path_factory, ["--train.steps", str(STEPS)])
+def finish_processes(procs, tmp_path):
+    """Wait for start_processes's two processes (stopping both on a timeout): each one's
+    stdout + stderr, once both exited 0."""
     try:
         for p in procs:
             p.wait(timeout=RUN_TIMEOUT_S)
@@ -135,6 +133,14 @@ def two_processes(tmp_path_factory):
     outputs = [(tmp_path / f"p{i}.out").read_text() + (tmp_path / f"p{i}.err").read_text() for i in range(2)]
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"process {i} failed:\n{outputs[i][-4000:]}"
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Two processes x 4 devices, trained to the end: their output files and run dir."""
+    tmp_path = tmp_path_factory.mktemp("two_processes")
+    outputs = finish_processes(start_processes(tmp_path, tmp_path_factory, ["--train.steps", str(STEPS)]), tmp_path)
     return dict(dir=tmp_path, stdout=[(tmp_path / f"p{i}.out").read_text() for i in range(2)], outputs=outputs)
 
 
