@@ -6,11 +6,12 @@ template and tokenized as data/conversations.py does (the reply's tokens the onl
                                the prompt a string (one user message) or a list of messages
     --data.preferences plays   the plays' conversations (conversations.play_conversations): the
                                prompt a character's speech, chosen the next character's real
-                               reply, rejected the reply to another speech, half the split away
-                               (most often another play). What that teaches: to prefer the reply
-                               that answers this speech over an equally Shakespearean one that
-                               does not; both are the corpus's text, so only the fit to the
-                               prompt tells them apart.
+                               reply, rejected the same reply with its words shuffled (replies
+                               of four words or more). What that teaches: the same words, so
+                               only their order tells the two apart, the order the plays write.
+                               (The reply to another speech as the rejected one, which only its
+                               fit to the prompt tells apart, is not learnt by the tiny model in
+                               200 steps: docs/data.md.)
 
 Rows 2i and 2i + 1 of a batch are pair i's chosen and rejected rows (seq_len + 1 tokens each);
 pairs are drawn as conversations.ConversationData draws rows (seeded, mesh-independent), so a
@@ -27,13 +28,19 @@ from data.shards import get_tokenizer
 from utils import ConfigError
 
 
+def shuffled_words(text, seed):
+    """`text`'s words in a seeded order, its line breaks kept where they were."""
+    words = text.split(" ")
+    np.random.default_rng(seed).shuffle(words)
+    return " ".join(words)
+
+
 def play_preferences():
     """{"train" | "val": [(where, prompt messages, chosen, rejected)]} from the plays."""
     splits = {}
     for split, conversations in play_conversations().items():
-        n = len(conversations)
-        splits[split] = [(where, messages[:1], messages[1]["content"], conversations[(i + n // 2) % n][1][1]["content"])
-                         for i, (where, messages) in enumerate(conversations)]
+        splits[split] = [(where, messages[:1], messages[1]["content"], shuffled_words(messages[1]["content"], i))
+                         for i, (where, messages) in enumerate(conversations) if messages[1]["content"].count(" ") >= 3]
     return splits
 
 

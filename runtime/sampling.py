@@ -63,8 +63,9 @@ def decode_slots(graphdef, state, cache, tokens_S, positions_S):
     return cache, logits_S1V[:, 0]
 
 
-def sample_row(key, last_V, temperature, top_k, top_p):
-    """One row's token: temperature, then top_k (0 = all), then top_p (nucleus; 1 = off), then sampling. Settings are arrays."""
+def sample_row(key, last_V, temperature, top_k, top_p, min_p):
+    """One row's token: temperature, then top_k (0 = all), then top_p (nucleus; 1 = off), then min_p (tokens less likely
+    than min_p x the likeliest dropped; 0 = off), then sampling (transformers' order of warpers). Settings are arrays."""
     vocab = last_V.shape[0]
     scaled_V = last_V / jnp.where(temperature > 0, temperature, 1.0)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -75,24 +76,33 @@ def sample_row(key, last_V, temperature, top_k, top_p):
     kept = jnp.sum((jnp.cumsum(probs_V) - probs_V) < top_p)  # tokens whose predecessors hold < top_p
     nucleus_V = jnp.where(scaled_V < descending_V[jnp.maximum(kept, 1) - 1], -jnp.inf, scaled_V)
     scaled_V = jnp.where(top_p < 1, nucleus_V, scaled_V)
+    probs_V = jax.nn.softmax(scaled_V)
+    scaled_V = jnp.where((min_p > 0) & (probs_V < min_p * jnp.max(probs_V)), -jnp.inf, scaled_V)
     return jax.random.categorical(key, scaled_V)
 
 
-def adjusted_logits(last_SV, counts_SV, bias_SV, frequency_S, presence_S):
-    """The logits a row chooses from, with OpenAI's penalties: token j's logit + its bias (-100 bans it) - frequency x
-    (times j was generated) - presence x (1 if it was). All zero: the logits themselves, bit for bit."""
+def adjusted_logits(last_SV, counts_SV, bias_SV, frequency_S, presence_S, prompt_seen_SV, repetition_S):
+    """The logits a row chooses from. First vLLM's (and transformers') repetition_penalty: the logit of a token in the
+    prompt or generated, divided by it where positive, multiplied where negative (1 = off). Then OpenAI's penalties:
+    + the token's bias (-100 bans it) - frequency x (times it was generated) - presence x (1 if it was). All off: the
+    logits themselves, bit for bit."""
+    repeated_SV = (prompt_seen_SV > 0) | (counts_SV > 0)
+    rp_S1 = repetition_S[:, None]
+    last_SV = jnp.where(repeated_SV & (rp_S1 != 1), jnp.where(last_SV > 0, last_SV / rp_S1, last_SV * rp_S1), last_SV)
     penalty_SV = frequency_S[:, None] * counts_SV + presence_S[:, None] * (counts_SV > 0)
     return last_SV + bias_SV - penalty_SV
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def sample_slots(vocab, logits_SV, key_data_S2, counts_SV, bias_SV, temperature_S, top_k_S, top_p_S, frequency_S, presence_S):
+def sample_slots(vocab, logits_SV, key_data_S2, counts_SV, bias_SV, prompt_seen_SV, temperature_S, top_k_S, top_p_S, frequency_S,
+                 presence_S, min_p_S, repetition_S):
     """Per slot: the next token, new key data, the counts with it added, its log-probability and top alternatives. Greedy rows
     (temperature 0) take the argmax; sampled rows split their key per token (first half carries on, second draws).
     Reported log-probabilities are the model's own, before penalties and bias (as vLLM)."""
-    choice_SV = adjusted_logits(logits_SV[:, :vocab], counts_SV, bias_SV, frequency_S, presence_S)  # padding: never sampled
+    choice_SV = adjusted_logits(logits_SV[:, :vocab], counts_SV, bias_SV, frequency_S, presence_S, prompt_seen_SV,
+                                repetition_S)  # padding: never sampled
     keys_S2 = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data_S2))
-    sampled_S = jax.vmap(sample_row)(keys_S2[:, 1], choice_SV, temperature_S, top_k_S, top_p_S)
+    sampled_S = jax.vmap(sample_row)(keys_S2[:, 1], choice_SV, temperature_S, top_k_S, top_p_S, min_p_S)
     token_S = jnp.where(temperature_S > 0, sampled_S, jnp.argmax(choice_SV, axis=-1))
     counts_SV = counts_SV.at[jnp.arange(token_S.shape[0]), token_S].add(1.0)
     logprobs_SV = jax.nn.log_softmax(logits_SV)
@@ -101,10 +111,10 @@ def sample_slots(vocab, logits_SV, key_data_S2, counts_SV, bias_SV, temperature_
     return token_S, jax.random.key_data(keys_S2[:, 0]), counts_SV, logprob_S, top_id_SN, top_logprob_SN
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def start_row(counts_SV, bias_SV, slot, bias_V):
-    """Row `slot` starts a sequence: nothing generated yet, its own logit bias."""
-    return counts_SV.at[slot].set(0.0), bias_SV.at[slot].set(bias_V)
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def start_row(counts_SV, bias_SV, prompt_seen_SV, slot, bias_V, prompt_seen_V):
+    """Row `slot` starts a sequence: nothing generated yet, its own logit bias, its prompt's tokens (repetition_penalty's)."""
+    return counts_SV.at[slot].set(0.0), bias_SV.at[slot].set(bias_V), prompt_seen_SV.at[slot].set(prompt_seen_V)
 
 
 def key_data(seed):
@@ -138,8 +148,9 @@ class Row:
         self.settings = settings
 
 
-FREE_ROW = (0.0, 0, 1.0, 0.0, 0.0)  # a free row's dummy settings: greedy, no penalty
-SETTING_DTYPES = (np.float32, np.int32, np.float32, np.float32, np.float32)
+# A row's settings: temperature, top_k, top_p, frequency_penalty, presence_penalty, min_p, repetition_penalty
+FREE_ROW = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0)  # a free row's dummy settings: greedy, no penalty
+SETTING_DTYPES = (np.float32, np.int32, np.float32, np.float32, np.float32, np.float32, np.float32)
 
 
 def bias_row(logit_bias, vocab):
@@ -175,6 +186,7 @@ class Decoder:
         self.key_data_S2 = np.zeros((self.n_slots, 2), np.uint32)
         self.counts_SV = jax.device_put(jnp.zeros((self.n_slots, self.vocab), jnp.float32), where)  # tokens generated
         self.bias_SV = jax.device_put(jnp.zeros((self.n_slots, self.vocab), jnp.float32), where)  # logit_bias
+        self.prompt_seen_SV = jax.device_put(jnp.zeros((self.n_slots, self.vocab), jnp.float32), where)  # 1: in the prompt
         self.rows = [None] * self.n_slots
 
     def warm_up(self):
@@ -188,12 +200,16 @@ class Decoder:
 
     # --- rows ---------------------------------------------------------------
 
-    def start(self, i, prompt_ids, seed, temperature, top_k, top_p=1.0, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None):
+    def start(self, i, prompt_ids, seed, temperature, top_k, top_p=1.0, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None,
+              min_p=0.0, repetition_penalty=1.0):
         """Row i takes a prompt (at most one window), a fresh key and its logit bias ({token id: bias}) and is prefilled.
         Returns prefill_slot's per-position prompt log-probabilities (device arrays, padded to the bucket)."""
-        self.rows[i] = Row(prompt_ids, (temperature, top_k, top_p, frequency_penalty, presence_penalty))
+        self.rows[i] = Row(prompt_ids, (temperature, top_k, top_p, frequency_penalty, presence_penalty, min_p, repetition_penalty))
         self.key_data_S2[i] = key_data(seed)
-        self.counts_SV, self.bias_SV = start_row(self.counts_SV, self.bias_SV, jnp.int32(i), jnp.asarray(bias_row(logit_bias, self.vocab)))
+        prompt_seen_V = np.zeros(self.vocab, np.float32)
+        prompt_seen_V[[t for t in prompt_ids if t < self.vocab]] = 1.0
+        self.counts_SV, self.bias_SV, self.prompt_seen_SV = start_row(self.counts_SV, self.bias_SV, self.prompt_seen_SV, jnp.int32(i),
+                                                                      jnp.asarray(bias_row(logit_bias, self.vocab)), jnp.asarray(prompt_seen_V))
         return self.prefill(i, self.rows[i].tokens)
 
     def free(self, i):
@@ -204,7 +220,7 @@ class Decoder:
         settings = [row.settings if row else FREE_ROW for row in self.rows]
         columns = [np.asarray(column, dtype) for column, dtype in zip(zip(*settings), SETTING_DTYPES)]
         token_S, key_data_S2, self.counts_SV, *rest = sample_slots(self.vocab, self.logits_SV, self.key_data_S2, self.counts_SV,
-                                                                   self.bias_SV, *columns)
+                                                                   self.bias_SV, self.prompt_seen_SV, *columns)
         token_S, key_data_S2, logprob_S, top_id_SN, top_logprob_SN = jax.device_get((token_S, key_data_S2, *rest))
         self.key_data_S2 = np.array(key_data_S2)
         return token_S, logprob_S, top_id_SN, top_logprob_SN

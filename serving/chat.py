@@ -48,13 +48,13 @@ class ChatTemplate:
         names = sorted(self.specials, key=len, reverse=True)  # longest first: one special may start another
         self.split_pattern = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
 
-    def render(self, messages, add_generation_prompt=True):
+    def render(self, messages, add_generation_prompt=True, tools=None):
         """The prompt text of `messages` (dicts with role and content), ready for the
         assistant's reply (add_generation_prompt false: the conversation as it stands, for
-        training on it: data/conversations.py)."""
+        training on it: data/conversations.py); `tools`: OpenAI's tool list (serving/tools.py)."""
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+            return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                         documents=None, **self.variables)
         except jinja2.TemplateError as e:
             raise TemplateRefused(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
@@ -71,6 +71,17 @@ class ChatTemplate:
         for piece, special in pieces:
             ids += [special] if special is not None else tokenizer.encode(piece)
         return ids
+
+    def decode(self, ids, tokenizer):
+        """`ids` as text, the special tokens as their text (encode's inverse)."""
+        names = {i: text for text, i in self.specials.items()}
+        text, run = "", []
+        for t in list(ids) + [None]:
+            if t is None or t in names:
+                text, run = text + tokenizer.decode(run) + names.get(t, ""), []
+            else:
+                run.append(t)
+        return text
 
 
 def environment():

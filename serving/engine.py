@@ -19,14 +19,14 @@ import traceback
 import jax
 import numpy as np
 
-from runtime.sampling import Decoder
+from runtime.sampling import Decoder, bias_row
 
 # ---- Sequences and the engine
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def set_row(bias_SV, slot, bias_V):
-    """Row `slot` of the logit bias becomes bias_V (a guided slot's mask, each step)."""
+    """Row `slot` of the logit bias becomes bias_V (a guided slot's mask each step; min_tokens' ban on the ends)."""
     return bias_SV.at[slot].set(bias_V)
 
 
@@ -40,16 +40,31 @@ class Sequence:
     (only with want_prompt_logprobs), ("token", id, logprob, top_id_N, top_logprob_N)
     per token, and last ("done", "length" | "cancelled" | "error: ...").
     `penalties`: sampling.Decoder.start's frequency_penalty, presence_penalty and
-    logit_bias ({token id: bias}). `guide`: a structured.Guide whose mask every token obeys."""
+    logit_bias ({token id: bias}), min_p and repetition_penalty. `guide`: a structured.Guide whose
+    mask every token obeys. The first `min_tokens` tokens are none of `end_ids` (vLLM's min_tokens)."""
 
     def __init__(self, prompt_ids, max_tokens, temperature, top_k, top_p, seed, emit, want_prompt_logprobs=False, guide=None,
-                 **penalties):
+                 min_tokens=0, end_ids=(), **penalties):
         self.prompt_ids, self.max_tokens, self.emit, self.guide = list(prompt_ids), max_tokens, emit, guide
+        self.min_tokens, self.end_ids = min_tokens, sorted(end_ids)
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
         self.penalties = penalties
         self.want_prompt_logprobs = want_prompt_logprobs
         self.cancelled = False  # set from any thread; the engine frees the slot at its next step
         self.engine = None  # the engine it was submitted to
+
+    def bias_row(self, generated, vocab):
+        """The logit bias of this sequence's next token when it is not the one it had (None): a guide's mask at every
+        token, else the request's logit_bias with the ends banned at the first token, and lifted at the min_tokens-th."""
+        if self.guide is not None:
+            row_V = self.guide.bias_row(self.max_tokens - generated)
+        elif generated in (0, self.min_tokens) and self.min_tokens > 0:
+            row_V = bias_row(self.penalties.get("logit_bias"), vocab)
+        else:
+            return None
+        if generated < self.min_tokens:
+            row_V[[t for t in self.end_ids if t < vocab]] = -np.inf
+        return row_V
 
     def cancel(self):
         """From any thread: a waiting sequence leaves the queue now (it is "done",
@@ -191,11 +206,12 @@ class Engine:
                 self.finish(i, "length")
 
     def step(self):
-        """Sample every busy slot's next token (guided ones within their masks), hand it out, then decode them all."""
+        """Sample every busy slot's next token (guided ones within their masks, min_tokens' without their ends), hand it out,
+        then decode them all."""
         for i, slot in enumerate(self.slots):
-            if slot is not None and slot.seq.guide is not None:
-                left = slot.seq.max_tokens - slot.generated
-                self.decoder.bias_SV = set_row(self.decoder.bias_SV, np.int32(i), slot.seq.guide.bias_row(left))
+            row_V = None if slot is None else slot.seq.bias_row(slot.generated, self.vocab)
+            if row_V is not None:
+                self.decoder.bias_SV = set_row(self.decoder.bias_SV, np.int32(i), row_V)
         token_S, logprob_S, top_id_SN, top_logprob_SN = self.decoder.sample()
         for i, slot in enumerate(self.slots):
             if slot is None:

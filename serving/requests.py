@@ -52,6 +52,9 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False  # vLLM's: end-of-text (and a chat's end of turn) does not end the text
     stop_token_ids: Optional[list[int]] = None  # vLLM's: these tokens end the text too (unshown, as end-of-text)
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
+    min_p: float = 0.0  # vLLM's: tokens less likely than min_p x the likeliest are dropped (0 = off)
+    repetition_penalty: float = 1.0  # vLLM's (transformers'): the logits of the prompt's and reply's tokens divided by it (1 = off)
+    min_tokens: int = 0  # vLLM's: no end of text, stop token or stop string before this many tokens
     response_format: Optional[dict] = None  # {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}
     user: Optional[str] = None
 
@@ -102,8 +105,11 @@ class ChatRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = None  # false is accepted (clients send it), true refused saying why
-    top_logprobs: Optional[int] = None
+    tools: Optional[list] = None  # [{"type": "function", "function": {"name", "description", "parameters"}}]: serving/tools.py
+    tool_choice: Union[str, dict, None] = None  # none | auto (the default with tools) | required | {"type": "function", ...}
+    parallel_tool_calls: Optional[bool] = None  # accepted: a reply holds the calls the model writes
+    logprobs: Optional[bool] = None  # each reply token's log-probability (OpenAI's content list)
+    top_logprobs: Optional[int] = None  # and this many likeliest alternatives at each (needs logprobs)
 
 
 # ---- Requests -> sequences
@@ -142,6 +148,9 @@ def check_settings(req, max_tokens, max_tokens_limit, vocab):
         (0 < req.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {req.top_p}"),
         (-2 <= req.frequency_penalty <= 2, "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {req.frequency_penalty}"),
         (-2 <= req.presence_penalty <= 2, "presence_penalty", f"presence_penalty must be in [-2, 2], got {req.presence_penalty}"),
+        (0 <= req.min_p <= 1, "min_p", f"min_p must be in [0, 1] (0 = off), got {req.min_p}"),
+        (0 < req.repetition_penalty <= 10, "repetition_penalty", f"repetition_penalty must be in (0, 10] (1 = off), got {req.repetition_penalty}"),
+        (0 <= req.min_tokens <= max_tokens, "min_tokens", f"min_tokens must be in 0..max_tokens ({max_tokens}), got {req.min_tokens}"),
         (1 <= req.n <= MAX_N, "n", f"n must be in 1..{MAX_N}, got {req.n}"),
         (req.best_of is None or req.n <= req.best_of <= MAX_N, "best_of", f"best_of must be in n..{MAX_N} (n = {req.n}), got {req.best_of}"),
         (not req.stream or req.best_of in (None, req.n), "best_of", "best_of other than n cannot stream: the best are known at the end"),
@@ -154,8 +163,11 @@ def check_settings(req, max_tokens, max_tokens_limit, vocab):
             (not req.suffix, "suffix", "suffix is not supported: this model continues a text, it was not trained to fill in the middle"),
         ]
     if isinstance(req, ChatRequest):
-        checks += [(not req.logprobs and not req.top_logprobs, "logprobs", "logprobs are not supported on chat completions "
-                    "here: send the rendered prompt to /v1/completions with logprobs for them")]
+        checks += [
+            (req.top_logprobs is None or 0 <= req.top_logprobs <= TOP_LOGPROBS, "top_logprobs",
+             f"top_logprobs must be in 0..{TOP_LOGPROBS}, got {req.top_logprobs}"),
+            (req.logprobs or not req.top_logprobs, "top_logprobs", "top_logprobs needs logprobs: true"),
+        ]
     for ok, param, message in checks:
         if not ok:
             raise APIError(400, message, param=param)

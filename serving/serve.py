@@ -11,8 +11,9 @@ logit_bias, stream as server-sent events with the usage last only when
 stream_options.include_usage asks, logprobs and echo, so that evaluation harnesses
 that speak this API can score log-likelihoods), POST /v1/chat/completions (messages
 rendered by the model's chat template, chat.py; the same sampling fields; the reply
-ends at the template's end of turn), n and best_of, vLLM's ignore_eos, stop_token_ids and
-include_stop_str_in_output, response_format (json_object, json_schema: structured.py), GET /metrics
+ends at the template's end of turn; logprobs, tools and tool_choice: tools.py), n and best_of,
+vLLM's ignore_eos, stop_token_ids, include_stop_str_in_output, min_p, repetition_penalty and
+min_tokens, response_format (json_object, json_schema: structured.py), GET /metrics
 (Prometheus: metrics.py), GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize,
 POST /detokenize and GET /version, GET /health, and GET /
 (serve.html: type a prompt or chat, watch the text stream in). engine.py does the
@@ -45,6 +46,7 @@ background (or loads them from the compilation cache): GET /health answers 503 w
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -73,6 +75,7 @@ from serving.modes import load_run_params
 from serving.requests import (APIError, ChatRequest, DetokenizeRequest, TokenizeRequest, check_settings, max_token_chars, parse_request,
                               tokenize_prompts)
 from serving.structured import Grammars, Guide, SchemaRefused
+from serving.tools import call_opening, check_tools, parameters_format, parse_calls, tool_call
 from utils import ConfigError
 
 API_KEY_ENV = "MESHFORMER_API_KEY"
@@ -94,9 +97,11 @@ class Choice:
     (default: end-of-text; a chat adds its template's end of turn) ends it unshown.
     """
 
-    def __init__(self, index, prompt_text, prompt_ids, tokenizer, stops, logprobs, echo, stop_ids=None, keep_stop=False):
+    def __init__(self, index, prompt_text, prompt_ids, tokenizer, stops, logprobs, echo, stop_ids=None, keep_stop=False, min_tokens=0,
+                 chat=False):
         self.index, self.prompt_text, self.prompt_ids = index, prompt_text, prompt_ids
         self.tokenizer, self.stops, self.logprobs, self.echo, self.keep_stop = tokenizer, stops, logprobs, echo, keep_stop
+        self.min_tokens, self.chat = min_tokens, chat
         self.stop_ids = {tokenizer.eot_id} if stop_ids is None else set(stop_ids)
         self.ids, self.sent, self.offset = [], "", 0
         self.pending = self.empty_logprobs()
@@ -104,16 +109,25 @@ class Choice:
         self.seq = None
 
     def empty_logprobs(self):
-        return dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        return dict(content=[]) if self.chat else dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
 
     def add_logprob(self, token, logprob, top_ids, top_logprobs):
+        """A token's log-probability and its `logprobs` likeliest alternatives, as a completion reports them (the token
+        itself added when not among them, as vLLM) or as a chat does (OpenAI's content list, with each text's bytes)."""
         piece = self.tokenizer.decode([token])
-        top = None
-        if top_ids is not None:
-            top = {}
-            for t, lp in zip(top_ids[:self.logprobs], top_logprobs[:self.logprobs]):
-                top.setdefault(self.tokenizer.decode([int(t)]), float(lp))
-        for key, value in zip(self.pending, (piece, logprob, top, self.offset)):
+        top = None if top_ids is None else [(self.tokenizer.decode([int(t)]), float(lp))
+                                            for t, lp in zip(top_ids[:self.logprobs], top_logprobs[:self.logprobs])]
+        if self.chat:
+            def entry(text, lp):
+                return dict(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
+            self.pending["content"].append(dict(entry(piece, logprob), top_logprobs=[entry(*alternative) for alternative in top]))
+            return
+        alternatives = None
+        if top is not None:  # a text two ids decode to (a partial character's U+FFFD): the likelier's
+            alternatives = {}
+            for text, lp in top + [(piece, logprob)]:
+                alternatives.setdefault(text, lp)
+        for key, value in zip(self.pending, (piece, logprob, alternatives, self.offset)):
             self.pending[key].append(value)
         self.offset += len(piece)
 
@@ -140,7 +154,7 @@ class Choice:
     def release(self, final):
         """The text now safe to send (all of it when `final`), and whether a stop string ended it."""
         text = self.tokenizer.decode(self.ids)
-        hits = [(i, i + len(s)) for s in self.stops if (i := text.find(s)) >= 0]
+        hits = [(i, i + len(s)) for s in self.stops if (i := text.find(s, self.stops_from(len(s)))) >= 0]
         if hits:
             start, end = min(hits)
             text, final = text[:end if self.keep_stop else start], True
@@ -151,6 +165,15 @@ class Choice:
         new = text[len(self.sent):] if len(text) > len(self.sent) else ""
         self.sent += new
         return new, bool(hits)
+
+    def stops_from(self, length):
+        """Where a stop string of `length` characters may start: one must end in the text of the min_tokens-th token
+        or later (vLLM checks no stop before min_tokens, then each new token's text and the length - 1 before it)."""
+        if self.min_tokens <= 1:
+            return 0
+        if len(self.ids) < self.min_tokens:
+            return len(self.tokenizer.decode(self.ids)) + 1  # past the end: none yet
+        return max(0, len(self.tokenizer.decode(self.ids[:self.min_tokens - 1])) - length + 1)
 
     def handle(self, event):
         """An engine event -> a chunk to send, or None."""
@@ -335,13 +358,7 @@ def add_token_routes(app, server, authorized):
         if any(not 0 <= t < s.tokenizer.vocab_size and t not in specials for t in req.tokens):
             raise APIError(400, f"tokens holds ids that are no token (the tokenizer's are 0..{s.tokenizer.vocab_size - 1})",
                            param="tokens")
-        text, run = "", []
-        for t in req.tokens + [None]:  # the template's special tokens as their text, the rest by the tokenizer
-            if t is None or t in specials:
-                text, run = text + s.tokenizer.decode(run) + specials.get(t, ""), []
-            else:
-                run.append(t)
-        return dict(prompt=text)
+        return dict(prompt=s.chat.decode(req.tokens, s.tokenizer) if s.chat else s.tokenizer.decode(req.tokens))
 
     @app.get("/version")
     async def get_version():
@@ -368,16 +385,19 @@ class Server:
         self.reply_tokenizer = ReplyTokenizer(tokenizer, chat) if chat is not None else None
         self.grammars = Grammars(tokenizer, chat.specials.values() if chat is not None else [tokenizer.eot_id])
 
-    def grammar(self, req, max_tokens):
-        """The request's response_format as a structured.Grammar (None: plain text), or a 400."""
-        if req.response_format is None:
+    def grammar(self, req, max_tokens, response_format=None):
+        """The request's response_format (or `response_format`: a forced tool call's) as a structured.Grammar (None: plain
+        text), or a 400."""
+        response_format = response_format or req.response_format
+        if response_format is None:
             return None
         try:
-            grammar = self.grammars.for_format(req.response_format)
+            grammar = self.grammars.for_format(response_format)
         except SchemaRefused as e:
             raise APIError(400, f"response_format: {e}", param="response_format") from None
-        if grammar is not None and req.ignore_eos:
-            raise APIError(400, "ignore_eos cannot go with response_format: a guided reply ends when its JSON does", param="ignore_eos")
+        for field in ("ignore_eos", "min_tokens"):
+            if grammar is not None and getattr(req, field):
+                raise APIError(400, f"{field} cannot go with response_format: a guided reply ends when its JSON does", param=field)
         if grammar is not None and max_tokens < grammar.shortest:
             raise APIError(400, f"max_tokens {max_tokens} is too few for response_format: its shortest JSON is {grammar.shortest} "
                            "tokens", param="max_tokens")
@@ -406,7 +426,8 @@ def add_generation_routes(app, server, authorized):
         k = req.best_of or req.n  # candidates per prompt
         stop_ids = ends(req, [s.tokenizer.eot_id])
         grammar = s.grammar(req, req.max_tokens)
-        choices = [Choice(p * k + j, text, ids, s.tokenizer, stops, req.logprobs, req.echo, stop_ids, req.include_stop_str_in_output)
+        choices = [Choice(p * k + j, text, ids, s.tokenizer, stops, req.logprobs, req.echo, stop_ids, req.include_stop_str_in_output,
+                          req.min_tokens)
                    for p, (text, ids) in enumerate(prompts) for j in range(k)]
         events = submit(s.engine, req, req.max_tokens, choices, bias, want_prompt_logprobs=req.echo and req.logprobs is not None,
                         grammar=grammar)
@@ -423,25 +444,37 @@ def add_generation_routes(app, server, authorized):
         if s.chat is None:
             raise APIError(400, f"{s.model_name!r} has no chat template, so it cannot chat: use /v1/completions, or start the "
                            "server with --serve.chat_template (a Jinja file, or a Hugging Face directory)", param="messages")
-        text, ids = chat_prompt(req.messages, s.chat, s.tokenizer, s.engine.window, s.token_chars)
+        tools, forced, calls = check_tools(req.tools, req.tool_choice, s.chat)
+        if forced and req.response_format is not None:
+            raise APIError(400, "response_format cannot go with a forced tool call: its arguments follow the tool's schema",
+                           param="response_format")
+        opening = call_opening(forced) if forced else ""
+        text, ids = chat_prompt(req.messages, s.chat, s.tokenizer, s.engine.window, s.token_chars, tools, opening)
         room = s.max_tokens_limit if s.slide else min(s.max_tokens_limit, s.engine.window - len(ids))  # vLLM's default: the rest
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), room)
         stops, bias = check_settings(req, max_tokens, s.max_tokens_limit, s.engine.vocab)
         check_context([ids], max_tokens, s.engine.window, s.slide, "messages")
-        grammar = s.grammar(req, max_tokens)
-        choices = [Choice(j, text, ids, s.reply_tokenizer, stops, None, False, ends(req, s.chat.end_ids), req.include_stop_str_in_output)
+        grammar = s.grammar(req, max_tokens, forced and parameters_format(tools, forced))
+        alternatives = (req.top_logprobs or 0) if req.logprobs else None
+        choices = [Choice(j, text, ids, s.reply_tokenizer, stops, alternatives, False, ends(req, s.chat.end_ids),
+                          req.include_stop_str_in_output, req.min_tokens, chat=True)
                    for j in range(req.best_of or req.n)]
         events = submit(s.engine, req, max_tokens, choices, bias, grammar=grammar)
+        as_message = functools.partial(chat_message, calls=calls, forced=forced, chat=s.chat, tokenizer=s.tokenizer)
+        if req.stream and calls:  # the calls are known at the end: the reply comes whole, in one chunk
+            return streaming(stream_whole(s.head("chat.completion.chunk"), req, chat_response(s.head("chat.completion"), req,
+                                                                                            choices, events, as_message)))
         if req.stream:
             roles = [dict(index=c.index, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None) for c in choices]
             return streaming(stream_events(s.head("chat.completion.chunk"), req, choices, events, chat_chunk, roles))
-        return await unless_client_gone(request, chat_response(s.head("chat.completion"), req, choices, events))
+        return await unless_client_gone(request, chat_response(s.head("chat.completion"), req, choices, events, as_message))
 
 
-def chat_prompt(messages, chat, tokenizer, window, token_chars):
-    """(text, ids) of a chat rendered by its template, or a 400: no messages, content
-    other than text, what the template refuses, a prompt over the window (counted from
-    its length before it is tokenized, as tokenize_prompts does)."""
+def chat_prompt(messages, chat, tokenizer, window, token_chars, tools=None, opening=""):
+    """(text, ids) of a chat rendered by its template (with `tools`, and `opening` after the
+    generation prompt: a forced tool call's), or a 400: no messages, content other than text,
+    what the template refuses, a prompt over the window (counted from its length before it is
+    tokenized, as tokenize_prompts does)."""
     plain = []
     for i, message in enumerate(messages):
         check_message(i, message)
@@ -454,7 +487,7 @@ def chat_prompt(messages, chat, tokenizer, window, token_chars):
     if not plain:
         raise APIError(400, "messages is empty: give at least one message", param="messages")
     try:
-        text = chat.render(plain)
+        text = chat.render(plain, tools=tools) + opening
     except TemplateRefused as e:
         raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
     try:
@@ -520,8 +553,9 @@ def submit(engine, req, max_tokens, choices, logit_bias, want_prompt_logprobs=Fa
         seed = secrets.randbits(31) if req.seed is None else sample_seed(req.seed, choice.index % k)
         guide = None if grammar is None else Guide(grammar, engine.vocab, choice.stop_ids, bias_row(logit_bias, engine.vocab))
         choice.seq = Sequence(choice.prompt_ids, max_tokens, req.temperature, max(req.top_k, 0), req.top_p, seed, emit,
-                              want_prompt_logprobs=want_prompt_logprobs, guide=guide, frequency_penalty=req.frequency_penalty,
-                              presence_penalty=req.presence_penalty, logit_bias=logit_bias)
+                              want_prompt_logprobs=want_prompt_logprobs, guide=guide, min_tokens=req.min_tokens,
+                              end_ids=choice.stop_ids, frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+                              logit_bias=logit_bias, min_p=req.min_p, repetition_penalty=req.repetition_penalty)
     try:
         engine.submit([c.seq for c in choices])
     except QueueFull as e:
@@ -551,7 +585,7 @@ def usage(choices):
 def chat_chunk(chunk):
     """A completion chunk as a chat.completion.chunk's choice: its text as a delta."""
     delta = dict(content=chunk["text"]) if chunk["text"] else {}
-    return dict(index=chunk["index"], delta=delta, logprobs=None, finish_reason=chunk["finish_reason"])
+    return dict(index=chunk["index"], delta=delta, logprobs=chunk["logprobs"], finish_reason=chunk["finish_reason"])
 
 
 def streaming(events):
@@ -634,10 +668,44 @@ async def completion_response(head, req, choices, events, leading):
     return dict(head, choices=joined, usage=usage(choices))
 
 
-async def chat_response(head, req, choices, events):
-    joined = best_of(await joined_choices(choices, events, [], None), choices, req)
-    return dict(head, choices=[dict(index=c["index"], message=dict(role="assistant", content=c["text"]), logprobs=None,
-                                    finish_reason=c["finish_reason"]) for c in joined], usage=usage(choices))
+def chat_message(joined, choice, calls, forced, chat, tokenizer):
+    """A joined choice as a chat choice: its message, and the tool calls in it when `calls` (a
+    forced call's arguments are the whole reply; otherwise they are parsed out of its tokens)."""
+    message, finish_reason = dict(role="assistant", content=joined["text"]), joined["finish_reason"]
+    if calls:
+        content, tool_calls = (None, [tool_call(forced, joined["text"])]) if forced else parse_calls(chat.decode(choice.ids, tokenizer))
+        if tool_calls:
+            message, finish_reason = dict(message, content=content, tool_calls=tool_calls), "tool_calls"
+    return dict(index=joined["index"], message=message, logprobs=joined["logprobs"], finish_reason=finish_reason)
+
+
+async def chat_response(head, req, choices, events, as_message):
+    joined = await joined_choices(choices, events, [], choices[0].logprobs)
+    messages = best_of([as_message(j, choice) for j, choice in zip(joined, choices)], choices, req)
+    return dict(head, choices=messages, usage=usage(choices))
+
+
+async def stream_whole(head, req, response):
+    """A chat whose tool calls are known only at its end, streamed as OpenAI streams one: per choice
+    the role, then its content and calls in one delta with the finish_reason; the usage when asked."""
+    with_usage = req.stream_options is not None and req.stream_options.include_usage
+    extra = dict(usage=None) if with_usage else {}
+    try:
+        whole = await response
+    except APIError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+        return
+    for c in whole["choices"]:
+        message = c["message"]
+        delta = dict(content=message["content"]) if message["content"] else {}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]
+        for shaped in (dict(index=c["index"], delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None),
+                       dict(index=c["index"], delta=delta, logprobs=c["logprobs"], finish_reason=c["finish_reason"])):
+            yield f"data: {json.dumps(dict(head, choices=[shaped], **extra))}\n\n"
+    if with_usage:
+        yield f"data: {json.dumps(dict(head, choices=[], usage=whole['usage']))}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 # ----------------------------------------------------------------------------

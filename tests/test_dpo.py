@@ -61,14 +61,15 @@ def test_dpo_two_steps_on_dp_x_tp_equal_one_device(one_device):
         np.testing.assert_allclose([m["dpo_margin"], m["dpo_accuracy"]], [ref["dpo_margin"], ref["dpo_accuracy"]], rtol=1e-5)
 
 
-def test_play_preferences_pair_a_prompt_with_two_replies():
+def test_play_preferences_pair_a_reply_with_its_words_shuffled():
     cfg = apply_overrides(Config(), {"train": dict(objective="dpo"), "data": dict(preferences="plays")})
     data = open_preferences(apply_overrides(cfg, {"model": dict(seq_len=128)}))
     rows = data.batch("train", 0, 8, 128, seed=0)
     texts = [bytes(unmasked(r)[unmasked(r) < 256].astype(np.uint8)).decode() for r in rows]
     for chosen, rejected in zip(texts[0::2], texts[1::2]):
         assert chosen.split("ASSISTANT:\n")[0] == rejected.split("ASSISTANT:\n")[0]  # one prompt
-        assert chosen.split("ASSISTANT:\n")[1] != rejected.split("ASSISTANT:\n")[1]  # two replies
+        reply, shuffled = chosen.split("ASSISTANT:\n")[1], rejected.split("ASSISTANT:\n")[1]
+        assert reply != shuffled and sorted(reply.split()) == sorted(shuffled.split())  # its words in another order
     np.testing.assert_array_equal(data.batch("train", 0, 8, 128, seed=0, rows=[2, 3]), rows[2:4])  # a process's rows
 
 

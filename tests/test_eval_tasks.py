@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from test_harness import OFFLINE, REPO, free_port, serving  # noqa: E402
+from test_harness import OFFLINE  # noqa: E402
+from test_serve import REPO, free_port, serving  # noqa: E402
 CONTEXTS = ["ROMEO: my ", "JULIET: O ", "Good night", "What light", "To be, or ", "First Citiz"]
 CHOICES = ["love", "dead", "sir,", "good"]
 DOCS = ["To be, or no", "What light?", "Good night, good", "ROMEO: I am"]

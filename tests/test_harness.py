@@ -10,16 +10,11 @@ from elsewhere in the split, so that context + continuation fits the tiny preset
 16-token window, which the server enforces.
 """
 
-import contextlib
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -27,41 +22,12 @@ import pytest
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from test_serve import REPO, serving  # noqa: E402
+
 N_ITEMS, CONTEXT, CONTINUATION = 8, 10, 4
 TASK = "meshformer_val_mc"
 OFFLINE = dict(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(run_args, log_path):
-    """`python main.py --mode serve` of the run, its output in log_path: yields its port once
-    /health answers (within 300 s), and stops it after."""
-    port = free_port()
-    with open(log_path, "w+") as log:
-        server = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run_args, "--serve.port", str(port)],
-                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 300
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    log.seek(0)
-                    assert server.poll() is None and time.time() < deadline, log.read()[-3000:]
-                    time.sleep(0.5)
-            yield port
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
 
 
 def write_task(cache_dir, out_dir):

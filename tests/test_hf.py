@@ -338,7 +338,7 @@ def hf_made_model(path, first_k_dense, n_layers, dtype=torch.float32, seed=0, ki
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
         q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
         first_k_dense_replace=first_k_dense, routed_scaling_factor=1.0, tie_word_embeddings=True,
-        max_position_embeddings=64, **needs | config)
+        **dict(max_position_embeddings=64) | needs | config)
     torch.manual_seed(seed)
     hf = getattr(transformers, model_class)(config)
     with torch.no_grad():

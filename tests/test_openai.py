@@ -14,10 +14,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -28,7 +28,7 @@ from dataset import get_tokenizer  # noqa: E402
 from hf import tokenizer as hf_tokenizer  # noqa: E402
 from serving.chat import load_chat_template  # noqa: E402
 from test_hf import hf_made_model  # noqa: E402
-from test_serve import REPO, free_port  # noqa: E402
+from test_serve import REPO, serving  # noqa: E402
 
 BYTES = get_tokenizer("bytes")
 IM_START, IM_END = 257, 258  # the chat tokens, after the bytes and <|endoftext|> (256); the model's vocabulary is 300
@@ -65,6 +65,23 @@ DEEPSEEK_V3 = """\
     {{- '<｜Assistant｜>' -}}
 {% endif %}
 """
+TOOL_TOKENS = {**DEEPSEEK_V3_TOKENS, **dict(enumerate(["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                                                        "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<｜tool▁outputs▁begin｜>",
+                                                        "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>"], 261))}
+# DeepSeek-V3's turns and tool calls, with the tools listed after the system prompt (as vLLM's
+# examples/tool_chat_template_deepseekv3.jinja lists them).
+DEEPSEEK_V3_TOOLS = (
+    "{{ bos_token }}{% for m in messages if m['role'] == 'system' %}{{ m['content'] }}{% endfor %}"
+    "{% if tools %}\n\n## Tools\n{% for tool in tools %}### {{ tool['function']['name'] }}\n"
+    "{{ tool['function']['description'] }}\nParameters: {{ tool['function']['parameters'] | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] is defined %}<｜Assistant｜>{{ m['content'] or '' }}<｜tool▁calls▁begin｜>"
+    "{% for call in m['tool_calls'] %}<｜tool▁call▁begin｜>{{ call['type'] }}<｜tool▁sep｜>{{ call['function']['name'] }}\n```json\n"
+    "{{ call['function']['arguments'] }}\n```<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
+    "{% elif m['role'] == 'tool' %}<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>"
+    "<｜tool▁outputs▁end｜>{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
 WINDOW = 64  # the model's max_position_embeddings, and --model.seq_len: no window restart in a reply
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]  # 41 tokens: 20 more fit
 ASCII_ONLY = {t: -100.0 for t in range(128, 300) if t != IM_END}  # replies whose text is their tokens exactly
@@ -104,29 +121,27 @@ def server_log(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(hf_chat_model, server_log):
     """`python main.py --mode serve --train.init_from hf:DIR`, once /health says ok: its URL."""
-    port, out = free_port(), server_log.parent
-    log = open(server_log, "w+")
-    proc = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", "--preset", "tiny", "--model.seq_len", str(WINDOW),
-                             "--train.init_from", f"hf:{hf_chat_model[0]}", "--run.name", "chatty", "--run.out_dir", str(out),
-                             "--serve.port", str(port), "--serve.slots", "2", "--serve.max_tokens", "48"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    assert json.load(r)["chat"] is True
-                break
-            except OSError:
-                log.seek(0)
-                assert proc.poll() is None and time.time() < deadline, log.read()[-3000:]
-                time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
+    with serving(["--preset", "tiny", "--model.seq_len", str(WINDOW), "--train.init_from", f"hf:{hf_chat_model[0]}", "--run.name",
+                  "chatty", "--run.out_dir", str(server_log.parent), "--serve.slots", "2", "--serve.max_tokens", "48"], server_log) as port:
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    """(directory, tokenizer) of a small random DeepseekV3 with a 512-token context (the tools'
+    list is long in bytes) and DeepSeek-V3's tool-call template."""
+    path = tmp_path_factory.mktemp("hf_tools")
+    hf_made_model(str(path), first_k_dense=1, n_layers=2, seed=3, max_position_embeddings=512)
+    write_chat_tokenizer(path, DEEPSEEK_V3_TOOLS, TOOL_TOKENS, ends=[258], bos_token=TOOL_TOKENS[257], eos_token=TOOL_TOKENS[258])
+    return str(path), transformers.AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tool_serve") / "serve.log"
+    with serving(["--preset", "tiny", "--model.seq_len", "512", "--train.init_from", f"hf:{tool_model[0]}", "--run.name", "tooly",
+                  "--run.out_dir", str(log.parent), "--serve.slots", "2", "--serve.max_tokens", "64"], log) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +263,154 @@ def test_penalties_and_logit_bias_equal_transformers_with_openai_s_formula(clien
     assert len(set(runs.values())) == 4 and len(set(runs[0.0, 1.5])) > len(set(runs[0.0, 0.0])), runs
 
 
+def test_vllm_s_repetition_penalty_min_p_and_min_tokens(client, hf_chat_model):
+    """repetition_penalty, greedy: the tokens transformers' generate(repetition_penalty=) chooses
+    (the prompt's tokens penalized too); min_p 1 at temperature 1 keeps only the likeliest token, so
+    any seed gives the greedy text; min_tokens 6 with end-of-text favoured: six tokens, then the end."""
+    _, hf, _ = hf_chat_model
+    text = "And the sea and the wind, "  # the reply's likeliest tokens are in the prompt: penalized from the first
+    prompt = BYTES.encode(text)
+    ascii_text = {**ASCII_ONLY, IM_END: -100.0}
+    logit_bias = {str(t): b for t, b in ascii_text.items()}
+    greedy = dict(model="chatty", prompt=text, max_tokens=30, temperature=0, logit_bias=logit_bias)
+    texts = {}
+    for penalty in (1.0, 1.3, 0.8):
+        out = client.completions.create(**greedy, extra_body={"repetition_penalty": penalty}).choices[0]
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=[IM_END, 256], pad_token_id=256,
+                                 sequence_bias={(t,): b for t, b in ascii_text.items()}, repetition_penalty=penalty)
+        assert reply_ids(out.text, out.finish_reason) == theirs[0, len(prompt):].tolist(), penalty
+        texts[penalty] = out.text
+    assert len(set(texts.values())) == 3, texts
+    sampled = dict(greedy, temperature=1.0)
+    assert [client.completions.create(**sampled, seed=seed, extra_body={"min_p": 1.0}).choices[0].text for seed in (1, 2)] == [texts[1.0]] * 2
+    assert client.completions.create(**sampled, seed=1, extra_body={"min_p": 0.05}).choices[0].text != texts[1.0]
+
+    ended = dict(model="chatty", prompt="KING", max_tokens=10, temperature=0, logit_bias={str(BYTES.eot_id): 100})
+    out = client.completions.create(**ended, extra_body={"min_tokens": 6})
+    assert (out.usage.completion_tokens, out.choices[0].finish_reason, len(out.choices[0].text)) == (7, "stop", 6)
+    whole = out.choices[0].text
+    stop = whole[1]  # a stop string the text holds before its 6th token (and maybe after): only a later one counts
+    at = whole.find(stop, 5)
+    assert client.completions.create(**ended, stop=[stop], extra_body={"min_tokens": 6}).choices[0].text == (whole if at < 0 else whole[:at])
+
+
+def test_chat_logprobs_are_transformers_log_softmax(client, hf_chat_model):
+    """Chat logprobs + top_logprobs 2, greedy: OpenAI's content list, one entry per reply token
+    (transformers' greedy tokens), its log-probability and the two likeliest alternatives'
+    transformers' log-softmax of the rendered chat at that position; streamed, the same entries."""
+    _, hf, tok = hf_chat_model
+    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = [t for t in hf_greedy(hf, prompt, 8) if t != IM_END]
+    asked = dict(model="chatty", messages=MESSAGES, temperature=0, max_tokens=8, logprobs=True, top_logprobs=2)
+    content = client.chat.completions.create(**asked).choices[0].logprobs.content
+    assert len(content) == len(ids) >= 4
+    with torch.no_grad():
+        logprobs_TV = torch.log_softmax(hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].double(), -1)
+    for entry, token, logprobs_V in zip(content, ids, logprobs_TV):
+        top = torch.argsort(logprobs_V, descending=True)[:2].tolist()
+        assert top[0] == token and entry.token == BYTES.decode([token]) and entry.bytes == list(entry.token.encode())
+        assert abs(entry.logprob - float(logprobs_V[token])) < 1e-4, (entry, float(logprobs_V[token]))
+        assert [e.token for e in entry.top_logprobs] == [BYTES.decode([t]) for t in top], (entry, top)
+        np.testing.assert_allclose([e.logprob for e in entry.top_logprobs], logprobs_V[top].numpy(), atol=1e-4)
+    streamed = [entry for chunk in client.chat.completions.create(**asked, stream=True) if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert streamed == content
+
+
+# ---- Tools: DeepSeek-V3's calls, through the SDK and langchain
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+ASK = [{"role": "user", "content": "What is 2 + 3?"}]
+NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+def test_a_named_tool_is_called_with_arguments_that_follow_its_schema(tool_server, tool_model):
+    """tool_choice naming a tool: finish_reason tool_calls, one call of it whose arguments
+    validate against its parameters at temperature 1 (5 seeds); the prompt is transformers'
+    apply_chat_template(tools=...) and the call's opening; streamed, the same call in one delta;
+    tool_choice none, a plain reply; a tool_choice naming no tool, a 400 naming the tools."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tok = tool_model[1]
+    client = openai.OpenAI(base_url=tool_server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    forced = dict(model="tooly", messages=ASK, tools=[ADD], tool_choice=NAMED, temperature=1, max_tokens=40)
+    for seed in range(5):
+        reply = client.chat.completions.create(**forced, seed=seed)
+        choice = reply.choices[0]
+        assert (choice.finish_reason, choice.message.content, len(choice.message.tool_calls)) == ("tool_calls", None, 1)
+        call = choice.message.tool_calls[0]
+        assert (call.type, call.function.name, call.id[:5]) == ("function", "add", "call_")
+        jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
+    prompt = tok.apply_chat_template(ASK, tools=[ADD], add_generation_prompt=True, tokenize=True, return_dict=False)
+    opening = tok.encode("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n", add_special_tokens=False)
+    assert reply.usage.prompt_tokens == len(prompt) + len(opening) and len(opening) == 23
+    chunks = list(client.chat.completions.create(**forced, seed=4, stream=True))
+    deltas = [d for chunk in chunks for d in chunk.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "add", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = client.chat.completions.create(**dict(forced, tool_choice="none", temperature=0, max_tokens=4)).choices[0]
+    assert plain.finish_reason in ("stop", "length") and plain.message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**dict(forced, tool_choice={"type": "function", "function": {"name": "mul"}}))
+    assert "naming one of the tools (add)" in e.value.message
+
+
+def test_calls_the_template_writes_are_parsed_back(tool_model):
+    """An assistant's calls as the template renders them (two calls, text before them) parse
+    back into the same calls and text: what tool_choice auto reads out of a reply."""
+    from serving.chat import load_chat_template
+    from serving.tools import parse_calls
+
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 1}'}}]
+    chat = load_chat_template(tool_model[0], None, BYTES)
+    said = chat.render(ASK + [{"role": "assistant", "content": "Let me add.", "tool_calls": calls}], add_generation_prompt=False)
+    reply = said.split("<｜Assistant｜>")[1]
+    content, parsed = parse_calls(reply)
+    assert content == "Let me add." and [c["function"] for c in parsed] == [c["function"] for c in calls]
+    assert parse_calls("Just text.") == ("Just text.", [])
+
+
+def test_langchain_binds_a_tool_round_trip_and_structured_output(tool_server, tool_model):
+    """langchain-openai against the server: bind_tools with the tool named returns its call, the
+    tool runs, and the conversation with the call and its result goes back (rendered as
+    transformers renders it, counted in the usage); with_structured_output gives the pydantic
+    object, by json_schema and by function calling."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+    from pydantic import BaseModel
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    class Sum(BaseModel):
+        a: int
+        b: int
+
+    llm = langchain_openai.ChatOpenAI(model="tooly", base_url=tool_server + "/v1", api_key="unused", temperature=0, max_tokens=40,
+                                      max_retries=0)
+    asked = [HumanMessage("What is 2 + 3?")]
+    called = llm.bind_tools([add], tool_choice="add").invoke(asked)
+    (call,) = called.tool_calls
+    assert call["name"] == "add" and set(call["args"]) == {"a", "b"}
+    result = add.invoke(call)
+    assert result.content == str(call["args"]["a"] + call["args"]["b"])
+    reply = llm.bind_tools([add]).invoke(asked + [called, result])
+    messages = [ASK[0], {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call["id"], "type": "function", "function": {"name": "add", "arguments": json.dumps(call["args"])}}]},
+                {"role": "tool", "content": result.content, "tool_call_id": call["id"]}]
+    prompt = tool_model[1].apply_chat_template(messages, tools=[convert_to_openai_tool(add)], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+    assert reply.usage_metadata["input_tokens"] == len(prompt) and isinstance(reply.content, str)
+    for method in ("json_schema", "function_calling"):
+        assert isinstance(llm.with_structured_output(Sum, method=method).invoke("Add 2 and 3."), Sum), method
+
+
 # ---- Completions and streaming, as the SDK's own examples use them
 
 
@@ -303,12 +466,16 @@ REFUSED = {  # what the SDK is asked -> the words its BadRequestError carries
     "an unknown field": (dict(extra_body={"guided_json": {}}), "unknown field 'guided_json'"),
 }
 CHAT_REFUSED = {
-    "tools": (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "unknown field 'tools'"),
+    "tools on a template without them": (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+                                         "does not render tools in a format read here (DeepSeek-V3's)"),
     "an image": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
                  "only text parts are supported"),
     "a chat longer than the context": (dict(messages=[{"role": "user", "content": "x" * 70}]), "this model's context is 64"),
     "max_completion_tokens over the limit": (dict(max_completion_tokens=100), "max_tokens must be in 0..48"),
-    "logprobs": (dict(logprobs=True, top_logprobs=2), "logprobs are not supported on chat completions"),
+    "top_logprobs over 5": (dict(logprobs=True, top_logprobs=6), "top_logprobs must be in 0..5, got 6"),
+    "top_logprobs without logprobs": (dict(top_logprobs=2), "top_logprobs needs logprobs: true"),
+    "min_tokens over max_tokens": (dict(extra_body={"min_tokens": 5}), "min_tokens must be in 0..max_tokens (4), got 5"),
+    "min_p over 1": (dict(extra_body={"min_p": 1.5}), "min_p must be in [0, 1]"),
     "a role OpenAI does not know": (dict(messages=[{"role": "wizard", "content": "Hi!"}]),
                                     "messages[0].role: 'wizard' is not a role; the roles are system, developer, user, assistant, tool"),
     "a message without content": (dict(messages=[MESSAGES[0], {"role": "user"}]), "messages[1].content is missing: a user message needs"),
@@ -465,7 +632,7 @@ def test_metrics_count_the_requests_of_a_16_stream_load(server, client):
     before = scrape(server)
 
     def one(i):
-        chunks = list(client.completions.create(model="chatty", prompt=f"Stream {i}:", max_tokens=12, temperature=1, seed=i,
+        chunks = list(client.completions.create(model="chatty", prompt=f"Stream {i}:", max_tokens=24, temperature=1, seed=i,
                                                 stream=True, stream_options={"include_usage": True}))
         return chunks[-1].usage
 

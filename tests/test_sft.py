@@ -16,6 +16,7 @@ from parallel import gpipe, objectives, optimizers
 from parallel.mesh import batch_spec, global_batch, named, specs_of
 from parallel.steps import make_train_step, partition
 from parallel.weights import param_specs
+from test_context_parallel import MOMENT_RTOL
 from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, mesh_for, run_steps, tiny_config
 from utils import Config, ConfigError, apply_overrides, parse_args
 
@@ -136,7 +137,8 @@ def test_sft_two_steps_equal_one_device(one_device, mesh_shape, train):
 def test_sft_two_steps_under_context_parallel_equal_one_device():
     cfg = apply_overrides(sft_config(), {"mesh": dict(cp=2), "model": dict(routing_group=4)})
     reference = sft_train_steps(apply_overrides(sft_config(), {"model": dict(routing_group=4)}), sft_batch(cfg)[0])
-    assert_same_steps(sft_train_steps(cfg, sft_batch(cfg)[0]), reference)
+    # cp's tolerance (test_context_parallel.MOMENT_RTOL: AdamW's nu 1.2e-5 off on an AMD EPYC; a lost chunk moves it ~0.5)
+    assert_same_steps(sft_train_steps(cfg, sft_batch(cfg)[0]), reference, rtol=MOMENT_RTOL)
 
 
 # ---- Conversations: the plays, and bad data as one line each
