@@ -25,11 +25,7 @@ TOP_LOGPROBS = 5  # alternatives computed at every position (OpenAI's API allows
 def prefill_buckets(window):
     """Prompt lengths prefill compiles for: powers of two from MIN_PREFILL_BUCKET, and the window. Padding goes after the
     prompt: causal attention keeps it out of the prompt's logits, and its cache slots are overwritten before any query sees them."""
-    sizes, size = [], MIN_PREFILL_BUCKET
-    while size < window:
-        sizes.append(size)
-        size *= 2
-    return sizes + [window]
+    return [MIN_PREFILL_BUCKET << k for k in range(window.bit_length()) if MIN_PREFILL_BUCKET << k < window] + [window]
 
 
 # ---- The compiled pieces (graphdef and shapes are static; each compiles once per shape)
@@ -50,8 +46,7 @@ def prefill_slot(graphdef, vocab, state, cache, logits_SV, tokens_1T, length, sl
     cache = [(kv.at[:, slot].set(row_kv[:, 0]), rope.at[:, slot].set(row_rope[:, 0])) for (kv, rope), (row_kv, row_rope) in zip(cache, row)]
     logits_SV = logits_SV.at[slot].set(logits_1TV[0, length - 1])
     logprobs_TV = jax.nn.log_softmax(logits_1TV[0])
-    next_T = jnp.roll(tokens_1T[0], -1)
-    next_logprob_T = jnp.take_along_axis(logprobs_TV, next_T[:, None], axis=-1)[:, 0]
+    next_logprob_T = jnp.take_along_axis(logprobs_TV, jnp.roll(tokens_1T[0], -1)[:, None], axis=-1)[:, 0]
     top_logprob_TN, top_id_TN = jax.lax.top_k(real_vocab_only(logprobs_TV, vocab), TOP_LOGPROBS)
     return cache, logits_SV, (next_logprob_T, top_id_TN, top_logprob_TN)
 
@@ -76,33 +71,29 @@ def sample_row(key, last_V, temperature, top_k, top_p, min_p):
     kept = jnp.sum((jnp.cumsum(probs_V) - probs_V) < top_p)  # tokens whose predecessors hold < top_p
     nucleus_V = jnp.where(scaled_V < descending_V[jnp.maximum(kept, 1) - 1], -jnp.inf, scaled_V)
     scaled_V = jnp.where(top_p < 1, nucleus_V, scaled_V)
-    probs_V = jax.nn.softmax(scaled_V)
-    scaled_V = jnp.where((min_p > 0) & (probs_V < min_p * jnp.max(probs_V)), -jnp.inf, scaled_V)
+    scaled_V = jnp.where(scaled_V - jnp.max(scaled_V) < jnp.log(min_p), -jnp.inf, scaled_V)  # p < min_p x p_max (log 0 = -inf)
     return jax.random.categorical(key, scaled_V)
 
 
 def adjusted_logits(last_SV, counts_SV, bias_SV, frequency_S, presence_S, prompt_seen_SV, repetition_S):
-    """The logits a row chooses from. First vLLM's (and transformers') repetition_penalty: the logit of a token in the
-    prompt or generated, divided by it where positive, multiplied where negative (1 = off). Then OpenAI's penalties:
-    + the token's bias (-100 bans it) - frequency x (times it was generated) - presence x (1 if it was). All off: the
-    logits themselves, bit for bit."""
-    repeated_SV = (prompt_seen_SV > 0) | (counts_SV > 0)
-    rp_S1 = repetition_S[:, None]
+    """The logits a row chooses from: vLLM's repetition_penalty (a prompt's or generated token's logit divided by it where
+    positive, multiplied where negative), then OpenAI's penalties: + the token's bias (-100 bans it) - frequency x (times
+    it was generated) - presence x (1 if it was). All off: the logits themselves, bit for bit."""
+    rp_S1, repeated_SV = repetition_S[:, None], (prompt_seen_SV > 0) | (counts_SV > 0)
     last_SV = jnp.where(repeated_SV & (rp_S1 != 1), jnp.where(last_SV > 0, last_SV / rp_S1, last_SV * rp_S1), last_SV)
     penalty_SV = frequency_S[:, None] * counts_SV + presence_S[:, None] * (counts_SV > 0)
     return last_SV + bias_SV - penalty_SV
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def sample_slots(vocab, logits_SV, key_data_S2, counts_SV, bias_SV, prompt_seen_SV, temperature_S, top_k_S, top_p_S, frequency_S,
-                 presence_S, min_p_S, repetition_S):
+def sample_slots(vocab, logits_SV, key_data_S2, counts_SV, bias_SV, prompt_seen_SV, settings_SX):
     """Per slot: the next token, new key data, the counts with it added, its log-probability and top alternatives. Greedy rows
     (temperature 0) take the argmax; sampled rows split their key per token (first half carries on, second draws).
-    Reported log-probabilities are the model's own, before penalties and bias (as vLLM)."""
-    choice_SV = adjusted_logits(logits_SV[:, :vocab], counts_SV, bias_SV, frequency_S, presence_S, prompt_seen_SV,
-                                repetition_S)  # padding: never sampled
+    Reported log-probabilities are the model's own, before penalties and bias (as vLLM). Padded vocabulary: never sampled."""
+    temperature_S, top_k_S, top_p_S, frequency_S, presence_S, min_p_S, repetition_S = settings_SX.T  # (Row.settings)
+    choice_SV = adjusted_logits(logits_SV[:, :vocab], counts_SV, bias_SV, frequency_S, presence_S, prompt_seen_SV, repetition_S)
     keys_S2 = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data_S2))
-    sampled_S = jax.vmap(sample_row)(keys_S2[:, 1], choice_SV, temperature_S, top_k_S, top_p_S, min_p_S)
+    sampled_S = jax.vmap(sample_row)(keys_S2[:, 1], choice_SV, temperature_S, top_k_S.astype(jnp.int32), top_p_S, min_p_S)
     token_S = jnp.where(temperature_S > 0, sampled_S, jnp.argmax(choice_SV, axis=-1))
     counts_SV = counts_SV.at[jnp.arange(token_S.shape[0]), token_S].add(1.0)
     logprobs_SV = jax.nn.log_softmax(logits_SV)
@@ -115,10 +106,6 @@ def sample_slots(vocab, logits_SV, key_data_S2, counts_SV, bias_SV, prompt_seen_
 def start_row(counts_SV, bias_SV, prompt_seen_SV, slot, bias_V, prompt_seen_V):
     """Row `slot` starts a sequence: nothing generated yet, its own logit bias, its prompt's tokens (repetition_penalty's)."""
     return counts_SV.at[slot].set(0.0), bias_SV.at[slot].set(bias_V), prompt_seen_SV.at[slot].set(prompt_seen_V)
-
-
-def key_data(seed):
-    return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
 def place_weights(state, tp_devices=None):
@@ -144,13 +131,10 @@ class Row:
     """One sequence in the cache: its tokens since its window (re)started, how many the cache holds, its sampling settings."""
 
     def __init__(self, tokens, settings):
-        self.tokens, self.position = list(tokens), len(tokens)
-        self.settings = settings
+        self.tokens, self.position, self.settings = list(tokens), len(tokens), settings
 
 
-# A row's settings: temperature, top_k, top_p, frequency_penalty, presence_penalty, min_p, repetition_penalty
-FREE_ROW = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0)  # a free row's dummy settings: greedy, no penalty
-SETTING_DTYPES = (np.float32, np.int32, np.float32, np.float32, np.float32, np.float32, np.float32)
+FREE_ROW = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0)  # a free row's dummy settings (as Decoder.start orders them): greedy, no penalty
 
 
 def bias_row(logit_bias, vocab):
@@ -205,9 +189,8 @@ class Decoder:
         """Row i takes a prompt (at most one window), a fresh key and its logit bias ({token id: bias}) and is prefilled.
         Returns prefill_slot's per-position prompt log-probabilities (device arrays, padded to the bucket)."""
         self.rows[i] = Row(prompt_ids, (temperature, top_k, top_p, frequency_penalty, presence_penalty, min_p, repetition_penalty))
-        self.key_data_S2[i] = key_data(seed)
-        prompt_seen_V = np.zeros(self.vocab, np.float32)
-        prompt_seen_V[[t for t in prompt_ids if t < self.vocab]] = 1.0
+        self.key_data_S2[i] = jax.random.key_data(jax.random.key(seed))
+        prompt_seen_V = np.isin(np.arange(self.vocab), prompt_ids).astype(np.float32)
         self.counts_SV, self.bias_SV, self.prompt_seen_SV = start_row(self.counts_SV, self.bias_SV, self.prompt_seen_SV, jnp.int32(i),
                                                                       jnp.asarray(bias_row(logit_bias, self.vocab)), jnp.asarray(prompt_seen_V))
         return self.prefill(i, self.rows[i].tokens)
@@ -217,10 +200,9 @@ class Decoder:
 
     def sample(self):
         """The next token of every row (free rows: a dummy greedy one), as host arrays: (token_S, logprob_S, top_id_SN, top_logprob_SN)."""
-        settings = [row.settings if row else FREE_ROW for row in self.rows]
-        columns = [np.asarray(column, dtype) for column, dtype in zip(zip(*settings), SETTING_DTYPES)]
+        settings_SX = np.asarray([row.settings if row else FREE_ROW for row in self.rows], np.float32)
         token_S, key_data_S2, self.counts_SV, *rest = sample_slots(self.vocab, self.logits_SV, self.key_data_S2, self.counts_SV,
-                                                                   self.bias_SV, self.prompt_seen_SV, *columns)
+                                                                   self.bias_SV, self.prompt_seen_SV, settings_SX)
         token_S, key_data_S2, logprob_S, top_id_SN, top_logprob_SN = jax.device_get((token_S, key_data_S2, *rest))
         self.key_data_S2 = np.array(key_data_S2)
         return token_S, logprob_S, top_id_SN, top_logprob_SN
