@@ -1,13 +1,16 @@
-"""An evaluation harness as a real client: lm-evaluation-harness scores one multiple-choice
-task two ways on the same trained run, through `--mode serve` (its `local-completions`
-client, which asks for echoed prompt log-probabilities) and on the `--mode export_hf`
-directory (its `hf` model, transformers on torch). Both must give the same accuracy and,
-item by item, the same log-likelihoods (float32: within 1e-4).
+"""An evaluation harness as a real client: lm-evaluation-harness runs three tasks two ways
+on the same trained run, through `--mode serve` (its `local-completions` client, with
+`max_length=` as docs/evaluation.md says) and on the `--mode export_hf` directory (its
+`hf` model, transformers on torch): a multiple-choice task (echoed prompt log-probabilities:
+the same accuracy and, item by item, the same log-likelihoods, float32: within 1e-4), a
+generation task with four `until` strings (with lm-eval's end-of-text, five stops: the same
+greedy texts) and a perplexity task (rolling windows: the same log-likelihood per document).
 
-The task is written here from the run's own validation split (nothing is downloaded):
-each item is a 10-byte context and four 4-byte continuations, the true one and three
-from elsewhere in the split, so that context + continuation fits the tiny preset's
-16-token window, which the server enforces.
+The tasks are written here from the run's own validation split (nothing is downloaded):
+each multiple-choice item is a 10-byte context and four 4-byte continuations, the true one
+and three from elsewhere in the split, so that context + continuation fits the 16-token
+window, which the server enforces; a generation item continues the same context by up to
+4 tokens; a perplexity document is three windows' text.
 """
 
 import glob
@@ -25,7 +28,9 @@ pytest.importorskip("transformers")
 from test_serve import REPO, serving  # noqa: E402
 
 N_ITEMS, CONTEXT, CONTINUATION = 8, 10, 4
-TASK = "meshformer_val_mc"
+TASK, GEN_TASK, PPL_TASK = "meshformer_val_mc", "meshformer_val_gen", "meshformer_val_ppl"
+UNTIL = ["\n", ",", "e ", "o "]  # lm-eval adds end-of-text: five stop strings
+GEN_TOKENS = 4  # a generation's context (10) and tokens fit 14: the hf side's max_length (below)
 OFFLINE = dict(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1")
 
@@ -64,27 +69,63 @@ target_delimiter: ""
 metric_list:
   - metric: acc
 """)
+    (task_dir / f"{GEN_TASK}.yaml").write_text(f"""task: {GEN_TASK}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {task_dir / 'items.jsonl'}
+validation_split: validation
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{choices[answer]}}}}"
+generation_kwargs:
+  until: {json.dumps(UNTIL)}
+  max_gen_toks: {GEN_TOKENS}
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+    documents = ["".join(texts[i:i + 3]) for i in range(0, 3 * 3, 3)]
+    (task_dir / "documents.jsonl").write_text("".join(json.dumps(dict(text=d)) + "\n" for d in documents))
+    (task_dir / f"{PPL_TASK}.yaml").write_text(f"""task: {PPL_TASK}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {task_dir / 'documents.jsonl'}
+validation_split: validation
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: bits_per_byte
+""")
     return task_dir
 
 
 def lm_eval(model, model_args, task_dir, out_dir, *extra):
-    """Run the harness's command line; (accuracy, {(item, choice): log-likelihood})."""
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", TASK,
-           "--include_path", str(task_dir), "--output_path", str(out_dir), "--log_samples", "--batch_size", "1", *extra]
+    """Run the harness's command line on the three tasks; (accuracy, {(item, choice): log-likelihood},
+    [each generation item's text], [each document's log-likelihood])."""
+    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks",
+           f"{TASK},{GEN_TASK},{PPL_TASK}", "--include_path", str(task_dir), "--output_path", str(out_dir), "--log_samples",
+           "--batch_size", "1", *extra]
     result = subprocess.run(cmd, cwd=str(out_dir.parent), capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, **OFFLINE))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     (results_file,) = glob.glob(str(out_dir / "**" / "results_*.json"), recursive=True)
-    (samples_file,) = glob.glob(str(out_dir / "**" / f"samples_{TASK}_*.jsonl"), recursive=True)
     with open(results_file) as f:
         accuracy = json.load(f)["results"][TASK]["acc,none"]
-    loglikelihoods = {}
-    with open(samples_file) as f:
-        for line in f:
-            sample = json.loads(line)
-            for c, response in enumerate(sample["resps"]):
-                loglikelihoods[(sample["doc_id"], c)] = float(response[0][0])
-    return accuracy, loglikelihoods
+
+    def samples(task):
+        (samples_file,) = glob.glob(str(out_dir / "**" / f"samples_{task}_*.jsonl"), recursive=True)
+        with open(samples_file) as f:
+            return sorted((json.loads(line) for line in f), key=lambda sample: sample["doc_id"])
+
+    loglikelihoods = {(sample["doc_id"], c): float(response[0][0]) for sample in samples(TASK)
+                      for c, response in enumerate(sample["resps"])}
+    generated = [sample["resps"][0][0] for sample in samples(GEN_TASK)]
+    rolling = [float(sample["resps"][0][0]) for sample in samples(PPL_TASK)]
+    return accuracy, loglikelihoods, generated, rolling
 
 
 @pytest.mark.slow
@@ -103,12 +144,20 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_the_hf_export(tmp_path, pr
 
     with serving(run_args, tmp_path / "serve.log") as port:
         served = lm_eval("local-completions", f"model=r,base_url=http://127.0.0.1:{port}/v1/completions,"
-                         f"tokenizer_backend=huggingface,tokenizer={hf_dir},num_concurrent=1,max_retries=1",
+                         f"tokenizer_backend=huggingface,tokenizer={hf_dir},num_concurrent=1,max_retries=1,max_length=16",
                          task_dir, tmp_path / "out_served")
     remote = ",trust_remote_code=True" if (hf_dir / "modeling_meshformer.py").exists() else ""  # (the deepseek_v3 preset's DM blocks)
-    exported = lm_eval("hf", f"pretrained={hf_dir},dtype=float32{remote}", task_dir, tmp_path / "out_hf", "--device", "cpu")
+    # lm-eval's API client keeps max_length - 1 tokens (one "for generation") and scores rolling windows one shorter still
+    # (one is the context it sends): 14 predicted tokens each at max_length 16; its hf model windows of max_length. So
+    # max_length 14 here, that the perplexity task's windows are the same on both sides.
+    exported = lm_eval("hf", f"pretrained={hf_dir},dtype=float32,max_length=14{remote}", task_dir, tmp_path / "out_hf",
+                       "--device", "cpu")
 
-    (served_acc, served_ll), (hf_acc, hf_ll) = served, exported
+    (served_acc, served_ll, served_texts, served_rolling), (hf_acc, hf_ll, hf_texts, hf_rolling) = served, exported
+    print(f"generated: served {served_texts}, hf {hf_texts}; rolling log-likelihoods: served {served_rolling}, hf {hf_rolling}")
+    assert served_texts == hf_texts and len(hf_texts) == N_ITEMS and any(len(t) < GEN_TOKENS for t in hf_texts)  # some stopped
+    np.testing.assert_allclose(served_rolling, hf_rolling, atol=1e-3, rtol=0)
+    assert len(hf_rolling) == 3 and min(hf_rolling) < -20  # three windows of real text each
     assert sorted(served_ll) == sorted(hf_ll) and len(hf_ll) == 4 * N_ITEMS
     gaps = np.abs(np.array([served_ll[k] - hf_ll[k] for k in hf_ll]))
     print(f"harness accuracy: served {served_acc}, hf {hf_acc}; largest log-likelihood gap {gaps.max():.2e}")
