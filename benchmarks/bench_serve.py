@@ -1,10 +1,10 @@
 """Benchmark the server's batched decoding: decode tokens/s with one busy slot and with
 every slot busy (engine.py, no HTTP in between).
 
-    python benchmarks/server.py --preset shakespeare --serve.slots 8
-    python benchmarks/server.py --preset tiny --serve.slots 16 --tokens 64
+    python benchmarks/bench_serve.py --preset shakespeare --serve.slots 8
+    python benchmarks/bench_serve.py --preset tiny --serve.slots 16 --tokens 64
                                    # last line: tokens_per_sec_1=... tokens_per_sec_all=...
-    python benchmarks/server.py --preset tiny --serve.slots 8 --guided json_object
+    python benchmarks/bench_serve.py --preset tiny --serve.slots 8 --guided json_object
                                    # also timed under response_format's masks (serving/structured.py);
                                    # last line gains guided_tokens_per_sec_1=... guided_tokens_per_sec_all=...
 
@@ -21,10 +21,10 @@ import sys
 
 if __name__ == "__main__" and not __package__:
     # Run as a file: its folder comes first on the path, where the repo's modules do not
-    # import. Run it again as the module benchmarks.server, the repo's root on the path.
+    # import. Run it again as the module benchmarks.bench_serve, the repo's root on the path.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.server", *sys.argv[1:]], {**os.environ, "PYTHONPATH": path})
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_serve", *sys.argv[1:]], {**os.environ, "PYTHONPATH": path})
 
 import threading
 import time
