@@ -7,8 +7,14 @@ num_requests_waiting: sequences in slots and in the queue (read from the engine 
 scraped); time_to_first_token_seconds (from submit to the first sampled token) and
 time_per_output_token_seconds (between a sequence's tokens) as histograms. The engine
 reports to it from its thread (prometheus-client's metrics are thread-safe).
+
+As vLLM's log, a line every MESHFORMER_LOG_STATS_INTERVAL seconds (default 10) while the
+server is busy: prompt and generation tokens/s over the interval, sequences running and
+waiting (report_throughput).
 """
 
+import os
+import threading
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,6 +34,7 @@ class Metrics:
         self.requests = Counter(PREFIX + "requests", "HTTP responses ended, by path and status", ["path", "status"], registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "tokens sampled", registry=r)
+        self.engine = engine
         Gauge(PREFIX + "num_requests_running", "sequences in slots", registry=r).set_function(lambda: engine.busy()[0])
         Gauge(PREFIX + "num_requests_waiting", "sequences waiting for a slot", registry=r).set_function(lambda: engine.busy()[1])
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "submit to first token", buckets=TTFT_BUCKETS, registry=r)
@@ -35,6 +42,24 @@ class Metrics:
 
     def text(self):
         return generate_latest(self.registry)
+
+    def report_throughput(self, interval=None):
+        """Print the throughput line every `interval` seconds (MESHFORMER_LOG_STATS_INTERVAL) from a thread of its own;
+        an idle interval prints nothing."""
+        interval = interval or float(os.environ.get("MESHFORMER_LOG_STATS_INTERVAL", 10))
+
+        def loop():
+            totals = (self.prompt_tokens._value.get(), self.generation_tokens._value.get())
+            while True:
+                time.sleep(interval)
+                now = (self.prompt_tokens._value.get(), self.generation_tokens._value.get())
+                (prompt, generation), (running, waiting) = (b - a for a, b in zip(totals, now)), self.engine.busy()
+                totals = now
+                if prompt or generation or running or waiting:
+                    print(f"throughput: prompt {prompt / interval:.1f} tokens/s, generation {generation / interval:.1f} tokens/s, "
+                          f"running {running}, waiting {waiting} (last {interval:g} s)", flush=True)
+
+        threading.Thread(target=loop, name="throughput", daemon=True).start()
 
     # --- from the engine's thread
 

@@ -738,6 +738,7 @@ def serve_run(cfg):
     chat = load_chat_template(hf_config.hf_dir(cfg.train.init_from), s.chat_template, tokenizer)
     engine = Engine(model, s.slots, s.queue, tp_devices=jax.devices()[:cfg.mesh.tp])
     app = make_app(engine, tokenizer, cfg.run.name, s.max_tokens, api_key, chat, s.slide)
+    engine.metrics.report_throughput()
     print(f"serving {cfg.run.name} on http://{s.host}:{s.port}/ (context {engine.window} tokens"
           f"{', bearer token required' if api_key else ''}; chat {'template: ' + chat.source if chat else 'off: no chat template'})"
           "; /health says loading until compiled", flush=True)

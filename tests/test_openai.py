@@ -122,7 +122,8 @@ def server_log(tmp_path_factory):
 def server(hf_chat_model, server_log):
     """`python main.py --mode serve --train.init_from hf:DIR`, once /health says ok: its URL."""
     with serving(["--preset", "tiny", "--model.seq_len", str(WINDOW), "--train.init_from", f"hf:{hf_chat_model[0]}", "--run.name",
-                  "chatty", "--run.out_dir", str(server_log.parent), "--serve.slots", "2", "--serve.max_tokens", "48"], server_log) as port:
+                  "chatty", "--run.out_dir", str(server_log.parent), "--serve.slots", "2", "--serve.max_tokens", "48"], server_log,
+                 env={"MESHFORMER_LOG_STATS_INTERVAL": "0.5"}) as port:
         yield f"http://127.0.0.1:{port}"
 
 
@@ -588,6 +589,8 @@ def test_n_samples_are_the_single_requests_with_the_derived_seeds(client):
     sampled = dict(model="chatty", max_tokens=12, temperature=1.0, logit_bias={str(BYTES.eot_id): -100, str(IM_END): -100})
     single = [client.completions.create(**sampled, prompt="KING", seed=7 + i, logprobs=0).choices[0] for i in range(3)]
     assert len({c.text for c in single}) == 3, [c.text for c in single]
+    lp = single[0].logprobs  # logprobs 0: no alternatives, but the sampled token itself (vLLM's)
+    assert lp.top_logprobs == [{t: p} for t, p in zip(lp.tokens, lp.token_logprobs)]
     many = client.completions.create(**sampled, prompt="KING", seed=7, n=3)
     assert [c.index for c in many.choices] == [0, 1, 2] and [c.text for c in many.choices] == [c.text for c in single]
     assert many.usage.completion_tokens == 36
@@ -623,9 +626,12 @@ def scrape(url):
 
 
 @pytest.mark.slow
-def test_metrics_count_the_requests_of_a_16_stream_load(server, client):
+def test_metrics_count_the_requests_of_a_16_stream_load(server, client, server_log):
     """GET /metrics, read by Prometheus' text parser while 16 streams run (2 slots: some wait)
-    and after: the counters grew by exactly the requests, prompt tokens and tokens sent."""
+    and after: the counters grew by exactly the requests, prompt tokens and tokens sent; the
+    log's throughput lines (every 0.5 s here) saw the load: tokens/s, 2 running, some waiting."""
+    import re
+
     import concurrent.futures
 
     completions = ("meshformer:requests_total", (("path", "/v1/completions"), ("status", "200")))
@@ -655,7 +661,11 @@ def test_metrics_count_the_requests_of_a_16_stream_load(server, client):
     assert grew("meshformer:generation_tokens_total") == sum(u.completion_tokens for u in usages) > 16
     assert grew("meshformer:time_to_first_token_seconds_count") == 16
     assert grew("meshformer:time_per_output_token_seconds_count") == sum(u.completion_tokens - 1 for u in usages)
-
+    time.sleep(1.0)  # a line for the load's last interval
+    pattern = (r"throughput: prompt ([\d.]+) tokens/s, generation ([\d.]+) tokens/s, running (\d+), waiting (\d+) \(last 0.5 s\)")
+    lines = [tuple(map(float, m.groups())) for m in re.finditer(pattern, server_log.read_text())]
+    assert lines and max(line[3] for line in lines) > 0 and {line[2] for line in lines} <= {0, 1, 2}, lines
+    assert sum(line[1] for line in lines) * 0.5 >= sum(u.completion_tokens for u in usages), lines  # every token sampled counted
 
 # ---- Structured output
 

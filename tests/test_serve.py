@@ -44,13 +44,13 @@ def free_port():
 
 
 @contextlib.contextmanager
-def serving(run_args, log_path):
-    """`python main.py --mode serve` of the run, its output in log_path: yields its port once
-    /health answers (within 300 s), and stops it after."""
+def serving(run_args, log_path, env=None):
+    """`python main.py --mode serve` of the run (`env`: variables added to its environment), its
+    output in log_path: yields its port once /health answers (within 300 s), and stops it after."""
     port = free_port()
     with open(log_path, "w+") as log:
         server = subprocess.Popen([sys.executable, "main.py", "--mode", "serve", *run_args, "--serve.port", str(port)],
-                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})))
         try:
             deadline = time.time() + 300
             while True:
