@@ -1,7 +1,8 @@
 """GET /metrics: the server's counters in Prometheus' text format (prometheus-client), with
 vLLM's kinds of figures under the `meshformer:` prefix.
 
-requests_total{path, status}: responses ended (AccessLog counts them); prompt_tokens_total,
+requests_total{path, status}: responses ended (AccessLog counts them; path: the route, e.g.
+/v1/models/{model_id:path}, or "unrouted" for a 404 of no route); prompt_tokens_total,
 generation_tokens_total: tokens prefilled and sampled; num_requests_running /
 num_requests_waiting: sequences in slots and in the queue (read from the engine when
 scraped); time_to_first_token_seconds (from submit to the first sampled token) and

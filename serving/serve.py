@@ -261,8 +261,9 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_seen)
         finally:
-            if self.metrics is not None:
-                self.metrics.requests.labels(scope["path"], str(status[0] or "-")).inc()
+            if self.metrics is not None:  # by route, not by the path asked: a client cannot add labels without end
+                route = getattr(scope.get("route"), "path", "unrouted")
+                self.metrics.requests.labels(route, str(status[0] or "-")).inc()
             host, port = scope.get("client") or ("-", 0)
             print(f'{host}:{port} "{scope["method"]} {scope["path"]} HTTP/{scope.get("http_version", "1.1")}" {status[0] or "-"} '
                   f"{time.perf_counter() - t0:.3f}s", flush=True)

@@ -580,6 +580,8 @@ def test_models_retrieve_tokenize_detokenize_version_and_the_access_log(server, 
     lines = server_log.read_text().splitlines()
     assert any('"GET /v1/models/gpt-4o HTTP/1.1" 404 ' in line for line in lines), lines[-5:]
     assert sum('"POST /tokenize HTTP/1.1" 200 ' in line for line in lines) == 2 and any(" /version " in line for line in lines)
+    paths = {dict(labels)["path"] for name, labels in scrape(server) if name == "meshformer:requests_total"}
+    assert "/v1/models/{model_id:path}" in paths and not any("gpt-4o" in path for path in paths), paths  # counted by route
 
 
 def test_n_samples_are_the_single_requests_with_the_derived_seeds(client):
