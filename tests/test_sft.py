@@ -2,6 +2,7 @@
 only, the step equals a plain masked reference and one device on every mesh, and bad
 conversations are one-line errors (8 fake CPU devices, float32)."""
 
+import dataclasses
 import json
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from flax import nnx
 
 from data.conversations import open_conversations
-from model import unmasked
+from model import Transformer, unmasked
 from parallel import gpipe, objectives, optimizers
 from parallel.mesh import batch_spec, global_batch, named, specs_of
 from parallel.steps import make_train_step, partition
@@ -193,3 +194,45 @@ def test_sft_flags_are_checked():
     with pytest.raises(ConfigError, match="must be lm, or sft"):
         parse_args(["--train.objective", "dpo", "--data.conversations", "plays"])
     assert parse_args(["--train.objective", "sft", "--data.conversations", "plays"]).train.objective == "sft"
+
+
+# ---- An imported DeepSeek-V3 checkpoint, fine-tuned on chats, back to transformers
+
+
+@pytest.mark.slow
+def test_an_imported_deepseek_v3_fine_tuned_on_chats_exports_to_transformers_with_our_logits(tmp_path):
+    """A random DeepseekV3 made and saved by transformers, with a ChatML template: fine-tuned 3 SFT
+    steps from hf:DIR on a JSONL of chats (its template renders them), exported in float32,
+    transformers' logits of a rendered chat equal ours from the run's checkpoint (1e-5), and
+    differ from the base model's (the steps moved it)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from runtime.sampling import host_params
+    from serving.modes import load_run_params
+    from test_hf import command_line, hf_made_model
+    from test_openai import write_chat_tokenizer
+
+    base = str(tmp_path / "base")
+    hf_made_model(base, first_k_dense=1, n_layers=2, seed=5)
+    write_chat_tokenizer(base)
+    chats = [[{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": " ".join(map(str, range(1, n + 1)))}]
+             for n in range(2, 10)]
+    run = command_line(tmp_path)
+    args = ("--run.name", "sft", "--model.seq_len", "64", "--train.init_from", f"hf:{base}", "--train.objective", "sft",
+            "--data.conversations", write_jsonl(tmp_path / "chats.jsonl", chats * 3), "--train.steps", "3", "--train.batch_size", "4",
+            "--train.eval_every", "1000", "--sample.num_samples", "0")
+    run(*args)
+    run("--mode", "export_hf", "--run.name", "sft", "--export.dtype", "float32")
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    ids = tokenizer.apply_chat_template(chats[3], tokenize=True, return_dict=False)
+    with torch.no_grad():
+        theirs_TV = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "runs" / "sft" / "hf"))(torch.tensor([ids])).logits[0]
+        base_TV = transformers.AutoModelForCausalLM.from_pretrained(base)(torch.tensor([ids])).logits[0]
+    cfg = parse_args(["--preset", "tiny", "--run.out_dir", str(tmp_path / "runs"), *args[:2], "--run.cpu_devices", "1"])
+    cfg, _, params = load_run_params(cfg)
+    dropless = dataclasses.replace(cfg.model, capacity_factor=0.0)  # transformers' MoE drops no token
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(dropless, nnx.Rngs(0))))[0]
+    ours_TV = np.asarray(nnx.merge(graphdef, host_params(params))(jnp.asarray([ids]))[0][0])
+    np.testing.assert_allclose(theirs_TV.numpy(), ours_TV[:, :theirs_TV.shape[1]], atol=1e-5, rtol=0)
+    assert np.abs(theirs_TV - base_TV).max() > 1e-2
