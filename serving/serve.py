@@ -386,21 +386,21 @@ class Server:
         self.reply_tokenizer = ReplyTokenizer(tokenizer, chat) if chat is not None else None
         self.grammars = Grammars(tokenizer, chat.specials.values() if chat is not None else [tokenizer.eot_id])
 
-    def grammar(self, req, max_tokens, response_format=None):
-        """The request's response_format (or `response_format`: a forced tool call's) as a structured.Grammar (None: plain
-        text), or a 400."""
+    def grammar(self, req, max_tokens, response_format=None, source="response_format"):
+        """The request's response_format (or `response_format`: a forced tool call's, `source` naming it) as a
+        structured.Grammar (None: plain text), or a 400."""
         response_format = response_format or req.response_format
         if response_format is None:
             return None
         try:
             grammar = self.grammars.for_format(response_format)
         except SchemaRefused as e:
-            raise APIError(400, f"response_format: {e}", param="response_format") from None
+            raise APIError(400, f"{source}: {e}", param=source.split()[0]) from None
         for field in ("ignore_eos", "min_tokens"):
             if grammar is not None and getattr(req, field):
-                raise APIError(400, f"{field} cannot go with response_format: a guided reply ends when its JSON does", param=field)
+                raise APIError(400, f"{field} cannot go with {source}: a guided reply ends when its JSON does", param=field)
         if grammar is not None and max_tokens < grammar.shortest:
-            raise APIError(400, f"max_tokens {max_tokens} is too few for response_format: its shortest JSON is {grammar.shortest} "
+            raise APIError(400, f"max_tokens {max_tokens} is too few for {source}: its shortest JSON is {grammar.shortest} "
                            "tokens", param="max_tokens")
         return grammar
 
@@ -455,7 +455,7 @@ def add_generation_routes(app, server, authorized):
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), room)
         stops, bias = check_settings(req, max_tokens, s.max_tokens_limit, s.engine.vocab)
         check_context([ids], max_tokens, s.engine.window, s.slide, "messages")
-        grammar = s.grammar(req, max_tokens, forced and parameters_format(tools, forced))
+        grammar = s.grammar(req, max_tokens, forced and parameters_format(tools, forced), f"tools ({forced}'s parameters)")
         alternatives = (req.top_logprobs or 0) if req.logprobs else None
         choices = [Choice(j, text, ids, s.reply_tokenizer, stops, alternatives, False, ends(req, s.chat.end_ids),
                           req.include_stop_str_in_output, req.min_tokens, chat=True)

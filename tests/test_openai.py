@@ -355,6 +355,10 @@ def test_a_named_tool_is_called_with_arguments_that_follow_its_schema(tool_serve
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**dict(forced, tool_choice={"type": "function", "function": {"name": "mul"}}))
     assert "naming one of the tools (add)" in e.value.message
+    odd = {"type": "function", "function": dict(ADD["function"], parameters={"type": "object", "anyOf": []})}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**dict(forced, tools=[odd]))
+    assert "400 - tools (add's parameters): schema: the keyword 'anyOf' is not supported" in e.value.message, e.value.message
 
 
 def test_calls_the_template_writes_are_parsed_back(tool_model):
