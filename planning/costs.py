@@ -696,6 +696,9 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     for ok, message in context_parallel_checks(cfg):  # (what --mesh.cp needs: main.py's own checks)
         if not ok:
             raise ConfigError(message)
+    if cfg.train.objective == "dpo":
+        from parallel.dpo import check_dpo  # (only a DPO plan imports it)
+        check_dpo(cfg)  # pp 1, one microbatch: other layouts drop out of a search
     if cfg.mesh.slices > 1:
         return plan_across_slices(cfg, devices, hw_name, efficiency, peak)
     hw = HARDWARE[hw_name]
@@ -714,12 +717,15 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         raise store
     once = gathers_once(cfg, mesh_shape["pp"], hw_name, store)
     memory, activations, phases = memory_bytes(cfg, mesh_shape, store, hw_name, once)
-    temp = sum(v for k, v in memory.items() if k not in ("params", "optimizer"))  # all that the step allocates
+    if cfg.train.objective == "dpo":  # the frozen reference: the initial params, in their storage shardings (parallel/dpo.py)
+        memory["reference params"] = store["params"]
+    held = ("params", "optimizer", "reference params")  # what lives between steps
+    temp = sum(v for k, v in memory.items() if k not in held)  # all that the step allocates
     muon = store["muon"] if cfg.train.optimizer == "muon" else None
     if muon:  # after the backward pass, beside the gradients alone: the step's peak is the larger of the two
         memory["Muon update of the largest pool (float32; after the backward pass, not added)"] = muon["working_set"]
         temp = max(temp, memory["gradients"] + muon["working_set"])
-    total_bytes = memory["params"] + memory["optimizer"] + temp
+    total_bytes = sum(memory.get(k, 0) for k in held) + temp
 
     if hw_name == "cpu":
         peak = peak or cpu_peak_flops() / n_devices  # fake devices share the cores the matmul used
@@ -728,6 +734,12 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         peak = peak or quantized_peak(cfg, hw_name, hw.peak_flops)
         available = hw.memory_bytes
     times, comm = step_time(cfg, mesh_shape, hw, peak, efficiency, store, once)
+    if cfg.train.objective == "dpo":  # the reference's forward over every row: a third of the model's forward + backward
+        reference = times["model_flops"] / 3
+        times["reference_flops"] = reference
+        times["executed_flops"] += reference
+        times["device_flops"] += reference / n_devices
+        times["compute"] += reference / (n_devices * peak * efficiency)
     if muon:  # Newton-Schulz in float32 (assumed at the same efficiency), and its all-to-alls
         times["optimizer_flops"] = muon["flops"]
         times["compute"] += muon["flops"] / (peak * efficiency)

@@ -42,7 +42,8 @@ def report(p):
     rows += [("    " + name, mem_str(value)) for name, value in p["activations"].items()]
     rows += [("  total", mem_str(p["total_bytes"]) + f"   of {p['available_bytes'] / GiB:.2f} GiB"), ("", "")]
     rows.append((f"step time (compute at an assumed {p['efficiency']:.0%} of {human(p['peak_flops'])}FLOP/s per device)", ""))
-    rows.append((f"  compute: {human(t['executed_flops'])}FLOP executed ({human(t['model_flops'])}FLOP model)"
+    rows.append((f"  compute: {human(t['executed_flops'])}FLOP executed ({human(t['model_flops'])}FLOP model"
+                 + (f", DPO's reference forward {human(t['reference_flops'])}FLOP" if "reference_flops" in t else "") + ")"
                  + (f" + Muon's Newton-Schulz {human(t['optimizer_flops'])}FLOP per device" if "optimizer_flops" in t else ""),
                  seconds(t["compute"])))
     if p["mesh"]["pp"] > 1:

@@ -79,3 +79,24 @@ def test_dpo_flags_are_checked():
     with pytest.raises(ConfigError, match="even --train.batch_size"):
         dpo.check_dpo(apply_overrides(dpo_config(), {"train": dict(batch_size=3)}))
     assert parse_args(["--train.objective", "dpo", "--data.preferences", "plays"]).train.dpo_beta == 0.1
+
+
+def test_planner_holds_the_reference_and_runs_its_forward():
+    """The planner's DPO plan (dp 2 x tp 2): the reference's bytes per device are those
+    dpo.reference_params holds on a device, its forward adds a third of the model FLOPs to
+    what the step executes, and a pipelined layout is the DPO step's one-line refusal."""
+    import jax
+
+    from planning import costs
+    cfg = dpo_config((2, 1, 2))
+    reference = dpo.reference_params(cfg, mesh_for(cfg))
+    device = jax.devices()[0]
+    held = sum(s.data.nbytes for x in jax.tree.leaves(reference) for s in x.addressable_shards if s.device == device)
+    with_reference = costs.plan(cfg, 4, "cpu", peak=1e12)
+    plain = costs.plan(apply_overrides(cfg, {"train": dict(objective="lm"), "data": dict(preferences="")}), 4, "cpu", peak=1e12)
+    assert with_reference["memory"]["reference params"] == held == plain["memory"]["params"]
+    assert with_reference["total_bytes"] == plain["total_bytes"] + held
+    added = with_reference["times"]["executed_flops"] - plain["times"]["executed_flops"]
+    assert added == pytest.approx(plain["times"]["model_flops"] / 3, rel=1e-12) and added > 0
+    with pytest.raises(ConfigError, match=r"--mesh.pp 1 \(got 2\)"):
+        costs.plan(apply_overrides(dpo_config((2, 2, 1)), {"train": dict(microbatches=2)}), 4, "cpu", peak=1e12)
