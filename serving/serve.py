@@ -455,7 +455,8 @@ def add_generation_routes(app, server, authorized):
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), room)
         stops, bias = check_settings(req, max_tokens, s.max_tokens_limit, s.engine.vocab)
         check_context([ids], max_tokens, s.engine.window, s.slide, "messages")
-        grammar = s.grammar(req, max_tokens, forced and parameters_format(tools, forced), f"tools ({forced}'s parameters)")
+        grammar = (s.grammar(req, max_tokens, parameters_format(tools, forced), f"tools ({forced}'s parameters)") if forced else
+                   s.grammar(req, max_tokens))
         alternatives = (req.top_logprobs or 0) if req.logprobs else None
         choices = [Choice(j, text, ids, s.reply_tokenizer, stops, alternatives, False, ends(req, s.chat.end_ids),
                           req.include_stop_str_in_output, req.min_tokens, chat=True)

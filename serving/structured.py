@@ -25,7 +25,7 @@ from collections import OrderedDict
 import numpy as np
 
 SUPPORTED = ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength",
-             "maxLength", "minimum", "maximum", "enum", "const")
+             "maxLength", "minimum", "maximum", "enum", "const", "anyOf")
 ANNOTATIONS = ("title", "description", "$schema", "$id", "$comment", "examples", "default")  # read by people, not by the guide
 ESCAPES = b'"\\/bfnrt'
 DIGITS = b"0123456789"
@@ -38,7 +38,7 @@ class SchemaRefused(Exception):
 
 
 # ---- Schema -> nodes: ("lit", bytes) ("choice", alternatives) ("str", lo, hi) ("int", lo, hi) ("num",)
-#      ("seq", parts) ("arr", item, lo, hi) ("any", depth)
+#      ("seq", parts) ("arr", item, lo, hi) ("any", depth) ("alt", nodes: their first bytes apart)
 
 
 def literal(value):
@@ -52,6 +52,8 @@ def compile_schema(schema, where="schema"):
     unknown = [k for k in schema if k not in SUPPORTED and k not in ANNOTATIONS]
     if unknown:
         raise SchemaRefused(f"{where}: the keyword {unknown[0]!r} is not supported here (supported: {', '.join(SUPPORTED)})")
+    if "anyOf" in schema:
+        return compile_any_of(schema, where)
     if "const" in schema:
         return ("choice", (literal(schema["const"]),))
     if "enum" in schema:
@@ -77,6 +79,28 @@ def compile_schema(schema, where="schema"):
         return compile_object(schema, where)
     raise SchemaRefused(f"{where}.type: {json.dumps(kind)} is not supported here (one type of string, integer, number, "
                         "boolean, null, array, object)")
+
+
+def compile_any_of(schema, where):
+    """anyOf (pydantic's Optional[X] is X or null): alternatives whose documents begin with different bytes, so that
+    the first byte picks one and the rest is read deterministically; SchemaRefused when two may begin alike."""
+    others = [k for k in schema if k not in ANNOTATIONS and k != "anyOf"]
+    if others or not isinstance(schema["anyOf"], list) or not schema["anyOf"]:
+        raise SchemaRefused(f"{where}.anyOf must be a non-empty list of schemas with no other keyword beside it"
+                            + (f" (found {others[0]!r})" if others else ""))
+    nodes = tuple(dict.fromkeys(compile_schema(sub, f"{where}.anyOf[{i}]") for i, sub in enumerate(schema["anyOf"])))
+    seen = {}
+    for i, node in enumerate(nodes):
+        for b in first_bytes(node):
+            if b in seen:
+                raise SchemaRefused(f"{where}.anyOf: alternatives {seen[b]} and {i} may both begin with {chr(b)!r}: the "
+                                    "alternatives must begin differently (as X or null does)")
+            seen[b] = i
+    return nodes[0] if len(nodes) == 1 else ("alt", nodes)
+
+
+def first_bytes(node):
+    return [b for b in range(256) if advance(start_state(node), b) is not None]
 
 
 def bounds(schema, low, high, where, default=None):
@@ -140,6 +164,15 @@ def step_lit(frame, b):
     if text[i] != b:
         return None
     return ((("lit", text, i + 1),) if i + 1 < len(text) else (), True)
+
+
+def step_alt(frame, b):
+    """The one alternative whose document begins with b, as it stands after b."""
+    for node in frame[1]:
+        stack = advance(start_state(node), b)
+        if stack is not None:
+            return stack, True
+    return None
 
 
 def step_choice(frame, b):
@@ -283,7 +316,7 @@ def step_any_object(frame, b):
 
 
 STEPS = {"lit": step_lit, "choice": step_choice, "str": step_str, "int": step_int, "num": step_num, "arr": step_arr,
-         "any": step_any, "any-object": step_any_object}
+         "any": step_any, "any-object": step_any_object, "alt": step_alt}
 
 
 # ---- The fewest bytes that complete a frame or a node (what max_tokens must leave room for)
@@ -298,6 +331,8 @@ def node_min(node):
         return 1  # a digit
     if kind == "any-object":
         return 2
+    if kind == "alt":
+        return min(node_min(alternative) for alternative in node[1])
     return frame_min(frame_of(node))
 
 
@@ -319,6 +354,8 @@ def frame_min(frame):
         _, item, lo, _, count, phase = frame
         items = max(lo - count, 0)
         return (2 if phase == "open" else 1) + items * node_min(item) + max(items - (phase != "next"), 0)
+    if kind == "alt":
+        return node_min(frame)
     return node_min(frame) if len(frame) == 2 else 1  # any, any-object before "{"; any-object after it: "}"
 
 
