@@ -25,8 +25,9 @@ from collections import OrderedDict
 import numpy as np
 
 SUPPORTED = ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength",
-             "maxLength", "minimum", "maximum", "enum", "const", "anyOf")
+             "maxLength", "minimum", "maximum", "enum", "const", "anyOf", "$ref")
 ANNOTATIONS = ("title", "description", "$schema", "$id", "$comment", "examples", "default")  # read by people, not by the guide
+DEFINITIONS = ("$defs", "definitions")  # where a $ref points ("#/$defs/Name": pydantic's nested models), read at the root
 ESCAPES = b'"\\/bfnrt'
 DIGITS = b"0123456789"
 MAX_INT_DIGITS = 15  # an unbounded integer: at most this many digits (int64 range, and floats hold it exactly)
@@ -45,15 +46,21 @@ def literal(value):
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def compile_schema(schema, where="schema"):
-    """A JSON schema (dict) -> its node, or SchemaRefused naming the keyword and where it is."""
+def compile_schema(schema, where="schema", defs=None, refs=()):
+    """A JSON schema (dict) -> its node, or SchemaRefused naming the keyword and where it is. `defs`: the root's
+    definitions ($ref's targets, inlined; `refs` those being inlined, so that a recursive one is refused)."""
     if not isinstance(schema, dict):
         raise SchemaRefused(f"{where} must be a JSON object (a schema), got {json.dumps(schema)[:40]}")
+    if defs is None:
+        defs = {name: sub for key in DEFINITIONS if isinstance(schema.get(key), dict) for name, sub in schema[key].items()}
+        schema = {k: v for k, v in schema.items() if k not in DEFINITIONS}
+    if "$ref" in schema:
+        return compile_ref(schema, where, defs, refs)
     unknown = [k for k in schema if k not in SUPPORTED and k not in ANNOTATIONS]
     if unknown:
         raise SchemaRefused(f"{where}: the keyword {unknown[0]!r} is not supported here (supported: {', '.join(SUPPORTED)})")
     if "anyOf" in schema:
-        return compile_any_of(schema, where)
+        return compile_any_of(schema, where, defs, refs)
     if "const" in schema:
         return ("choice", (literal(schema["const"]),))
     if "enum" in schema:
@@ -73,22 +80,35 @@ def compile_schema(schema, where="schema"):
             raise SchemaRefused(f"{where}: minimum/maximum are supported on integers only")
         return {"number": ("num",), "boolean": ("choice", (b"true", b"false")), "null": ("choice", (b"null",))}[kind]
     if kind == "array":
-        item = compile_schema(schema.get("items", {}), f"{where}.items")
+        item = compile_schema(schema.get("items", {}), f"{where}.items", defs, refs)
         return ("arr", item, *bounds(schema, "minItems", "maxItems", where, 0))
     if kind == "object":
-        return compile_object(schema, where)
+        return compile_object(schema, where, defs, refs)
     raise SchemaRefused(f"{where}.type: {json.dumps(kind)} is not supported here (one type of string, integer, number, "
                         "boolean, null, array, object)")
 
 
-def compile_any_of(schema, where):
+def compile_ref(schema, where, defs, refs):
+    """{"$ref": "#/$defs/Name"} (or #/definitions/): the definition, inlined; a recursive one is refused (its
+    documents have no bound the masks could count down)."""
+    ref, others = schema["$ref"], [k for k in schema if k not in ANNOTATIONS and k != "$ref"]
+    name = next((ref[len(f"#/{key}/"):] for key in DEFINITIONS if isinstance(ref, str) and ref.startswith(f"#/{key}/")), None)
+    if others or name not in defs:
+        raise SchemaRefused(f"{where}.$ref must name one of the root's $defs (#/$defs/Name) with no keyword beside it, got "
+                            f"{json.dumps(ref)}" + (f" beside {others[0]!r}" if others else ""))
+    if name in refs:
+        raise SchemaRefused(f"{where}.$ref: {name} refers to itself: recursive schemas are not supported")
+    return compile_schema(defs[name], f"{where}.$ref({name})", defs, refs + (name,))
+
+
+def compile_any_of(schema, where, defs, refs):
     """anyOf (pydantic's Optional[X] is X or null): alternatives whose documents begin with different bytes, so that
     the first byte picks one and the rest is read deterministically; SchemaRefused when two may begin alike."""
     others = [k for k in schema if k not in ANNOTATIONS and k != "anyOf"]
     if others or not isinstance(schema["anyOf"], list) or not schema["anyOf"]:
         raise SchemaRefused(f"{where}.anyOf must be a non-empty list of schemas with no other keyword beside it"
                             + (f" (found {others[0]!r})" if others else ""))
-    nodes = tuple(dict.fromkeys(compile_schema(sub, f"{where}.anyOf[{i}]") for i, sub in enumerate(schema["anyOf"])))
+    nodes = tuple(dict.fromkeys(compile_schema(sub, f"{where}.anyOf[{i}]", defs, refs) for i, sub in enumerate(schema["anyOf"])))
     seen = {}
     for i, node in enumerate(nodes):
         for b in first_bytes(node):
@@ -117,7 +137,7 @@ def bounds(schema, low, high, where, default=None):
     return (lo, hi) if not count else (int(lo), None if hi is None else int(hi))
 
 
-def compile_object(schema, where):
+def compile_object(schema, where, defs, refs):
     """An object with `properties`: every property, in order (a sequence of literals and values);
     without: any object."""
     properties = schema.get("properties")
@@ -128,7 +148,7 @@ def compile_object(schema, where):
         raise SchemaRefused(f"{where}.required names {missing[0]!r}, which is not in its properties")
     parts, opener = [], b"{"
     for name, sub in properties.items():
-        parts += [("lit", opener + literal(name) + b":"), compile_schema(sub, f"{where}.properties.{name}")]
+        parts += [("lit", opener + literal(name) + b":"), compile_schema(sub, f"{where}.properties.{name}", defs, refs)]
         opener = b","
     parts.append(("lit", b"}" if parts else b"{}"))
     return ("seq", tuple(parts))

@@ -356,10 +356,10 @@ def test_a_named_tool_is_called_with_arguments_that_follow_its_schema(tool_serve
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**dict(forced, tool_choice={"type": "function", "function": {"name": "mul"}}))
     assert "naming one of the tools (add)" in e.value.message
-    odd = {"type": "function", "function": dict(ADD["function"], parameters={"type": "object", "$ref": "#/$defs/x"})}
+    odd = {"type": "function", "function": dict(ADD["function"], parameters={"type": "string", "pattern": "^a"})}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**dict(forced, tools=[odd]))
-    assert "400 - tools (add's parameters): schema: the keyword '$ref' is not supported" in e.value.message, e.value.message
+    assert "400 - tools (add's parameters): schema: the keyword 'pattern' is not supported" in e.value.message, e.value.message
 
 
 def test_calls_the_template_writes_are_parsed_back(tool_model):
@@ -394,10 +394,14 @@ def test_langchain_binds_a_tool_round_trip_and_structured_output(tool_server, to
         """Add two integers."""
         return a + b
 
+    class Part(BaseModel):
+        value: int
+
     class Sum(BaseModel):
         a: int
         b: int
         note: Optional[str] = None  # (an anyOf of string and null)
+        parts: list[Part]  # (a $ref to the root's $defs)
 
     llm = langchain_openai.ChatOpenAI(model="tooly", base_url=tool_server + "/v1", api_key="unused", temperature=0, max_tokens=40,
                                       max_retries=0)

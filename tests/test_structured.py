@@ -28,6 +28,10 @@ SCHEMAS = [
                                       "s": {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "array", "items": {"type": "boolean"},
                                                                                            "maxItems": 2}, {"const": 7}]}},
      "required": ["n", "s"]},
+    # pydantic's nested models: $ref to the root's $defs, inlined
+    {"$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["x"]}},
+     "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}, "q": {"anyOf": [{"$ref": "#/$defs/P"}, {"type": "null"}]},
+                                      "ps": {"type": "array", "items": {"$ref": "#/$defs/P"}, "maxItems": 2}}, "required": ["p", "q", "ps"]},
 ]
 
 
@@ -78,6 +82,9 @@ def test_the_masks_are_the_documents_that_can_still_validate():
     ({"type": "string", "pattern": "^a"}, "schema: the keyword 'pattern' is not supported here"),
     ({"anyOf": [{"type": "integer"}, {"type": "number"}]}, "schema.anyOf: alternatives 0 and 1 may both begin with '-'"),
     ({"anyOf": [{"type": "string"}], "type": "string"}, "schema.anyOf must be a non-empty list of schemas with no other keyword"),
+    ({"$defs": {"N": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/N"}}}}}, "$ref": "#/$defs/N"},
+     "schema.$ref(N).properties.kids.items.$ref: N refers to itself: recursive schemas are not supported"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}, 'schema.properties.a.$ref must name one of the root\'s $defs'),
     ({"type": ["string", "null"]}, 'schema.type: ["string", "null"] is not supported'),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}, "schema.properties.a: the keyword 'format'"),
     ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum 5 is over maximum 1"),
