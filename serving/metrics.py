@@ -49,11 +49,14 @@ class Metrics:
         an idle interval prints nothing."""
         interval = interval or float(os.environ.get("MESHFORMER_LOG_STATS_INTERVAL", 10))
 
+        def counts():
+            return tuple(self.registry.get_sample_value(PREFIX + name + "_total") for name in ("prompt_tokens", "generation_tokens"))
+
         def loop():
-            totals = (self.prompt_tokens._value.get(), self.generation_tokens._value.get())
+            totals = counts()
             while True:
                 time.sleep(interval)
-                now = (self.prompt_tokens._value.get(), self.generation_tokens._value.get())
+                now = counts()
                 (prompt, generation), (running, waiting) = (b - a for a, b in zip(totals, now)), self.engine.busy()
                 totals = now
                 if prompt or generation or running or waiting:
