@@ -75,7 +75,7 @@ from serving.modes import load_run_params
 from serving.requests import (APIError, ChatRequest, DetokenizeRequest, TokenizeRequest, check_settings, max_token_chars, parse_request,
                               tokenize_prompts)
 from serving.structured import Grammars, Guide, SchemaRefused
-from serving.tools import call_opening, check_tools, parameters_format, parse_calls, tool_call
+from serving.tools import call_opening, check_tools, forced_calls, forced_node, parse_calls
 from utils import ConfigError
 
 API_KEY_ENV = "MESHFORMER_API_KEY"
@@ -386,16 +386,16 @@ class Server:
         self.reply_tokenizer = ReplyTokenizer(tokenizer, chat) if chat is not None else None
         self.grammars = Grammars(tokenizer, chat.specials.values() if chat is not None else [tokenizer.eot_id])
 
-    def grammar(self, req, max_tokens, response_format=None, source="response_format"):
-        """The request's response_format (or `response_format`: a forced tool call's, `source` naming it) as a
-        structured.Grammar (None: plain text), or a 400."""
-        response_format = response_format or req.response_format
-        if response_format is None:
+    def grammar(self, req, max_tokens, forced=None):
+        """The request's response_format (or a forced tool call's guide: `forced` (tools, names)) as a structured.Grammar
+        (None: plain text), or a 400."""
+        source = "tools" if forced else "response_format"
+        if forced is None and req.response_format is None:
             return None
         try:
-            grammar = self.grammars.for_format(response_format)
+            grammar = self.grammars.for_node(forced_node(*forced)) if forced else self.grammars.for_format(req.response_format)
         except SchemaRefused as e:
-            raise APIError(400, f"{source}: {e}", param=source.split()[0]) from None
+            raise APIError(400, f"{source}: {e}", param=source) from None
         for field in ("ignore_eos", "min_tokens"):
             if grammar is not None and getattr(req, field):
                 raise APIError(400, f"{field} cannot go with {source}: a guided reply ends when its JSON does", param=field)
@@ -455,8 +455,7 @@ def add_generation_routes(app, server, authorized):
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), room)
         stops, bias = check_settings(req, max_tokens, s.max_tokens_limit, s.engine.vocab)
         check_context([ids], max_tokens, s.engine.window, s.slide, "messages")
-        grammar = (s.grammar(req, max_tokens, parameters_format(tools, forced), f"tools ({forced}'s parameters)") if forced else
-                   s.grammar(req, max_tokens))
+        grammar = s.grammar(req, max_tokens, (tools, forced) if forced else None)
         alternatives = (req.top_logprobs or 0) if req.logprobs else None
         choices = [Choice(j, text, ids, s.reply_tokenizer, stops, alternatives, False, ends(req, s.chat.end_ids),
                           req.include_stop_str_in_output, req.min_tokens, chat=True)
@@ -675,7 +674,7 @@ def chat_message(joined, choice, calls, forced, chat, tokenizer):
     forced call's arguments are the whole reply; otherwise they are parsed out of its tokens)."""
     message, finish_reason = dict(role="assistant", content=joined["text"]), joined["finish_reason"]
     if calls:
-        content, tool_calls = (None, [tool_call(forced, joined["text"])]) if forced else parse_calls(chat.decode(choice.ids, tokenizer))
+        content, tool_calls = (None, forced_calls(forced, joined["text"])) if forced else parse_calls(chat.decode(choice.ids, tokenizer))
         if tool_calls:
             message, finish_reason = dict(message, content=content, tool_calls=tool_calls), "tool_calls"
     return dict(index=joined["index"], message=message, logprobs=joined["logprobs"], finish_reason=finish_reason)

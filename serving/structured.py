@@ -40,6 +40,7 @@ class SchemaRefused(Exception):
 
 # ---- Schema -> nodes: ("lit", bytes) ("choice", alternatives) ("str", lo, hi) ("int", lo, hi) ("num",)
 #      ("seq", parts) ("arr", item, lo, hi) ("any", depth) ("alt", nodes: their first bytes apart)
+#      ("switch", ((key bytes, node), ...)): a key, then its node (keys prefix-free: a forced tool call's name)
 
 
 def literal(value):
@@ -172,6 +173,8 @@ def frame_of(node):
         return ("num", "start")
     if kind == "arr":
         return ("arr", node[1], node[2], node[3], 0, "open")
+    if kind == "switch":
+        return ("switch", node[1], b"")
     return node  # seq, any, any-object: read by their own step
 
 
@@ -193,6 +196,18 @@ def step_alt(frame, b):
         if stack is not None:
             return stack, True
     return None
+
+
+def step_switch(frame, b):
+    """One more byte of a key; once a whole key is read, its node."""
+    _, cases, prefix = frame
+    longer = prefix + bytes([b])
+    matching = [(key, node) for key, node in cases if key.startswith(longer)]
+    if not matching:
+        return None
+    if matching[0][0] == longer:  # (keys are prefix-free: the only match)
+        return (frame_of(matching[0][1]),), True
+    return (("switch", cases, longer),), True
 
 
 def step_choice(frame, b):
@@ -336,7 +351,7 @@ def step_any_object(frame, b):
 
 
 STEPS = {"lit": step_lit, "choice": step_choice, "str": step_str, "int": step_int, "num": step_num, "arr": step_arr,
-         "any": step_any, "any-object": step_any_object, "alt": step_alt}
+         "any": step_any, "any-object": step_any_object, "alt": step_alt, "switch": step_switch}
 
 
 # ---- The fewest bytes that complete a frame or a node (what max_tokens must leave room for)
@@ -353,6 +368,8 @@ def node_min(node):
         return 2
     if kind == "alt":
         return min(node_min(alternative) for alternative in node[1])
+    if kind == "switch":
+        return min(len(key) + node_min(case) for key, case in node[1])
     return frame_min(frame_of(node))
 
 
@@ -376,6 +393,8 @@ def frame_min(frame):
         return (2 if phase == "open" else 1) + items * node_min(item) + max(items - (phase != "next"), 0)
     if kind == "alt":
         return node_min(frame)
+    if kind == "switch":
+        return min(len(key) - len(frame[2]) + node_min(case) for key, case in frame[1] if key.startswith(frame[2]))
     return node_min(frame) if len(frame) == 2 else 1  # any, any-object before "{"; any-object after it: "}"
 
 
@@ -536,6 +555,10 @@ class Grammars:
             node = compile_schema(spec["schema"])
         else:
             raise SchemaRefused(f"type must be text, json_object or json_schema, got {json.dumps(kind)}")
+        return self.for_node(node)
+
+    def for_node(self, node):
+        """A compiled node's Grammar (a forced tool call's: serving/tools.py)."""
         if self.trie is None:
             self.trie = TokenTrie(token_bytes(self.tokenizer, self.special_ids))
         if node not in self.cache:

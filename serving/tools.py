@@ -8,10 +8,11 @@ marks a call with its special tokens
     ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
 tool_choice "auto" (the default with tools): the reply is decoded as any other and the calls
-in it, if any, are parsed out into `tool_calls` (finish_reason "tool_calls"). A named tool
-(or "required" with one tool): the prompt ends with the call's opening, through "```json\\n",
-and the reply is guided (structured.py) to the tool's parameters schema, so that it always
-parses. "none": the tools are rendered and the reply is plain text. A model whose template
+in it, if any, are parsed out into `tool_calls` (finish_reason "tool_calls"). A named tool:
+the prompt ends with the call's opening, through "```json\\n", and the reply is guided
+(structured.py) to the tool's parameters schema, so that it always parses. "required": the
+prompt ends before the name, and the reply is guided to one of the tools' names, then to that
+tool's parameters. "none": the tools are rendered and the reply is plain text. A model whose template
 does not render tools, or writes calls in a format not read here, gets a 400 that says so.
 """
 
@@ -22,6 +23,7 @@ import secrets
 import jinja2.meta
 
 from serving.requests import APIError
+from serving.structured import compile_schema
 
 CALLS_BEGIN, CALL_BEGIN, SEP, CALL_END, CALLS_END = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
                                                     "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
@@ -37,7 +39,8 @@ def renders_tools(chat):
 
 
 def check_tools(tools, tool_choice, chat):
-    """(tools, the forced tool's name or None, whether to parse calls) of a request, or a 400 naming what is wrong."""
+    """(tools, the names one of which a call is forced to, or None, whether to parse calls) of a request, or a 400
+    naming what is wrong."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
@@ -52,32 +55,42 @@ def check_tools(tools, tool_choice, chat):
             raise APIError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}',
                            param="tools")
         names.append(function["name"])
+    if len(set(names)) < len(names) or any("\n" in name for name in names):
+        raise APIError(400, "tools: each tool needs a name of its own, on one line", param="tools")
     if tool_choice in (None, "auto"):
         return tools, None, True
     if tool_choice == "none":
         return tools, None, False
     if tool_choice == "required":
-        if len(tools) > 1:
-            raise APIError(400, "tool_choice \"required\" with several tools is not supported here: name the tool "
-                           "({\"type\": \"function\", \"function\": {\"name\": ...}}) or use \"auto\"", param="tool_choice")
-        return tools, names[0], True
+        return tools, names, True
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if name not in names:
         raise APIError(400, f"tool_choice must be none, auto, required or {{\"type\": \"function\", \"function\": {{\"name\": "
                        f"...}}}} naming one of the tools ({', '.join(names)}), got {json.dumps(tool_choice)}", param="tool_choice")
-    return tools, name, True
+    return tools, [name], True
 
 
-def parameters_format(tools, name):
-    """The response_format that guides a forced call's arguments: the tool's parameters schema."""
-    function = next(t["function"] for t in tools if t["function"]["name"] == name)
-    schema = function.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+def forced_node(tools, names):
+    """The structured.py node a forced call is guided by: one tool's parameters schema, or of several, a name
+    (with the arguments' opening) and then that tool's; SchemaRefused naming the tool whose schema is not read."""
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}} for t in tools}
+    nodes = {name: compile_schema(schemas[name], f"{name}'s parameters") for name in names}
+    if len(names) == 1:
+        return nodes[names[0]]
+    return ("switch", tuple(((name + ARGS_OPEN).encode(), nodes[name]) for name in names))
 
 
-def call_opening(name):
-    """What the prompt ends with when the call to `name` is forced: the call up to its arguments."""
-    return CALLS_BEGIN + CALL_BEGIN + "function" + SEP + name + ARGS_OPEN
+def call_opening(names):
+    """What the prompt ends with when a call is forced: the call up to its arguments (one tool), or up to its name."""
+    return CALLS_BEGIN + CALL_BEGIN + "function" + SEP + (names[0] + ARGS_OPEN if len(names) == 1 else "")
+
+
+def forced_calls(names, text):
+    """The tool_calls of a forced call's reply: its arguments (one tool), or its name, the opening and its arguments."""
+    if len(names) == 1:
+        return [tool_call(names[0], text)]
+    name, _, arguments = text.partition(ARGS_OPEN)
+    return [tool_call(name, arguments)]
 
 
 def tool_call(name, arguments):

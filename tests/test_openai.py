@@ -359,7 +359,29 @@ def test_a_named_tool_is_called_with_arguments_that_follow_its_schema(tool_serve
     odd = {"type": "function", "function": dict(ADD["function"], parameters={"type": "string", "pattern": "^a"})}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**dict(forced, tools=[odd]))
-    assert "400 - tools (add's parameters): schema: the keyword 'pattern' is not supported" in e.value.message, e.value.message
+    assert "400 - tools: add's parameters: the keyword 'pattern' is not supported" in e.value.message, e.value.message
+
+
+MUL = {"type": "function", "function": {"name": "mul", "description": "Multiply two numbers.", "parameters": {
+    "type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"]}}}
+
+
+def test_required_picks_one_of_the_tools_and_its_arguments_follow_that_tool_s_schema(tool_server):
+    """tool_choice required with two tools: the reply is guided to a name, then to that tool's
+    parameters: at temperature 1 (8 seeds) each call names add or mul and validates against its
+    own schema, both names turn up."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=tool_server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (ADD, MUL)}
+    names = []
+    for seed in range(8):
+        choice = client.chat.completions.create(model="tooly", messages=ASK, tools=[ADD, MUL], tool_choice="required", temperature=1,
+                                                max_tokens=40, seed=seed).choices[0]
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and call.function.name in schemas, choice
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        names.append(call.function.name)
+    assert set(names) == {"add", "mul"}, names
 
 
 def test_calls_the_template_writes_are_parsed_back(tool_model):
