@@ -17,7 +17,7 @@ min_tokens, response_format (json_object, json_schema: structured.py), GET /metr
 (Prometheus: metrics.py), GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize,
 POST /detokenize and GET /version, GET /health, and GET /
 (serve.html: type a prompt or chat, watch the text stream in). engine.py does the
-batched decoding; requests.py checks the request bodies and tokenizes their prompts; this
+batched decoding; openai_api.py checks the request bodies and tokenizes their prompts; this
 file routes them and turns tokens back into text, stop strings and JSON.
 
 Why FastAPI on uvicorn: streaming clients hold their connection open for the whole
@@ -72,7 +72,7 @@ from serving.chat import ReplyTokenizer, TemplateRefused, load_chat_template
 from serving.engine import Engine, QueueFull, Sequence
 from serving.metrics import Metrics
 from serving.modes import load_run_params
-from serving.requests import (APIError, ChatRequest, DetokenizeRequest, TokenizeRequest, check_settings, max_token_chars, parse_request,
+from serving.openai_api import (APIError, ChatRequest, DetokenizeRequest, TokenizeRequest, check_settings, max_token_chars, parse_request,
                               tokenize_prompts)
 from serving.structured import Grammars, Guide, SchemaRefused
 from serving.tools import call_opening, check_tools, forced_calls, forced_node, parse_calls
@@ -101,7 +101,7 @@ class Choice:
                  chat=False):
         self.index, self.prompt_text, self.prompt_ids = index, prompt_text, prompt_ids
         self.tokenizer, self.stops, self.logprobs, self.echo, self.keep_stop = tokenizer, stops, logprobs, echo, keep_stop
-        self.min_tokens, self.chat = min_tokens, chat
+        self.min_tokens, self.chat, self.quiet = min_tokens, chat, None
         self.stop_ids = {tokenizer.eot_id} if stop_ids is None else set(stop_ids)
         self.ids, self.sent, self.offset = [], "", 0
         self.pending = self.empty_logprobs()
@@ -154,7 +154,8 @@ class Choice:
     def release(self, final):
         """The text now safe to send (all of it when `final`), and whether a stop string ended it."""
         text = self.tokenizer.decode(self.ids)
-        hits = [(i, i + len(s)) for s in self.stops if (i := text.find(s, self.stops_from(len(s)))) >= 0]
+        quiet = self.quiet_chars(text)
+        hits = [(i, i + len(s)) for s in self.stops if (i := text.find(s, max(0, quiet - len(s) + 1))) >= 0]
         if hits:
             start, end = min(hits)
             text, final = text[:end if self.keep_stop else start], True
@@ -166,14 +167,17 @@ class Choice:
         self.sent += new
         return new, bool(hits)
 
-    def stops_from(self, length):
-        """Where a stop string of `length` characters may start: one must end in the text of the min_tokens-th token
-        or later (vLLM checks no stop before min_tokens, then each new token's text and the length - 1 before it)."""
+    def quiet_chars(self, text):
+        """How many leading characters of `text` (the reply so far) no stop string may end in: a stop must end in the
+        text of the min_tokens-th token or later (vLLM checks none before min_tokens, then each new token's text and
+        the length - 1 before it). All of them until that token comes; then the text before it, worked out once."""
         if self.min_tokens <= 1:
             return 0
         if len(self.ids) < self.min_tokens:
-            return len(self.tokenizer.decode(self.ids)) + 1  # past the end: none yet
-        return max(0, len(self.tokenizer.decode(self.ids[:self.min_tokens - 1])) - length + 1)
+            return len(text)
+        if self.quiet is None:
+            self.quiet = len(self.tokenizer.decode(self.ids[:self.min_tokens - 1]))
+        return self.quiet
 
     def handle(self, event):
         """An engine event -> a chunk to send, or None."""

@@ -22,7 +22,7 @@ import secrets
 
 import jinja2.meta
 
-from serving.requests import APIError
+from serving.openai_api import APIError
 from serving.structured import compile_schema
 
 CALLS_BEGIN, CALL_BEGIN, SEP, CALL_END, CALLS_END = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
