@@ -63,7 +63,8 @@ def check_tools(tools, tool_choice, chat):
         return tools, None, False
     if tool_choice == "required":
         return tools, names, True
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if name not in names:
         raise APIError(400, f"tool_choice must be none, auto, required or {{\"type\": \"function\", \"function\": {{\"name\": "
                        f"...}}}} naming one of the tools ({', '.join(names)}), got {json.dumps(tool_choice)}", param="tool_choice")

@@ -356,6 +356,9 @@ def test_a_named_tool_is_called_with_arguments_that_follow_its_schema(tool_serve
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**dict(forced, tool_choice={"type": "function", "function": {"name": "mul"}}))
     assert "naming one of the tools (add)" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # a function that is not an object: a 400, not a 500
+        client.chat.completions.create(**dict(forced, tool_choice={"type": "function", "function": "add"}))
+    assert "naming one of the tools (add)" in e.value.message
     odd = {"type": "function", "function": dict(ADD["function"], parameters={"type": "string", "pattern": "^a"})}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**dict(forced, tools=[odd]))
