@@ -29,7 +29,7 @@ from flax import nnx
 
 from ops.collectives import ONE_DEVICE, axis_index, is_auto_axis, live_axes, pmax, psum, split_by_the_compiler
 from ops.context_parallel import SequenceChunks, held_positions, local_inputs, local_targets, sequence_axis, token_positions, tokens_at
-from utils import CP
+from utils import CP, SEGMENT_START
 
 # Softmax, norms and routing run in float32 whatever the compute dtype: they are cheap,
 # and bfloat16 would lose the small differences between large logits.
@@ -37,7 +37,7 @@ ACC_DTYPE = jnp.float32
 
 
 def kernel(name):
-    """The ops/ module of a kernel a flag selects (blockwise, splash, quant, gmm),
+    """The ops/ module of a kernel a flag selects (blockwise, splash, quant, gmm; packing for sft),
     imported when first used: a run imports only the kernels its config selects."""
     return importlib.import_module(f"ops.{name}")
 
@@ -262,7 +262,8 @@ class MLAttention(nnx.Module):
         over this device's queries and every visible key, read off the forward's scores under stop_gradient (QK-clip's
         input; the step reduces it over the mesh)."""
         B, T, _ = x_BTD.shape
-        chunks, angles = (angles, angles.angles) if isinstance(angles, SequenceChunks) else (None, angles)
+        segments_bT = getattr(angles, "segments_bT", None)  # packed rows: a query sees its own document (ops/packing.py)
+        chunks, angles = angles if isinstance(angles, SequenceChunks) else None, getattr(angles, "angles", angles)
         q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles, axes)
         kv_BSA, k_rope_BSR = self.latents(x_BTD, angles)
         q_pos_T = k_pos_S = jnp.arange(T)
@@ -272,17 +273,19 @@ class MLAttention(nnx.Module):
         v_BSHK = self.project(kv_BSA, self.wv_up_AHK[...], out_axis=axes.tp)
         if self.implementation == "blockwise":
             out_BTHK, max_logit_H = kernel("blockwise").blockwise_attention_and_max_logits(
-                q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, self.softmax_scale, self.block)
+                q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, self.softmax_scale, self.block,
+                segments_bT)
         elif self.implementation in ("dot_product_attention", "splash"):
             if self.implementation == "splash":
                 out_BTHK = kernel("splash").splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK,
-                                                             self.softmax_scale, self.block, None if chunks is None else chunks.axis)
+                                                             self.softmax_scale, self.block, None if chunks is None else chunks.axis,
+                                                             None if segments_bT is None else (segments_bT[:, q_pos_T], segments_bT))
             else:
-                out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK)
+                out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, segments_bT)
             # The fused kernels keep their scores to themselves: they are taken again, a block of
             # queries at a time (the forward's score FLOPs once more, no [T, S] buffer).
             max_logit_H = kernel("blockwise").max_logits(*jax.lax.stop_gradient((q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR)),
-                                                         q_pos_T, k_pos_S, self.softmax_scale, self.block)
+                                                         q_pos_T, k_pos_S, self.softmax_scale, self.block, segments_bT)
         else:
             # Checkpointed: the backward takes the [T, S] scores again, not kept per layer (docs/pods.md)
             @jax.checkpoint
@@ -294,8 +297,10 @@ class MLAttention(nnx.Module):
                 # The RoPE key is shared by every head: rows (h, t) of one sequence meet the same keys.
                 q_rope_BNR = q_rope_BTHR.transpose(0, 2, 1, 3).reshape(B, -1, q_rope_BTHR.shape[-1])
                 scores_BHTS += self.core_matmul(q_rope_BNR, k_rope_BSR.transpose(0, 2, 1)).reshape(scores_BHTS.shape)
-                causal_TS = jnp.tril(jnp.ones((T, T), bool)) if chunks is None else k_pos_S[None, :] <= q_pos_T[:, None]
-                scores_BHTS = jnp.where(causal_TS, scores_BHTS * self.softmax_scale, -jnp.inf)
+                visible = jnp.tril(jnp.ones((T, T), bool)) if chunks is None else k_pos_S[None, :] <= q_pos_T[:, None]  # [T, S]
+                if segments_bT is not None:  # [b, 1, T, S]
+                    visible = kernel("packing").document_mask(q_pos_T, k_pos_S, segments_bT)[:, None]
+                scores_BHTS = jnp.where(visible, scores_BHTS * self.softmax_scale, -jnp.inf)
                 probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(x_BTD.dtype)
                 out_BTHK = self.core_matmul(probs_BHTS, v_BHSK).astype(x_BTD.dtype).transpose(0, 2, 1, 3)
                 return out_BTHK, jnp.max(jax.lax.stop_gradient(scores_BHTS), axis=(0, 2, 3))
@@ -304,16 +309,19 @@ class MLAttention(nnx.Module):
         # heads; the psum (an all-reduce over `tp`) completes it (Megatron, row-parallel).
         return psum(self.project(out_BTHK, self.wo_HKD[...], 2, in_axis=axes.tp), axes.tp), max_logit_H.astype(jnp.float32)
 
-    def fused_attention(self, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK):
+    def fused_attention(self, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, segments_bT=None):
         """jax.nn.dot_product_attention (cuDNN flash attention on GPUs that have it): one head
         dim for all, so queries and keys carry [content | RoPE] (the RoPE key copied to every
-        head) and values are zero-padded from K to K + R, cut off again."""
+        head) and values are zero-padded from K to K + R, cut off again. Packed rows: a mask
+        of each query's document besides the causal one."""
         H, K, R = v_BSHK.shape[2], v_BSHK.shape[3], q_rope_BTHR.shape[3]
         q_BTHW = jnp.concatenate([q_nope_BTHK, q_rope_BTHR], axis=-1)
         k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_rope_BSR.shape[:2] + (H, R))
         k_BSHW = jnp.concatenate([k_nope_BSHK, k_rope_BSHR], axis=-1)
         v_BSHW = jnp.pad(v_BSHK, ((0, 0), (0, 0), (0, 0), (0, R)))
-        out_BTHW = jax.nn.dot_product_attention(q_BTHW, k_BSHW, v_BSHW, scale=self.softmax_scale, is_causal=True)
+        same_document_B1TS = None if segments_bT is None else (segments_bT[:, :, None] == segments_bT[:, None, :])[:, None]
+        out_BTHW = jax.nn.dot_product_attention(q_BTHW, k_BSHW, v_BSHW, mask=same_document_B1TS, scale=self.softmax_scale,
+                                                is_causal=True)
         return out_BTHW[..., :K]
 
     def decode(self, x_BTD, angles, cache, start):
@@ -774,8 +782,9 @@ def padded_vocab(vocab_size, multiple):
 
 
 def unmasked(tokens):
-    """Token ids of rows where a target the loss skips is stored as ~id < 0 (sft: data/conversations.py)."""
-    return jnp.maximum(tokens, ~tokens)
+    """Token ids of rows where a target the loss skips is stored as ~id < 0 and a document's first token carries
+    SEGMENT_START (sft's packed rows: ops/packing.py)."""
+    return jnp.maximum(tokens, ~tokens) & (SEGMENT_START - 1)
 
 
 class Transformer(nnx.Module):
@@ -883,6 +892,8 @@ class Transformer(nnx.Module):
             h_BTD = module(h_BTD, self.embed(unmasked(tokens_at(padded_BT, chunk_positions_T, k, T)), axes), angles, axes,
                            depth_keys_B)  # token i+k at i
             valid_BT = jnp.broadcast_to(positions_T < T - k, (B, positions_T.shape[0]))
+            if getattr(angles, "segments_bT", None) is not None:  # packed rows: no target in the next document
+                valid_BT &= kernel("packing").targets_in_document(tokens_BT1, chunk_positions_T, k)
             targets_BT = tokens_at(padded_BT, chunk_positions_T, k + 1, T)
             total += self.loss_sum(h_BTD, unmasked(targets_BT), axes, norm=module.final_norm, mask_BT=valid_BT & (targets_BT >= 0))
         return total

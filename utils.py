@@ -35,6 +35,7 @@ MESH_AXES = (SLICE,) + AXES
 BATCH_AXES = (SLICE, DP)  # the batch's rows, slice-major: a global row index stays meaningful
 
 HF_PREFIX = "hf:"  # --train.init_from hf:DIR: a Hugging Face checkpoint directory
+SEGMENT_START = 1 << 30  # set on a packed row's first token of each document (sft: ops/packing.py), above any vocabulary
 
 # The choices of flags whose code lives in a kernel module (ops/), named here so that a
 # config is checked without importing the kernels.

@@ -13,9 +13,12 @@ prompt) and the end of its turn (the messages through it, without); the end-of-t
 closes a conversation that ends on the assistant's turn unless the template ends it with one
 of its end tokens, so that a reply learns to stop where the server stops.
 
-One conversation per row of seq_len + 1 tokens, padded with end-of-text tokens the loss
-skips (no packing yet). A row stores a target the loss skips as ~id < 0 (model.unmasked).
-Row r of step s is conversation perm_e[(s B + r) mod N] with a seeded permutation per epoch
+Conversations are packed into rows of seq_len + 1 tokens in their order (a row takes the
+next while it fits), the rest of a row padded with end-of-text tokens the loss skips; none
+attends to another, and each runs at its own positions (ops/packing.py), so a packed row
+trains what its conversations would one per row. A row stores a target the loss skips as
+~id < 0 (model.unmasked), and a conversation's first token with utils.SEGMENT_START set.
+Row r of step s is packed row perm_e[(s B + r) mod N] with a seeded permutation per epoch
 e: it depends only on (seed, step, batch size, data), never on the mesh. Held out for eval:
 the plays of shakespeare.VAL_PLAYS; of a JSONL file, every VAL_EVERY-th conversation.
 """
@@ -28,7 +31,7 @@ import numpy as np
 
 from data import shakespeare
 from data.shards import get_tokenizer
-from utils import HF_PREFIX, ConfigError
+from utils import HF_PREFIX, SEGMENT_START, ConfigError
 
 PLAYS = "plays"
 PLAY_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "serving", "play.jinja")
@@ -96,6 +99,22 @@ def as_row(ids, trained, row_len, eot_id):
     row = np.full(row_len, ~eot_id, np.int32)
     row[:len(ids)] = np.where(trained, ids, ~ids)
     return row
+
+
+def packed_rows(conversations, row_len, eot_id):
+    """Rows [N, row_len] of (ids, trained) conversations packed in order, each one's first
+    token flagged (SEGMENT_START) and skipped as a target: alone in a row it is never one, and
+    so no target crosses from one conversation into the next."""
+    rows = [np.full(row_len, ~eot_id, np.int32)]  # (padding: skipped end-of-text tokens)
+    used = 0
+    for ids, trained in conversations:
+        if used + len(ids) > row_len:
+            rows.append(np.full(row_len, ~eot_id, np.int32))
+            used = 0
+        rows[-1][used:used + len(ids)] = np.where(trained, ids, ~ids)
+        rows[-1][used] = ~(ids[0] | SEGMENT_START)
+        used += len(ids)
+    return np.stack(rows)
 
 
 # ---- Sources: a JSONL file, the plays
@@ -221,9 +240,9 @@ def open_conversations(cfg, process_index=0):
         splits = play_conversations()
     else:
         splits = train_and_val(read_jsonl(source))
-    rows = {}
+    rows, counts = {}, {}
     for split, conversations in splits.items():
-        table = []
+        encoded = []
         for where, messages in conversations:
             ids, trained = encode_conversation(chat, tokenizer, messages, where)
             if len(ids) > row_len and source == PLAYS:
@@ -231,11 +250,11 @@ def open_conversations(cfg, process_index=0):
             if len(ids) > row_len:
                 raise ConfigError(f"{where}: {len(ids)} tokens rendered, more than --model.seq_len + 1 = {row_len}: raise "
                                   "--model.seq_len or shorten the conversation")
-            table.append(as_row(ids, trained, row_len, tokenizer.eot_id))
-        if not table:
+            encoded.append((ids, trained))
+        if not encoded:
             raise ConfigError(f"--data.conversations {source}: no {split} conversation fits --model.seq_len + 1 = {row_len} tokens")
-        rows[split] = np.stack(table)
+        rows[split], counts[split] = packed_rows(encoded, row_len, tokenizer.eot_id), len(encoded)
     if process_index == 0:
-        print(f"conversations {source}: {len(rows['train']):,} train, {len(rows['val']):,} held out, rows of {row_len} tokens, "
-              f"template {chat.source}", flush=True)
+        print(f"conversations {source}: {counts['train']:,} train, {counts['val']:,} held out, packed in "
+              f"{len(rows['train']):,} + {len(rows['val']):,} rows of {row_len} tokens, template {chat.source}", flush=True)
     return ConversationData(rows, tokenizer)

@@ -16,9 +16,10 @@ MLA's score is a content part and a RoPE part: q_nope . k_nope per head plus q_r
 k_rope, the RoPE key shared by every head (decoupled RoPE). The mask is causal over
 GLOBAL positions (q_pos_T, k_pos_S): a query sees the keys at or before its position.
 Under context parallelism a device's queries are two chunks of the sequence and its
-keys the whole sequence, so the positions are not 0..T-1. A block pair in which every
-key comes after every query is skipped (lax.cond): its probabilities are exactly 0,
-so skipping it changes no number.
+keys the whole sequence, so the positions are not 0..T-1. Packed rows (ops/packing.py)
+also hide every key of another document (segments_bT: each row's document ids). A block
+pair in which every key comes after every query is skipped (lax.cond): its probabilities
+are exactly 0, so skipping it changes no number.
 """
 
 import functools
@@ -32,15 +33,18 @@ from ops.collectives import varying_like
 ACC_DTYPE = jnp.float32  # scores, softmax statistics and accumulators
 
 
-def blockwise_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block):
+def blockwise_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block,
+                        segments_bT=None):
     """Causal softmax(scale (q_nope . k_nope + q_rope . k_rope)) v over key blocks: out [B, T, H, K].
-    q_pos_T / k_pos_S: the global positions of the queries / keys. `block` must divide T and S
+    q_pos_T / k_pos_S: the global positions of the queries / keys; segments_bT: packed rows'
+    document ids at every position of the whole rows, or None. `block` must divide T and S
     (utils.validate_model checks --model.attention_block); one longer than T or S is cut to it."""
     return blockwise_attention_and_max_logits(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S,
-                                              scale, block)[0]
+                                              scale, block, segments_bT)[0]
 
 
-def blockwise_attention_and_max_logits(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block):
+def blockwise_attention_and_max_logits(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block,
+                                       segments_bT=None):
     """(blockwise_attention's output, each head's largest scaled score [H]): the online
     softmax's running max, which the forward keeps anyway (no gradient flows through it)."""
     block = min(block, q_pos_T.shape[0], k_pos_S.shape[0])
@@ -51,22 +55,25 @@ def blockwise_attention_and_max_logits(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_
     # kept for the backward pass: at T = 32768 and cp 8, 4 GiB of float32 and 1 GiB of
     # masks per device in the compiled TPU step (docs/planning.md, "Long sequences").
     q_pos_T, k_pos_S, q_nope_BTHK = jax.lax.optimization_barrier((q_pos_T, k_pos_S, q_nope_BTHK))
-    out_BTHK, max_nBHt = _attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block)
+    out_BTHK, max_nBHt = _attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, segments_bT,
+                                    scale, block)
     return out_BTHK, jnp.max(jax.lax.stop_gradient(max_nBHt), axis=(0, 1, 3))
 
 
-def max_logits(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, q_pos_T, k_pos_S, scale, block):
+def max_logits(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, q_pos_T, k_pos_S, scale, block, segments_bT=None):
     """Each head's largest scaled score [H], a block of queries at a time against every
     key (for an attention that does not hand its scores out: [B, H, block, S] at once)."""
     block = math.gcd(block, q_pos_T.shape[0])
     k_nope_BHSK = k_nope_BSHK.transpose(0, 2, 1, 3)
 
+    keys_at = (k_pos_S, None if segments_bT is None else segments_bT[:, k_pos_S])  # (one block: every key)
+
     def one_query_block(query):
-        q_nope_BHtK, q_rope_BHtR, q_pos_t = query
-        scores_BHtS = block_scores(q_nope_BHtK, q_rope_BHtR, q_pos_t, k_nope_BHSK, k_rope_BSR, k_pos_S, scale)
+        q_nope_BHtK, q_rope_BHtR, q_at = query
+        scores_BHtS = block_scores(q_nope_BHtK, q_rope_BHtR, q_at, k_nope_BHSK, k_rope_BSR, keys_at, scale)
         return jnp.max(scores_BHtS, axis=(0, 2, 3))
 
-    queries = (query_blocks(q_nope_BTHK, block), query_blocks(q_rope_BTHR, block), q_pos_T.reshape(-1, block))
+    queries = (query_blocks(q_nope_BTHK, block), query_blocks(q_rope_BTHR, block), position_blocks(q_pos_T, segments_bT, block))
     return jnp.max(jax.lax.map(one_query_block, queries), axis=0)
 
 
@@ -79,10 +86,19 @@ def query_blocks(x_BTHx, block):
     return x_BTHx.reshape(B, T // block, block, H, X).transpose(1, 0, 3, 2, 4)
 
 
-def key_blocks(k_nope_BSHK, k_rope_BSR, v_BSHK, k_pos_S, block):
+def key_blocks(k_nope_BSHK, k_rope_BSR, v_BSHK, k_pos_S, segments_bT, block):
     B, S, H, K = k_nope_BSHK.shape
     return (query_blocks(k_nope_BSHK, block), k_rope_BSR.reshape(B, S // block, block, -1).transpose(1, 0, 2, 3),
-            query_blocks(v_BSHK, block), k_pos_S.reshape(S // block, block))
+            query_blocks(v_BSHK, block), position_blocks(k_pos_S, segments_bT, block))
+
+
+def position_blocks(pos_T, segments_bT, block):
+    """What the mask reads of each block of positions: (positions [T/block, block], their document ids
+    [T/block, b, block], or None when rows are not packed)."""
+    if segments_bT is None:
+        return pos_T.reshape(-1, block), None
+    b, n = segments_bT.shape[0], pos_T.shape[0] // block
+    return pos_T.reshape(n, block), segments_bT[:, pos_T].reshape(b, n, block).transpose(1, 0, 2)
 
 
 def unblock(x_nBHtX):
@@ -91,35 +107,39 @@ def unblock(x_nBHtX):
     return x_nBHtX.transpose(1, 0, 3, 2, 4).reshape(B, n * t, H, X)
 
 
-def block_scores(q_nope_BHtK, q_rope_BHtR, q_pos_t, k_nope_BHsK, k_rope_BsR, k_pos_s, scale):
-    """Scaled scores of one block pair [B, H, t, s], float32, -inf where the key comes after the query."""
+def block_scores(q_nope_BHtK, q_rope_BHtR, q_at, k_nope_BHsK, k_rope_BsR, k_at, scale):
+    """Scaled scores of one block pair [B, H, t, s], float32, -inf where the key comes after the query
+    or (packed rows) lies in another document. q_at, k_at: position_blocks' of the block."""
+    (q_pos_t, q_seg_Bt), (k_pos_s, k_seg_Bs) = q_at, k_at
     scores = jnp.matmul(q_nope_BHtK, k_nope_BHsK.swapaxes(-1, -2), preferred_element_type=ACC_DTYPE)
     scores += jnp.einsum("bhtr,bsr->bhts", q_rope_BHtR, k_rope_BsR, preferred_element_type=ACC_DTYPE)
-    visible_ts = k_pos_s[None, :] <= q_pos_t[:, None]
-    return jnp.where(visible_ts, scores * scale, -jnp.inf)
+    visible = k_pos_s[None, :] <= q_pos_t[:, None]  # [t, s], packed [B, 1, t, s]
+    if q_seg_Bt is not None:
+        visible = visible & (q_seg_Bt[:, :, None] == k_seg_Bs[:, None, :])[:, None]
+    return jnp.where(visible, scores * scale, -jnp.inf)
 
 
-def any_visible(q_pos_t, k_pos_s):
-    """Does any query of the block see any key of the block? (Else the block pair is skipped.)"""
-    return jnp.min(k_pos_s) <= jnp.max(q_pos_t)
+def any_visible(q_at, k_at):
+    """Does any query of the block come at or after any key of the block? (Else the pair is skipped.)"""
+    return jnp.min(k_at[0]) <= jnp.max(q_at[0])
 
 
 # ---- Forward: the online softmax
 
 
-def forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block):
+def forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, segments_bT, scale, block):
     """(out [B, T, H, K], log-sum-exp of each query's scores [T/block, B, H, block], and
     their max, the same shape)."""
-    keys = key_blocks(k_nope_BSHK, k_rope_BSR, v_BSHK, k_pos_S, block)
+    keys = key_blocks(k_nope_BSHK, k_rope_BSR, v_BSHK, k_pos_S, segments_bT, block)
 
     def one_query_block(query):
-        q_nope_BHtK, q_rope_BHtR, q_pos_t = query
+        q_nope_BHtK, q_rope_BHtR, q_at = query
 
         def visit(carry, key):
             def update(carry):
                 max_BHt, sum_BHt, acc_BHtK = carry
-                k_nope_BHsK, k_rope_BsR, v_BHsK, k_pos_s = key
-                scores_BHts = block_scores(q_nope_BHtK, q_rope_BHtR, q_pos_t, k_nope_BHsK, k_rope_BsR, k_pos_s, scale)
+                k_nope_BHsK, k_rope_BsR, v_BHsK, k_at = key
+                scores_BHts = block_scores(q_nope_BHtK, q_rope_BHtR, q_at, k_nope_BHsK, k_rope_BsR, k_at, scale)
                 new_max_BHt = jnp.maximum(max_BHt, jnp.max(scores_BHts, axis=-1))
                 # A row that has seen no key yet keeps max -inf: subtract 0 there, not -inf (nan).
                 shift_BHt = jnp.where(jnp.isfinite(new_max_BHt), new_max_BHt, 0.0)
@@ -128,15 +148,16 @@ def forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, 
                 acc_BHtK = acc_BHtK * rescale_BHt[..., None] + jnp.matmul(
                     probs_BHts.astype(v_BHsK.dtype), v_BHsK, preferred_element_type=ACC_DTYPE)
                 return new_max_BHt, sum_BHt * rescale_BHt + jnp.sum(probs_BHts, axis=-1), acc_BHtK
-            return jax.lax.cond(any_visible(q_pos_t, key[3]), update, lambda c: c, carry), None
+            return jax.lax.cond(any_visible(q_at, key[3]), update, lambda c: c, carry), None
 
         B, H, t, K = q_nope_BHtK.shape
         init = (jnp.full((B, H, t), -jnp.inf, ACC_DTYPE), jnp.zeros((B, H, t), ACC_DTYPE), jnp.zeros((B, H, t, K), ACC_DTYPE))
-        init = varying_like(init, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S)
+        init = varying_like(init, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S,
+                            *jax.tree.leaves(segments_bT))
         max_BHt, sum_BHt, acc_BHtK = jax.lax.scan(visit, init, keys)[0]
         return acc_BHtK / sum_BHt[..., None], max_BHt + jnp.log(sum_BHt), max_BHt
 
-    queries = (query_blocks(q_nope_BTHK, block), query_blocks(q_rope_BTHR, block), q_pos_T.reshape(-1, block))
+    queries = (query_blocks(q_nope_BTHK, block), query_blocks(q_rope_BTHR, block), position_blocks(q_pos_T, segments_bT, block))
     out_nBHtK, lse_nBHt, max_nBHt = jax.lax.map(one_query_block, queries)
     return unblock(out_nBHtK).astype(q_nope_BTHK.dtype), lse_nBHt, max_nBHt
 
@@ -144,16 +165,19 @@ def forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, 
 # ---- The gradient, block by block (FlashAttention-2's backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, segments_bT, scale, block):
     """(out, the max of each query's scores [T/block, B, H, block]: a metric, no cotangent)."""
-    out_BTHK, _, max_nBHt = forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block)
+    out_BTHK, _, max_nBHt = forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, segments_bT,
+                                    scale, block)
     return out_BTHK, max_nBHt
 
 
-def _attention_fwd(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block):
-    out_BTHK, lse_nBHt, max_nBHt = forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, scale, block)
-    return (out_BTHK, max_nBHt), (q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, out_BTHK, lse_nBHt)
+def _attention_fwd(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, segments_bT, scale, block):
+    out_BTHK, lse_nBHt, max_nBHt = forward(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S,
+                                           segments_bT, scale, block)
+    return (out_BTHK, max_nBHt), (q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, segments_bT,
+                                  out_BTHK, lse_nBHt)
 
 
 def _attention_bwd(scale, block, saved, cotangents):
@@ -161,23 +185,23 @@ def _attention_bwd(scale, block, saved, cotangents):
     probabilities recomputed from the saved log-sum-exp: dV += P^T dO,
     dS = P (dO V^T - rowsum(dO * O)) scale, dQ += dS K, dK += dS^T Q. The key block's
     dK, dV are the inner loop's carry; dQ of every query block is the outer loop's."""
-    q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, out_BTHK, lse_nBHt = saved
+    q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, segments_bT, out_BTHK, lse_nBHt = saved
     d_out_BTHK = cotangents[0]  # (the max logits are a metric: their cotangent is zero)
     dtype = q_nope_BTHK.dtype
     delta_nBHt = query_blocks(jnp.sum(d_out_BTHK.astype(ACC_DTYPE) * out_BTHK.astype(ACC_DTYPE), axis=-1, keepdims=True), block)[..., 0]
-    queries = (query_blocks(q_nope_BTHK, block), query_blocks(q_rope_BTHR, block), q_pos_T.reshape(-1, block),
+    queries = (query_blocks(q_nope_BTHK, block), query_blocks(q_rope_BTHR, block), position_blocks(q_pos_T, segments_bT, block),
                query_blocks(d_out_BTHK.astype(dtype), block), lse_nBHt, delta_nBHt)
 
     def one_key_block(d_queries, key):
-        k_nope_BHsK, k_rope_BsR, v_BHsK, k_pos_s = key
+        k_nope_BHsK, k_rope_BsR, v_BHsK, k_at = key
 
         def visit(carry, query_and_index):
             query, i = query_and_index
-            q_nope_BHtK, q_rope_BHtR, q_pos_t, d_out_BHtK, lse_BHt, delta_BHt = query
+            q_nope_BHtK, q_rope_BHtR, q_at, d_out_BHtK, lse_BHt, delta_BHt = query
 
             def update(carry):
                 (d_q_nope_nBHtK, d_q_rope_nBHtR), (d_k_nope_BHsK, d_k_rope_BsR, d_v_BHsK) = carry
-                scores_BHts = block_scores(q_nope_BHtK, q_rope_BHtR, q_pos_t, k_nope_BHsK, k_rope_BsR, k_pos_s, scale)
+                scores_BHts = block_scores(q_nope_BHtK, q_rope_BHtR, q_at, k_nope_BHsK, k_rope_BsR, k_at, scale)
                 probs_BHts = jnp.exp(scores_BHts - lse_BHt[..., None])  # 0 where masked
                 d_v_BHsK += jnp.matmul(probs_BHts.astype(dtype).swapaxes(-1, -2), d_out_BHtK, preferred_element_type=ACC_DTYPE)
                 d_probs_BHts = jnp.matmul(d_out_BHtK, v_BHsK.swapaxes(-1, -2), preferred_element_type=ACC_DTYPE)
@@ -188,21 +212,22 @@ def _attention_bwd(scale, block, saved, cotangents):
                 d_k_nope_BHsK += jnp.matmul(d_scores_BHts.swapaxes(-1, -2), q_nope_BHtK, preferred_element_type=ACC_DTYPE)
                 d_k_rope_BsR += jnp.einsum("bhts,bhtr->bsr", d_scores_BHts, q_rope_BHtR, preferred_element_type=ACC_DTYPE)
                 return (d_q_nope_nBHtK, d_q_rope_nBHtR), (d_k_nope_BHsK, d_k_rope_BsR, d_v_BHsK)
-            return jax.lax.cond(any_visible(q_pos_t, k_pos_s), update, lambda c: c, carry), None
+            return jax.lax.cond(any_visible(q_at, k_at), update, lambda c: c, carry), None
 
         zeros = lambda x: jnp.zeros(x.shape, ACC_DTYPE)  # noqa: E731
-        init = (d_queries, varying_like((zeros(k_nope_BHsK), zeros(k_rope_BsR), zeros(v_BHsK)), *saved, d_out_BTHK))
-        d_queries, d_key = jax.lax.scan(visit, init, (queries, jnp.arange(queries[2].shape[0])))[0]
+        init = (d_queries, varying_like((zeros(k_nope_BHsK), zeros(k_rope_BsR), zeros(v_BHsK)), *jax.tree.leaves(saved), d_out_BTHK))
+        d_queries, d_key = jax.lax.scan(visit, init, (queries, jnp.arange(queries[0].shape[0])))[0]
         return d_queries, d_key
 
-    keys = key_blocks(k_nope_BSHK, k_rope_BSR, v_BSHK, k_pos_S, block)
-    d_queries = varying_like((jnp.zeros(queries[0].shape, ACC_DTYPE), jnp.zeros(queries[1].shape, ACC_DTYPE)), *saved, d_out_BTHK)
+    keys = key_blocks(k_nope_BSHK, k_rope_BSR, v_BSHK, k_pos_S, segments_bT, block)
+    d_queries = varying_like((jnp.zeros(queries[0].shape, ACC_DTYPE), jnp.zeros(queries[1].shape, ACC_DTYPE)),
+                             *jax.tree.leaves(saved), d_out_BTHK)
     (d_q_nope_nBHtK, d_q_rope_nBHtR), (d_k_nope_nBHsK, d_k_rope_nBsR, d_v_nBHsK) = jax.lax.scan(one_key_block, d_queries, keys)
     B, S, R = k_rope_BSR.shape
     d_k_rope_BSR = d_k_rope_nBsR.transpose(1, 0, 2, 3).reshape(B, S, R)
     return (unblock(d_q_nope_nBHtK).astype(dtype), unblock(d_q_rope_nBHtR).astype(q_rope_BTHR.dtype),
             unblock(d_k_nope_nBHsK).astype(k_nope_BSHK.dtype), d_k_rope_BSR.astype(k_rope_BSR.dtype),
-            unblock(d_v_nBHsK).astype(v_BSHK.dtype), None, None)
+            unblock(d_v_nBHsK).astype(v_BSHK.dtype), None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

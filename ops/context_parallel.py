@@ -33,12 +33,13 @@ class SequenceChunks:
     """What attention needs under cp, passed down where the RoPE angles go: the angles of this rank's tokens, their
     global positions q_pos_T [2L], those of the gathered keys k_pos_S [T], and the cp axis. Under the automatic
     executor (a global program, every rank's chunks in rank order) nothing is gathered by hand: `whole` asks the
-    compiler for the latent whole over cp."""
+    compiler for the latent whole over cp. Packed rows (ops/packing.py) add their whole rows' document ids [b, T]."""
     angles: jax.Array
     q_pos_T: jax.Array
     k_pos_S: jax.Array
     axis: str = dataclasses.field(metadata=dict(static=True))
     whole: P | None = dataclasses.field(default=None, metadata=dict(static=True))
+    segments_bT: jax.Array | None = None
 
     def gather(self, kv_BTA, k_rope_BTR):
         """The latent and RoPE key of every rank's tokens: [B, T, A], [B, T, R], one

@@ -25,5 +25,5 @@ def unchecked(kernel, *arrays):
         return kernel(*arrays)
 
     def batch_of_one(*arrays):
-        return jax.tree.map(lambda y: y[0], jax.vmap(kernel)(*(a[None] for a in arrays)))
+        return jax.tree.map(lambda y: y[0], jax.vmap(kernel)(*jax.tree.map(lambda a: a[None], arrays)))
     return jax.shard_map(batch_of_one, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=frozenset(), check_vma=False)(*arrays)

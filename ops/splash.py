@@ -23,6 +23,10 @@ q_sequence, compared in the kernel with each key's index), so the blocks no quer
 chunk can see are skipped as above. The skipped blocks differ from rank to rank and the
 kernel is made for one pattern, so each rank's kernel is made once and lax.switch on
 the cp rank picks it (cp kernels in the program, one run per call).
+
+Packed rows (ops/packing.py) hand the kernel its segment ids: each query's document and
+each key's, in sequence order; it masks the keys of other documents within the blocks it
+visits.
 """
 
 import functools
@@ -79,38 +83,40 @@ def causal_attention(T, H, block, interpret, cp=1, rank=0):
                                                       "residual_checkpoint_name", "mask_function",
                                                       "attn_logits_soft_cap", "interpret")}
 
-    def forward_row(q_HTW, k_HTW, v_HTK):
-        out_HTK, residuals = splash_kernel._splash_attention_fwd(*infos, q_HTW, k_HTW, v_HTK, None, None, **options)
+    def forward_row(q_HTW, k_HTW, v_HTK, segments):
+        out_HTK, residuals = splash_kernel._splash_attention_fwd(*infos, q_HTW, k_HTW, v_HTK, segments, None, **options)
         return out_HTK, residuals[6]  # and the log-sum-exp per query
 
-    def backward_row(q_HTW, k_HTW, v_HTK, out_HTK, lse_HT, d_out_HTK):
-        residuals = (q_HTW, k_HTW, v_HTK, None, None, out_HTK, lse_HT, infos[1], infos[2])
+    def backward_row(q_HTW, k_HTW, v_HTK, segments, out_HTK, lse_HT, d_out_HTK):
+        residuals = (q_HTW, k_HTW, v_HTK, segments, None, out_HTK, lse_HT, infos[1], infos[2])
         return splash_kernel._splash_attention_bwd(*options.values(), residuals, d_out_HTK)[3:6]
 
     @jax.custom_vjp
-    def attention(q_BHTW, k_BHTW, v_BHTK):
-        return attention_forward(q_BHTW, k_BHTW, v_BHTK)[0]
+    def attention(q_BHTW, k_BHTW, v_BHTK, segments=None):
+        """segments: a SegmentIds of [B, Tq] and [B, T] document ids (packed rows), or None."""
+        return attention_forward(q_BHTW, k_BHTW, v_BHTK, segments)[0]
 
-    def attention_forward(q_BHTW, k_BHTW, v_BHTK):
-        out_BHTK, lse_BHT = unchecked(jax.vmap(forward_row), q_BHTW, k_BHTW, v_BHTK)
+    def attention_forward(q_BHTW, k_BHTW, v_BHTK, segments=None):
+        out_BHTK, lse_BHT = unchecked(jax.vmap(forward_row), q_BHTW, k_BHTW, v_BHTK, segments)
         out_BHTK = varying_like(out_BHTK, q_BHTW, k_BHTW, v_BHTK)
-        return out_BHTK, (q_BHTW, k_BHTW, v_BHTK, out_BHTK, lse_BHT)
+        return out_BHTK, (q_BHTW, k_BHTW, v_BHTK, segments, out_BHTK, lse_BHT)
 
     def attention_backward(residuals, d_out_BHTK):
         grads = unchecked(jax.vmap(backward_row), *residuals, d_out_BHTK)
-        return tuple(varying_like(g, x) for g, x in zip(grads, residuals[:3]))
+        return (*(varying_like(g, x) for g, x in zip(grads, residuals[:3])), None)
 
     attention.defvjp(attention_forward, attention_backward)
     return attention
 
 
-def splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, scale, block, cp_axis=None):
+def splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, scale, block, cp_axis=None, segments=None):
     """Causal softmax(scale (q_nope . k_nope + q_rope . k_rope)) v: out [B, T, H, K].
     Queries and keys are the same T positions, or (cp_axis given) this cp rank's chunks
     against every rank's tokens gathered rank-major (context_parallel.gathered_positions).
     `block`, cut to T (under cp to a chunk), must divide it and be a multiple of
     SPLASH_LANES (utils.validate_model). Under tp each device passes its own heads: the
-    kernel is made for the local head count."""
+    kernel is made for the local head count. segments: packed rows' document ids (queries
+    [B, T], keys [B, S] in sequence order), or None."""
     B, T, H, K = q_nope_BTHK.shape
     S, R = k_nope_BSHK.shape[1], q_rope_BTHR.shape[-1]
     q_BHTW = (jnp.concatenate([q_nope_BTHK, q_rope_BTHR], axis=-1) * scale).astype(q_nope_BTHK.dtype).transpose(0, 2, 1, 3)
@@ -118,12 +124,13 @@ def splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, 
     k_BHSW = jnp.concatenate([k_nope_BSHK, k_rope_BSHR], axis=-1).transpose(0, 2, 1, 3)
     v_BHSK = v_BSHK.transpose(0, 2, 1, 3)
     interpret = interpret_kernels()
+    segments = None if segments is None else splash_kernel.SegmentIds(*segments)
     if cp_axis is None:
-        out_BHTK = causal_attention(S, H, splash_block(block, S), interpret)(q_BHTW, k_BHSW, v_BHSK)
+        out_BHTK = causal_attention(S, H, splash_block(block, S), interpret)(q_BHTW, k_BHSW, v_BHSK, segments)
     else:
         cp = jax.lax.axis_size(cp_axis)
         in_order_S = np.argsort(gathered_positions(S, cp))  # the gathered keys back in sequence order
         k_BHSW, v_BHSK = k_BHSW[:, :, in_order_S], v_BHSK[:, :, in_order_S]
         kernels = [causal_attention(S, H, splash_block(block, S // (2 * cp)), interpret, cp, rank) for rank in range(cp)]
-        out_BHTK = jax.lax.switch(jax.lax.axis_index(cp_axis), kernels, q_BHTW, k_BHSW, v_BHSK)
+        out_BHTK = jax.lax.switch(jax.lax.axis_index(cp_axis), kernels, q_BHTW, k_BHSW, v_BHSK, segments)
     return out_BHTK.transpose(0, 2, 1, 3)

@@ -54,19 +54,19 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
         blocks, blocks_vjp = jax.vjp(lambda b: jax.tree.map(lambda w: vary(w, AXES), b), params["blocks"])
         loop = fsdp.block_loop(cfg, passes=1)
 
-    def microbatch_sums(top, blocks, tokens_bT1, keys_b):
+    def microbatch_sums(top, blocks, tokens_bT1, keys_b, angles):
         """((cross-entropy, MTP, balance losses per block), MoE statistics) of one microbatch."""
         model = nnx.merge(graphdef, {**top, "blocks": blocks})
-        x_bTD = model.embed_and_prefix(tokens_bT1, mb.angles, axes, keys_b, m_cfg.remat)
+        x_bTD = model.embed_and_prefix(tokens_bT1, angles, axes, keys_b, m_cfg.remat)
 
         def run_blocks(x_bTD):
-            return apply_blocks(model.blocks, x_bTD, mb.angles, axes, keys_b, remat=m_cfg.remat, unroll=m_cfg.unroll_blocks,
+            return apply_blocks(model.blocks, x_bTD, angles, axes, keys_b, remat=m_cfg.remat, unroll=m_cfg.unroll_blocks,
                                 loop=loop)
 
         if m_cfg.remat == "stage":  # all blocks are the one stage: keep only the microbatch's input
             run_blocks = jax.checkpoint(run_blocks)
         y_bTD, stats_N = run_blocks(x_bTD)
-        return model.head_sums(y_bTD, tokens_bT1, mb.angles, axes, keys_b) + core.balance_sums(stats_N), stats_N
+        return model.head_sums(y_bTD, tokens_bT1, angles, axes, keys_b) + core.balance_sums(stats_N), stats_N
 
     def cotangents(sums):
         return tuple(jnp.full_like(s, c) for s, c in zip(sums, (cot["ce"], cot["mtp"], cot["aux"], cot["seq_aux"])))
@@ -77,7 +77,8 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
         # Tied to this microbatch's tokens, the gathers stay in the loop (else JAX hoists them
         # all and keeps every block's gathered weights for the step: a "once" not asked for).
         blocks_m = blocks if once else jax.lax.optimization_barrier((blocks, tokens_bT1))[0]
-        sums, vjp, stats_N = jax.vjp(lambda t, b: microbatch_sums(t, b, tokens_bT1, keys_b), top, blocks_m, has_aux=True)
+        sums, vjp, stats_N = jax.vjp(lambda t, b: microbatch_sums(t, b, tokens_bT1, keys_b, mb.angles_of(m)), top, blocks_m,
+                                     has_aux=True)
         g_top, g_blocks = vjp(cotangents(sums))
         add = lambda acc, g: acc + g.astype(acc.dtype)  # noqa: E731
         return dict(g_top=jax.tree.map(add, carry["g_top"], g_top), g_blocks=jax.tree.map(add, carry["g_blocks"], g_blocks),
@@ -87,7 +88,7 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
     f32_zeros = lambda tree: jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), tree)  # noqa: E731
     carry = dict(g_top=f32_zeros(top), g_blocks=f32_zeros(blocks), ce=jnp.zeros((), jnp.float32),
                  mtp=jnp.zeros((), jnp.float32))
-    first = lambda t, b: microbatch_sums(t, b, mb.tokens_MbT1[0], None if mb.keys_Mb is None else mb.keys_Mb[0])  # noqa: E731
+    first = lambda t, b: microbatch_sums(t, b, mb.tokens_MbT1[0], None if mb.keys_Mb is None else mb.keys_Mb[0], mb.angles_of(0))  # noqa: E731
     carry["stats"] = core.empty_stats(jax.eval_shape(first, top, blocks)[1])
     for _ in range(2):  # settle the carry's types (which axes each sum varies over)
         carry = widen(carry, jax.eval_shape(lambda c: step(c, 0)[0], carry))

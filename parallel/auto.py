@@ -72,24 +72,24 @@ def loss(params, tokens_BT1, graphdef, cfg, rng):
     mb = core.split_microbatches(tokens_BT1, cfg, rng, first_row=0, strided=True)
     M = mb.tokens_MbT1.shape[0]
 
-    def run_blocks(x_bTD, keys_b):
-        return apply_blocks(model.blocks, x_bTD, mb.angles, axes, keys_b, remat=m_cfg.remat, unroll=m_cfg.unroll_blocks, loop=loop)
+    def run_blocks(x_bTD, keys_b, angles):
+        return apply_blocks(model.blocks, x_bTD, angles, axes, keys_b, remat=m_cfg.remat, unroll=m_cfg.unroll_blocks, loop=loop)
 
     if m_cfg.remat == "stage":  # all blocks are the one stage: keep only their input per microbatch
         run_blocks = jax.checkpoint(run_blocks)
 
-    def head_sums(y_bTD, tokens_bT1, keys_b):  # (axes.tp None: the compiler splits the vocabulary)
-        return model.head_sums(y_bTD, tokens_bT1, mb.angles, axes, keys_b)
+    def head_sums(y_bTD, tokens_bT1, keys_b, angles):  # (axes.tp None: the compiler splits the vocabulary)
+        return model.head_sums(y_bTD, tokens_bT1, angles, axes, keys_b)
 
     if M > 1:  # recompute each microbatch's float32 logits in the backward pass rather than keep all M
         head_sums = jax.checkpoint(head_sums)
 
     def microbatch(sums, tokens_and_index):
         tokens_bT1, index = tokens_and_index
-        keys_b = None if mb.keys_Mb is None else mb.keys_Mb[index]
-        x_bTD = model.embed_and_prefix(tokens_bT1, mb.angles, axes, keys_b, m_cfg.remat, stream=residual)
-        y_bTD, stats_N = run_blocks(x_bTD, keys_b)
-        ce, mtp = head_sums(residual(y_bTD), tokens_bT1, keys_b)
+        keys_b, angles = None if mb.keys_Mb is None else mb.keys_Mb[index], mb.angles_of(index)
+        x_bTD = model.embed_and_prefix(tokens_bT1, angles, axes, keys_b, m_cfg.remat, stream=residual)
+        y_bTD, stats_N = run_blocks(x_bTD, keys_b, angles)
+        ce, mtp = head_sums(residual(y_bTD), tokens_bT1, keys_b, angles)
         return (sums[0] + ce, sums[1] + mtp), stats_N
 
     zero = jnp.zeros((), jnp.float32)

@@ -41,12 +41,13 @@ def pipeline_sums(model, mb, cfg):
     stage's blocks [N/pp, ...], summed MTP cross-entropy)."""
     m_cfg, axes = cfg.model, core.layer_axes(cfg)
     n_stages, stage = jax.lax.axis_size(PP), axis_index(PP)  # (0, not varying, when pp = 1)
-    tokens_MbT1, angles, keys_Mb = mb.tokens_MbT1, mb.angles, mb.keys_Mb
+    tokens_MbT1, keys_Mb = mb.tokens_MbT1, mb.keys_Mb
     M = tokens_MbT1.shape[0]
     # Embedding and prefix on stage 0 only, the head on the last only (core.when), one
     # microbatch at a time: no stage computes what it would mask away.
     def embed_and_prefix(tokens_MbT1):
-        return jax.lax.map(lambda tk: model.embed_and_prefix(tk[0], angles, axes, tk[1], m_cfg.remat), (tokens_MbT1, keys_Mb))
+        return jax.lax.map(lambda tkm: model.embed_and_prefix(tkm[0], mb.angles_of(tkm[2]), axes, tkm[1], m_cfg.remat),
+                           (tokens_MbT1, keys_Mb, jnp.arange(M)))
 
     x0_MbTD = core.when(n_stages == 1 or stage == 0, embed_and_prefix, tokens_MbT1)
 
@@ -55,7 +56,7 @@ def pipeline_sums(model, mb, cfg):
     ticks = jnp.arange(M + n_stages - 1)
     loop = fsdp.block_loop(cfg, passes=len(ticks))
 
-    def run_stage(blocks_state, x_bTD, keys_b):
+    def run_stage(blocks_state, x_bTD, keys_b, angles):
         return apply_blocks(nnx.merge(blocks_def, blocks_state), x_bTD, angles, axes, keys_b, remat=m_cfg.remat,
                             unroll=m_cfg.unroll_blocks, first_block=first_block, loop=loop)
 
@@ -65,8 +66,8 @@ def pipeline_sums(model, mb, cfg):
     def tick(carry, t):
         received_bTD = carry
         x_bTD = jnp.where(stage == 0, x0_MbTD[jnp.minimum(t, M - 1)], received_bTD)
-        keys_b = None if keys_Mb is None else keys_Mb[jnp.clip(t - stage, 0, M - 1)]  # this tick's microbatch
-        y_bTD, stats_N = run_stage(blocks_state, x_bTD, keys_b)
+        m = jnp.clip(t - stage, 0, M - 1)  # this tick's microbatch
+        y_bTD, stats_N = run_stage(blocks_state, x_bTD, None if keys_Mb is None else keys_Mb[m], mb.angles_of(m))
         valid = (t - stage >= 0) & (t - stage < M)  # is this stage working on a real microbatch?
         stats_N = core.mask_stats(stats_N, valid)
         # Hand the activation to the next stage; the last stage's output is kept as ys.
@@ -86,7 +87,7 @@ def last_stage_sums(model, outputs_MbTD, mb, axes):
     at a time (recomputed in the backward), so only one microbatch's float32 logits
     [b, T, V/tp] exist, not [M b, T, V/tp]: most of a device's memory at a large vocabulary."""
     def microbatch_sums(y_bTD, tokens_bT1, m):
-        return model.head_sums(y_bTD, tokens_bT1, mb.angles, axes, None if mb.keys_Mb is None else mb.keys_Mb[m])
+        return model.head_sums(y_bTD, tokens_bT1, mb.angles_of(m), axes, None if mb.keys_Mb is None else mb.keys_Mb[m])
 
     if outputs_MbTD.shape[0] == 1:  # nothing to split: skip the recomputation
         return microbatch_sums(outputs_MbTD[0], mb.tokens_MbT1[0], 0)

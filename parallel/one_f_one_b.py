@@ -137,7 +137,7 @@ class ScheduledStep:
         state = jax.lax.optimization_barrier((state, x_bTD))[0]
         block_rng = self.block_keys(m, n)
         block = nnx.merge(self.block_def, fsdp.gather_block(state, self.cfg))
-        return block(x_bTD, self.mb.angles, self.axes, block_rng, remat_layers=self.remat == "layer")
+        return block(x_bTD, self.mb.angles_of(m), self.axes, block_rng, remat_layers=self.remat == "layer")
 
     def run_chunk(self, chunk, x_bTD, m, c):
         """Forward through chunk c's L blocks: (y, every block's input [L, ...], stats [L])."""
@@ -160,7 +160,8 @@ class ScheduledStep:
         block_rng = self.block_keys(m, n)
 
         def f(w, x_bTD):
-            y, stats = nnx.merge(self.block_def, w)(x_bTD, self.mb.angles, self.axes, block_rng, remat_layers=self.remat == "layer")
+            y, stats = nnx.merge(self.block_def, w)(x_bTD, self.mb.angles_of(m), self.axes, block_rng,
+                                                    remat_layers=self.remat == "layer")
             return (y, core.balance_sums(stats)), stats
         return remat_block(f, self.remat)
 
@@ -260,11 +261,11 @@ class ScheduledStep:
 
     def embed(self, top, m):
         """Microbatch m embedded and through the dense prefix: what the first chunk starts from."""
-        return self.model_with(top).embed_and_prefix(self.mb.tokens_MbT1[m], self.mb.angles, self.axes, self.keys(m))
+        return self.model_with(top).embed_and_prefix(self.mb.tokens_MbT1[m], self.mb.angles_of(m), self.axes, self.keys(m))
 
     def head_sums(self, top, y_bTD, m):
         """(summed cross-entropy, summed MTP cross-entropy) of microbatch m's output."""
-        return self.model_with(top).head_sums(y_bTD, self.mb.tokens_MbT1[m], self.mb.angles, self.axes, self.keys(m))
+        return self.model_with(top).head_sums(y_bTD, self.mb.tokens_MbT1[m], self.mb.angles_of(m), self.axes, self.keys(m))
 
     def forward_op(self, x_saved, m, v, c):
         """F: (output to send, the chunk's input, its blocks' stash, stats, (ce, mtp), gradient of the output, of top)."""

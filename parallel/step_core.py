@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from model import balance_router_biases, rope_angles, router_biases
+from model import balance_router_biases, kernel, rope_angles, router_biases
 from ops.collectives import Axes, axis_index, live_axes, pmax, pmean, psum, vary, zeros_of
 from ops.context_parallel import SequenceChunks, chunk_positions, gathered_positions
 from parallel.mesh import axes_of
@@ -91,11 +91,19 @@ class Microbatches:
     angles: jax.Array | SequenceChunks  # RoPE angles of positions 0..T-1; under cp, of this rank's chunks
     keys_Mb: jax.Array | None  # dropout keys of each row, or None without dropout
     positions_T: jax.Array | None = None  # under cp: the global positions of this rank's tokens [2L]
+    packed: tuple | None = None  # packed rows (sft): ops/packing.packed_views' angles and document ids per microbatch
 
     @property
     def local_len(self):
         """Tokens per row on this device: T, or under cp this rank's 2L."""
         return self.tokens_MbT1.shape[-1] - 1 if self.positions_T is None else self.positions_T.shape[0]
+
+    def angles_of(self, m):
+        """What microbatch m's layers take where RoPE angles go: `angles`, or its packed rows' own."""
+        if self.packed is None:
+            return self.angles
+        chunks = self.angles if self.positions_T is not None else None
+        return kernel("packing").packed_angles(self.packed[0][m], self.packed[1][m], chunks)
 
 
 def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
@@ -118,10 +126,13 @@ def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
             positions_T, whole = chunk_positions(T1 - 1, cp, axis_index(CP)), None
         else:  # the automatic executor: every rank's chunks in rank order, the sequence dim split over cp
             positions_T, whole = all_positions_T, P(BATCH_AXES, None, None)
-        chunks = SequenceChunks(rope_angles(positions_T[None, :], m), positions_T, all_positions_T, CP, whole)
-        return Microbatches(tokens_MbT1, chunks, keys_Mb, positions_T)
-    angles = rope_angles(jnp.arange(T1 - 1)[None, :], m)
-    return Microbatches(tokens_MbT1, angles, keys_Mb)
+        angles = SequenceChunks(rope_angles(positions_T[None, :], m), positions_T, all_positions_T, CP, whole)
+    else:
+        angles, positions_T = rope_angles(jnp.arange(T1 - 1)[None, :], m), None
+    packed = None
+    if cfg.train.objective == "sft":  # packed rows (ops/packing.py): each document at its own positions, seeing only itself
+        packed = kernel("packing").packed_views(tokens_MbT1, lambda p: rope_angles(p, m), angles if cp > 1 else None)
+    return Microbatches(tokens_MbT1, angles, keys_Mb, positions_T, packed)
 
 
 def dropout_rng(cfg, step):
