@@ -23,7 +23,8 @@ def dpo_config(mesh_shape=(1, 1, 1)):
 def dpo_batch(cfg):
     """Pairs as data/preferences.py lays them out: rows 2i and 2i + 1 share a prompt (targets
     skipped) and differ in the reply (targets counted)."""
-    tokens, trained = sft_batch(cfg, seed=3)
+    tokens = sft_batch(cfg, seed=3)[1][:cfg.train.batch_size]  # (one conversation per row)
+    trained = tokens >= 0
     tokens[1::2], trained[1::2] = tokens[0::2], trained[0::2]
     rejected = np.random.default_rng(4).integers(0, cfg.model.vocab_size, tokens[1::2].shape).astype(np.int32)
     tokens[1::2] = np.where(trained[1::2], rejected, tokens[1::2])

@@ -11,15 +11,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from data.conversations import open_conversations
+from data.conversations import as_row, open_conversations, packed_rows
 from model import Transformer, unmasked
-from parallel import gpipe, objectives, optimizers
+from ops.packing import document_starts, segment_ids
+from parallel import objectives, optimizers
 from parallel.mesh import batch_spec, global_batch, named, specs_of
-from parallel.steps import make_train_step, partition
+from parallel.steps import executor_of, make_train_step, partition
 from parallel.weights import param_specs
 from test_context_parallel import MOMENT_RTOL
 from test_parallel import RTOL, assert_params_close, assert_same_steps, initial_params, mesh_for, run_steps, tiny_config
 from utils import Config, ConfigError, apply_overrides, parse_args
+
+
+EOT = 0  # the padding's token
 
 
 def sft_config(mesh_shape=(1, 1, 1), **train):
@@ -28,16 +32,19 @@ def sft_config(mesh_shape=(1, 1, 1), **train):
 
 
 def sft_batch(cfg, seed=0):
-    """Rows as data/conversations.py lays them out: a prompt (targets skipped), a reply
-    (targets counted), then padding (skipped): ~id where the loss skips the target."""
+    """(B rows of packed conversations, as data/conversations.packed_rows lays them out; the
+    same conversations one per row [N, T+1], as_row's layout). A conversation of 3..T/2 + 1
+    tokens: a prompt whose targets the loss skips (stored ~id), then a reply whose count."""
     B, T1 = cfg.train.batch_size, cfg.model.seq_len + 1
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, cfg.model.vocab_size, (B, T1)).astype(np.int32)
-    position = np.arange(T1)
-    prompt_end = rng.integers(2, T1 // 2, (B, 1))
-    reply_end = prompt_end + rng.integers(2, T1 // 2, (B, 1))
-    trained = (position >= prompt_end) & (position < reply_end)
-    return np.where(trained, ids, ~ids), trained
+    conversations = []
+    while True:  # (a row grows by one at most per conversation: B rows exactly)
+        n = int(rng.integers(3, T1 // 2 + 1))
+        conversation = (rng.integers(1, cfg.model.vocab_size, n).astype(np.int32), np.arange(n) >= rng.integers(1, n - 1))
+        if len(packed_rows(conversations + [conversation], T1, EOT)) > B:
+            break
+        conversations.append(conversation)
+    return packed_rows(conversations, T1, EOT), np.stack([as_row(ids, trained, T1, EOT) for ids, trained in conversations])
 
 
 def sft_train_steps(cfg, tokens, n_steps=2):
@@ -61,7 +68,8 @@ def test_skipped_labels_change_no_gradient():
     relabelling one counted target moves them."""
     cfg = sft_config()
     graphdef, host_params = initial_params(cfg.model)
-    tokens, trained = sft_batch(cfg)
+    tokens = sft_batch(cfg)[0]
+    trained = tokens >= 0
     y_BTD = jax.random.normal(jax.random.key(1), (tokens.shape[0], cfg.model.seq_len, cfg.model.d_model))
 
     def head(params, y_BTD, tokens_BT1):  # (the angles matter only to MTP and cp: neither here)
@@ -98,27 +106,66 @@ def reference_loss(model, tokens_BT1, cfg):
     return ce + cfg.model.aux_loss_weight * aux * targets.size / count, ce
 
 
-def test_sft_step_equals_the_masked_reference():
-    """The sharded step's loss and gradients (GPipe's, rescaled by objectives.per_target)
-    are the plain forward's, whose loss reads the counted targets only."""
-    cfg = sft_config((2, 1, 2))
+def packed_config(overrides):
+    """sft_config and `overrides` ({section: {field: value}}) with nothing that tells a packed row from its
+    conversations one per row: dropless experts (capacity is per row) and no balance loss (a mean over rows)."""
+    cfg = apply_overrides(sft_config(), {"model": dict(capacity_factor=0.0, aux_loss_weight=0.0)})
+    for section, fields in overrides.items():
+        cfg = apply_overrides(cfg, {section: fields})
+    return cfg
+
+
+def step_loss_and_grads(cfg, tokens):
+    """The step's loss and gradients on cfg's mesh: its executor's, rescaled by objectives.per_target."""
     mesh = mesh_for(cfg)
     graphdef, host_params = initial_params(cfg.model)
-    params = jax.device_put(host_params, named(mesh, param_specs(host_params, False)))
-    tokens, _ = sft_batch(cfg, seed=2)
-    specs = specs_of(params)
+    params = jax.device_put(host_params, named(mesh, param_specs(host_params, cfg.mesh.expert_parallel)))
+    grads_of = executor_of(cfg)
 
-    def sharded(params, tokens_bT1):
-        (_, metrics), grads = gpipe.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
+    def loss_and_grads(params, tokens_bT1):
+        (_, metrics), grads = grads_of.value_and_grad(params, tokens_bT1, graphdef, cfg, None)
         metrics, grads = objectives.per_target(metrics, grads, tokens_bT1, cfg)
         return metrics["loss"], grads
 
-    ce, grads = jax.jit(partition(sharded, True, mesh, (specs, batch_spec()), (jax.P(), specs)))(
-        params, global_batch(mesh, tokens, cfg.train.batch_size))
-    (_, ref_ce), ref_grads = jax.jit(jax.value_and_grad(
-        lambda p: reference_loss(nnx.merge(graphdef, p), jnp.asarray(tokens), cfg), has_aux=True))(host_params)
-    np.testing.assert_allclose(ce, ref_ce, rtol=RTOL)
-    assert_params_close(jax.device_get(grads), ref_grads)
+    specs = specs_of(params)
+    return jax.device_get(jax.jit(partition(loss_and_grads, grads_of.MANUAL, mesh, (specs, batch_spec()), (jax.P(), specs)))(
+        params, global_batch(mesh, tokens, cfg.train.batch_size)))
+
+
+PACKED_CASES = {
+    "one-device": {},
+    "dp2xtp2-accumulate": dict(mesh=dict(dp=2, tp=2), train=dict(microbatches=2)),
+    "dot_product_attention": dict(model=dict(attention="dot_product_attention")),
+    "blockwise": dict(model=dict(attention="blockwise", attention_block=8)),
+    "cp2-blockwise": dict(mesh=dict(cp=2), model=dict(attention="blockwise", attention_block=4, routing_group=4)),
+    "mtp": dict(model=dict(mtp_depth=1, mtp_loss_weight=0.3)),
+    "pp2-zbv": dict(mesh=dict(pp=2), train=dict(pipeline="zbv", microbatches=4)),
+    "auto-dp2xtp2": dict(mesh=dict(dp=2, tp=2, sharding="auto")),
+    "cp2-splash": dict(mesh=dict(cp=2), model=dict(attention="splash", seq_len=512, routing_group=128, n_blocks=2),
+                       train=dict(batch_size=2)),
+}
+SLOW_CASES = ("pp2-zbv", "auto-dp2xtp2", "cp2-splash")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in PACKED_CASES])
+def test_packed_rows_train_what_their_conversations_train_one_per_row(case):
+    """The step's loss (the mean over the replies' tokens) and gradients on packed rows equal
+    the plain forward's (matmul attention, one device; its loss reads the counted targets
+    only) on the same conversations one per row. MTP: the one-device step's on them."""
+    cfg = packed_config(PACKED_CASES[case])
+    packed, alone = sft_batch(cfg, seed=2)
+    assert len(alone) >= 2 * len(packed)  # premise: rows hold two conversations or more
+    loss, grads = step_loss_and_grads(cfg, packed)
+    one_device = packed_config({"model": dict(cfg.model.__dict__), "train": dict(batch_size=len(alone))})
+    if cfg.model.mtp_depth:  # (the plain forward has no MTP head)
+        ref_loss, ref_grads = step_loss_and_grads(one_device, alone)
+    else:
+        plain = dataclasses.replace(one_device.model, attention="matmul")
+        graphdef, host_params = initial_params(plain)
+        (_, ref_loss), ref_grads = jax.jit(jax.value_and_grad(
+            lambda p: reference_loss(nnx.merge(graphdef, p), jnp.asarray(alone), one_device), has_aux=True))(host_params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    assert_params_close(grads, jax.device_get(ref_grads))
 
 
 @pytest.fixture(scope="module")
@@ -157,13 +204,17 @@ def conversations_config(source, template="", seq_len=128):
 
 
 def test_play_conversations_train_the_reply_and_its_end_only():
+    """Each conversation of a packed row (two here): the prompt, then the reply and the
+    end-of-text token, the only counted targets."""
     data = open_conversations(conversations_config("plays"))
-    row = data.batch("train", 0, 4, 128, seed=0)[0]
-    text = bytes(unmasked(row)[unmasked(row) < 256].astype(np.uint8)).decode()
-    assert text.startswith("USER:\n") and "\n\nASSISTANT:\n" in text
-    reply = text.split("ASSISTANT:\n", 1)[1]
-    counted = row[row >= 0]
-    assert bytes(counted[:-1].astype(np.uint8)).decode() == reply and counted[-1] == 256  # the reply, then end-of-text
+    rows = data.batch("train", 0, 64, 128, seed=0)
+    row = rows[np.asarray(segment_ids(rows)).max(axis=1) == 2][0]
+    for conversation in np.split(row, np.flatnonzero(document_starts(row))[1:]):
+        text = bytes(unmasked(conversation)[unmasked(conversation) < 256].astype(np.uint8)).decode()
+        assert text.startswith("USER:\n") and "\n\nASSISTANT:\n" in text
+        reply = text.split("ASSISTANT:\n", 1)[1]
+        counted = conversation[conversation >= 0]
+        assert bytes(counted[:-1].astype(np.uint8)).decode() == reply and counted[-1] == 256  # the reply, then end-of-text
     assert len(data.rows["val"]) > 100 and len(data.rows["train"]) > 10 * len(data.rows["val"])
     np.testing.assert_array_equal(data.batch("train", 3, 4, 128, seed=0), data.batch("train", 3, 4, 128, seed=0))
 
