@@ -20,24 +20,9 @@ import numpy as np
 from data import shakespeare  # the default; data/python_code.py (`code`) is imported when asked for
 
 # data/shards.py sits below this module and data/; its names are offered here, the one place to import data things from.
-from data.shards import (  # noqa: F401
-    BYTE_EOT_ID,
-    CUSTOM_SPLIT_PATTERN,
-    EOT_TEXT,
-    FORMAT_VERSION,
-    MANIFEST,
-    ShardError,
-    Tokenizer,
-    check_token_range,
-    file_sha256,
-    get_tokenizer,
-    open_shard_file,
-    shard_dtype,
-    validate_manifest,
-    verify_shard_file,
-    write_manifest,
-    write_shard,
-)
+from data.shards import (BYTE_EOT_ID, CUSTOM_SPLIT_PATTERN, EOT_TEXT, FORMAT_VERSION, MANIFEST, ShardError, Tokenizer,  # noqa: F401
+                         check_token_range, file_sha256, get_tokenizer, open_shard_file, shard_dtype, validate_manifest,
+                         verify_shard_file, write_manifest, write_shard)
 from utils import ConfigError, apply_overrides
 
 log = logging.getLogger(__name__)

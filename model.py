@@ -273,8 +273,7 @@ class MLAttention(nnx.Module):
         v_BSHK = self.project(kv_BSA, self.wv_up_AHK[...], out_axis=axes.tp)
         if self.implementation == "blockwise":
             out_BTHK, max_logit_H = kernel("blockwise").blockwise_attention_and_max_logits(
-                q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, self.softmax_scale, self.block,
-                segments_bT)
+                q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, self.softmax_scale, self.block, segments_bT)
         elif self.implementation in ("dot_product_attention", "splash"):
             if self.implementation == "splash":
                 out_BTHK = kernel("splash").splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK,
@@ -312,16 +311,14 @@ class MLAttention(nnx.Module):
     def fused_attention(self, q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, segments_bT=None):
         """jax.nn.dot_product_attention (cuDNN flash attention on GPUs that have it): one head
         dim for all, so queries and keys carry [content | RoPE] (the RoPE key copied to every
-        head) and values are zero-padded from K to K + R, cut off again. Packed rows: a mask
-        of each query's document besides the causal one."""
+        head) and values are zero-padded from K to K + R, cut off again."""
         H, K, R = v_BSHK.shape[2], v_BSHK.shape[3], q_rope_BTHR.shape[3]
         q_BTHW = jnp.concatenate([q_nope_BTHK, q_rope_BTHR], axis=-1)
         k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_rope_BSR.shape[:2] + (H, R))
         k_BSHW = jnp.concatenate([k_nope_BSHK, k_rope_BSHR], axis=-1)
         v_BSHW = jnp.pad(v_BSHK, ((0, 0), (0, 0), (0, 0), (0, R)))
         same_document_B1TS = None if segments_bT is None else (segments_bT[:, :, None] == segments_bT[:, None, :])[:, None]
-        out_BTHW = jax.nn.dot_product_attention(q_BTHW, k_BSHW, v_BSHW, mask=same_document_B1TS, scale=self.softmax_scale,
-                                                is_causal=True)
+        out_BTHW = jax.nn.dot_product_attention(q_BTHW, k_BSHW, v_BSHW, mask=same_document_B1TS, scale=self.softmax_scale, is_causal=True)
         return out_BTHW[..., :K]
 
     def decode(self, x_BTD, angles, cache, start):
@@ -782,8 +779,7 @@ def padded_vocab(vocab_size, multiple):
 
 
 def unmasked(tokens):
-    """Token ids of rows where a target the loss skips is stored as ~id < 0 and a document's first token carries
-    SEGMENT_START (sft's packed rows: ops/packing.py)."""
+    """Token ids of rows storing a skipped target as ~id < 0, a document's first token with SEGMENT_START (ops/packing.py)."""
     return jnp.maximum(tokens, ~tokens) & (SEGMENT_START - 1)
 
 

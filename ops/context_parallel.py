@@ -33,7 +33,7 @@ class SequenceChunks:
     """What attention needs under cp, passed down where the RoPE angles go: the angles of this rank's tokens, their
     global positions q_pos_T [2L], those of the gathered keys k_pos_S [T], and the cp axis. Under the automatic
     executor (a global program, every rank's chunks in rank order) nothing is gathered by hand: `whole` asks the
-    compiler for the latent whole over cp. Packed rows (ops/packing.py) add their whole rows' document ids [b, T]."""
+    compiler for the latent whole over cp. Packed rows (ops/packing.py): their whole rows' document ids [b, T]."""
     angles: jax.Array
     q_pos_T: jax.Array
     k_pos_S: jax.Array

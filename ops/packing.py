@@ -5,7 +5,7 @@ The rows say where each document starts: its first token carries SEGMENT_START (
 stripped by model.unmasked) and, never a target when the document runs alone, is stored as a skipped target
 (~id, data/conversations.as_row), so no target crosses from one document into the next. From the flags the step's
 prologue (parallel/step_core.split_microbatches) works out each row's document ids and each token's position in its
-document, and hands attention a Packed (or, under cp, a SequenceChunks carrying the ids) where the RoPE angles go;
+document, and hands attention a Packed (under cp, a SequenceChunks carrying the ids) where the RoPE angles go;
 every attention kernel then lets a query see the keys of its own document only (document_mask, or the kernel's own
 segment ids). Padding after a row's last document belongs to that document: its targets are skipped, and causal
 attention keeps it out of every earlier token.
@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ops.context_parallel import SequenceChunks
 from utils import SEGMENT_START
 
 
@@ -23,7 +24,7 @@ from utils import SEGMENT_START
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """Attention's view of packed whole rows (no cp), passed where the RoPE angles go: the angles of each token's
-    position in its document [b, T, R/2] and the rows' document ids [b, T]."""
+    position in its document [b, T, R/2] and the rows' document ids [b, T] (packed_views: every microbatch's, [M, ...])."""
     angles: jax.Array
     segments_bT: jax.Array
 
@@ -44,23 +45,21 @@ def document_positions(tokens_xT):
     return index_T - jax.lax.cummax(jnp.where(document_starts(tokens_xT), index_T, 0), axis=tokens_xT.ndim - 1)
 
 
-def packed_views(tokens_MbT1, rope_angles, chunks=None):
-    """(RoPE angles [M, b, T', R/2] by rope_angles(positions), document ids [M, b, T]) of every microbatch's input
-    tokens: T' = T, or under cp (chunks: this rank's SequenceChunks) the rank's 2L positions; the ids stay whole rows
-    (every rank holds them)."""
+def packed_views(tokens_MbT1, rope_angles, angles):
+    """Attention's view of every microbatch's packed rows [M, ...], where the step's `angles` (RoPE angles of
+    positions 0..T-1, or under cp this rank's SequenceChunks) would go: the angles of each token's position in its
+    document (rope_angles(positions)), at this rank's 2L positions under cp, and the rows' document ids (whole rows:
+    every cp rank holds them). of_microbatch takes microbatch m's."""
     inputs_MbT = tokens_MbT1[..., :-1]
-    positions_MbT = document_positions(inputs_MbT)
-    if chunks is not None:
-        positions_MbT = positions_MbT[..., chunks.q_pos_T]
-    return rope_angles(positions_MbT), segment_ids(inputs_MbT)
+    positions_MbT, segments_MbT = document_positions(inputs_MbT), segment_ids(inputs_MbT)
+    if isinstance(angles, SequenceChunks):
+        return dataclasses.replace(angles, angles=rope_angles(positions_MbT[..., angles.q_pos_T]), segments_bT=segments_MbT)
+    return Packed(rope_angles(positions_MbT), segments_MbT)
 
 
-def packed_angles(angles, segments_bT, chunks=None):
-    """What the blocks take for one microbatch of packed rows: a Packed, or under cp (chunks: the rank's SequenceChunks)
-    a copy of chunks with these angles and ids."""
-    if chunks is None:
-        return Packed(angles, segments_bT)
-    return dataclasses.replace(chunks, angles=angles, segments_bT=segments_bT)
+def of_microbatch(view, m):
+    """Microbatch m's packed view (a Packed or SequenceChunks of packed_views)."""
+    return dataclasses.replace(view, angles=view.angles[m], segments_bT=view.segments_bT[m])
 
 
 def document_mask(q_pos_T, k_pos_S, segments_bT):

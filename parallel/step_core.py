@@ -88,10 +88,9 @@ def total_stats(stats_X):
 @dataclasses.dataclass(frozen=True)
 class Microbatches:
     tokens_MbT1: jax.Array  # M microbatches of b rows, inputs and targets (T + 1 tokens, whole rows)
-    angles: jax.Array | SequenceChunks  # RoPE angles of positions 0..T-1; under cp, of this rank's chunks
+    angles: jax.Array | SequenceChunks  # RoPE angles of positions 0..T-1; under cp, of this rank's chunks (sft: per microbatch)
     keys_Mb: jax.Array | None  # dropout keys of each row, or None without dropout
     positions_T: jax.Array | None = None  # under cp: the global positions of this rank's tokens [2L]
-    packed: tuple | None = None  # packed rows (sft): ops/packing.packed_views' angles and document ids per microbatch
 
     @property
     def local_len(self):
@@ -99,11 +98,8 @@ class Microbatches:
         return self.tokens_MbT1.shape[-1] - 1 if self.positions_T is None else self.positions_T.shape[0]
 
     def angles_of(self, m):
-        """What microbatch m's layers take where RoPE angles go: `angles`, or its packed rows' own."""
-        if self.packed is None:
-            return self.angles
-        chunks = self.angles if self.positions_T is not None else None
-        return kernel("packing").packed_angles(self.packed[0][m], self.packed[1][m], chunks)
+        """What microbatch m's layers take where RoPE angles go: `angles`, or its packed rows' own (ops/packing.py)."""
+        return self.angles if getattr(self.angles, "segments_bT", None) is None else kernel("packing").of_microbatch(self.angles, m)
 
 
 def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
@@ -129,10 +125,9 @@ def split_microbatches(tokens_bT1, cfg, rng, first_row, strided=False):
         angles = SequenceChunks(rope_angles(positions_T[None, :], m), positions_T, all_positions_T, CP, whole)
     else:
         angles, positions_T = rope_angles(jnp.arange(T1 - 1)[None, :], m), None
-    packed = None
     if cfg.train.objective == "sft":  # packed rows (ops/packing.py): each document at its own positions, seeing only itself
-        packed = kernel("packing").packed_views(tokens_MbT1, lambda p: rope_angles(p, m), angles if cp > 1 else None)
-    return Microbatches(tokens_MbT1, angles, keys_Mb, positions_T, packed)
+        angles = kernel("packing").packed_views(tokens_MbT1, lambda p: rope_angles(p, m), angles)
+    return Microbatches(tokens_MbT1, angles, keys_Mb, positions_T)
 
 
 def dropout_rng(cfg, step):
