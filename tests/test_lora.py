@@ -68,10 +68,12 @@ def test_a_step_moves_the_adapters_only_and_equals_one_device():
     _, _, params_2x2, opt_state_2x2, metrics_2x2 = lora_steps(lora_config((2, 1, 2)), n_steps=2)
     np.testing.assert_allclose(metrics_2x2["loss"], metrics["loss"], rtol=1e-5)
     np.testing.assert_allclose(metrics_2x2["grad_norm"], metrics["grad_norm"], rtol=1e-5)
-    # the adapters' gradients (test_parallel.train_steps); the routed experts' sums reassociate to ~1.5e-5
-    assert_tree_close(opt_state_2x2[0].mu, adam.mu, rtol=5e-5, what="mu")
-    # Adam's second step divides by sqrt(v): a reassociation's 1e-6 in a small gradient shows up larger.
-    assert_tree_close(params_2x2["lora"], params["lora"], rtol=1e-4, what="lora")
+    # the adapters' gradients (test_parallel.train_steps); the routed experts' sums reassociate: w_down_EFD's A
+    # 1.01e-4 off at 7fe456c on a 2-vCPU AMD EPYC (~1.5e-5 where this was written), 1.08e-4 once the program changed shape
+    assert_tree_close(opt_state_2x2[0].mu, adam.mu, rtol=3e-4, what="mu")
+    # Adam's second step divides by sqrt(v): a reassociation's 1e-6 in a small gradient shows up larger (w_down_EFD's B
+    # 1.02e-4 off, that AMD EPYC).
+    assert_tree_close(params_2x2["lora"], params["lora"], rtol=3e-4, what="lora")
 
 
 def test_merged_weights_equal_the_unmerged_forward():
