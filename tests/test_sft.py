@@ -1,6 +1,7 @@
 """Supervised fine-tuning (--train.objective sft): the loss counts the assistant's tokens
-only, the step equals a plain masked reference and one device on every mesh, and bad
-conversations are one-line errors (8 fake CPU devices, float32)."""
+only, the step on packed rows equals a plain masked forward of the same conversations one
+per row and one device on every mesh, and bad conversations are one-line errors (8 fake
+CPU devices, float32)."""
 
 import dataclasses
 import json
@@ -34,7 +35,7 @@ def sft_config(mesh_shape=(1, 1, 1), **train):
 def sft_batch(cfg, seed=0):
     """(B rows of packed conversations, as data/conversations.packed_rows lays them out; the
     same conversations one per row [N, T+1], as_row's layout). A conversation of 3..T/2 + 1
-    tokens: a prompt whose targets the loss skips (stored ~id), then a reply whose count."""
+    tokens: a prompt whose targets the loss skips (stored ~id), then a reply whose targets count."""
     B, T1 = cfg.train.batch_size, cfg.model.seq_len + 1
     rng = np.random.default_rng(seed)
     conversations = []
