@@ -3,7 +3,7 @@ attending to another, each at its own positions 0, 1, ... as if it ran alone in 
 
 The rows say where each document starts: its first token carries SEGMENT_START (a bit above every vocabulary,
 stripped by model.unmasked) and, never a target when the document runs alone, is stored as a skipped target
-(~id, data/conversations.as_row), so no target crosses from one document into the next. From the flags the step's
+(~id, data/conversations.packed_rows), so no target crosses from one document into the next. From the flags the step's
 prologue (parallel/step_core.split_microbatches) works out each row's document ids and each token's position in its
 document, and hands attention a Packed (under cp, a SequenceChunks carrying the ids) where the RoPE angles go;
 every attention kernel then lets a query see the keys of its own document only (document_mask, or the kernel's own

@@ -110,10 +110,7 @@ def reference_loss(model, tokens_BT1, cfg):
 def packed_config(overrides):
     """sft_config and `overrides` ({section: {field: value}}) with nothing that tells a packed row from its
     conversations one per row: dropless experts (capacity is per row) and no balance loss (a mean over rows)."""
-    cfg = apply_overrides(sft_config(), {"model": dict(capacity_factor=0.0, aux_loss_weight=0.0)})
-    for section, fields in overrides.items():
-        cfg = apply_overrides(cfg, {section: fields})
-    return cfg
+    return apply_overrides(apply_overrides(sft_config(), {"model": dict(capacity_factor=0.0, aux_loss_weight=0.0)}), overrides)
 
 
 def step_loss_and_grads(cfg, tokens):
