@@ -40,7 +40,7 @@ from runtime.metrics import MetricsLog, read_metrics, truncate_metrics
 from runtime.plots import plot_run
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preemption
 from runtime.sampling import samples_from_params
-from utils import ConfigError, config_to_dict, experts_kernel_for_sharding, parse_args, run_dir_of
+from utils import ConfigError, config_to_dict, kernels_for, parse_args, run_dir_of
 
 RESTART_REASON_ENV = "MESHFORMER_RESTART_REASON"  # launcher.sh --watch: why it started the run again
 
@@ -53,7 +53,7 @@ def main(argv):
     several_processes = setup_devices(cfg)
     try:
         cfg = dtype_probe.resolve_dtype(cfg)  # --model.dtype auto: decided once, here; the run's config.json keeps it
-        cfg = experts_kernel_for_sharding(cfg)
+        cfg = kernels_for(cfg, jax.default_backend())  # --model.attention / moe_kernel auto, as --model.dtype
         run_mode(cfg)
     except (ConfigError, FileNotFoundError) as e:  # a missing data directory or shard names itself and what to give
         sys.exit(f"error: {e}")

@@ -219,7 +219,8 @@ class MLAttention(nnx.Module):
         self.wo_HKD = init_normal(rngs, (H, K, D), H * K, residual_scale(cfg))
         self.softmax_scale = attention_softmax_scale(cfg)
         self.rope_scale = yarn_attention_factor(cfg)
-        self.implementation, self.block = cfg.attention, cfg.attention_block
+        # (auto undecided, as off a TPU: main.py decides it for its platform, utils.kernels_for)
+        self.implementation, self.block = "matmul" if cfg.attention == "auto" else cfg.attention, cfg.attention_block
         self.quant_mode = cfg.quant
 
     def project(self, x, w, n_in=1, in_axis=None, out_axis=None):

@@ -37,9 +37,9 @@ BATCH_AXES = (SLICE, DP)  # the batch's rows, slice-major: a global row index st
 HF_PREFIX = "hf:"  # --train.init_from hf:DIR: a Hugging Face checkpoint directory
 SEGMENT_START = 1 << 30  # set on a packed row's first token of each document (sft: ops/packing.py), above any vocabulary
 
-# The choices of flags whose code lives in a kernel module (ops/), named here so that a
-# config is checked without importing the kernels.
+# The choices of flags whose code lives in a kernel module (ops/), named here: a config is checked without importing them.
 MOE_KERNELS = ("auto", "ragged_dot", "gmm")
+ATTENTION_KERNELS = ("auto", "matmul", "dot_product_attention", "blockwise", "splash")
 QUANT_MODES = ("none", "int8", "fp8")
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}  # a boolean flag's values
 SPLASH_LANES = 128  # the splash kernel's lanes (jax's splash_attention_kernel.NUM_LANES): a block is a multiple
@@ -96,8 +96,7 @@ class ModelConfig:
     d_expert: int = option(128, "hidden units per expert")
     capacity_factor: float = option(1.5, "expert capacity = factor x group tokens x top_k / experts; 0 = dropless")
     moe_kernel: str = option("auto", "grouped matmul of the dropless routed experts (--model.capacity_factor 0): ragged_dot "
-                                     "(jax.lax.ragged_dot) | gmm (Pallas megablox, interpret mode off TPU) | "
-                                     "auto = gmm on TPU (ragged_dot under --mesh.sharding auto), ragged_dot elsewhere")
+                                     "(jax.lax.ragged_dot) | gmm (Pallas megablox, interpret mode off TPU) | auto (utils.kernels_for)")
     router_score: str = option("softmax", "router scores: softmax | sigmoid")
     routing_group: int = option(0, "tokens per routing group (capacity is per group); 0 = seq_len")
     aux_loss_weight: float = option(0.01, "weight of the load-balance loss (Switch)")
@@ -126,10 +125,10 @@ class ModelConfig:
                                 "norms and the fused attention kernels stay in --model.dtype / float32")
     grad_reduce_dtype: str = option("float32", "dtype of the gradient reductions (FSDP reduce-scatters, psums of replicated "
                                                "weights): float32 | bfloat16 (halves their bytes, loses precision)")
-    attention: str = option("matmul", "attention kernel: matmul (softmax of explicit scores; fastest on CPU) | "
-                                      "dot_product_attention (jax.nn's, cuDNN flash attention on GPU) | blockwise (online softmax over "
-                                      "key blocks: memory linear in seq_len; ops/blockwise.py) | splash (the Pallas TPU kernel, causal "
-                                      "blocks skipped; interpret mode off the TPU, slow; ops/splash.py)")
+    attention: str = option("auto", "attention kernel: auto (splash on a TPU where it can run, else matmul) | matmul (softmax of "
+                                    "explicit scores; fastest on CPU) | dot_product_attention (jax.nn's, cuDNN flash attention on GPU) | "
+                                    "blockwise (online softmax over key blocks: memory linear in seq_len; ops/blockwise.py) | splash "
+                                    "(the Pallas TPU kernel, causal blocks skipped; interpret mode off the TPU, slow; ops/splash.py)")
     attention_block: int = option(512, "blockwise and splash attention: queries and keys per block (must divide seq_len, or "
                                        "exceed it; splash: a multiple of 128 once cut to seq_len)")
     remat: str = option("none", "rematerialisation, what the backward pass recomputes: none | layer (each layer from its input) | "
@@ -342,12 +341,14 @@ PRESETS = {
 }
 
 
-def experts_kernel_for_sharding(cfg):
-    """cfg with --model.moe_kernel auto read as ragged_dot under --mesh.sharding auto: the compiler's partitioner
-    cannot split megablox's kernel, which auto picks on a TPU (model.resolve_moe_kernel). Manual sharding keeps auto."""
-    if cfg.model.moe_kernel == "auto" and cfg.mesh.sharding == "auto":
-        return apply_overrides(cfg, {"model": {"moe_kernel": "ragged_dot"}})
-    return cfg
+def kernels_for(cfg, platform):
+    """cfg with the auto kernels decided for jax's `platform` (tpu, gpu, cpu): --model.attention splash on a TPU where splash_checks
+    pass, else matmul; --model.moe_kernel gmm on a TPU for dropless experts under manual sharding (the partitioner cannot split it)."""
+    m, tpu = cfg.model, platform == "tpu"
+    splash = tpu and all(ok for ok, _ in splash_checks(apply_overrides(cfg, {"model": {"attention": "splash"}})))
+    gmm = tpu and cfg.mesh.sharding == "manual" and m.capacity_factor == 0 and m.quant == "none"
+    return apply_overrides(cfg, {"model": {"attention": ("splash" if splash else "matmul") if m.attention == "auto" else m.attention,
+                                           "moe_kernel": ("gmm" if gmm else "ragged_dot") if m.moe_kernel == "auto" else m.moe_kernel}})
 
 
 def apply_overrides(cfg, overrides):
@@ -490,8 +491,7 @@ def validate_model(cfg):
         (m.router_score in ("softmax", "sigmoid"), f"--model.router_score must be softmax or sigmoid, got {m.router_score!r}"),
         (m.dtype in ("float32", "bfloat16", "auto"), f"--model.dtype must be float32, bfloat16 or auto, got {m.dtype!r}"),
         (m.grad_reduce_dtype in ("float32", "bfloat16"), f"--model.grad_reduce_dtype must be float32 or bfloat16, got {m.grad_reduce_dtype!r}"),
-        (m.attention in ("matmul", "dot_product_attention", "blockwise", "splash"),
-         f"--model.attention must be matmul, dot_product_attention, blockwise or splash, got {m.attention!r}"),
+        (m.attention in ATTENTION_KERNELS, f"--model.attention must be one of {', '.join(ATTENTION_KERNELS)}, got {m.attention!r}"),
         *splash_checks(cfg),
         (m.attention != "blockwise" or m.attention_block > 0 and m.seq_len % min(m.attention_block, m.seq_len) == 0,
          f"--model.attention_block ({m.attention_block}) must divide --model.seq_len ({m.seq_len})"),

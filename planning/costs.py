@@ -44,7 +44,7 @@ from planning.activations import (
 )
 from runtime import dtype_probe
 from runtime.flops import count_params, flops_per_token, measure_peak_flops, part_flops_per_token, stage_flops
-from utils import AXES, CP, ConfigError, apply_overrides, context_parallel_checks
+from utils import AXES, CP, ConfigError, apply_overrides, context_parallel_checks, kernels_for
 
 GiB = 2**30
 
@@ -699,6 +699,8 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     if cfg.train.objective == "dpo":
         from parallel.dpo import check_dpo  # (only a DPO plan imports it)
         check_dpo(cfg)  # pp 1, one microbatch: other layouts drop out of a search
+    # --model.attention / moe_kernel auto as on those chips (what tpu_compile compiles)
+    cfg = kernels_for(cfg, "tpu" if hw_name.startswith("tpu") else "cpu" if hw_name == "cpu" else "gpu")
     if cfg.mesh.slices > 1:
         return plan_across_slices(cfg, devices, hw_name, efficiency, peak)
     hw = HARDWARE[hw_name]

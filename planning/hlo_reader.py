@@ -334,6 +334,60 @@ def grouped_matmul_flops(line):
     return 2 * visited_tiles * (m // row_tiles) * k * n
 
 
+SPLASH = re.compile(r"^\s*(?:ROOT )?%splash_m[hq]a_(fwd|dq|dkv)\S* = ")
+# Multiply-adds per visible (query, key) pair of one head, W the query/key width and K
+# the value's: the forward takes scores (W) and values (K); the dq kernel takes the
+# scores again, dP = dO V^T (K) and dQ = dS K (W); the dkv kernel the scores again, dV
+# (K), dP (K) and dK (W), and dQ (W) too when it is fused into it.
+SPLASH_MACS = {"fwd": lambda W, K: W + K, "dq": lambda W, K: 2 * W + K, "dkv": lambda W, K: 2 * W + 2 * K}
+
+
+def causal_blocks(n_q, n_k, Tq, S):
+    """How many of a splash kernel's [n_q, n_k] blocks a causal mask visits (those with
+    a key at or before their last query; the queries the last Tq of S positions)."""
+    q_last = (np.arange(n_q) + 1) * (Tq // n_q) - 1 + (S - Tq)
+    k_first = np.arange(n_k) * (S // n_k)
+    return int(np.sum(k_first[None, :] <= q_last[:, None]))
+
+
+def attention_kernel_flops(line):
+    """FLOPs of a splash attention kernel (a tpu_custom_call named splash_m{h,q}a_{fwd,
+    dq,dkv}...; 0 for any other): every (query, key) pair of the blocks it visits, the
+    mask taken as causal (the kernel's block mask, its first operand [heads, n_q, n_k],
+    holds the block grid; its values are not in the text). Its float operands: q [...,
+    H, Tq, W], k [..., S, W], v [..., S, K]; a fused dkv kernel also returns dq
+    unreduced (a result of q's rank + 1)."""
+    kind = SPLASH.match(line)
+    if not kind or 'custom_call_target="tpu_custom_call"' not in line or "operand_layout_constraints=" not in line:
+        return 0
+    operands = line.split("operand_layout_constraints=", 1)[1].split("frontend_attributes=", 1)[0]
+    arrays = [(dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in ARRAY.findall(operands)]
+    (_, n_q, n_k), q, k, v = arrays[0][1], *[dims for dtype, dims in arrays if dtype.startswith(("f", "bf"))][:3]
+    *lead, Tq, W = q
+    S, K = k[-2], v[-1]
+    macs = SPLASH_MACS[kind.group(1)](W, K)
+    results = [dims for _, dims in ARRAY.findall(line.split(" custom-call(", 1)[0])]
+    if kind.group(1) == "dkv" and any(len(dims) == len(q) + 1 and dims[-2:] == [Tq, W] for dims in results):
+        macs += W
+    pairs = int(np.prod(lead)) * Tq * S * causal_blocks(n_q, n_k, Tq, S) / (n_q * n_k)
+    return int(2 * macs * pairs)
+
+
+def attention_kernel_bytes(line):
+    """Bytes a splash kernel reads and writes in HBM: its operands, and its results of
+    q's rank (its others, of lower rank, are its VMEM scratch)."""
+    operands = ARRAY.findall(line.split("operand_layout_constraints=", 1)[1].split("frontend_attributes=", 1)[0])
+    results = ARRAY.findall(line.split(" custom-call(", 1)[0])
+    rank = max(len(dims.split(",")) for _, dims in operands)
+    return sum(DTYPE_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+               for t, dims in operands + [(t, dims) for t, dims in results if len(dims.split(",")) >= rank])
+
+
+def kernel_flops(line):
+    """FLOPs of a Pallas kernel counted from its shapes (megablox or splash; else 0)."""
+    return grouped_matmul_flops(line) + attention_kernel_flops(line)
+
+
 KERNEL_CALL = re.compile(r'^\s*(?:ROOT )?%([\w-]+?)(?:\.\d+)? = .*custom_call_target="tpu_custom_call"')
 
 
@@ -386,7 +440,7 @@ def dot_flops(hlo, name_part="", low_precision=False):
                     not low_precision or all(types_of.get(a) in LOW_PRECISION_TYPES for a in operand_names(m.group(3))[:2])):
                 total += matmul_flops(line, m.group(1), m.group(3), dims_of)
             if op == "custom-call" and name_part in line and not low_precision:  # (no 8-bit gmm: utils refuses it)
-                total += grouped_matmul_flops(line)
+                total += kernel_flops(line)
             loop = re.search(r"condition=%([^\s,]+), body=%([^\s,]+)", line)
             if loop:
                 total += trip_count(line, comps.get(loop.group(1), [])) * flops(loop.group(2))
@@ -590,12 +644,17 @@ class TimedOp:
 
 
 def kernel_seconds(line, chip):
-    """A Pallas kernel's time from Mosaic's cost_estimate: max(flops / peak, bytes /
-    HBM bandwidth); None when it carries none."""
+    """A Pallas kernel's time at its roofline, max(flops / peak, bytes / HBM bandwidth),
+    from Mosaic's cost_estimate; a splash kernel, which carries none, from its FLOPs
+    counted here (attention_kernel_flops) and the bytes of its operands and results.
+    None for another kernel with no estimate."""
     cost = KERNEL_COST.search(line)
-    if not cost:
+    if cost:
+        fields = {k: float(v) for k, v in json.loads("{" + cost.group(1) + "}").items()}
+    elif flops := attention_kernel_flops(line):
+        fields = {"flops": flops, "bytes_accessed": attention_kernel_bytes(line)}
+    else:
         return None
-    fields = {k: float(v) for k, v in json.loads("{" + cost.group(1) + "}").items()}
     return max(fields.get("flops", 0) / chip.peak_flops, fields.get("bytes_accessed", 0) / chip.hbm_bytes_per_s)
 
 

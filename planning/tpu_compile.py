@@ -32,7 +32,7 @@ from parallel.weights import check_divisible, param_specs
 from planning import costs as planner_model
 from planning.hlo_reader import COLLECTIVE_KINDS, crosses_slices
 from runtime import devices, dtype_probe
-from utils import ConfigError, apply_overrides
+from utils import ConfigError, apply_overrides, kernels_for
 
 GiB = 2**30
 LIBTPU_HINT = ("planner.py --tpu needs the TPU compiler: pip install libtpu==0.0.42.1 (it is in requirements-test.txt; "
@@ -193,6 +193,7 @@ def compile_steps(cfg, mesh, eval_step=True, hardware=None):
     auto is decided as on those chips (executor_accumulate asks this process's devices,
     CPUs here, which report no memory and so always gather per microbatch)."""
     cfg = dtype_probe.for_accelerator(cfg)  # --model.dtype auto is bfloat16 on a TPU
+    cfg = kernels_for(cfg, "tpu")  # --model.attention / moe_kernel auto: splash, gmm where they run
     if hardware and cfg.train.gather_once == "auto":
         once = planner_model.plan(cfg, mesh.size, hardware)["gather_once"]
         cfg = apply_overrides(cfg, {"train": {"gather_once": "true" if once else "false"}})

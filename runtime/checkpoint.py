@@ -91,8 +91,8 @@ def check_model_config(saved_model_cfg, model_cfg, where):
     """A checkpoint only fits the model it was written for; name what differs."""
     current = {k: v for k, v in vars(model_cfg).items()}
     # Fields that change the computation but not the weights may differ.
-    free = {"dropout", "dtype", "remat", "moe_kernel", "unroll_blocks", "capacity_factor", "aux_loss_weight", "routing_group",
-            "router_bias_rate", "router_bias", "seq_aux_loss_weight", "mtp_loss_weight"}
+    free = {"dropout", "dtype", "remat", "moe_kernel", "attention", "attention_block", "unroll_blocks", "capacity_factor",
+            "aux_loss_weight", "routing_group", "router_bias_rate", "router_bias", "seq_aux_loss_weight", "mtp_loss_weight"}
     diffs = [f"--model.{k}: checkpoint {saved_model_cfg.get(k)!r} vs now {v!r}" for k, v in current.items()
              if k not in free and k in saved_model_cfg and saved_model_cfg[k] != v]
     # The rate may change, but a bias exists only when it is > 0 or --model.router_bias.

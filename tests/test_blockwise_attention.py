@@ -85,7 +85,7 @@ def test_blockwise_temporaries_grow_linearly_in_T():
 
 @pytest.mark.parametrize("argv, message", [
     (["--model.attention", "blockwise", "--model.attention_block", "48"], r"--model.attention_block \(48\) must divide --model.seq_len \(128\)"),
-    (["--model.attention", "flash"], "must be matmul, dot_product_attention, blockwise or splash"),
+    (["--model.attention", "flash"], "must be one of auto, matmul, dot_product_attention, blockwise, splash, got 'flash'"),
 ])
 def test_bad_attention_flags_are_one_line_errors(argv, message):
     with pytest.raises(ConfigError, match=message) as error:

@@ -106,6 +106,35 @@ def test_a_kernel_bound_by_its_bytes_takes_their_time():
     assert kernel.seconds == pytest.approx(20e-3)
 
 
+# A splash kernel as libtpu writes it (its Mosaic body left out): no cost_estimate; its
+# block mask [heads, 2, 2] (blocks of 1024) first, then q [B, H, T, W], k, v [B, H, T, K] (bfloat16), q's
+# positions; results: VMEM scratch of rank 3, then the output and log-sum-exp (rank 4).
+B, H, T, W, K = 2, 4, 2048, 192, 128
+SPLASH_LINE = ('  %splash_mha_{kind}.3 = (f32[2,128,128]{{2,1,0}}, bf16[2,4,2048,128]{{3,2,1,0}}, f32[2,4,2048,128]{{3,2,1,0}}) '
+               'custom-call(%m, %n, %q, %k, %v, %s), custom_call_target="tpu_custom_call", operand_layout_constraints={{'
+               's8[1,2,2]{{2,1,0}}, s8[1,2,2]{{2,1,0}}, bf16[2,4,2048,192]{{3,2,1,0}}, bf16[2,4,2048,192]{{3,2,1,0}}, '
+               'bf16[2,4,2048,128]{{3,2,1,0}}, s32[2048,128]{{1,0}}}}, backend_config={{"custom_call_config":{{"body":"x"}}}}')
+
+
+@pytest.mark.parametrize("kind, macs", [("fwd_residuals", W + K), ("dq_no_residuals", 2 * W + K),
+                                        ("dkv_no_residuals", 2 * W + 2 * K)])
+def test_a_splash_kernel_is_timed_from_the_blocks_its_causal_mask_visits(kind, macs):
+    """Splash carries no cost estimate: its FLOPs are counted from its shapes, the pairs
+    of the 3 of 2 x 2 blocks a causal mask visits, each (query, key) pair's multiply-adds
+    as the kernel runs them (the scores again in both backward kernels), and timed at
+    the chip's peak or by its bytes, whichever is longer."""
+    line = SPLASH_LINE.format(kind=kind)
+    flops = 2 * macs * B * H * T * T * 3 / 4
+    assert hlo_reader.attention_kernel_flops(line) == flops
+    q_k_v = 2 * (2 * B * H * T * W + B * H * T * K)
+    results = 2 * B * H * T * 128 + 4 * B * H * T * 128
+    assert hlo_reader.attention_kernel_bytes(line) == 2 * 4 + q_k_v + 4 * T * 128 + results
+    assert hlo_reader.kernel_seconds(line, V4) == pytest.approx(flops / V4.peak_flops)
+    slow_memory = hlo_reader.Chip(clock_hz=1e9, peak_flops=275e12, hbm_bytes_per_s=1e9)
+    assert hlo_reader.kernel_seconds(line, slow_memory) == pytest.approx(hlo_reader.attention_kernel_bytes(line) / 1e9)
+    assert hlo_reader.causal_blocks(4, 4, 512, 512) == 10 and hlo_reader.causal_blocks(2, 4, 256, 512) == 7
+
+
 def test_ops_go_to_the_innermost_named_part():
     parts = ("attention", "rms_norm", "optimizer", "moe_experts", "moe_dispatch_combine")
     ops = hlo_reader.timed_ops(STEP_HLO, V4)

@@ -89,12 +89,14 @@ def test_mesh_refusals_get_one_line(mesh_shape, expert_parallel, sharding, messa
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("sharding, kernel, expected", [("auto", "auto", "ragged_dot"), ("manual", "auto", "auto"),
-                                                        ("auto", "gmm", "gmm")])
-def test_auto_kernel_under_automatic_sharding_is_ragged_dot(sharding, kernel, expected):
-    """--model.moe_kernel auto would pick megablox on a TPU, which --mesh.sharding auto's
-    partitioner cannot split: main.py reads it as ragged_dot there (an explicit gmm is
-    left to the mesh check's one-line refusal above)."""
-    from utils import experts_kernel_for_sharding
+@pytest.mark.parametrize("platform, sharding, kernel, expected", [
+    ("tpu", "auto", "auto", "ragged_dot"), ("tpu", "manual", "auto", "gmm"), ("cpu", "manual", "auto", "ragged_dot"),
+    ("tpu", "auto", "gmm", "gmm")])
+def test_auto_kernel_is_gmm_on_a_tpu_under_manual_sharding(platform, sharding, kernel, expected):
+    """--model.moe_kernel auto is megablox on a TPU, but not under --mesh.sharding auto:
+    its partitioner cannot split the kernel, so main.py (and the planner's TPU compile,
+    utils.kernels_for) read it as ragged_dot there (an explicit gmm is left to the mesh
+    check's one-line refusal above)."""
+    from utils import kernels_for
     cfg = parse_args(["--mesh.sharding", sharding, "--model.moe_kernel", kernel, "--model.capacity_factor", "0"])
-    assert experts_kernel_for_sharding(cfg).model.moe_kernel == expected
+    assert kernels_for(cfg, platform).model.moe_kernel == expected

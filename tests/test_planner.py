@@ -36,7 +36,8 @@ from runtime.flops import count_params, flops_per_token
 from utils import PRESETS, REMAT_POLICIES, Config, ConfigError, apply_overrides, parse_args
 
 SMALL_MOE1B = dict(vocab_size=1024, seq_len=128, d_model=128, n_heads=4, head_dim=32, rope_dim=16, q_latent=64,
-                   kv_latent=32, n_blocks=2, d_ff=256, d_expert=128, n_experts=8, dtype="float32")
+                   kv_latent=32, n_blocks=2, d_ff=256, d_expert=128, n_experts=8, dtype="float32",
+                   attention="matmul")  # (as these checks were made: auto is splash on a TPU at T = 128)
 TEMP_TOLERANCE = 0.15
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -90,3 +90,23 @@ def test_bad_splash_flags_are_one_line_errors(argv, message):
     with pytest.raises(ConfigError, match=message) as error:
         parse_args(["--preset", "tiny", *argv])
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv, platform, expected", [
+    (["--model.seq_len", "1024"], "tpu", "splash"),
+    (["--model.seq_len", "1024"], "cpu", "matmul"),
+    (["--model.seq_len", "1024"], "gpu", "matmul"),
+    (["--model.seq_len", "1024", "--mesh.sharding", "auto"], "tpu", "matmul"),
+    (["--model.seq_len", "64"], "tpu", "matmul"),  # one block of 64: not a multiple of the kernel's 128 lanes
+    (["--model.seq_len", "1024", "--model.attention", "blockwise"], "tpu", "blockwise"),
+])
+def test_auto_attention_is_splash_on_a_tpu_where_the_kernel_runs(argv, platform, expected):
+    """--model.attention auto (the default): main.py decides it for its platform, the
+    planner and its TPU compile for the chips planned (utils.kernels_for); a model built
+    from an undecided config runs matmul, as off a TPU."""
+    from utils import kernels_for
+    cfg = parse_args(["--preset", "tiny", "--model.routing_group", "64", *argv])
+    assert kernels_for(cfg, platform).model.attention == expected
+    if "--model.attention" not in argv:
+        assert cfg.model.attention == "auto"
+        assert MLAttention(cfg.model, nnx.Rngs(0)).implementation == "matmul"

@@ -111,8 +111,10 @@ def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
 # CMEM/VMEM, whose log gives the region reserved (1.5-5.8 MiB), not what is live in it;
 # the planner's lie between the live HBM bytes and those plus the whole region.
 
+# (matmul attention, as these checks were made: --model.attention auto is splash on a TPU
+# at T = 256, test_splash_attention_compiles_to_the_splash_kernels below)
 SMALL_MOE1B = dict(vocab_size=8192, seq_len=256, d_model=256, n_heads=4, head_dim=64, rope_dim=64, q_latent=128,
-                   kv_latent=128, n_blocks=2, d_ff=1024, d_expert=256, n_experts=8)
+                   kv_latent=128, n_blocks=2, d_ff=1024, d_expert=256, n_experts=8, attention="matmul")
 # The real-checkpoint presets at the same widths (their full-rank queries kept) and a
 # smaller vocabulary, every other option of theirs kept: the dense first layer, the untied
 # head, 6 of 8 experts by sigmoid (moonlight) or softmax (V2-Lite) scores, YaRN (V2-Lite).
@@ -855,3 +857,8 @@ def test_splash_attention_compiles_to_the_splash_kernels(devices_of):
                         attention_block=128)
     assert set(hlo_reader.kernels(case["hlo"])) == {"splash_mha_fwd_residuals", "splash_mha_dq_no_residuals",
                                                       "splash_mha_dkv_no_residuals"}
+    # The clock counts their FLOPs from their shapes: per device 8 rows, 4 heads, 3 of 2 x 2
+    # blocks of 128, in each of the 8 layers the forward twice (remat block), dq and dkv.
+    B, H, W, K = 8, 4, 8 + 8, 8
+    pairs = B * H * 256 * 256 * 3 / 4
+    assert hlo_reader.dot_flops(case["hlo"], "splash_mha") == 8 * 2 * pairs * (2 * (W + K) + (2 * W + K) + (2 * W + 2 * K))
