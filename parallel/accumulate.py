@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model import apply_blocks, scan_blocks
+from model import apply_blocks, remat_block, scan_blocks
 from ops.collectives import vary, widen
 from parallel import fsdp, rules
 from parallel import step_core as core
@@ -54,7 +54,7 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
         blocks, blocks_vjp = jax.vjp(lambda b: jax.tree.map(lambda w: vary(w, AXES), b), params["blocks"])
         loop = fsdp.block_loop(cfg, passes=1)
 
-    def microbatch_sums(top, blocks, tokens_bT1, keys_b, angles):
+    def microbatch_sums(top, blocks, tokens_bT1, keys_b, angles, loop=loop):
         """((cross-entropy, MTP, balance losses per block), MoE statistics) of one microbatch."""
         model = nnx.merge(graphdef, {**top, "blocks": blocks})
         x_bTD = model.embed_and_prefix(tokens_bT1, angles, axes, keys_b, m_cfg.remat)
@@ -76,12 +76,19 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
         keys_b = None if mb.keys_Mb is None else mb.keys_Mb[m]
         # Tied to this microbatch's tokens, the gathers stay in the loop (else JAX hoists them
         # all and keeps every block's gathered weights for the step: a "once" not asked for).
-        blocks_m = blocks if once else jax.lax.optimization_barrier((blocks, tokens_bT1))[0]
-        sums, vjp, stats_N = jax.vjp(lambda t, b: microbatch_sums(t, b, tokens_bT1, keys_b, mb.angles_of(m)), top, blocks_m,
-                                     has_aux=True)
-        g_top, g_blocks = vjp(cotangents(sums))
         add = lambda acc, g: acc + g.astype(acc.dtype)  # noqa: E731
-        return dict(g_top=jax.tree.map(add, carry["g_top"], g_top), g_blocks=jax.tree.map(add, carry["g_blocks"], g_blocks),
+        if once:  # the blocks' backward adds their gradients to the sums in place: the cotangent of the sums is the new sums
+            sums, vjp, stats_N = jax.vjp(lambda t, acc: microbatch_sums(t, blocks, tokens_bT1, keys_b, mb.angles_of(m),
+                                                                        loop=scan_adding_gradients_to(acc)),
+                                         top, carry["g_blocks"], has_aux=True)
+            g_top, g_blocks = vjp(cotangents(sums))
+        else:
+            blocks_m = jax.lax.optimization_barrier((blocks, tokens_bT1))[0]
+            sums, vjp, stats_N = jax.vjp(lambda t, b: microbatch_sums(t, b, tokens_bT1, keys_b, mb.angles_of(m)), top, blocks_m,
+                                         has_aux=True)
+            g_top, g_blocks = vjp(cotangents(sums))
+            g_blocks = jax.tree.map(add, carry["g_blocks"], g_blocks)
+        return dict(g_top=jax.tree.map(add, carry["g_top"], g_top), g_blocks=g_blocks,
                     ce=carry["ce"] + sums[0], mtp=carry["mtp"] + sums[1],
                     stats=core.add_stats(carry["stats"], stats_N)), None
 
@@ -98,6 +105,54 @@ def value_and_grad(params, tokens_bT1, graphdef, cfg, rng):
     g_blocks = blocks_vjp(jax.tree.map(lambda g, w: g.astype(w.dtype), carry["g_blocks"], blocks_wide if once else blocks))[0]
     g_blocks = jax.tree.map(lambda g, w: g.astype(w.dtype), g_blocks, params["blocks"])
     return core.loss_and_metrics(carry["ce"], carry["stats"], cfg, carry["mtp"]), {**g_top_local, "blocks": g_blocks}
+
+
+# ---- The blocks' gradients added where they are made
+
+
+def scan_adding_gradients_to(sums_f32):
+    """A block loop (model.apply_blocks' `loop`, as model.scan_blocks) whose backward adds
+    each block's weight gradient to its rows of sums_f32 (float32, stacked as the blocks)
+    in place, and hands the new sums back as the cotangent of sums_f32; the weights get
+    none. Autodiff of the scan would write each microbatch's gradients into a stack of
+    its own (zeroed first), then add it to the sums: two more passes over every block
+    weight per microbatch (docs/pods.md)."""
+    def loop(run_block, block_state, x_BTD, remat, unroll):
+        n_blocks = jax.tree.leaves(block_state)[0].shape[0]
+        body = remat_block(lambda x_BTD, state_and_index: run_block(x_BTD, *state_and_index), remat)
+
+        def block_and_backward(x_BTD, state_and_index):  # (y, (stats, the block's pullback: its residuals))
+            state, index = state_and_index
+            (y_BTD, stats), pullback = jax.vjp(lambda x, w: body(x, (w, index)), x_BTD, state)
+            return y_BTD, (stats, pullback)
+
+        @jax.custom_vjp
+        def blocks(sums, x_BTD):
+            return jax.lax.scan(body, x_BTD, (block_state, jnp.arange(n_blocks)), unroll=n_blocks if unroll else 1)
+
+        def forward(sums, x_BTD):
+            y_BTD, (stats, pullbacks) = jax.lax.scan(block_and_backward, x_BTD, (block_state, jnp.arange(n_blocks)),
+                                                     unroll=n_blocks if unroll else 1)
+            return (y_BTD, stats), (pullbacks, sums)
+
+        def backward(residuals, cotangent):
+            pullbacks, sums = residuals
+            d_y_BTD, d_stats = cotangent
+
+            def step(carry, index):
+                d_x_BTD, sums = carry
+                pullback, d_stats_i = jax.tree.map(lambda r: r[index], (pullbacks, d_stats))
+                d_x_BTD, d_state = pullback((d_x_BTD, d_stats_i))
+                leaves, tree = jax.tree.flatten(sums)  # (a dict of the blocks' params; d_state, the nnx.State of one block)
+                return (d_x_BTD, tree.unflatten([s.at[index].add(g.astype(s.dtype)) for s, g in zip(leaves, jax.tree.leaves(d_state),
+                                                                                                      strict=True)])), None
+            (d_x_BTD, sums), _ = jax.lax.scan(step, (d_y_BTD, sums), jnp.arange(n_blocks), reverse=True,
+                                              unroll=n_blocks if unroll else 1)
+            return sums, d_x_BTD
+
+        blocks.defvjp(forward, backward)
+        return blocks(sums_f32, x_BTD)
+    return loop
 
 
 # ---- FSDP: once per step or per microbatch
