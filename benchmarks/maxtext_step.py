@@ -11,8 +11,8 @@ Each side is compiled for the slice on this CPU (libtpu, no TPU), ours by `plann
 `dump_hlo=true` (its `*after_codegen.txt`: the optimized module with the compiler's
 estimates; `--python` is an interpreter with MaxText's dependencies, e.g. a venv of its
 checkout). Both HLOs are read by planning/hlo_reader.py: the compiler's estimated cycles
-at v4's clock by kind of op, the Pallas kernels at their roofline (those without a cost
-estimate named, not counted), dot FLOPs, collective bytes and the share its schedule
+at v4's clock by kind of op, the Pallas kernels at their roofline (splash's from its
+shapes; any other without a cost estimate named, not counted), dot FLOPs, collective bytes and the share its schedule
 leaves exposed. A benchmark, not a test: the suite never needs MaxText.
 Last line: ours_compute_ms=... maxtext_compute_ms=...
 """

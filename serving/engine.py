@@ -228,6 +228,8 @@ class Engine:
             slot.seq.emit(("token", token, float(logprob_S[i]), top_id_SN[i], top_logprob_SN[i]))
             if slot.generated >= slot.seq.max_tokens:
                 self.finish(i, "length")
+            elif token in slot.seq.end_ids:  # (here, not by the reader's cancel: one more step would sample a token no one reads)
+                self.finish(i, "stop")
         self.decoder.advance(token_S)  # the slots still busy take their token
 
     def finish(self, i, reason):

@@ -495,6 +495,42 @@ def test_a_queued_sequence_whose_client_left_leaves_the_queue_at_once(loaded):
     assert events[1] == [("done", "cancelled")]
 
 
+def test_the_engine_ends_a_sequence_at_its_end_token_whoever_reads_it(loaded):
+    """A sequence ends at the first of its end_ids it samples ("done", "stop"), freed by
+    the engine in that step: its reader, which never cancels here, gets no token after it
+    and the metrics count none. (The server's reader cancelled on the end token, and
+    under load the engine had sampled and counted one more token for the sequence by then:
+    generation_tokens_total 355 against the usages' 353.)"""
+    from serving.engine import Engine, Sequence
+    from serving.metrics import PREFIX, Metrics
+
+    cfg, params = loaded
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))[0]
+    engine = Engine(nnx.merge(graphdef, params), SLOTS, QUEUE)
+    engine.metrics = Metrics(engine)
+
+    def run(end_ids):
+        events, done = [], threading.Event()
+        engine.submit([Sequence([1, 2, 3], 12, 0.0, 0, 1.0, 0, lambda e: (events.append(e), e[0] == "done" and done.set()),
+                                end_ids=end_ids)])
+        assert done.wait(120)
+        return events
+
+    engine.start()
+    try:
+        free = run(())  # greedy: the same tokens both times
+        end = free[3][1]  # its fourth token ends the second
+        sampled = lambda: engine.metrics.registry.get_sample_value(PREFIX + "generation_tokens_total")  # noqa: E731
+        before = sampled()
+        ended = run([end])
+        counted = sampled() - before
+    finally:
+        engine.stop()
+    first = next(i for i, e in enumerate(free) if e[1] == end)
+    kinds_and_tokens = [e[:2] for e in ended]  # (kind, token id or reason)
+    assert kinds_and_tokens == [e[:2] for e in free[:first + 1]] + [("done", "stop")] and counted == first + 1, (kinds_and_tokens, counted)
+
+
 def test_a_chunked_body_over_the_limit_is_413_before_it_ends(server):
     """No Content-Length: the body is counted as it arrives. The client sends just over
     8 MiB and then waits, its body unfinished: the answer is a 413 now (the old server
