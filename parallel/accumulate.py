@@ -9,7 +9,9 @@ another microbatch's activations (docs/parallelism.md has the memory).
 
 FSDP, --train.gather_once:
   true   all blocks gathered once before the loop; their float32 gradient summed over the
-         microbatches and reduce-scattered once after it. Holds both for the whole step.
+         microbatches (each block's backward adding into the sums in place:
+         scan_adding_gradients_to) and reduce-scattered once after it. Holds both for the
+         whole step.
   false  each microbatch gathers each block just before use and reduce-scatters its
          gradient (M of each per step, as GPipe); at remat none, layer or stage the next
          block is fetched beside this one (fsdp.block_loop).
