@@ -354,7 +354,7 @@ def test_full_moe1b_compiles_fits_and_the_planner_is_within_15_percent(devices_o
     the peak, so only the safe side is asserted there."""
     preset, pod, shape, expert_parallel = SLOW_CASES[name]
     # (matmul attention, as these figures were measured: with splash, auto's choice on a TPU,
-    # the compiler holds 3.51 GiB here and the planner says 2.81, 20% low: issue 55's notes)
+    # the compiler holds 3.51 GiB here and the planner says 2.81, 20% low: docs/pods.md)
     case = compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=False, attention="matmul")
     assert tpu_compile.fits(case["tpu"], case["log"], case["hbm"])
     check_collectives(case, shape, expert_parallel)
