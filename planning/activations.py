@@ -15,6 +15,7 @@ import numpy as np
 from model import expert_capacity, padded_vocab
 from parallel import rules
 from parallel import schedules as pipeline
+from utils import SPLASH_LANES
 
 F32 = 4  # bytes of float32: master weights, optimizer moments, softmax/norm internals, logits (planner_model too)
 
@@ -87,10 +88,11 @@ def attention_bytes(s):
 
 def splash_residual_bytes(s):
     """What splash attention keeps per token of this device beyond attention_bytes' own:
-    no [T, S] scores, the log-sum-exp of each query and head (float32) and the kernel's
+    no [T, S] scores; the log-sum-exp of each query and head (float32, which the kernel
+    writes across its 128 lanes: [B, H, T, 128] in the compiled step) and the kernel's
     [nope | rope] queries and keys (the shared RoPE key copied to every head; under cp
     the keys of the whole sequence)."""
-    return s.H * F32 + s.H * (s.K + s.R) * s.c * (1 + s.Tk // s.T)
+    return s.H * SPLASH_LANES * F32 + s.H * (s.K + s.R) * s.c * (1 + s.Tk // s.T)
 
 
 def swiglu_bytes(s, F):
