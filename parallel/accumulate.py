@@ -122,6 +122,7 @@ def scan_adding_gradients_to(sums_f32):
     def loop(run_block, block_state, x_BTD, remat, unroll):
         n_blocks = jax.tree.leaves(block_state)[0].shape[0]
         body = remat_block(lambda x_BTD, state_and_index: run_block(x_BTD, *state_and_index), remat)
+        xs, rolled = (block_state, jnp.arange(n_blocks)), n_blocks if unroll else 1  # (scan's xs and its unroll)
 
         def block_and_backward(x_BTD, state_and_index):  # (y, (stats, the block's pullback: its residuals))
             state, index = state_and_index
@@ -130,11 +131,10 @@ def scan_adding_gradients_to(sums_f32):
 
         @jax.custom_vjp
         def blocks(sums, x_BTD):
-            return jax.lax.scan(body, x_BTD, (block_state, jnp.arange(n_blocks)), unroll=n_blocks if unroll else 1)
+            return jax.lax.scan(body, x_BTD, xs, unroll=rolled)
 
         def forward(sums, x_BTD):
-            y_BTD, (stats, pullbacks) = jax.lax.scan(block_and_backward, x_BTD, (block_state, jnp.arange(n_blocks)),
-                                                     unroll=n_blocks if unroll else 1)
+            y_BTD, (stats, pullbacks) = jax.lax.scan(block_and_backward, x_BTD, xs, unroll=rolled)
             return (y_BTD, stats), (pullbacks, sums)
 
         def backward(residuals, cotangent):
@@ -148,8 +148,7 @@ def scan_adding_gradients_to(sums_f32):
                 leaves, tree = jax.tree.flatten(sums)  # (a dict of the blocks' params; d_state, the nnx.State of one block)
                 return (d_x_BTD, tree.unflatten([s.at[index].add(g.astype(s.dtype)) for s, g in zip(leaves, jax.tree.leaves(d_state),
                                                                                                       strict=True)])), None
-            (d_x_BTD, sums), _ = jax.lax.scan(step, (d_y_BTD, sums), jnp.arange(n_blocks), reverse=True,
-                                              unroll=n_blocks if unroll else 1)
+            (d_x_BTD, sums), _ = jax.lax.scan(step, (d_y_BTD, sums), xs[1], reverse=True, unroll=rolled)
             return sums, d_x_BTD
 
         blocks.defvjp(forward, backward)

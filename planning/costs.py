@@ -689,6 +689,11 @@ def quantized_peak(cfg, hw_name, peak):
     return 1 / (share / low + (1 - share) / peak)
 
 
+def platform_of(hw_name):
+    """jax's platform name of a --hardware entry: tpu, gpu or cpu."""
+    return "tpu" if hw_name.startswith("tpu") else "cpu" if hw_name == "cpu" else "gpu"
+
+
 def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     """Everything the planner prints, as a dict (bytes, seconds)."""
     if hw_name not in HARDWARE:
@@ -699,8 +704,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     if cfg.train.objective == "dpo":
         from parallel.dpo import check_dpo  # (only a DPO plan imports it)
         check_dpo(cfg)  # pp 1, one microbatch: other layouts drop out of a search
-    # --model.attention / moe_kernel auto as on those chips (what tpu_compile compiles)
-    cfg = kernels_for(cfg, "tpu" if hw_name.startswith("tpu") else "cpu" if hw_name == "cpu" else "gpu")
+    cfg = kernels_for(cfg, platform_of(hw_name))  # --model.attention / moe_kernel auto as on those chips (tpu_compile's too)
     if cfg.mesh.slices > 1:
         return plan_across_slices(cfg, devices, hw_name, efficiency, peak)
     hw = HARDWARE[hw_name]

@@ -314,6 +314,15 @@ def real_taps(n, m, size, stride, low, dilate):
 GROUPED_MATMUL = re.compile(r"^\s*(?:ROOT )?%\S*?(t?gmm)\S* = ")
 
 
+def kernel_arrays(line):
+    """(operands, results) of a Pallas kernel's custom call: [(dtype, [dims])] each, the
+    operands from its operand_layout_constraints, the results from before custom-call(."""
+    def arrays(text):
+        return [(dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in ARRAY.findall(text)]
+    operands = line.split("operand_layout_constraints=", 1)[1].split("frontend_attributes=", 1)[0]
+    return arrays(operands), arrays(line.split(" custom-call(", 1)[0])
+
+
 def grouped_matmul_flops(line):
     """FLOPs of a megablox gmm or tgmm kernel (a tpu_custom_call, model.grouped_matmul; 0
     for any other custom call) as its grid runs them: every row tile it may visit, the
@@ -323,11 +332,10 @@ def grouped_matmul_flops(line):
     kind = GROUPED_MATMUL.match(line)
     if not kind or 'custom_call_target="tpu_custom_call"' not in line:
         return 0
-    operands = line.split("operand_layout_constraints=", 1)[1].split("frontend_attributes=", 1)[0]
-    shapes = [[int(d) for d in dims.split(",") if d] for _, dims in ARRAY.findall(operands)]
-    (groups_plus_one,), (visited_tiles,), _, _, lhs, rhs = shapes[-6:]  # (vmapped: the batch index first)
+    operands, results = kernel_arrays(line)
+    (groups_plus_one,), (visited_tiles,), _, _, lhs, rhs = [dims for _, dims in operands[-6:]]  # (vmapped: the batch index first)
     if kind.group(1) == "gmm":  # [m, k] rows by [E, k, n] (or [E, n, k], transposed) weights into [m, n]
-        (m, k), n = lhs, int(ARRAY.search(line.split(" custom-call(", 1)[0]).group(2).split(",")[-1])
+        (m, k), n = lhs, results[0][1][-1]
     else:  # tgmm: [k, m] by [m, n] into [E, k, n]
         (k, m), (_, n) = lhs, rhs
     row_tiles = visited_tiles - (groups_plus_one - 1) + 1
@@ -360,14 +368,12 @@ def attention_kernel_flops(line):
     kind = SPLASH.match(line)
     if not kind or 'custom_call_target="tpu_custom_call"' not in line or "operand_layout_constraints=" not in line:
         return 0
-    operands = line.split("operand_layout_constraints=", 1)[1].split("frontend_attributes=", 1)[0]
-    arrays = [(dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in ARRAY.findall(operands)]
-    (_, n_q, n_k), q, k, v = arrays[0][1], *[dims for dtype, dims in arrays if dtype.startswith(("f", "bf"))][:3]
+    operands, results = kernel_arrays(line)
+    (_, n_q, n_k), q, k, v = operands[0][1], *[dims for dtype, dims in operands if dtype.startswith(("f", "bf"))][:3]
     *lead, Tq, W = q
     S, K = k[-2], v[-1]
     macs = SPLASH_MACS[kind.group(1)](W, K)
-    results = [dims for _, dims in ARRAY.findall(line.split(" custom-call(", 1)[0])]
-    if kind.group(1) == "dkv" and any(len(dims) == len(q) + 1 and dims[-2:] == [Tq, W] for dims in results):
+    if kind.group(1) == "dkv" and any(len(dims) == len(q) + 1 and dims[-2:] == [Tq, W] for _, dims in results):
         macs += W
     pairs = int(np.prod(lead)) * Tq * S * causal_blocks(n_q, n_k, Tq, S) / (n_q * n_k)
     return int(2 * macs * pairs)
@@ -376,11 +382,9 @@ def attention_kernel_flops(line):
 def attention_kernel_bytes(line):
     """Bytes a splash kernel reads and writes in HBM: its operands, and its results of
     q's rank (its others, of lower rank, are its VMEM scratch)."""
-    operands = ARRAY.findall(line.split("operand_layout_constraints=", 1)[1].split("frontend_attributes=", 1)[0])
-    results = ARRAY.findall(line.split(" custom-call(", 1)[0])
-    rank = max(len(dims.split(",")) for _, dims in operands)
-    return sum(DTYPE_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
-               for t, dims in operands + [(t, dims) for t, dims in results if len(dims.split(",")) >= rank])
+    operands, results = kernel_arrays(line)
+    rank = max(len(dims) for _, dims in operands)
+    return sum(DTYPE_BYTES[t] * int(np.prod(dims)) for t, dims in operands + [(t, dims) for t, dims in results if len(dims) >= rank])
 
 
 def kernel_flops(line):
