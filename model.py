@@ -178,17 +178,18 @@ def attention_softmax_scale(cfg):
 
 
 def apply_rope(x_BTxR, angles_BTR2, scale=1.0):
-    """Rotate pairs (x[2i], x[2i+1]) by angle[i]; x may have a head axis before R.
-    scale: yarn_attention_factor, on cos and sin (as transformers applies it)."""
+    """Rotate pairs (x[2i], x[2i+1]) by angle[i]; x may have a head axis before R. scale:
+    yarn_attention_factor, on cos and sin (as transformers applies it). Each lane computes
+    x_even * (cos | sin) + x_odd * (-sin | cos), its partner from a permutation matmul: no
+    strided slices and stacks (relayouts a TPU pays more for than the rotation: docs/pods.md)."""
+    cos, sin = jnp.cos(angles_BTR2) * scale, jnp.sin(angles_BTR2) * scale
+    even_BTR, odd_BTR = (jnp.stack(pair, axis=-1).reshape(cos.shape[:-1] + (-1,)) for pair in ((cos, sin), (-sin, cos)))
     if x_BTxR.ndim == 4:  # [B, T, H, R]: the same angle for every head
-        angles_BTR2 = angles_BTR2[:, :, None, :]
-    cos, sin = jnp.cos(angles_BTR2), jnp.sin(angles_BTR2)
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    x = x_BTxR.astype(jnp.float32)
-    x_even, x_odd = x[..., 0::2], x[..., 1::2]
-    rotated = jnp.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], axis=-1)
-    return rotated.reshape(x.shape).astype(x_BTxR.dtype)
+        even_BTR, odd_BTR = even_BTR[:, :, None, :], odd_BTR[:, :, None, :]
+    R, x = x_BTxR.shape[-1], x_BTxR.astype(jnp.float32)
+    partner = jnp.matmul(x_BTxR, jnp.eye(R, dtype=x_BTxR.dtype)[jnp.arange(R) ^ 1], preferred_element_type=jnp.float32)
+    x_even, x_odd = jnp.where(jnp.arange(R) % 2 == 0, x, partner), jnp.where(jnp.arange(R) % 2 == 1, x, partner)
+    return (x_even * even_BTR + x_odd * odd_BTR).astype(x_BTxR.dtype)
 
 
 # ---- Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434, section 2.1)
@@ -275,14 +276,13 @@ class MLAttention(nnx.Module):
         if self.implementation == "blockwise":
             out_BTHK, max_logit_H = kernel("blockwise").blockwise_attention_and_max_logits(
                 q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, self.softmax_scale, self.block, segments_bT)
-        elif self.implementation in ("dot_product_attention", "splash"):
-            if self.implementation == "splash":
-                out_BTHK = kernel("splash").splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK,
-                                                             self.softmax_scale, self.block, None if chunks is None else chunks.axis,
-                                                             None if segments_bT is None else (segments_bT[:, q_pos_T], segments_bT))
-            else:
-                out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, segments_bT)
-            # The fused kernels keep their scores to themselves: they are taken again, a block of
+        elif self.implementation == "splash":  # (the max logits from the kernel's operands, the forward's score FLOPs again)
+            out_BTHK, max_logit_H = kernel("splash").splash_attention(
+                q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, self.softmax_scale, self.block,
+                None if chunks is None else chunks.axis, None if segments_bT is None else (segments_bT[:, q_pos_T], segments_bT))
+        elif self.implementation == "dot_product_attention":
+            out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, segments_bT)
+            # The fused kernel keeps its scores to itself: they are taken again, a block of
             # queries at a time (the forward's score FLOPs once more, no [T, S] buffer).
             max_logit_H = kernel("blockwise").max_logits(*jax.lax.stop_gradient((q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR)),
                                                          q_pos_T, k_pos_S, self.softmax_scale, self.block, segments_bT)

@@ -13,7 +13,8 @@ main.py flag, plus:
 
     --hardware NAME   one of the HARDWARE table below (default tpu-v5p)
     --devices N       devices in the run (needed with --mesh.dp -1)
-    --efficiency X    assumed fraction of peak FLOP/s the matmuls reach (default 0.5)
+    --efficiency X    fraction of peak FLOP/s the compute runs at (default: on a TPU the
+                      model of the compiler's clock, planning/compute_clock.py; else 0.5)
     --json PATH       also write the plan as JSON
     --tpu TYPE        compile the real train and eval steps for that TPU slice (gcloud's
                       accelerator type, below) with the TPU compiler, on this CPU, and print

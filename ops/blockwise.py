@@ -110,13 +110,41 @@ def unblock(x_nBHtX):
 def block_scores(q_nope_BHtK, q_rope_BHtR, q_at, k_nope_BHsK, k_rope_BsR, k_at, scale):
     """Scaled scores of one block pair [B, H, t, s], float32, -inf where the key comes after the query
     or (packed rows) lies in another document. q_at, k_at: position_blocks' of the block."""
-    (q_pos_t, q_seg_Bt), (k_pos_s, k_seg_Bs) = q_at, k_at
     scores = jnp.matmul(q_nope_BHtK, k_nope_BHsK.swapaxes(-1, -2), preferred_element_type=ACC_DTYPE)
     scores += jnp.einsum("bhtr,bsr->bhts", q_rope_BHtR, k_rope_BsR, preferred_element_type=ACC_DTYPE)
-    visible = k_pos_s[None, :] <= q_pos_t[:, None]  # [t, s], packed [B, 1, t, s]
+    return jnp.where(visible_keys(q_at, k_at), scores * scale, -jnp.inf)
+
+
+def visible_keys(q_at, k_at):
+    """[t, s] (packed rows: [B, 1, t, s]): does the query see the key, at or before it
+    (and in its document)? q_at, k_at: (positions, document ids or None) of a block."""
+    (q_pos_t, q_seg_Bt), (k_pos_s, k_seg_Bs) = q_at, k_at
+    visible = k_pos_s[None, :] <= q_pos_t[:, None]
     if q_seg_Bt is not None:
         visible = visible & (q_seg_Bt[:, :, None] == k_seg_Bs[:, None, :])[:, None]
-    return jnp.where(visible, scores * scale, -jnp.inf)
+    return visible
+
+
+def max_joined_scores(q_BHTW, k_BHSW, q_pos_T, k_pos_S, block, segments=None):
+    """Each head's largest score [H], float32, of queries and keys that carry the whole
+    score in one head dim, the queries already scaled (splash's operands: [content |
+    RoPE]), a block of queries at a time against every key. One matmul per block, which
+    the TPU compiler fuses with the mask and the max: no [t, S] scores are written (two,
+    content and RoPE as max_logits takes them, write the first's to add the second).
+    segments: packed rows' document ids, (the queries' [B, T], the keys' [B, S]), or None."""
+    B, H, T, W = q_BHTW.shape
+    block = math.gcd(block, T)
+    n = T // block
+    q_nBHtW = q_BHTW.reshape(B, H, n, block, W).transpose(2, 0, 1, 3, 4)
+    q_seg_nBt, k_seg_BS = (None, None) if segments is None else (segments[0].reshape(B, n, block).transpose(1, 0, 2), segments[1])
+
+    def one_query_block(query):
+        q_BHtW, q_pos_t, q_seg_Bt = query
+        scores_BHtS = jnp.matmul(q_BHtW, k_BHSW.swapaxes(-1, -2), preferred_element_type=ACC_DTYPE)
+        visible = visible_keys((q_pos_t, q_seg_Bt), (k_pos_S, k_seg_BS))
+        return jnp.max(jnp.where(visible, scores_BHtS, -jnp.inf), axis=(0, 2, 3))
+
+    return jnp.max(jax.lax.map(one_query_block, (q_nBHtW, q_pos_T.reshape(n, block), q_seg_nBt)), axis=0)
 
 
 def any_visible(q_at, k_at):

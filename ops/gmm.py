@@ -12,16 +12,23 @@ from ops.collectives import varying_like
 from ops.kernel_calls import interpret_kernels, unchecked
 
 GMM_ROW_TILE = 128  # megablox's default m tile; the sorted (token, choice) rows are padded to a multiple of it
-GMM_LANE_TILE = 128  # its k and n tiles where D and F allow (a TPU block is a multiple of 128 lanes or a whole dim)
+GMM_LANE_TILE = 128  # a TPU block's lanes: a k or n tile is a multiple of them, or a whole dim
+GMM_K_TILE = 512  # the most of k a tile takes
+GMM_TILE_BYTES = 4 * 2**20  # the most a float32 [tk, tn] tile may take (tgmm's output block, double-buffered in VMEM)
 
 
 def gmm_tiling(m_padded, k, n):
-    """(tm, tk, tn) for megablox.gmm of [m, k] rows by [E, k, n] weights: a TPU block is a
-    multiple of 128 lanes or a whole dim, so k and n are tiled by 128 where they divide
-    by it and whole otherwise."""
-    def lanes(d):
-        return GMM_LANE_TILE if d % GMM_LANE_TILE == 0 else d
-    return min(GMM_ROW_TILE, m_padded), lanes(k), lanes(n)
+    """(tm, tk, tn) for megablox.gmm of [m, k] rows by [E, k, n] weights. The kernel
+    reads the rows once per n tile and each expert's [k, n] weights once per row tile
+    (its cost_estimate), so n is taken whole or in the widest lane-multiple tile that
+    divides it with a [tk, tn] float32 block within GMM_TILE_BYTES, and k in tiles of up
+    to GMM_K_TILE (DeepSeek-V2-Lite's experts: 1.5 GB of HBM traffic per gmm call with
+    128-wide tiles, 1.0 GB so; docs/peers.md). A dim that does not divide by 128 is whole."""
+    def tile(d, most):
+        fits = [t for t in range(GMM_LANE_TILE, min(d, most) + 1, GMM_LANE_TILE) if d % t == 0]
+        return max(fits) if d % GMM_LANE_TILE == 0 and fits else d
+    tk = tile(k, GMM_K_TILE)
+    return min(GMM_ROW_TILE, m_padded), tk, tile(n, GMM_TILE_BYTES // (4 * tk))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -45,9 +52,9 @@ def typed_gmm_fwd(x_PI, w_EIO, sizes_E, tiling, interpret):
 def typed_gmm_bwd(tiling, interpret, residuals, dy_PO):
     x_PI, w_EIO, sizes_E = residuals
     kernels = megablox_ops.backend
-    tm, tk, tn = tiling
-    dx_kernel = functools.partial(kernels.gmm, preferred_element_type=x_PI.dtype, tiling=(tm, tn, tk), transpose_rhs=True,
-                                  interpret=interpret)  # (dy [P, O] by the weights transposed: O is its contracted dim)
+    dx_tiling = gmm_tiling(x_PI.shape[0], w_EIO.shape[2], w_EIO.shape[1])  # (dy [P, O] by the weights transposed: O contracted)
+    dx_kernel = functools.partial(kernels.gmm, preferred_element_type=x_PI.dtype, tiling=dx_tiling, transpose_rhs=True,
+                                  interpret=interpret)
     dw_kernel = functools.partial(kernels.tgmm, preferred_element_type=w_EIO.dtype, tiling=tiling,
                                   num_actual_groups=w_EIO.shape[0], interpret=interpret)
     dx_PI = unchecked(dx_kernel, dy_PO, w_EIO, sizes_E)

@@ -37,6 +37,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
+from ops.blockwise import max_joined_scores
 from ops.collectives import varying_like
 from ops.context_parallel import chunk_positions, gathered_positions
 from ops.kernel_calls import interpret_kernels, unchecked
@@ -109,14 +110,17 @@ def causal_attention(T, H, block, interpret, cp=1, rank=0):
     return attention
 
 
-def splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, scale, block, cp_axis=None, segments=None):
-    """Causal softmax(scale (q_nope . k_nope + q_rope . k_rope)) v: out [B, T, H, K].
-    Queries and keys are the same T positions, or (cp_axis given) this cp rank's chunks
-    against every rank's tokens gathered rank-major (context_parallel.gathered_positions).
+def splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, scale, block, cp_axis=None,
+                     segments=None):
+    """(causal softmax(scale (q_nope . k_nope + q_rope . k_rope)) v: out [B, T, H, K], each
+    head's largest scaled score [H], float32). Queries and keys are the same T positions,
+    or (cp_axis given) this cp rank's chunks at global positions q_pos_T against every
+    rank's tokens gathered rank-major (context_parallel.gathered_positions).
     `block`, cut to T (under cp to a chunk), must divide it and be a multiple of
     SPLASH_LANES (utils.validate_model). Under tp each device passes its own heads: the
     kernel is made for the local head count. segments: packed rows' document ids (queries
-    [B, T], keys [B, S] in sequence order), or None."""
+    [B, T], keys [B, S] in sequence order), or None. The largest scores are the kernel's
+    operands' (blockwise.max_joined_scores), read under stop_gradient."""
     B, T, H, K = q_nope_BTHK.shape
     S, R = k_nope_BSHK.shape[1], q_rope_BTHR.shape[-1]
     q_BHTW = (jnp.concatenate([q_nope_BTHK, q_rope_BTHR], axis=-1) * scale).astype(q_nope_BTHK.dtype).transpose(0, 2, 1, 3)
@@ -124,13 +128,15 @@ def splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, 
     k_BHSW = jnp.concatenate([k_nope_BSHK, k_rope_BSHR], axis=-1).transpose(0, 2, 1, 3)
     v_BHSK = v_BSHK.transpose(0, 2, 1, 3)
     interpret = interpret_kernels()
-    segments = None if segments is None else splash_kernel.SegmentIds(*segments)
+    kernel_segments = None if segments is None else splash_kernel.SegmentIds(*segments)
     if cp_axis is None:
-        out_BHTK = causal_attention(S, H, splash_block(block, S), interpret)(q_BHTW, k_BHSW, v_BHSK, segments)
+        out_BHTK = causal_attention(S, H, splash_block(block, S), interpret)(q_BHTW, k_BHSW, v_BHSK, kernel_segments)
     else:
         cp = jax.lax.axis_size(cp_axis)
         in_order_S = np.argsort(gathered_positions(S, cp))  # the gathered keys back in sequence order
         k_BHSW, v_BHSK = k_BHSW[:, :, in_order_S], v_BHSK[:, :, in_order_S]
         kernels = [causal_attention(S, H, splash_block(block, S // (2 * cp)), interpret, cp, rank) for rank in range(cp)]
-        out_BHTK = jax.lax.switch(jax.lax.axis_index(cp_axis), kernels, q_BHTW, k_BHSW, v_BHSK, segments)
-    return out_BHTK.transpose(0, 2, 1, 3)
+        out_BHTK = jax.lax.switch(jax.lax.axis_index(cp_axis), kernels, q_BHTW, k_BHSW, v_BHSK, kernel_segments)
+    max_logit_H = max_joined_scores(*jax.lax.stop_gradient((q_BHTW, k_BHSW)), q_pos_T, jnp.arange(S),
+                                    splash_block(block, T), segments)
+    return out_BHTK.transpose(0, 2, 1, 3), max_logit_H

@@ -6,7 +6,7 @@ import json
 import sys
 
 from planning import report, search, tpu_compile
-from planning.costs import DEFAULT_EFFICIENCY, GiB, plan
+from planning.costs import GiB, plan
 from runtime.devices import skip_tpu_probe_without_tpu
 from utils import ConfigError, apply_overrides, parse_args
 
@@ -15,7 +15,7 @@ BOOLEAN_FLAGS = ("search",)  # planner flags that take no value
 
 def split_planner_flags(argv):
     """Pull out the planner's own flags; the rest are main.py's config flags."""
-    own, rest, i = {"hardware": "tpu-v5p", "devices": "0", "efficiency": str(DEFAULT_EFFICIENCY), "json": "", "tpu": "",
+    own, rest, i = {"hardware": "tpu-v5p", "devices": "0", "efficiency": "", "json": "", "tpu": "",
                     "search": "", "top": "10", "compile": "3",
                     "hlo-out": ""}, [], 0
     while i < len(argv):
@@ -65,7 +65,7 @@ def main(argv, usage=""):
     try:
         own, rest = split_planner_flags(argv)
         cfg = parse_args(rest)
-        devices, efficiency = int(own["devices"]), float(own["efficiency"])
+        devices, efficiency = int(own["devices"]), float(own["efficiency"]) if own["efficiency"] else None
         if own["tpu"]:
             pod = tpu_compile.pod_type(own["tpu"])
             own["hardware"], devices = pod.hardware, pod.chips * cfg.mesh.slices

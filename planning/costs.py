@@ -26,10 +26,10 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from model import abstract_params
-from ops.gmm import GMM_ROW_TILE
 from parallel import optimizers, rules
 from parallel.mesh import axes_of, check_config_fits_mesh, resolve_mesh_shape
 from parallel.weights import check_divisible, is_stacked, is_trained, param_specs, weight_layout, weight_name
+from planning.compute_clock import gmm_tile_factor, step_efficiency, update_seconds
 from planning.activations import (
     BACKWARD_TICK_COST,
     F32,
@@ -281,18 +281,6 @@ KEEP_GATHERED = ("none", "layer")
 def attention_layers(m):
     """Attention layers of the model: the blocks', the dense prefix's and the MTP modules'."""
     return (m.n_blocks + m.mtp_depth) * len(m.block_pattern) + m.first_dense
-
-
-def gmm_tile_factor(m, s):
-    """Executed over routed FLOPs of the dropless experts: 1 under ragged_dot; under
-    --model.moe_kernel gmm, megablox's grid runs whole row tiles of GMM_ROW_TILE, and a
-    tile holding the boundary of two experts' runs once for each: per call about
-    (rows / tile + experts - 1) tiles for rows / tile of work (hlo_reader's
-    grouped_matmul_flops reads the same bound off the compiled program)."""
-    if m.moe_kernel != "gmm":
-        return 1.0
-    row_tiles = math.ceil(s.b * s.T * s.X / GMM_ROW_TILE)
-    return (row_tiles + s.E - 1) / row_tiles
 
 
 def executed_flops(cfg, s, tp, cp=1):
@@ -689,13 +677,26 @@ def quantized_peak(cfg, hw_name, peak):
     return 1 / (share / low + (1 - share) / peak)
 
 
+def compiler_efficiency(cfg, mesh_shape, hw, store, once):
+    """compute_clock.step_efficiency of this layout (share of the peak, seconds by kind):
+    its executed FLOPs and the float32 gradient sums its microbatches add into
+    (accumulation: the blocks' whole sums when they are gathered once, else the shards)."""
+    _, executed = executed_flops(cfg, local_sizes(cfg, mesh_shape), mesh_shape["tp"], mesh_shape.get("cp", 1))
+    summed = 0
+    if accumulates(cfg, mesh_shape["pp"]) and cfg.train.microbatches > 1:
+        summed = cfg.model.n_blocks * store["one_block"] * F32 / store["c"] if once else store["gradients"]
+    return step_efficiency(cfg, mesh_shape, hw, executed, summed)
+
+
 def platform_of(hw_name):
     """jax's platform name of a --hardware entry: tpu, gpu or cpu."""
     return "tpu" if hw_name.startswith("tpu") else "cpu" if hw_name == "cpu" else "gpu"
 
 
-def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
-    """Everything the planner prints, as a dict (bytes, seconds)."""
+def plan(cfg, devices, hw_name, efficiency=None, peak=None):
+    """Everything the planner prints, as a dict (bytes, seconds). efficiency: the share of
+    the peak the compute runs at; None: on a TPU compute_clock's model of the compiler's
+    clock for this layout, elsewhere DEFAULT_EFFICIENCY."""
     if hw_name not in HARDWARE:
         raise ValueError(f"unknown --hardware {hw_name!r}; choose one of {', '.join(HARDWARE)}")
     for ok, message in context_parallel_checks(cfg):  # (what --mesh.cp needs: main.py's own checks)
@@ -739,6 +740,9 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
     else:
         peak = peak or quantized_peak(cfg, hw_name, hw.peak_flops)
         available = hw.memory_bytes
+    compute_kinds = None  # a TPU's compute as its compiler would time it (compute_clock), unless --efficiency says
+    if efficiency is None:
+        efficiency, compute_kinds = compiler_efficiency(cfg, mesh_shape, hw, store, once) if hw.clock_hz else (DEFAULT_EFFICIENCY, None)
     times, comm = step_time(cfg, mesh_shape, hw, peak, efficiency, store, once)
     if cfg.train.objective == "dpo":  # the reference's forward over every row: a third of the model's forward + backward
         reference = times["model_flops"] / 3
@@ -746,15 +750,7 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         times["executed_flops"] += reference
         times["device_flops"] += reference / n_devices
         times["compute"] += reference / (n_devices * peak * efficiency)
-    if muon:  # Newton-Schulz in float32 (assumed at the same efficiency), and its all-to-alls
-        times["optimizer_flops"] = muon["flops"]
-        times["compute"] += muon["flops"] / (peak * efficiency)
-        times["device_flops"] += muon["flops"]
-        for axes, nbytes in muon["traffic"].items():
-            comm[f"muon all-to-all of momentum and updates over {axes}"] = nbytes / collective_bw(hw, mesh_shape, tuple(axes.split("+")))
-            S = math.prod(mesh_shape[a] for a in axes.split("+"))
-            key = f"all-to-all over {axes}"
-            times["collective_bytes"][key] = times["collective_bytes"].get(key, 0) + nbytes * S / (S - 1)
+    add_update(times, comm, compute_kinds, muon, store, hw, mesh_shape, peak, efficiency)
     total_params, active_params = model_params_count(shape_keys(cfg)[0])
     pipelined = times["compute"] + times["bubble"] + times["head"] + times["prefix_imbalance"]
     serial = pipelined + sum(comm.values())
@@ -769,11 +765,29 @@ def plan(cfg, devices, hw_name, efficiency=DEFAULT_EFFICIENCY, peak=None):
         batch_bytes=array_bytes((cfg.train.batch_size // mesh_shape["dp"], cfg.model.seq_len + 1), 4, tiled),  # int32 tokens, not in the total
         loss_phase_bytes=int(next(v for k, v in phases.items() if k.startswith("loss"))), gpu=bool(hw.node_size),
         available_bytes=available, fits=total_bytes <= available,
-        peak_flops=peak, efficiency=efficiency, times=times, comm=comm,
+        peak_flops=peak, efficiency=efficiency, compute_kinds=compute_kinds, times=times, comm=comm,
         pipeline=cfg.train.pipeline, bubble_fraction=schedule_of(cfg, mesh_shape["pp"]).bubble(), gather_once=once,
         stage_flops_per_token=stage_flops(model_part_flops(model_key), mesh_shape["pp"]),
         step_s_serial=serial, step_s_overlapped=overlapped, comm_exposed=exposed, step_s_predicted=predicted,
         tokens_per_sec=cfg.train.batch_size * cfg.model.seq_len / serial)
+
+
+def add_update(times, comm, compute_kinds, muon, store, hw, mesh_shape, peak, efficiency):
+    """Add to a plan's times and comm what the update runs after the layers: on the
+    compiler's clock (compute_kinds given) its pass over the params and optimizer state;
+    Muon's Newton-Schulz in float32 (at the layers' efficiency) and its all-to-alls."""
+    if compute_kinds:
+        compute_kinds["elementwise"] += update_seconds(hw, store["params"] + store["optimizer"])
+        times["compute"] += update_seconds(hw, store["params"] + store["optimizer"])
+    if muon:
+        times["optimizer_flops"] = muon["flops"]
+        times["compute"] += muon["flops"] / (peak * efficiency)
+        times["device_flops"] += muon["flops"]
+        for axes, nbytes in muon["traffic"].items():
+            comm[f"muon all-to-all of momentum and updates over {axes}"] = nbytes / collective_bw(hw, mesh_shape, tuple(axes.split("+")))
+            S = math.prod(mesh_shape[a] for a in axes.split("+"))
+            key = f"all-to-all over {axes}"
+            times["collective_bytes"][key] = times["collective_bytes"].get(key, 0) + nbytes * S / (S - 1)
 
 
 def exposed_communication(cfg, comm, pipelined, once):

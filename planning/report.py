@@ -41,7 +41,8 @@ def report(p):
     rows.append(("  activations", mem_str(mem["activations"])))
     rows += [("    " + name, mem_str(value)) for name, value in p["activations"].items()]
     rows += [("  total", mem_str(p["total_bytes"]) + f"   of {p['available_bytes'] / GiB:.2f} GiB"), ("", "")]
-    rows.append((f"step time (compute at an assumed {p['efficiency']:.0%} of {human(p['peak_flops'])}FLOP/s per device)", ""))
+    how = "as the TPU compiler would time it (planning/compute_clock.py): " if p.get("compute_kinds") else "at an assumed "
+    rows.append((f"step time (compute {how}{p['efficiency']:.0%} of {human(p['peak_flops'])}FLOP/s per device)", ""))
     rows.append((f"  compute: {human(t['executed_flops'])}FLOP executed ({human(t['model_flops'])}FLOP model"
                  + (f", DPO's reference forward {human(t['reference_flops'])}FLOP" if "reference_flops" in t else "") + ")"
                  + (f" + Muon's Newton-Schulz {human(t['optimizer_flops'])}FLOP per device" if "optimizer_flops" in t else ""),
@@ -170,6 +171,16 @@ def clock_report(p, clock, kernels_found, top=12):
     by_kind = hlo_reader.seconds_by(clock["ops"], lambda op: op.kind)
     rows = [(kind, by_kind.get(kind, 0.0)) for kind in hlo_reader.COMPUTE_KINDS] + [("collectives exposed", clock["exposed_s"])]
     lines += [f"    {name:<42}{s * 1e3:>10.1f} ms {s / step:6.1%}" for name, s in rows]
+    if p.get("compute_kinds"):  # the planner's model of the same clock (compute_clock), its kinds lumped as it lumps them
+        # (stretched by what the pipeline adds to them, its bubble and the last stage's head, as the compiled ticks run)
+        stretch = planner_compute / (t["compute"] or 1.0)
+        planned = {kind: s * stretch for kind, s in p["compute_kinds"].items()}
+        rest = sum(by_kind.get(kind, 0.0) for kind in hlo_reader.COMPUTE_KINDS if kind not in planned)
+        by_kind = {kind: by_kind.get(kind, 0.0) for kind in planned if kind in hlo_reader.COMPUTE_KINDS}
+        lines += [f"  {'the planner, by kind (planning/compute_clock.py)':<44}{'planner':>10}{'compiler':>11}"]
+        lines += [f"    {kind:<42}{planned[kind] * 1e3:>7.1f} ms{by_kind.get(kind, 0.0) * 1e3:>8.1f} ms" if kind in by_kind else
+                  f"    {kind:<42}{planned[kind] * 1e3:>7.1f} ms{rest * 1e3:>8.1f} ms   (other fusions, copies and transposes, other ops)"
+                  for kind in planned]
     timed = {re.sub(r"\.\d+$", "", op.name) for op in clock["ops"] if op.kind == "kernels"}
     untimed = sorted(set(kernels_found) - timed)
     if untimed:
@@ -278,7 +289,8 @@ def search_report(ranked, preset, preset_flags, tried, too_big, top):
     p = ranked[0].plan
     lines = [f"{preset['preset']} on {p['devices']} x {p['hardware']}, batch {p['tokens_per_sec'] * p['step_s_serial']:,.0f} "
              f"tokens per step: {tried} layouts divide the model and the batch, {len(ranked)} fit, {too_big} do not",
-             f"(compute at an assumed {p['efficiency']:.0%} of peak; step = compute + bubble + the communication the schedule "
+             "(compute " + ("as the TPU compiler would time each layout, planning/compute_clock.py" if p.get("compute_kinds")
+                           else f"at an assumed {p['efficiency']:.0%} of peak") + "; step = compute + bubble + the communication the schedule "
              "leaves exposed (costs.exposed_communication); serial = with none of it overlapped; "
              "MFU = model FLOPs / (step x peak))", "",
              f"{'rank':>4} {'step ms':>9} {'serial':>9} {'tokens/s':>13} {'MFU':>6} {'GiB/dev':>7}   flags"]

@@ -10,20 +10,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ops.gmm import grouped_matmul
+from ops.gmm import GMM_TILE_BYTES, gmm_tiling, grouped_matmul
 from parallel.mesh import check_config_fits_mesh
 from test_parallel import assert_same_steps, mesh_for, tiny_config, train_steps
 from utils import ConfigError, apply_overrides, parse_args
 
 
-@pytest.mark.parametrize("rows, tokens_per_expert", [(200, [50, 0, 70, 80]), (37, [9, 20, 0, 3])],
-                         ids=["rows-past-one-tile", "a-rest-past-the-runs"])
-def test_gmm_equals_ragged_dot_with_gradients(rows, tokens_per_expert):
+@pytest.mark.parametrize("rows, tokens_per_expert, n_in, n_out", [(200, [50, 0, 70, 80], 32, 16), (37, [9, 20, 0, 3], 32, 16),
+                                                                    (200, [50, 0, 70, 80], 1024, 384)],
+                         ids=["rows-past-one-tile", "a-rest-past-the-runs", "lane-tiles"])
+def test_gmm_equals_ragged_dot_with_gradients(rows, tokens_per_expert, n_in, n_out):
     """200 rows pad to two row tiles of 128; in the second case 5 rows follow the experts'
-    runs (as rows of other devices' experts would), and must come out 0 with 0 gradient."""
+    runs (as rows of other devices' experts would), and must come out 0 with 0 gradient;
+    in the third the weights are tiled in lanes: 1024 inputs in two tiles of 512, 384
+    outputs whole (and the backward's own tiles: gmm_tiling)."""
     x_key, w_key, cot_key = jax.random.split(jax.random.key(0), 3)
-    x_NI, w_EIO = jax.random.normal(x_key, (rows, 32)), jax.random.normal(w_key, (4, 32, 16))
-    cot_NO = jax.random.normal(cot_key, (rows, 16))
+    x_NI, w_EIO = jax.random.normal(x_key, (rows, n_in)), jax.random.normal(w_key, (4, n_in, n_out))
+    cot_NO = jax.random.normal(cot_key, (rows, n_out))
     sizes_E = jnp.asarray(tokens_per_expert, jnp.int32)
 
     def loss_and_grads(matmul):
@@ -36,6 +39,18 @@ def test_gmm_equals_ragged_dot_with_gradients(rows, tokens_per_expert):
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     rest = int(sizes_E.sum())
     assert np.all(np.asarray(dx[rest:]) == 0) and np.all(np.isfinite(dx))
+
+
+def test_gmm_tiles_read_the_rows_once_within_the_tile_budget():
+    """The rows are read once per n tile and the weights once per row tile (megablox's
+    cost_estimate), so n is whole where a [tk, tn] float32 block fits GMM_TILE_BYTES;
+    DeepSeek-V2-Lite's experts (2048 x 1408, and back) and DeepSeek-V3's (7168 x 2048)."""
+    assert gmm_tiling(12288, 2048, 1408) == (128, 512, 1408)
+    assert gmm_tiling(12288, 1408, 2048) == (128, 128, 2048)  # (1408 = 11 x 128: no wider tile divides it)
+    assert gmm_tiling(100, 7168, 2048) == (100, 512, 2048)
+    tm, tk, tn = gmm_tiling(4096, 2048, 7168)
+    assert 7168 % tn == 0 and tn % 128 == 0 and tk * tn * 4 <= GMM_TILE_BYTES < tk * 7168 * 4
+    assert gmm_tiling(256, 64, 96) == (128, 64, 96)  # dims not in lanes: whole
 
 
 @pytest.fixture(scope="module")

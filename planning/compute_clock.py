@@ -1,0 +1,127 @@
+"""The planner's compute on a TPU by kind of work, as the TPU compiler's cost model
+times it (planner.py --tpu reads that clock off the compiled step: report.compiler_clock).
+
+Per device and step, from the shapes alone:
+- matmul fusions: each of a layer's matmuls at its roofline, max(FLOPs / peak, bytes /
+  HBM bandwidth) with its two operands and its output moved once; the forward, the
+  backward's two (the input's and the weight's gradients, the same FLOPs and bytes), and
+  the forward again where remat recomputes it; the roofline reached at MATMUL_SHARE;
+- kernels: splash attention's FLOPs (its causal blocks, as hlo_reader counts them) and
+  megablox's grouped matmuls (their whole row tiles) at the peak;
+- the rest (elementwise, reductions, copies, the saves of the residuals): per token, the
+  bytes of what each layer keeps for its backward pass (activations.layer_bytes) and the
+  float32 logits, moved ELEMENTWISE_PASSES times at HBM bandwidth (once more under a remat
+  that recomputes), and AdamW's or Muon's update reading and writing the float32 state.
+
+Why not one efficiency: moe1b's matmuls (d_model 768, 1,024 tokens a microbatch) sit at
+the roofline's ridge, DeepSeek-V2-Lite's at twice the width are compute-bound, and half
+of moe1b's step is outside the matmuls; one assumed share of the peak put its compute
+at a third of the compiler's (docs/planning.md has the fit and the layouts it was checked on).
+"""
+
+import math
+
+from ops.gmm import GMM_ROW_TILE
+from planning.activations import F32, layer_bytes, local_sizes
+
+# Fitted to the compiler's clock (libtpu 0.0.42.1, v4) on moe1b at dp 32: the matmul
+# fusions' time over their rooflines, and the rest's bytes over those of the layers'
+# residuals (docs/planning.md, "The compiler's clock").
+MATMUL_SHARE = 0.415
+ELEMENTWISE_PASSES = 11.5
+RECOMPUTING_REMATS = ("layer", "block", "stage")  # remat block_dots keeps the matmul outputs
+
+
+def roofline_s(M, K, N, c, hw, batch=1):
+    """One [M, K] x [K, N] matmul (`batch` of them) at its roofline: operands and output
+    of c bytes each, moved once."""
+    return batch * max(2 * M * K * N / hw.peak_flops, c * (M * K + K * N + M * N) / hw.hbm_bw)
+
+
+def gmm_tile_factor(m, s):
+    """Executed over routed FLOPs of the dropless experts: 1 under ragged_dot; under
+    --model.moe_kernel gmm, megablox's grid runs whole row tiles of GMM_ROW_TILE, and a
+    tile holding the boundary of two experts' runs once for each: per call about
+    (rows / tile + experts - 1) tiles for rows / tile of work (hlo_reader's
+    grouped_matmul_flops reads the same bound off the compiled program)."""
+    if m.moe_kernel != "gmm":
+        return 1.0
+    row_tiles = math.ceil(s.b * s.T * s.X / GMM_ROW_TILE)
+    return (row_tiles + s.E - 1) / row_tiles
+
+
+def layer_matmuls(s, kind, m):
+    """[(M, K, N, batch)]: the forward's matmuls of one layer over one microbatch of this
+    device (s: activations.Local), the splash kernel's scores left out (kernels)."""
+    M = s.b * s.T
+    Mk = s.b * s.Tk  # keys and values: under cp made of the whole gathered sequence
+    queries = [(M, s.D, s.Q, 1), (M, s.Q, s.H * s.K, 1), (M, s.Q, s.H * s.R, 1)] if s.Q else [
+        (M, s.D, s.H * s.K, 1), (M, s.D, s.H * s.R, 1)]
+    out = queries + [(M, s.D, s.A, 1), (M, s.D, s.R, 1), (Mk, s.A, s.H * s.K, 2), (M, s.H * s.K, s.D, 1)]
+    if not s.splash and not s.block:  # matmul attention: scores and probs x values, per sequence and head
+        out += [(s.T, s.K + s.R, s.Tk, s.b * s.H), (s.T, s.Tk, s.K, s.b * s.H)]
+    if kind == "M":
+        rows_per_expert = M // s.S * s.C
+        out += [(M, s.D, s.E, 1)]
+        if m.capacity_factor > 0:  # (dropless: megablox's kernels, not matmul fusions)
+            out += [(rows_per_expert, s.D, s.Fe, 2 * s.E), (rows_per_expert, s.Fe, s.D, s.E)]
+        if m.n_shared:
+            out += [(M, s.D, s.Fs, 2), (M, s.Fs, s.D, 1)]
+    else:
+        out += [(M, s.D, s.F, 2 if m.ffn_activation == "swiglu" else 1), (M, s.F, s.D, 1)]
+    return out
+
+
+def kernel_flops(s, kind, m, recompute):
+    """FLOPs of one layer's Pallas kernels over one microbatch, forward and backward
+    (recompute: the forward twice, as every remat policy runs it: a kernel is no matmul
+    block_dots keeps). Splash: per visible pair of its causal blocks, W + K multiply-adds
+    forward, 2W + K for dq and 2W + 2K for dkv (W = K + R; hlo_reader's count). Megablox's
+    grouped matmuls (dropless experts): 3 matmuls x 3 passes over whole row tiles."""
+    flops = 0.0
+    if s.splash:
+        n = s.Tk // min(m.attention_block, s.Tk)
+        pairs = s.b * s.H * s.T * s.Tk * (n + 1) / (2 * n)
+        W = s.K + s.R
+        flops += 2 * pairs * ((1 + recompute) * (W + s.K) + (2 * W + s.K) + (2 * W + 2 * s.K))
+    if kind == "M" and m.capacity_factor == 0:
+        flops += (3 + recompute) * 3 * 2 * s.b * s.T * s.X * s.D * s.Fe * gmm_tile_factor(m, s)
+    return flops
+
+
+def compute_seconds(cfg, mesh_shape, hw, summed_gradient_bytes):
+    """{kind of work: seconds per step on one device}: "matmul fusions", "kernels",
+    "elementwise" (the rest), as the TPU compiler's clock would have the layers and the
+    loss, every stage's layers over pp (the pipeline's bubble and the update are the
+    caller's: update_seconds). summed_gradient_bytes: the float32 gradient sums each
+    microbatch after the first adds into (0 without accumulation): the compiler fuses the
+    add into the weight gradient's matmul."""
+    m, t = cfg.model, cfg.train
+    s = local_sizes(cfg, mesh_shape)
+    pp = mesh_shape["pp"]
+    kinds = "D" * m.first_dense + m.block_pattern * (m.n_blocks + m.mtp_depth)
+    passes = 4 if m.remat in RECOMPUTING_REMATS else 3
+    matmul = sum(roofline_s(M, K, N, s.c, hw, batch) for kind in kinds for M, K, N, batch in layer_matmuls(s, kind, m))
+    rows = s.b * s.T
+    matmul = passes * (matmul / pp + roofline_s(rows, s.D, s.V, s.c, hw)) / MATMUL_SHARE
+    kernels = sum(kernel_flops(s, kind, m, m.remat != "none") for kind in kinds) / pp / hw.peak_flops
+    residuals = rows * sum(layer_bytes(s, kind, m) for kind in kinds) / pp + rows * s.V * F32  # + the logits
+    elementwise = residuals * ELEMENTWISE_PASSES / hw.hbm_bw
+    sums = 3 * summed_gradient_bytes * (t.microbatches - 1) / hw.hbm_bw  # the sum and the gradient read, the sum written
+    return {"matmul fusions": t.microbatches * matmul + sums, "kernels": t.microbatches * kernels,
+            "elementwise": t.microbatches * elementwise}
+
+
+def update_seconds(hw, state_bytes):
+    """The update's elementwise work: the params and optimizer state (state_bytes)
+    read and written once."""
+    return 2 * state_bytes / hw.hbm_bw
+
+
+def step_efficiency(cfg, mesh_shape, hw, executed_flops, summed_gradient_bytes):
+    """(share of the peak, compute_seconds): the share at which the executed FLOPs
+    (costs.executed_flops, all devices) take compute_seconds' total, the planner's
+    compute model of the layers in one number."""
+    n_devices = math.prod(mesh_shape.values())
+    kinds = compute_seconds(cfg, mesh_shape, hw, summed_gradient_bytes)
+    return executed_flops / (n_devices * hw.peak_flops * sum(kinds.values())), kinds
