@@ -6,8 +6,8 @@ Per device and step, from the shapes alone:
   HBM bandwidth) with its two operands and its output moved once; the forward, the
   backward's two (the input's and the weight's gradients, the same FLOPs and bytes), and
   the forward again where remat recomputes it; the roofline reached at MATMUL_SHARE;
-- kernels: splash attention's FLOPs (its causal blocks, as hlo_reader counts them) and
-  megablox's grouped matmuls (their whole row tiles) at the peak;
+- kernels: splash attention's FLOPs (its causal blocks, as hlo_reader counts them) at
+  the peak, megablox's grouped matmuls at the roofline of their own cost estimate;
 - the rest (elementwise, reductions, copies, the saves of the residuals): per token, the
   bytes of what each layer keeps for its backward pass (activations.layer_bytes) and the
   float32 logits, moved ELEMENTWISE_PASSES times at HBM bandwidth (once more under a remat
@@ -21,7 +21,7 @@ at a third of the compiler's (docs/planning.md has the fit and the layouts it wa
 
 import math
 
-from ops.gmm import GMM_ROW_TILE
+from ops.gmm import GMM_ROW_TILE, gmm_tiling
 from planning.activations import F32, layer_bytes, local_sizes
 
 # Fitted to the compiler's clock (libtpu 0.0.42.1, v4) on moe1b at dp 32: the matmul
@@ -36,18 +36,6 @@ def roofline_s(M, K, N, c, hw, batch=1):
     """One [M, K] x [K, N] matmul (`batch` of them) at its roofline: operands and output
     of c bytes each, moved once."""
     return batch * max(2 * M * K * N / hw.peak_flops, c * (M * K + K * N + M * N) / hw.hbm_bw)
-
-
-def gmm_tile_factor(m, s):
-    """Executed over routed FLOPs of the dropless experts: 1 under ragged_dot; under
-    --model.moe_kernel gmm, megablox's grid runs whole row tiles of GMM_ROW_TILE, and a
-    tile holding the boundary of two experts' runs once for each: per call about
-    (rows / tile + experts - 1) tiles for rows / tile of work (hlo_reader's
-    grouped_matmul_flops reads the same bound off the compiled program)."""
-    if m.moe_kernel != "gmm":
-        return 1.0
-    row_tiles = math.ceil(s.b * s.T * s.X / GMM_ROW_TILE)
-    return (row_tiles + s.E - 1) / row_tiles
 
 
 def layer_matmuls(s, kind, m):
@@ -72,21 +60,41 @@ def layer_matmuls(s, kind, m):
     return out
 
 
-def kernel_flops(s, kind, m, recompute):
-    """FLOPs of one layer's Pallas kernels over one microbatch, forward and backward
-    (recompute: the forward twice, as every remat policy runs it: a kernel is no matmul
-    block_dots keeps). Splash: per visible pair of its causal blocks, W + K multiply-adds
-    forward, 2W + K for dq and 2W + 2K for dkv (W = K + R; hlo_reader's count). Megablox's
-    grouped matmuls (dropless experts): 3 matmuls x 3 passes over whole row tiles."""
-    flops = 0.0
+def kernel_seconds(s, kind, m, recompute, hw):
+    """One layer's Pallas kernels over one microbatch, forward and backward, at their
+    roofline (recompute: the forward twice, as every remat policy runs it: a kernel is
+    no matmul block_dots keeps). Splash: its FLOPs at the peak, per visible pair of its
+    causal blocks W + K multiply-adds forward, 2W + K for dq and 2W + 2K for dkv (W = K +
+    R; hlo_reader's count). Megablox (dropless experts): gmm_seconds' three matmuls."""
+    seconds = 0.0
     if s.splash:
         n = s.Tk // min(m.attention_block, s.Tk)
         pairs = s.b * s.H * s.T * s.Tk * (n + 1) / (2 * n)
         W = s.K + s.R
-        flops += 2 * pairs * ((1 + recompute) * (W + s.K) + (2 * W + s.K) + (2 * W + 2 * s.K))
+        seconds += 2 * pairs * ((1 + recompute) * (W + s.K) + (2 * W + s.K) + (2 * W + 2 * s.K)) / hw.peak_flops
     if kind == "M" and m.capacity_factor == 0:
-        flops += (3 + recompute) * 3 * 2 * s.b * s.T * s.X * s.D * s.Fe * gmm_tile_factor(m, s)
-    return flops
+        rows = math.ceil(s.b * s.T * s.X / GMM_ROW_TILE) * GMM_ROW_TILE
+        for k, n, calls in ((s.D, s.Fe, 2), (s.Fe, s.D, 1)):  # gate and up, down
+            forward, backward = gmm_seconds(rows, k, n, s.E, s.c, hw)
+            seconds += calls * ((1 + recompute) * forward + backward)
+    return seconds
+
+
+def gmm_seconds(m, k, n, E, c, hw):
+    """(forward, backward) seconds of megablox's grouped matmul of m rows by [E, k, n]
+    weights (the backward: gmm of the gradient by the weights transposed, and tgmm for
+    theirs), each at the roofline of the kernel's own cost estimate: 2mkn FLOPs; the
+    rows read once per n tile, each expert's weights once per row tile it is active in
+    (m / tm + E - 1 tiles), the output written once (ops/gmm.gmm_tiling's tiles)."""
+    def roofline(flops, nbytes):
+        return max(flops / hw.peak_flops, c * nbytes / hw.hbm_bw)
+    tm, tk, tn = gmm_tiling(m, k, n)
+    _, _, dn = gmm_tiling(m, n, k)  # the input's gradient: [m, n] by [n, k], its own tiles
+    active, flops = m // tm + E - 1, 2 * m * k * n
+    forward = roofline(flops, m * k * (n // tn) + k * n * active + m * n)
+    d_input = roofline(flops, m * n * (k // dn) + n * k * active + m * k)
+    d_weights = roofline(flops, k * m * (n // tn) + m * n * (k // tk) + E * k * n)
+    return forward, d_input + d_weights
 
 
 def compute_seconds(cfg, mesh_shape, hw, summed_gradient_bytes):
@@ -104,7 +112,7 @@ def compute_seconds(cfg, mesh_shape, hw, summed_gradient_bytes):
     matmul = sum(roofline_s(M, K, N, s.c, hw, batch) for kind in kinds for M, K, N, batch in layer_matmuls(s, kind, m))
     rows = s.b * s.T
     matmul = passes * (matmul / pp + roofline_s(rows, s.D, s.V, s.c, hw)) / MATMUL_SHARE
-    kernels = sum(kernel_flops(s, kind, m, m.remat != "none") for kind in kinds) / pp / hw.peak_flops
+    kernels = sum(kernel_seconds(s, kind, m, m.remat != "none", hw) for kind in kinds) / pp
     residuals = rows * sum(layer_bytes(s, kind, m) for kind in kinds) / pp + rows * s.V * F32  # + the logits
     elementwise = residuals * ELEMENTWISE_PASSES / hw.hbm_bw
     sums = 3 * summed_gradient_bytes * (t.microbatches - 1) / hw.hbm_bw  # the sum and the gradient read, the sum written

@@ -26,10 +26,11 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from model import abstract_params
+from ops.gmm import GMM_ROW_TILE
 from parallel import optimizers, rules
 from parallel.mesh import axes_of, check_config_fits_mesh, resolve_mesh_shape
 from parallel.weights import check_divisible, is_stacked, is_trained, param_specs, weight_layout, weight_name
-from planning.compute_clock import gmm_tile_factor, step_efficiency, update_seconds
+from planning.compute_clock import step_efficiency, update_seconds
 from planning.activations import (
     BACKWARD_TICK_COST,
     F32,
@@ -281,6 +282,18 @@ KEEP_GATHERED = ("none", "layer")
 def attention_layers(m):
     """Attention layers of the model: the blocks', the dense prefix's and the MTP modules'."""
     return (m.n_blocks + m.mtp_depth) * len(m.block_pattern) + m.first_dense
+
+
+def gmm_tile_factor(m, s):
+    """Executed over routed FLOPs of the dropless experts: 1 under ragged_dot; under
+    --model.moe_kernel gmm, megablox's grid runs whole row tiles of GMM_ROW_TILE, and a
+    tile holding the boundary of two experts' runs once for each: per call about
+    (rows / tile + experts - 1) tiles for rows / tile of work (hlo_reader's
+    grouped_matmul_flops reads the same bound off the compiled program)."""
+    if m.moe_kernel != "gmm":
+        return 1.0
+    row_tiles = math.ceil(s.b * s.T * s.X / GMM_ROW_TILE)
+    return (row_tiles + s.E - 1) / row_tiles
 
 
 def executed_flops(cfg, s, tp, cp=1):

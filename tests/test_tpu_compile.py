@@ -849,12 +849,18 @@ def test_cp8_at_32k_tokens_gathers_the_latent_over_cp_fits_and_the_planner_is_wi
 def test_dropless_gmm_compiles_to_megablox_kernels_whose_tiles_the_planner_counts(devices_of):
     """tiny dropless on v4-8 2x1x2 with --model.moe_kernel gmm: the step holds megablox's
     gmm and tgmm kernels, and the compiled dot FLOPs (the kernels' row tiles included:
-    256 rows of 8 experts run 2 + 7 tiles of 128) are the planner's within 10%."""
+    256 rows of 8 experts run 2 + 7 tiles of 128) are the planner's within 10%, the
+    kernels' time on the compiler's clock the planner's within 1%."""
     case = compile_case(devices_of, "tiny", "v4-8", (2, 1, 2), False, eval_step=False, capacity_factor=0.0, moe_kernel="gmm")
     hlo = case["hlo"]
     assert {name.split("_jit_")[-1].strip("_") for name in hlo_reader.kernels(hlo)} == {"gmm", "tgmm"}  # vmap_jit_gmm__
     assert case["plan"]["times"]["device_flops"] == pytest.approx(case["dot_flops"], rel=TIME_TOLERANCE)
     assert hlo_reader.low_precision_dot_flops(hlo) == 0  # bfloat16 kernels (they were counted as 8-bit once)
+    # the planner times the kernels as the compiler's clock does: their own cost estimates (compute_clock.gmm_seconds)
+    v4 = costs.HARDWARE["tpu-v4"]
+    kernels_s = sum(op.step_seconds for op in hlo_reader.timed_ops(hlo, hlo_reader.Chip(v4.clock_hz, v4.peak_flops, v4.hbm_bw))
+                    if op.kind == "kernels")
+    assert case["plan"]["compute_kinds"]["kernels"] == pytest.approx(kernels_s, rel=0.01)
 
 
 @pytest.mark.slow
