@@ -10,13 +10,14 @@ Per device and step, from the shapes alone:
   the peak, megablox's grouped matmuls at the roofline of their own cost estimate;
 - the rest (elementwise, reductions, copies, the saves of the residuals): per token, the
   bytes of what each layer keeps for its backward pass (activations.layer_bytes) and the
-  float32 logits, moved ELEMENTWISE_PASSES times at HBM bandwidth (once more under a remat
-  that recomputes), and AdamW's or Muon's update reading and writing the float32 state.
+  float32 logits, moved ELEMENTWISE_PASSES times at HBM bandwidth; and the update's pass
+  over the params and optimizer state (update_seconds).
 
 Why not one efficiency: moe1b's matmuls (d_model 768, 1,024 tokens a microbatch) sit at
 the roofline's ridge, DeepSeek-V2-Lite's at twice the width are compute-bound, and half
 of moe1b's step is outside the matmuls; one assumed share of the peak put its compute
-at a third of the compiler's (docs/planning.md has the fit and the layouts it was checked on).
+at a third of the compiler's (docs/planning.md, "The planner's compute on that clock":
+the fit, and the layouts it was checked on).
 """
 
 import math
@@ -24,9 +25,9 @@ import math
 from ops.gmm import GMM_ROW_TILE, gmm_tiling
 from planning.activations import F32, layer_bytes, local_sizes
 
-# Fitted to the compiler's clock (libtpu 0.0.42.1, v4) on moe1b at dp 32: the matmul
-# fusions' time over their rooflines, and the rest's bytes over those of the layers'
-# residuals (docs/planning.md, "The compiler's clock").
+# Fitted to the compiler's clock (libtpu 0.0.42.1, v4) on moe1b at dp 32, 8 microbatches
+# at remat none and 1 at block_dots: the matmul fusions' time over their rooflines, and
+# the rest's bytes over those of the layers' residuals (docs/planning.md).
 MATMUL_SHARE = 0.415
 ELEMENTWISE_PASSES = 11.5
 RECOMPUTING_REMATS = ("layer", "block", "stage")  # remat block_dots keeps the matmul outputs
@@ -107,13 +108,13 @@ def compute_seconds(cfg, mesh_shape, hw, summed_gradient_bytes):
     m, t = cfg.model, cfg.train
     s = local_sizes(cfg, mesh_shape)
     pp = mesh_shape["pp"]
-    kinds = "D" * m.first_dense + m.block_pattern * (m.n_blocks + m.mtp_depth)
+    layers = "D" * m.first_dense + m.block_pattern * (m.n_blocks + m.mtp_depth)  # each layer's kind
     passes = 4 if m.remat in RECOMPUTING_REMATS else 3
-    matmul = sum(roofline_s(M, K, N, s.c, hw, batch) for kind in kinds for M, K, N, batch in layer_matmuls(s, kind, m))
+    matmul = sum(roofline_s(M, K, N, s.c, hw, batch) for kind in layers for M, K, N, batch in layer_matmuls(s, kind, m))
     rows = s.b * s.T
-    matmul = passes * (matmul / pp + roofline_s(rows, s.D, s.V, s.c, hw)) / MATMUL_SHARE
-    kernels = sum(kernel_seconds(s, kind, m, m.remat != "none", hw) for kind in kinds) / pp
-    residuals = rows * sum(layer_bytes(s, kind, m) for kind in kinds) / pp + rows * s.V * F32  # + the logits
+    matmul = passes * (matmul / pp + roofline_s(rows, s.D, s.V, s.c, hw)) / MATMUL_SHARE  # (the output layer: the last stage's)
+    kernels = sum(kernel_seconds(s, kind, m, m.remat != "none", hw) for kind in layers) / pp
+    residuals = rows * sum(layer_bytes(s, kind, m) for kind in layers) / pp + rows * s.V * F32  # + the logits
     elementwise = residuals * ELEMENTWISE_PASSES / hw.hbm_bw
     sums = 3 * summed_gradient_bytes * (t.microbatches - 1) / hw.hbm_bw  # the sum and the gradient read, the sum written
     return {"matmul fusions": t.microbatches * matmul + sums, "kernels": t.microbatches * kernels,
@@ -131,5 +132,5 @@ def step_efficiency(cfg, mesh_shape, hw, executed_flops, summed_gradient_bytes):
     (costs.executed_flops, all devices) take compute_seconds' total, the planner's
     compute model of the layers in one number."""
     n_devices = math.prod(mesh_shape.values())
-    kinds = compute_seconds(cfg, mesh_shape, hw, summed_gradient_bytes)
-    return executed_flops / (n_devices * hw.peak_flops * sum(kinds.values())), kinds
+    seconds = compute_seconds(cfg, mesh_shape, hw, summed_gradient_bytes)
+    return executed_flops / (n_devices * hw.peak_flops * sum(seconds.values())), seconds

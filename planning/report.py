@@ -171,16 +171,15 @@ def clock_report(p, clock, kernels_found, top=12):
     by_kind = hlo_reader.seconds_by(clock["ops"], lambda op: op.kind)
     rows = [(kind, by_kind.get(kind, 0.0)) for kind in hlo_reader.COMPUTE_KINDS] + [("collectives exposed", clock["exposed_s"])]
     lines += [f"    {name:<42}{s * 1e3:>10.1f} ms {s / step:6.1%}" for name, s in rows]
-    if p.get("compute_kinds"):  # the planner's model of the same clock (compute_clock), its kinds lumped as it lumps them
+    if p.get("compute_kinds"):  # the planner's model of the same clock (compute_clock), the kinds lumped as it lumps them
         # (stretched by what the pipeline adds to them, its bubble and the last stage's head, as the compiled ticks run)
         stretch = planner_compute / (t["compute"] or 1.0)
-        planned = {kind: s * stretch for kind, s in p["compute_kinds"].items()}
-        rest = sum(by_kind.get(kind, 0.0) for kind in hlo_reader.COMPUTE_KINDS if kind not in planned)
-        by_kind = {kind: by_kind.get(kind, 0.0) for kind in planned if kind in hlo_reader.COMPUTE_KINDS}
-        lines += [f"  {'the planner, by kind (planning/compute_clock.py)':<44}{'planner':>10}{'compiler':>11}"]
-        lines += [f"    {kind:<42}{planned[kind] * 1e3:>7.1f} ms{by_kind.get(kind, 0.0) * 1e3:>8.1f} ms" if kind in by_kind else
-                  f"    {kind:<42}{planned[kind] * 1e3:>7.1f} ms{rest * 1e3:>8.1f} ms   (other fusions, copies and transposes, other ops)"
-                  for kind in planned]
+        rest = sum(s for kind, s in by_kind.items() if kind not in p["compute_kinds"])
+        lines.append(f"  {'the planner, by kind (planning/compute_clock.py)':<44}{'planner':>10}{'compiler':>11}")
+        for kind, s in p["compute_kinds"].items():
+            compiled, note = ((by_kind.get(kind, 0.0), "") if kind in hlo_reader.COMPUTE_KINDS else
+                              (rest, "   (other fusions, copies and transposes, other ops)"))
+            lines.append(f"    {kind:<42}{s * stretch * 1e3:>7.1f} ms{compiled * 1e3:>8.1f} ms{note}")
     timed = {re.sub(r"\.\d+$", "", op.name) for op in clock["ops"] if op.kind == "kernels"}
     untimed = sorted(set(kernels_found) - timed)
     if untimed:
