@@ -129,8 +129,9 @@ def max_joined_scores(q_BHTW, k_BHSW, q_pos_T, k_pos_S, block, segments=None):
     """Each head's largest score [H], float32, of queries and keys that carry the whole
     score in one head dim, the queries already scaled (splash's operands: [content |
     RoPE]), a block of queries at a time against every key. One matmul per block, which
-    the TPU compiler fuses with the mask and the max: no [t, S] scores are written (two,
-    content and RoPE as max_logits takes them, write the first's to add the second).
+    the TPU compiler fuses with the mask and the max: no [t, S] scores are written
+    (max_logits, with the content and RoPE parts apart, writes the first's for the second
+    to add to).
     segments: packed rows' document ids, (the queries' [B, T], the keys' [B, S]), or None."""
     B, H, T, W = q_BHTW.shape
     block = math.gcd(block, T)

@@ -51,7 +51,7 @@ def test_the_kinds_follow_the_layout():
     assert dots["matmul fusions"] == none["matmul fusions"] and dots["kernels"] == block["kernels"] > none["kernels"]
     cfg = parse_args(DP32 + ["--train.microbatches", "1", "--model.remat", "none"])
     s = local_sizes(cfg, {"dp": 32, "cp": 1, "pp": 1, "tp": 1})
-    W = s.K + s.R  # splash: 8 attention layers x 6, the causal 3 of 2 x 2 blocks of 512, (W + K) + (2W + K) + (2W + 2K) MACs a pair
+    W = s.K + s.R  # splash: 48 attention layers (8 blocks of 6), the causal 3 of 2 x 2 blocks of 512, 5W + 4K MACs a pair
     pairs = s.b * s.H * 1024 * 1024 * 3 / 4
     assert none["kernels"] * V4.peak_flops == pytest.approx(48 * 2 * pairs * (5 * W + 4 * s.K))
     eight = kinds("--train.microbatches", "8", "--model.remat", "none")
