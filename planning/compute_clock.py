@@ -24,19 +24,26 @@ import math
 
 from ops.gmm import GMM_ROW_TILE, gmm_tiling
 from planning.activations import F32, layer_bytes, local_sizes
+from planning.hlo_reader import SPLASH_MACS
 
 # Fitted to the compiler's clock (libtpu 0.0.42.1, v4) on moe1b at dp 32, 8 microbatches
 # at remat none and 1 at block_dots: the matmul fusions' time over their rooflines, and
 # the rest's bytes over those of the layers' residuals (docs/planning.md).
 MATMUL_SHARE = 0.415
 ELEMENTWISE_PASSES = 11.5
-RECOMPUTING_REMATS = ("layer", "block", "stage")  # remat block_dots keeps the matmul outputs
+RECOMPUTE_FORWARD = ("layer", "block", "stage")  # the remats that run the forward again (block_dots keeps the matmul outputs)
+
+
+def roofline(flops, nbytes, hw):
+    """Seconds of work at its roofline: its FLOPs at the peak or its bytes at HBM
+    bandwidth, whichever takes longer."""
+    return max(flops / hw.peak_flops, nbytes / hw.hbm_bw)
 
 
 def roofline_s(M, K, N, c, hw, batch=1):
     """One [M, K] x [K, N] matmul (`batch` of them) at its roofline: operands and output
     of c bytes each, moved once."""
-    return batch * max(2 * M * K * N / hw.peak_flops, c * (M * K + K * N + M * N) / hw.hbm_bw)
+    return batch * roofline(2 * M * K * N, c * (M * K + K * N + M * N), hw)
 
 
 def layer_matmuls(s, kind, m):
@@ -71,8 +78,8 @@ def kernel_seconds(s, kind, m, recompute, hw):
     if s.splash:
         n = s.Tk // min(m.attention_block, s.Tk)
         pairs = s.b * s.H * s.T * s.Tk * (n + 1) / (2 * n)
-        W = s.K + s.R
-        seconds += 2 * pairs * ((1 + recompute) * (W + s.K) + (2 * W + s.K) + (2 * W + 2 * s.K)) / hw.peak_flops
+        macs = {kernel: count(s.K + s.R, s.K) for kernel, count in SPLASH_MACS.items()}
+        seconds += 2 * pairs * ((1 + recompute) * macs["fwd"] + macs["dq"] + macs["dkv"]) / hw.peak_flops
     if kind == "M" and m.capacity_factor == 0:
         rows = math.ceil(s.b * s.T * s.X / GMM_ROW_TILE) * GMM_ROW_TILE
         for k, n, calls in ((s.D, s.Fe, 2), (s.Fe, s.D, 1)):  # gate and up, down
@@ -87,14 +94,12 @@ def gmm_seconds(m, k, n, E, c, hw):
     theirs), each at the roofline of the kernel's own cost estimate: 2mkn FLOPs; the
     rows read once per n tile, each expert's weights once per row tile it is active in
     (m / tm + E - 1 tiles), the output written once (ops/gmm.gmm_tiling's tiles)."""
-    def roofline(flops, nbytes):
-        return max(flops / hw.peak_flops, c * nbytes / hw.hbm_bw)
     tm, tk, tn = gmm_tiling(m, k, n)
     _, _, dn = gmm_tiling(m, n, k)  # the input's gradient: [m, n] by [n, k], its own tiles
     active, flops = m // tm + E - 1, 2 * m * k * n
-    forward = roofline(flops, m * k * (n // tn) + k * n * active + m * n)
-    d_input = roofline(flops, m * n * (k // dn) + n * k * active + m * k)
-    d_weights = roofline(flops, k * m * (n // tn) + m * n * (k // tk) + E * k * n)
+    forward = roofline(flops, c * (m * k * (n // tn) + k * n * active + m * n), hw)
+    d_input = roofline(flops, c * (m * n * (k // dn) + n * k * active + m * k), hw)
+    d_weights = roofline(flops, c * (k * m * (n // tn) + m * n * (k // tk) + E * k * n), hw)
     return forward, d_input + d_weights
 
 
@@ -109,7 +114,7 @@ def compute_seconds(cfg, mesh_shape, hw, summed_gradient_bytes):
     s = local_sizes(cfg, mesh_shape)
     pp = mesh_shape["pp"]
     layers = "D" * m.first_dense + m.block_pattern * (m.n_blocks + m.mtp_depth)  # each layer's kind
-    passes = 4 if m.remat in RECOMPUTING_REMATS else 3
+    passes = 4 if m.remat in RECOMPUTE_FORWARD else 3
     matmul = sum(roofline_s(M, K, N, s.c, hw, batch) for kind in layers for M, K, N, batch in layer_matmuls(s, kind, m))
     rows = s.b * s.T
     matmul = passes * (matmul / pp + roofline_s(rows, s.D, s.V, s.c, hw)) / MATMUL_SHARE  # (the output layer: the last stage's)

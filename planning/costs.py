@@ -30,7 +30,7 @@ from ops.gmm import GMM_ROW_TILE
 from parallel import optimizers, rules
 from parallel.mesh import axes_of, check_config_fits_mesh, resolve_mesh_shape
 from parallel.weights import check_divisible, is_stacked, is_trained, param_specs, weight_layout, weight_name
-from planning.compute_clock import step_efficiency, update_seconds
+from planning.compute_clock import RECOMPUTE_FORWARD, step_efficiency, update_seconds
 from planning.activations import (
     BACKWARD_TICK_COST,
     F32,
@@ -271,11 +271,10 @@ def collective_bw(hw, mesh_shape, axes):
     return hw.ring_bw
 
 
-# Remat policies that run the whole forward again in the backward pass (block_dots
-# recomputes only elementwise work), and those that keep the gathered weights of
-# every local block instead of gathering again (the gather sits outside a layer's
-# checkpoint; stage re-gathers while it recomputes, and so do block and block_dots).
-RECOMPUTE_FORWARD = ("layer", "block", "stage")
+# Remat policies that keep the gathered weights of every local block instead of
+# gathering again (the gather sits outside a layer's checkpoint; stage re-gathers while
+# it recomputes, and so do block and block_dots); those that run the whole forward again
+# in the backward pass: compute_clock.RECOMPUTE_FORWARD.
 KEEP_GATHERED = ("none", "layer")
 
 
@@ -790,8 +789,9 @@ def add_update(times, comm, compute_kinds, muon, store, hw, mesh_shape, peak, ef
     compiler's clock (compute_kinds given) its pass over the params and optimizer state;
     Muon's Newton-Schulz in float32 (at the layers' efficiency) and its all-to-alls."""
     if compute_kinds:
-        compute_kinds["elementwise"] += update_seconds(hw, store["params"] + store["optimizer"])
-        times["compute"] += update_seconds(hw, store["params"] + store["optimizer"])
+        update = update_seconds(hw, store["params"] + store["optimizer"])
+        compute_kinds["elementwise"] += update
+        times["compute"] += update
     if muon:
         times["optimizer_flops"] = muon["flops"]
         times["compute"] += muon["flops"] / (peak * efficiency)
