@@ -266,6 +266,8 @@ class MLAttention(nnx.Module):
         B, T, _ = x_BTD.shape
         segments_bT = getattr(angles, "segments_bT", None)  # packed rows: a query sees its own document (ops/packing.py)
         chunks, angles = angles if isinstance(angles, SequenceChunks) else None, getattr(angles, "angles", angles)
+        if self.implementation == "splash" and self.quant_mode == "none":  # operands projected in the kernel's layout
+            return kernel("splash").projected_attention(self, x_BTD, angles, chunks, segments_bT, axes.tp)
         q_nope_BTHK, q_rope_BTHR = self.queries(x_BTD, angles, axes)
         kv_BSA, k_rope_BSR = self.latents(x_BTD, angles)
         q_pos_T = k_pos_S = jnp.arange(T)
@@ -276,10 +278,9 @@ class MLAttention(nnx.Module):
         if self.implementation == "blockwise":
             out_BTHK, max_logit_H = kernel("blockwise").blockwise_attention_and_max_logits(
                 q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, k_pos_S, self.softmax_scale, self.block, segments_bT)
-        elif self.implementation == "splash":  # (the max logits from the kernel's operands, the forward's score FLOPs again)
-            out_BTHK, max_logit_H = kernel("splash").splash_attention(
-                q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T, self.softmax_scale, self.block,
-                None if chunks is None else chunks.axis, None if segments_bT is None else (segments_bT[:, q_pos_T], segments_bT))
+        elif self.implementation == "splash":  # under --model.quant (the max logits: the forward's score FLOPs again)
+            out_BTHK, max_logit_H = kernel("splash").splash_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, q_pos_T,
+                                                                      self.softmax_scale, self.block, chunks, segments_bT)
         elif self.implementation == "dot_product_attention":
             out_BTHK = self.fused_attention(q_nope_BTHK, q_rope_BTHR, k_nope_BSHK, k_rope_BSR, v_BSHK, segments_bT)
             # The fused kernel keeps its scores to itself: they are taken again, a block of
@@ -671,8 +672,7 @@ class Layer(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = MLAttention(cfg, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = MoE(cfg, rngs) if kind == "M" else DenseFFN(cfg.d_model, cfg.d_ff, cfg.ffn_activation, rngs, residual_scale(cfg),
-                                                                         cfg.quant)
+        self.ffn = MoE(cfg, rngs) if kind == "M" else DenseFFN(cfg.d_model, cfg.d_ff, cfg.ffn_activation, rngs, residual_scale(cfg), cfg.quant)
         self.dropout = cfg.dropout
 
     def drop(self, x_BTD, keys_B, positions_T):

@@ -148,6 +148,27 @@ def max_joined_scores(q_BHTW, k_BHSW, q_pos_T, k_pos_S, block, segments=None):
     return jnp.max(jax.lax.map(one_query_block, (q_nBHtW, q_pos_T.reshape(n, block), q_seg_nBt)), axis=0)
 
 
+def max_causal_scores(q_BHTW, k_BHSW, block):
+    """max_joined_scores where query t sees keys 0..t of the same T positions (no context
+    parallelism, no packed rows): a block of queries meets only the keys up to its own
+    end, the block on the diagonal masked and those before it not. Slices with static
+    bounds, unrolled (2 T/block - 1 matmuls): no relayout of the queries into blocks,
+    about half the score FLOPs, and a mask only where the diagonal runs (on a TPU the
+    masking, not the matmul, is most of the time: docs/pods.md)."""
+    T = q_BHTW.shape[2]
+    block = math.gcd(block, T)
+    visible_tt = jnp.tril(jnp.ones((block, block), bool))
+    maxima_H = []
+    for start in range(0, T, block):
+        q_BHtW = q_BHTW[:, :, start:start + block]
+        diagonal_BHtt = jnp.matmul(q_BHtW, k_BHSW[:, :, start:start + block].swapaxes(-1, -2), preferred_element_type=ACC_DTYPE)
+        maxima_H.append(jnp.max(jnp.where(visible_tt, diagonal_BHtt, -jnp.inf), axis=(0, 2, 3)))
+        if start:
+            before_BHts = jnp.matmul(q_BHtW, k_BHSW[:, :, :start].swapaxes(-1, -2), preferred_element_type=ACC_DTYPE)
+            maxima_H.append(jnp.max(before_BHts, axis=(0, 2, 3)))
+    return jnp.max(jnp.stack(maxima_H), axis=0)
+
+
 def any_visible(q_at, k_at):
     """Does any query of the block come at or after any key of the block? (Else the pair is skipped.)"""
     return jnp.min(k_at[0]) <= jnp.max(q_at[0])
