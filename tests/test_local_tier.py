@@ -117,12 +117,17 @@ MP_FLAGS = ["--train.steps", str(MP_STEPS), "--train.checkpoint_every", "100", "
 
 
 @pytest.fixture(scope="module")
-def mp_killed(tmp_path_factory):
-    """(the straight 2-process run's {step: loss}, the dir of a 2-process run with the local tier whose process 1 was
-    SIGKILLed after step 12: local steps 5 and 10 on each process, and each one's replica in its peer's directory)."""
+def mp_straight(tmp_path_factory):
+    """Two processes, 16 steps, never stopped, without the local tier: {step: loss}."""
     straight_dir = tmp_path_factory.mktemp("mp_straight")
     finish_processes(start_processes(straight_dir, tmp_path_factory, MP_FLAGS), straight_dir)
-    straight = train_losses(straight_dir / "runs" / "two" / "metrics.jsonl")
+    return train_losses(straight_dir / "runs" / "two" / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def mp_killed(tmp_path_factory, mp_straight):
+    """(the straight 2-process run's {step: loss}, the dir of a 2-process run with the local tier whose process 1 was
+    SIGKILLed after step 12: local steps 5 and 10 on each process, and each one's replica in its peer's directory)."""
     tmp_path = tmp_path_factory.mktemp("mp_killed")
     procs = start_processes(tmp_path, tmp_path_factory, [*MP_FLAGS, *LOCAL])
     try:
@@ -134,7 +139,7 @@ def mp_killed(tmp_path_factory):
     local = tmp_path / "runs" / "two" / "local"
     assert sorted(os.listdir(local / "process_1")) == ["10", "5", "peer_0"], "the kill landed after step 15"
     assert sorted(os.listdir(local / "process_0" / "peer_1")) == ["10", "5"]
-    return straight, tmp_path
+    return mp_straight, tmp_path
 
 
 def mp_resume(mp_killed, tmp_path_factory, name, damage=lambda local: None):
@@ -188,35 +193,26 @@ def test_one_process_whose_local_directory_is_gone_resumes_from_the_persistent_t
     assert [got[s] for s in range(41, STEPS + 1)] == [reference[s] for s in range(41, STEPS + 1)]
 
 
-# ---- launcher.sh --watch over the loopback sshd (tests/test_launch.py): SIGKILL of process 1 after step 47
-
-WATCH_STEPS, WATCH_KILL_AFTER = 120, 47
-WATCH_FLAGS = ["--train.steps", str(WATCH_STEPS), "--train.checkpoint_every", "100", "--train.eval_every", "1000"]
-
-
-@pytest.fixture(scope="module")
-def straight_120(tmp_path_factory):
-    """Two processes, 120 steps, never stopped, without the local tier: {step: loss}."""
-    out = tmp_path_factory.mktemp("straight_120")
-    finish_processes(start_processes(out, tmp_path_factory, WATCH_FLAGS), out)
-    return train_losses(out / "runs" / "two" / "metrics.jsonl")
+# ---- launcher.sh --watch over the loopback sshd (tests/test_launch.py): SIGKILL of process 1 after step 12
 
 
 @pytest.mark.slow
 @needs_ssh_and_tmux
-def test_watch_restarts_a_kill_9_from_local_step_45_bit_for_bit(repo, sshd, tmp_path, tmp_path_factory, straight_120):
+def test_watch_restarts_a_kill_9_from_local_step_10_bit_for_bit(repo, sshd, tmp_path, tmp_path_factory, mp_straight):
+    """The run of mp_straight under launcher.sh --watch with the local tier, process 1 SIGKILLed after step 12: the
+    launcher restarts both, they resume from local step 10 (2 steps redone) and steps 11..16 equal mp_straight's."""
     hosts = hosts_file(tmp_path, "127.0.0.1", "localhost")
     remote, runs = tmp_path / "remote", tmp_path / "runs"
     metrics = runs / "lw" / "metrics.jsonl"
     cmd = ["bash", str(repo / "launcher.sh"), "--hosts", str(hosts), *SSH_OPTIONS, "--watch", "--poll", "1",
            "--max-restarts", "1", "--name", "lw", "--port", str(free_port()), "--remote-dir", str(remote),
-           "--python", sys.executable, "--", *TRAIN_FLAGS, *data_flags(tmp_path_factory), *WATCH_FLAGS, *LOCAL,
-           "--run.cpu_devices", "4", "--run.out_dir", str(runs), "--dist.timeout_s", "60"]
+           "--python", sys.executable, "--", *TRAIN_FLAGS, *data_flags(tmp_path_factory), *MP_FLAGS, *LOCAL,
+           "--run.cpu_devices", "4", "--run.out_dir", str(runs)]
     said = tmp_path / "launcher.out"
     proc = subprocess.Popen(cmd, cwd=repo, env=ssh_env(sshd), stdout=open(said, "w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (metrics.exists() and WATCH_KILL_AFTER in train_losses(metrics)):
+        while not (metrics.exists() and MP_KILL_AFTER in train_losses(metrics)):
             assert proc.poll() is None and time.monotonic() < deadline, said.read_text()[-3000:]
             time.sleep(0.001)
         os.kill(host_python(runs, 1), signal.SIGKILL)  # a lost host: no signal, no save
@@ -226,12 +222,12 @@ def test_watch_restarts_a_kill_9_from_local_step_45_bit_for_bit(repo, sshd, tmp_
         launcher(repo, sshd, hosts, "--name", "lw", "--remote-dir", str(remote), "--stop")
     assert re.search(r"launcher: restart 1/1 of run lw: .*process 1 \(localhost\): killed by signal 9", said.read_text())
     log = (remote / "logs" / "lw-p0.log").read_text()
-    assert f"resumed from step 45 of the local tier ({runs}/lw/local/process_0/45 on each process" in log, log[-3000:]
+    assert f"resumed from step 10 of the local tier ({runs}/lw/local/process_0/10 on each process" in log, log[-3000:]
     got = train_losses(metrics)
-    assert sorted(got) == list(range(1, WATCH_STEPS + 1))
-    assert [got[s] for s in range(46, WATCH_STEPS + 1)] == [straight_120[s] for s in range(46, WATCH_STEPS + 1)]  # bit for bit
+    assert sorted(got) == list(range(1, MP_STEPS + 1))
+    assert [got[s] for s in range(11, MP_STEPS + 1)] == [mp_straight[s] for s in range(11, MP_STEPS + 1)]  # bit for bit
     (restart,) = [r for r in rows(runs / "lw") if r.get("event") == "restart"]
-    assert restart["step"] == 45 and restart["steps_redone"] == WATCH_KILL_AFTER - 45, restart  # goodput: 2 steps redone
+    assert restart["step"] == 10 and restart["steps_redone"] == MP_KILL_AFTER - 10, restart  # goodput: 2 steps redone
     assert restart["reason"].startswith("launcher.sh --watch restart 1/1: ") and restart["redone_s"] > 0
 
 
