@@ -135,7 +135,7 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_the_hf_export(tmp_path, pr
     cache = tmp_path / "data_cache"
     run_args = ["--preset", preset, "--run.out_dir", str(tmp_path / "runs"), "--run.name", "r", "--data.cache_dir", str(cache),
                 "--log.progress", "false", "--log.plots", "false", "--sample.num_samples", "0"]
-    for extra in (["--train.steps", "30", "--train.eval_every", "1000"], ["--mode", "export_hf", "--export.dtype", "float32"]):
+    for extra in (["--train.steps", "20", "--train.eval_every", "1000"], ["--mode", "export_hf", "--export.dtype", "float32"]):
         result = subprocess.run([sys.executable, "main.py", *run_args, *extra], cwd=REPO, capture_output=True, text=True,
                                 timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
