@@ -136,7 +136,7 @@ def assert_goodput_phases_match_the_run(stdout, run_dir, event="end", timed=("da
 def test_resume_after_sigkill_repeats_and_skips_no_step(tmp_path, data_cache):
     """Kill -9 mid-run, start again: per-step losses equal an uninterrupted run's, bit
     for bit, and every step appears exactly once in metrics.jsonl."""
-    steps = ["--train.steps", "120", "--train.checkpoint_every", "10", "--train.eval_every", "1000"]
+    steps = ["--train.steps", "40", "--train.checkpoint_every", "10", "--train.eval_every", "1000"]
     ran = main_py([*steps, "--run.name", "straight"], tmp_path, data_cache)
     straight, _ = train_losses(tmp_path / "straight")
     assert_goodput_phases_match_the_run(ran.stdout, tmp_path / "straight")
@@ -147,19 +147,19 @@ def test_resume_after_sigkill_repeats_and_skips_no_step(tmp_path, data_cache):
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 35:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 25:  # past checkpoints 10 and 20
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run finished before it could be killed; raise --train.steps"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = len(metrics.read_text().splitlines())
-    assert killed_at < 120
+    assert killed_at < 40
 
     result = main_py([*steps, "--run.name", "killed"], tmp_path, data_cache)
     assert "resumed from" in result.stdout
     resumed, order = train_losses(tmp_path / "killed")
-    assert order == list(range(1, 121))  # no step repeated, none skipped
+    assert order == list(range(1, 41))  # no step repeated, none skipped
     assert resumed == straight  # bit for bit
 
 
