@@ -866,10 +866,10 @@ class Transformer(nnx.Module):
         max_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
         max_BT = pmax(max_BT, axes.tp)
         sum_exp_BT = psum(jnp.sum(jnp.exp(logits_BTV - max_BT[..., None]), axis=-1), axes.tp)
-        local_BT = targets_BT - offset
-        mine_BT = (local_BT >= 0) & (local_BT < V_local)
-        picked_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, V_local - 1)[..., None], -1)[..., 0]
-        target_logit_BT = psum(jnp.where(mine_BT, picked_BT, 0.0), axes.tp)
+        # The target logit by a compare with each column, not a gather: its gradient is then elementwise, where a
+        # gather's is a scatter into the [B, T, V] cotangent (on a TPU a relayout of it per step: docs/pods.md).
+        target_BTV = jnp.arange(V_local) == (targets_BT - offset)[..., None]  # no column where another device holds it
+        target_logit_BT = psum(jnp.sum(jnp.where(target_BTV, logits_BTV, 0.0), axis=-1), axes.tp)
         ce_BT = jnp.log(sum_exp_BT) + max_BT - target_logit_BT
         return jnp.sum(ce_BT if mask_BT is None else jnp.where(mask_BT, ce_BT, 0.0))
 

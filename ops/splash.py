@@ -170,13 +170,13 @@ def heads_major_attention(q_BHTW, k_BHSW, v_BHSK, q_pos_T, block, chunks=None, s
 
 
 def rope_lane_tables(angles_BTR2, rope_scale, K):
-    """(even, odd) [B, 1, T, K + R]: each lane's coefficient of its pair's first and of
-    its pair's second element (lane 2i: cos, -sin; lane 2i+1: sin, cos), lanes < K at
-    angle 0 (1 for themselves, 0 for their partner)."""
+    """(own, partner) [B, 1, T, K + R]: each lane's coefficient of itself and of its pair
+    partner (lane 2i: cos, -sin; lane 2i+1: cos, sin), lanes < K at angle 0 (1 and 0):
+    the products and sums of model.apply_rope."""
     cos, sin = jnp.cos(angles_BTR2) * rope_scale, jnp.sin(angles_BTR2) * rope_scale
     content = [(0, 0)] * (cos.ndim - 1) + [(K // 2, 0)]
     cos, sin = jnp.pad(cos, content, constant_values=1.0), jnp.pad(sin, content)
-    return [jnp.stack(pair, axis=-1).reshape(cos.shape[:-1] + (-1,))[:, None] for pair in ((cos, sin), (-sin, cos))]
+    return [jnp.stack(pair, axis=-1).reshape(cos.shape[:-1] + (-1,))[:, None] for pair in ((cos, cos), (-sin, sin))]
 
 
 def into_heads(x_BTI, w_IHW):
@@ -200,10 +200,8 @@ def projected_attention(attn, x_BTD, angles, chunks=None, segments_bT=None, tp=N
     w_QHW = jnp.concatenate([w_content, w_rope], axis=-1)
     q_BHTW = into_heads(source_BTQ, w_QHW).astype(jnp.float32)
     partner_BHTW = into_heads(source_BTQ, w_QHW[..., np.arange(W) ^ 1]).astype(jnp.float32)
-    even_B1TW, odd_B1TW = rope_lane_tables(angles, attn.rope_scale, K)
-    first_W = np.arange(W) % 2 == 0  # lanes holding their pair's first element
-    q_BHTW = (jnp.where(first_W, q_BHTW, partner_BHTW) * even_B1TW + jnp.where(first_W, partner_BHTW, q_BHTW) * odd_B1TW)
-    q_BHTW = (q_BHTW * attn.softmax_scale).astype(x_BTD.dtype)
+    own_B1TW, partners_B1TW = rope_lane_tables(angles, attn.rope_scale, K)
+    q_BHTW = ((q_BHTW * own_B1TW + partner_BHTW * partners_B1TW) * attn.softmax_scale).astype(x_BTD.dtype)
 
     kv_BSA, k_rope_BSR = attn.latents(x_BTD, angles)
     q_pos_T = jnp.arange(x_BTD.shape[1])
