@@ -277,10 +277,17 @@ def test_sigterm_to_one_process_saves_everywhere_at_one_step_and_resumes_bit_for
 # ---- launcher.sh --watch over the loopback sshd
 
 
-def host_python(runs, process):
-    """The pid of process `process`'s python (main.py) of the run writing into `runs`."""
-    found = subprocess.run(["pgrep", "-f", f"main.py .*--dist.process_id {process} .*{runs}"], capture_output=True, text=True)
-    pids = [int(p) for p in found.stdout.split()]
+def host_python(runs, process, launcher=None):
+    """The pid of process `process`'s python (main.py) of the run writing into `runs`; with `launcher` (its Popen),
+    waits for that python to start while the launcher runs."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        found = subprocess.run(["pgrep", "-f", f"main.py .*--dist.process_id {process} .*{runs}"], capture_output=True, text=True)
+        pids = [int(p) for p in found.stdout.split()]
+        if pids or launcher is None:
+            break
+        assert launcher.poll() is None and time.monotonic() < deadline, f"no python of process {process} (launcher: {launcher.poll()})"
+        time.sleep(0.05)
     assert len(pids) == 1, (found.stdout, found.stderr)
     return pids[0]
 
@@ -334,8 +341,7 @@ def test_watch_with_max_restarts_0_gives_up_with_a_clear_line(repo, sshd, tmp_pa
     remote, runs = tmp_path / "remote", tmp_path / "runs"
     proc, out_path = watch(repo, sshd, hosts, "w0", remote, runs, tmp_path_factory, "--max-restarts", "0")
     try:
-        wait_for_step(runs / "w0" / "metrics.jsonl", 2, [proc])
-        os.kill(host_python(runs, 0), signal.SIGKILL)
+        os.kill(host_python(runs, 0, launcher=proc), signal.SIGKILL)  # as it starts: the launcher sees the end it sees mid-run
         assert proc.wait(timeout=RUN_TIMEOUT_S) == 1
     finally:
         stop_all([proc])
