@@ -159,10 +159,12 @@ def heads_major_attention(q_BHTW, k_BHSW, v_BHSK, q_pos_T, block, chunks=None, s
 # transposed on the way in, and the backward undoes each step: on a TPU those relayouts
 # of 64-lane halves cost more than the projections (docs/pods.md). Here every operand
 # comes out of one matmul that writes the kernel's layout:
-# - queries: one projection by [content | RoPE] weights [Q, H, K + R], and a second by the
-#   same weights with each RoPE pair's columns swapped, which is each lane's rotation
-#   partner (x_2i+1 for lane 2i, x_2i for lane 2i+1): the rotation is then elementwise,
-#   lanes < K at angle 0 (unrotated), with the softmax scale folded in;
+# - queries: one projection by [content | RoPE] weights [Q, H, K + R], and each lane's
+#   rotation partner (x_2i+1 for lane 2i, x_2i for lane 2i+1) by a permutation matmul on
+#   the heads' lanes (exact: one product by 1 per lane; a second projection by
+#   pair-swapped weights costs Q / (K + R) times its FLOPs, 11x at DeepSeek-V2-Lite's
+#   full-rank queries): the rotation is then elementwise, lanes < K at angle 0
+#   (unrotated), with the softmax scale folded in;
 # - keys: [latent | RoPE key] [B, S, A + R] times [[W_uk, 0], [0, I]] [A + R, H, K + R],
 #   the identity copying the shared RoPE key into every head (exactly: one product by 1
 #   per lane), its backward summing the heads' RoPE gradients in the same matmul;
@@ -198,8 +200,9 @@ def projected_attention(attn, x_BTD, angles, chunks=None, segments_bT=None, tp=N
         w_content, w_rope = attn.wq_up_QHK[...], attn.wq_rope_QHR[...]
     K, W = w_content.shape[-1], w_content.shape[-1] + w_rope.shape[-1]
     w_QHW = jnp.concatenate([w_content, w_rope], axis=-1)
-    q_BHTW = into_heads(source_BTQ, w_QHW).astype(jnp.float32)
-    partner_BHTW = into_heads(source_BTQ, w_QHW[..., np.arange(W) ^ 1]).astype(jnp.float32)
+    q_BHTW = into_heads(source_BTQ, w_QHW)
+    partner_BHTW = jnp.matmul(q_BHTW, jnp.eye(W, dtype=q_BHTW.dtype)[np.arange(W) ^ 1], preferred_element_type=jnp.float32)
+    q_BHTW = q_BHTW.astype(jnp.float32)
     own_B1TW, partners_B1TW = rope_lane_tables(angles, attn.rope_scale, K)
     q_BHTW = ((q_BHTW * own_B1TW + partner_BHTW * partners_B1TW) * attn.softmax_scale).astype(x_BTD.dtype)
 

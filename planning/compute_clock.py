@@ -27,10 +27,11 @@ from planning.activations import F32, layer_bytes, local_sizes
 from planning.hlo_reader import SPLASH_MACS
 
 # Fitted to the compiler's clock (libtpu 0.0.42.1, v4) on moe1b at dp 32, 8 microbatches
-# at remat none and 1 at block_dots: the matmul fusions' time over their rooflines, and
-# the rest's bytes over those of the layers' residuals (docs/planning.md).
-MATMUL_SHARE = 0.415
-ELEMENTWISE_PASSES = 11.5
+# at remat none and 1 at block_dots (36c05b4: blocks unrolled, splash's operands projected
+# into its layout): the matmul fusions' time over their rooflines, and the rest's bytes
+# over those of the layers' residuals (docs/planning.md).
+MATMUL_SHARE = 0.474
+ELEMENTWISE_PASSES = 4.63
 RECOMPUTE_FORWARD = ("layer", "block", "stage")  # the remats that run the forward again (block_dots keeps the matmul outputs)
 
 
@@ -53,7 +54,12 @@ def layer_matmuls(s, kind, m):
     Mk = s.b * s.Tk  # keys and values: under cp made of the whole gathered sequence
     queries = [(M, s.D, s.Q, 1), (M, s.Q, s.H * s.K, 1), (M, s.Q, s.H * s.R, 1)] if s.Q else [
         (M, s.D, s.H * s.K, 1), (M, s.D, s.H * s.R, 1)]
-    out = queries + [(M, s.D, s.A, 1), (M, s.D, s.R, 1), (Mk, s.A, s.H * s.K, 2), (M, s.H * s.K, s.D, 1)]
+    keys_values = [(Mk, s.A, s.H * s.K, 2)]
+    if s.splash and m.quant == "none":  # ops/splash.projected_attention: [content | RoPE] heads, their lanes' RoPE partners
+        W = s.K + s.R
+        queries = ([(M, s.D, s.Q, 1), (M, s.Q, s.H * W, 1)] if s.Q else [(M, s.D, s.H * W, 1)]) + [(M * s.H, W, W, 1)]
+        keys_values = [(Mk, s.A + s.R, s.H * W, 1), (Mk, s.A, s.H * s.K, 1)]
+    out = queries + [(M, s.D, s.A, 1), (M, s.D, s.R, 1)] + keys_values + [(M, s.H * s.K, s.D, 1)]
     if not s.splash and not s.block:  # matmul attention: scores and probs x values, per sequence and head
         out += [(s.T, s.K + s.R, s.Tk, s.b * s.H), (s.T, s.Tk, s.K, s.b * s.H)]
     if kind == "M":
