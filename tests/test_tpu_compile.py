@@ -113,8 +113,8 @@ def test_make_mesh_and_process_rows_on_real_topologies(devices_of, pod, shape):
 
 # (matmul attention, as these checks were made: --model.attention auto is splash on a TPU
 # at T = 256, test_splash_attention_compiles_to_the_splash_kernels below; the blocks
-# scanned, as the preset had them then: the planner's bytes are the same either way, and
-# the scan compiles in less time)
+# scanned, as the preset had them then: the planner's bytes do not tell the two apart,
+# and the scan compiles in less time)
 SMALL_MOE1B = dict(vocab_size=8192, seq_len=256, d_model=256, n_heads=4, head_dim=64, rope_dim=64, q_latent=128,
                    kv_latent=128, n_blocks=2, d_ff=1024, d_expert=256, n_experts=8, attention="matmul", unroll_blocks=False)
 # The real-checkpoint presets at the same widths (their full-rank queries kept) and a
@@ -360,8 +360,8 @@ def test_full_moe1b_compiles_fits_and_the_planner_is_within_15_percent(devices_o
     preset, pod, shape, expert_parallel = SLOW_CASES[name]
     # (matmul attention, as these figures were measured: with splash, auto's choice on a TPU,
     # the compiler holds 3.51 GiB here and the planner says 2.81, 20% low: docs/pods.md; the
-    # blocks scanned: unrolled, the preset's default since 36c05b4, the compiler's total is
-    # 3.84 GiB, twice its 0.7 GiB of holes between buffers, which the planner does not model)
+    # blocks scanned: unrolled, the preset's default since 36c05b4, memory_analysis says
+    # 3.84 GiB, counting 0.7 GiB of holes between buffers twice, which the planner does not model)
     case = compile_case(devices_of, preset, pod, shape, expert_parallel, eval_step=False, attention="matmul", unroll_blocks=False)
     assert tpu_compile.fits(case["tpu"], case["log"], case["hbm"])
     check_collectives(case, shape, expert_parallel)
