@@ -52,13 +52,14 @@ def layer_matmuls(s, kind, m):
     device (s: activations.Local), the splash kernel's scores left out (kernels)."""
     M = s.b * s.T
     Mk = s.b * s.Tk  # keys and values: under cp made of the whole gathered sequence
-    queries = [(M, s.D, s.Q, 1), (M, s.Q, s.H * s.K, 1), (M, s.Q, s.H * s.R, 1)] if s.Q else [
-        (M, s.D, s.H * s.K, 1), (M, s.D, s.H * s.R, 1)]
-    keys_values = [(Mk, s.A, s.H * s.K, 2)]
     if s.splash and m.quant == "none":  # ops/splash.projected_attention: [content | RoPE] heads, their lanes' RoPE partners
         W = s.K + s.R
         queries = ([(M, s.D, s.Q, 1), (M, s.Q, s.H * W, 1)] if s.Q else [(M, s.D, s.H * W, 1)]) + [(M * s.H, W, W, 1)]
         keys_values = [(Mk, s.A + s.R, s.H * W, 1), (Mk, s.A, s.H * s.K, 1)]
+    else:
+        queries = [(M, s.D, s.Q, 1), (M, s.Q, s.H * s.K, 1), (M, s.Q, s.H * s.R, 1)] if s.Q else [
+            (M, s.D, s.H * s.K, 1), (M, s.D, s.H * s.R, 1)]
+        keys_values = [(Mk, s.A, s.H * s.K, 2)]
     out = queries + [(M, s.D, s.A, 1), (M, s.D, s.R, 1)] + keys_values + [(M, s.H * s.K, s.D, 1)]
     if not s.splash and not s.block:  # matmul attention: scores and probs x values, per sequence and head
         out += [(s.T, s.K + s.R, s.Tk, s.b * s.H), (s.T, s.Tk, s.K, s.b * s.H)]
