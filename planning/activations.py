@@ -215,16 +215,24 @@ def recomputed_block_bytes(cfg, mesh_shape, s, fused):
     return SPLIT_MESH_RECOMPUTE_FRACTION * per_block if math.prod(mesh_shape.values()) > 1 else per_block
 
 
-def loss_phase(s, rows, fused):
-    """{name: bytes} of the loss of one microbatch of `rows` tokens: float32 logits [rows, V/tp] and their
-    gradient, and the normed input. The TPU compiler (fused) recomputes the logits inside the fusion that
-    writes their gradient: moe1b's step at dp 8 x pp 2 x tp 2 on a v4-64 holds one float32 [8, 1024, 50176]
-    there, not two (XLA:CPU holds both)."""
-    name = "loss: float32 logits' gradient (the logits fused into it)" if fused else "loss: float32 logits + their gradient"
-    return {name: (1 if fused else 2) * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)}
+# The float32 [rows, V/tp] arrays each compiler holds at the loss's peak. The TPU compiler
+# recomputes the logits inside the fusion that writes their gradient (moe1b's step at dp 8 x
+# pp 2 x tp 2 on a v4-64 holds one [8, 1024, 50176]). XLA:CPU holds three: the logits' exps,
+# and their gradient twice, the loss's elementwise gradient fused into each of the output
+# layer's matmuls, once transposed for its weights'. XLA:GPU: the logits and their gradient
+# (not measured here).
+LOSS_ARRAYS = {"tpu": 1, "cpu": 3, "gpu": 2}
 
 
-def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
+def loss_phase(s, rows, compiler):
+    """{name: bytes} of the loss of one microbatch of `rows` tokens: `compiler`'s LOSS_ARRAYS float32
+    [rows, V/tp] arrays of the logits and their gradient, and the normed input."""
+    name = {"tpu": "loss: float32 logits' gradient (the logits fused into it)", "cpu": "loss: float32 exps + their gradient, twice",
+            "gpu": "loss: float32 logits + their gradient"}[compiler]
+    return {name: LOSS_ARRAYS[compiler] * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)}
+
+
+def activation_bytes(cfg, mesh_shape, compute_bytes=None, compiler="cpu"):
     """{component: bytes} of activations at the peak of the train step, per device.
 
     GPipe here runs M + pp - 1 ticks and every stage computes at every tick (bubble
@@ -235,8 +243,8 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
       remat stage: the stage's input per tick.
     On top of that, the peak is the larger of two phases, which never overlap:
       loss: float32 logits [b, T, V/tp] of one microbatch and their gradient
-        (parallel.last_stage_loss_sums recomputes them per microbatch); fused (the TPU
-        compiler), the gradient alone (loss_phase);
+        (parallel.last_stage_loss_sums recomputes them per microbatch), as many
+        float32 [b, T, V/tp] arrays as `compiler` keeps (LOSS_ARRAYS);
       block backward: remat block and layer recompute one block (its intermediates; XLA
         recomputes all of a block's layers together), stage all of a tick's blocks;
         remat none and block_dots work through one block's cotangents
@@ -246,7 +254,7 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
         into its own stacked buffer, which is then copied into the per-tick stack.
     """
     if cfg.train.pipeline != "gpipe":
-        return scheduled_activation_bytes(cfg, mesh_shape, compute_bytes, fused)
+        return scheduled_activation_bytes(cfg, mesh_shape, compute_bytes, compiler)
     m, t = cfg.model, cfg.train
     pp = mesh_shape["pp"]
     s = local_sizes(cfg, mesh_shape, compute_bytes)
@@ -267,7 +275,7 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
         if ticks > 1 and blocks_here > 1:
             block_phase += blocks_here * kept
     else:
-        recomputed_block = recomputed_block_bytes(cfg, mesh_shape, s, fused)
+        recomputed_block = recomputed_block_bytes(cfg, mesh_shape, s, fused=compiler == "tpu")
         if m.remat == "stage":  # one tick's blocks recomputed, then walked back through
             out["saved: the stage's input, every tick"] = ticks * x_bytes
             block_phase = (blocks_here + BACKWARD_WORKING_FRACTION) * per_block if blocks_here > 1 else recomputed_block
@@ -284,7 +292,7 @@ def activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
         kept = {"none": layer_bytes(s, "D", m), "block_dots": matmul_output_bytes(s, "D", m)}.get(m.remat, s.D * s.c)
         out[f"dense prefix (stage 0): {m.first_dense} layer(s), every microbatch"] = held * m.first_dense * tokens * kept
     rows = tokens  # the loss takes one microbatch at a time
-    phases = {**loss_phase(s, rows, fused),
+    phases = {**loss_phase(s, rows, compiler),
               "backward through one " + ("stage" if m.remat == "stage" else "block")
         + (" (+ a copy of one tick's)" if m.remat in ("none", "block_dots") and ticks > 1 and blocks_here > 1 else ""): block_phase}
     peak = max(phases, key=phases.get)
@@ -305,7 +313,7 @@ def cached_schedule(kind, pp, microbatches, virtual_stages):
     return pipeline.schedule(kind, pp, microbatches, virtual_stages)
 
 
-def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False):
+def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None, compiler="cpu"):
     """{component: bytes} of activations at the peak, per device, for 1f1b and
     interleaved: the ring of saved block inputs (a slot per microbatch-chunk in
     flight: pp for 1f1b, whatever GPipe's M), the ring of incoming gradients, and the
@@ -325,9 +333,9 @@ def scheduled_activation_bytes(cfg, mesh_shape, compute_bytes=None, fused=False)
            f"incoming gradients, {sched.grad_slots} slots (+1 spare), and the tick's sends and receipts": (sched.grad_slots + 5) * x_bytes}
     if sched.kind in SPLIT_BACKWARD:  # zb1 / zbv: B keeps each block's output gradient for W (the executor's gys ring)
         out[f"zero bubble: each block's output gradient from B until W, {sched.res_slots} slots"] = sched.res_slots * blocks_per_chunk * x_bytes
-    recomputed_block = recomputed_block_bytes(cfg, mesh_shape, s, fused)
+    recomputed_block = recomputed_block_bytes(cfg, mesh_shape, s, fused=compiler == "tpu")
     block_phase = blocks_per_chunk * per_block if m.remat == "stage" else recomputed_block
-    phases = {**loss_phase(s, tokens, fused),
+    phases = {**loss_phase(s, tokens, compiler),
               "backward tick of one " + ("chunk" if m.remat == "stage" else "block") + " (recomputed)": block_phase}
     if m.first_dense:  # stage 0's first backward tick also recomputes the dense prefix and walks back through it
         phases["backward tick of the dense prefix (recomputed)"] = block_phase + tokens * m.first_dense * layer_bytes(s, "D", m)
