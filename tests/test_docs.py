@@ -343,7 +343,9 @@ def run_page(page, slow, tmp_path, data_cache, warm):
         background.stop()
 
 
-@pytest.mark.parametrize("page", pages_with(slow=False))
+# README.md's commands train the default run (~50 s): under -m slow, as the other pages' long ones.
+@pytest.mark.parametrize("page", [pytest.param(page, marks=pytest.mark.slow) if page == "README.md" else page
+                                  for page in pages_with(slow=False)])
 def test_page_commands_run(page, tmp_path, shared_data_cache, warm_python):
     outputs, cwd = run_page(page, False, tmp_path, shared_data_cache, warm_python)
     if page == "README.md":

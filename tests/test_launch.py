@@ -217,6 +217,7 @@ def test_launcher_trains_two_hosts_like_one_process(repo, sshd, reference, tmp_p
     assert all(SECRET not in log for log in logs) and SECRET not in started.stdout + started.stderr
 
 
+@pytest.mark.slow
 @needs_ssh_and_tmux
 def test_launcher_status_and_stop(repo, sshd, tmp_path, tmp_path_factory):
     hosts = hosts_file(tmp_path, "127.0.0.1", "localhost")

@@ -163,6 +163,7 @@ def test_resume_after_sigkill_repeats_and_skips_no_step(tmp_path, data_cache):
     assert resumed == straight  # bit for bit
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_step_it_reached_where_no_checkpoint_was_due(tmp_path, data_cache):
     """SIGTERM mid-run, with checkpoints, evals and the end 100000 steps away: the stop
     alone saves the step the run reached (a checkpoint, a `preempted` row, one line)

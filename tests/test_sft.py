@@ -142,7 +142,7 @@ PACKED_CASES = {
     "cp2-splash": dict(mesh=dict(cp=2), model=dict(attention="splash", seq_len=512, routing_group=128, n_blocks=2),
                        train=dict(batch_size=2)),
 }
-SLOW_CASES = ("pp2-zbv", "auto-dp2xtp2", "cp2-splash")
+SLOW_CASES = ("pp2-zbv", "auto-dp2xtp2", "cp2-splash", "blockwise", "cp2-blockwise")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in PACKED_CASES])
@@ -173,13 +173,14 @@ def one_device():
 
 
 @pytest.mark.parametrize("mesh_shape, train", [((2, 1, 2), {}), ((2, 2, 2), {}),
-                                               ((1, 2, 1), dict(pipeline="1f1b", microbatches=4))],
+                                               pytest.param((1, 2, 1), dict(pipeline="1f1b", microbatches=4), marks=pytest.mark.slow)],
                          ids=["dp2xtp2", "dp2xpp2xtp2", "pp2-1f1b"])
 def test_sft_two_steps_equal_one_device(one_device, mesh_shape, train):
     cfg = apply_overrides(sft_config(mesh_shape), {"train": train})
     assert_same_steps(sft_train_steps(cfg, sft_batch(cfg)[0]), one_device)
 
 
+@pytest.mark.slow
 def test_sft_two_steps_under_context_parallel_equal_one_device():
     cfg = apply_overrides(sft_config(), {"mesh": dict(cp=2), "model": dict(routing_group=4)})
     reference = sft_train_steps(apply_overrides(sft_config(), {"model": dict(routing_group=4)}), sft_batch(cfg)[0])
