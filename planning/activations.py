@@ -221,15 +221,15 @@ def recomputed_block_bytes(cfg, mesh_shape, s, fused):
 # and their gradient twice, the loss's elementwise gradient fused into each of the output
 # layer's matmuls, once transposed for its weights'. XLA:GPU: the logits and their gradient
 # (not measured here).
-LOSS_ARRAYS = {"tpu": 1, "cpu": 3, "gpu": 2}
+LOSS_ARRAYS = {"tpu": (1, "float32 logits' gradient (the logits fused into it)"), "cpu": (3, "float32 exps + their gradient, twice"),
+               "gpu": (2, "float32 logits + their gradient")}
 
 
 def loss_phase(s, rows, compiler):
     """{name: bytes} of the loss of one microbatch of `rows` tokens: `compiler`'s LOSS_ARRAYS float32
     [rows, V/tp] arrays of the logits and their gradient, and the normed input."""
-    name = {"tpu": "loss: float32 logits' gradient (the logits fused into it)", "cpu": "loss: float32 exps + their gradient, twice",
-            "gpu": "loss: float32 logits + their gradient"}[compiler]
-    return {name: LOSS_ARRAYS[compiler] * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)}
+    count, what = LOSS_ARRAYS[compiler]
+    return {f"loss: {what}": count * rows * s.V * F32 + rows * (norm_bytes(s.D) + s.D * s.c)}
 
 
 def activation_bytes(cfg, mesh_shape, compute_bytes=None, compiler="cpu"):

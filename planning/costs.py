@@ -633,7 +633,7 @@ def memory_bytes(cfg, mesh_shape, store, hw_name, once=False):
     # XLA:CPU has no bfloat16 arithmetic: it computes in float32, and the intermediates
     # it keeps are float32 (measured: a bfloat16 step's temp bytes equal float32's).
     compiler = "tpu" if tiled else "cpu" if hw_name == "cpu" else "gpu"
-    activations, phases = activation_bytes(cfg, mesh_shape, compute_bytes=F32 if hw_name == "cpu" else None, compiler=compiler)
+    activations, phases = activation_bytes(cfg, mesh_shape, compute_bytes=F32 if compiler == "cpu" else None, compiler=compiler)
     activations = {name: int(value) for name, value in activations.items()}
     memory["activations"] = sum(activations.values())
     # The gradient of one block's gathered weights, whole along the FSDP axes, exists
